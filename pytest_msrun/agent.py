@@ -1,0 +1,644 @@
+"""Run this node's share of a job: spawn, supervise, tear down, report.
+
+Supervision rules (design §4): exits are seen the moment they happen (pidfds, or SIGCHLD
+where pidfds are missing); the first failure, a signal to msrun, or an abort from the control
+plane tears the whole job down along one path (SIGTERM to every process group, bounded grace,
+SIGKILL, a sweep of re-parented descendants); the exit status is the first failed process's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import selectors
+import signal
+import socket
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from pytest_msrun import console, procs, wire
+from pytest_msrun.config import LaunchConfig
+from pytest_msrun.netaddr import format_hostport, free_port, listen_socket, port_is_free
+from pytest_msrun.plan import LaunchPlan, NodeFacts, ProcessSpec, RankAssignment, build_plan, effective_dist_port
+from pytest_msrun.status import STATUS_FILE, write_status
+from pytest_msrun.summary import Failure, failure_of, render
+from pytest_msrun.tail import LogTailer, prefix_for
+
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+EXIT_LAUNCH_ERROR = 1
+EXIT_USAGE = 2
+
+
+def _env_float(name: str, default: float) -> float:
+    try:
+        return float(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+class LaunchError(Exception):
+    """The job cannot start; nothing was left running."""
+
+    def __init__(self, message: str, exit_code: int = EXIT_LAUNCH_ERROR) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class Prepared:
+    """Ports and the scheduler's listening socket, settled before the plan is built."""
+
+    facts: NodeFacts
+    hosts_scheduler: bool
+    listener: socket.socket | None = None
+
+
+def prepare(cfg: LaunchConfig, facts: NodeFacts) -> Prepared:
+    """Resolve ports (``0`` = free) and claim the scheduler port on the master node.
+
+    With the builtin scheduler the port is bound here and handed to the scheduler process, so
+    agents can register at once and a busy port is reported before anything starts. Another
+    agent of a multi-node job on this host may already hold it: this node then joins as a
+    worker-only node.
+    """
+    hosts = facts.address_is_local and not cfg.dry_run
+    port, dist = facts.master_port, facts.dist_port
+    listener: socket.socket | None = None
+    if hosts and facts.scheduler_mode == "builtin":
+        try:
+            listener = listen_socket(facts.master_ip, port)
+            port = int(listener.getsockname()[1])
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise LaunchError(
+                    f"--master_addr/--master_port: cannot listen on {format_hostport(facts.master_ip, port)}: {exc}",
+                    EXIT_USAGE,
+                ) from None
+            if not cfg.multi_node:
+                raise LaunchError(
+                    f"--master_port: {format_hostport(facts.master_ip, port)} is already in use (another job?); "
+                    "choose a free port or use --master_port=0 to pick one",
+                    EXIT_USAGE,
+                ) from None
+            hosts = False
+            console.info(f"{format_hostport(facts.master_ip, port)} is taken on this host: joining as a worker node.")
+    elif hosts:
+        if port == 0:
+            port = free_port(facts.master_ip)
+        elif not port_is_free(facts.master_ip, port):
+            raise LaunchError(
+                f"--master_port: {format_hostport(facts.master_ip, port)} is already in use; choose a free port "
+                "or use --master_port=0",
+                EXIT_USAGE,
+            )
+    dist = effective_dist_port(facts.master_port and port, dist)
+    if hosts and not cfg.multi_node and (dist == 0 or not port_is_free(facts.master_ip, dist)):
+        dist = free_port(facts.master_ip, avoid=(port,))
+    return Prepared(replace(facts, master_port=port, dist_port=dist), hosts, listener)
+
+
+@dataclass
+class JobResult:
+    exit_code: int
+    state: str  # succeeded | failed | terminated | error
+    failures: list[Failure] = field(default_factory=list)
+
+
+class Agent:
+    """Runs one node's processes for one job."""
+
+    def __init__(
+        self,
+        cfg: LaunchConfig,
+        facts: NodeFacts,
+        *,
+        detached: bool = False,
+        on_console_done: Callable[[int], None] | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.facts = facts
+        self.detached = detached
+        self.on_console_done = on_console_done
+        self.sel = selectors.DefaultSelector()
+        self.children: list[procs.Child] = []
+        self.watchdog = procs.Watchdog()
+        self.plan: LaunchPlan | None = None
+        self.link: wire.Channel | None = None
+        self.link_last_seen = time.monotonic()
+        self.link_next_hb = 0.0
+        self.assignment: RankAssignment | None = None
+        self.failures: list[Failure] = []
+        self.remote_code: int | None = None
+        self.signal_received: int | None = None
+        self.tailer: LogTailer | None = None
+        self.sent_done = False
+        self.sent_failed = False
+        self._wake_r = self._wake_w = -1
+        self._old_handlers: dict[int, Any] = {}
+        self._old_wakeup = -1
+        self.use_pidfd = True
+        self.term_grace = _env_float("MSRUN_TERM_TIMEOUT", 5.0)
+        self.node_timeout = _env_float("MS_NODE_TIMEOUT", 30.0)
+        self.hb_interval = max(0.05, min(1.0, self.node_timeout / 3 if self.node_timeout > 0 else 1.0))
+        self.status_name = STATUS_FILE
+        self.started = time.time()
+
+    # ------------------------------------------------------------------ signals
+    def _install_signals(self) -> None:
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._old_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        for sig in (*HANDLED_SIGNALS, signal.SIGCHLD):
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        self.sel.register(self._wake_r, selectors.EVENT_READ, "signal")
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if signum != signal.SIGCHLD and self.signal_received is None:
+            self.signal_received = signum
+
+    def _restore_signals(self) -> None:
+        for sig, handler in self._old_handlers.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(sig, handler)
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(self._old_wakeup)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    # ------------------------------------------------------------------ events
+    def _drain_wakeup(self) -> None:
+        with contextlib.suppress(OSError):
+            while os.read(self._wake_r, 512):
+                pass
+
+    def _poll_events(self, timeout: float | None) -> list[tuple[str, Any]]:
+        """Wait for something to happen; return ``(kind, payload)`` events."""
+        events: list[tuple[str, Any]] = []
+        for key, _ in self.sel.select(timeout):
+            if key.data == "signal":
+                self._drain_wakeup()
+                if not self.use_pidfd:
+                    events.extend(("exit", c) for c in self.children if c.alive and c.reap())
+            elif key.data == "link":
+                self._read_link(events)
+            elif isinstance(key.data, procs.Child):
+                child = key.data
+                with contextlib.suppress(KeyError, ValueError):
+                    self.sel.unregister(child.pidfd)
+                if child.reap():
+                    events.append(("exit", child))
+        if self.signal_received is not None:
+            events.append(("signal", self.signal_received))
+        return events
+
+    def _read_link(self, events: list[tuple[str, Any]]) -> None:
+        assert self.link is not None
+        try:
+            msgs = self.link.poll()
+        except (wire.PeerClosed, OSError, wire.ProtocolError) as exc:
+            self._close_link()
+            events.append(("link_closed", str(exc)))
+            return
+        self.link_last_seen = time.monotonic()
+        events.extend(("link", m) for m in msgs)
+
+    def _close_link(self) -> None:
+        if self.link is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self.sel.unregister(self.link.sock)
+            self.link.close()
+            self.link = None
+
+    def _link_send(self, msg: dict[str, Any]) -> None:
+        if self.link is None:
+            return
+        try:
+            self.link.send(msg)
+        except OSError:
+            self._close_link()
+
+    def _heartbeat(self) -> str | None:
+        """Send a heartbeat when due; return a reason if the scheduler went silent."""
+        if self.link is None:
+            return None
+        now = time.monotonic()
+        if now >= self.link_next_hb:
+            self.link_next_hb = now + self.hb_interval
+            self._link_send({"t": "hb"})
+        if self.node_timeout > 0 and now - self.link_last_seen > self.node_timeout:
+            return f"no heartbeat from the scheduler for {self.node_timeout:g} s"
+        return None
+
+    # ------------------------------------------------------------------ spawning
+    def _spawn(self, spec: ProcessSpec, pass_fds: tuple[int, ...] = ()) -> procs.Child:
+        if spec.role == "scheduler":
+            console.out(console.start_scheduler_line(spec.log_path, spec.command))
+            stdin: Any = subprocess_devnull()
+        else:
+            console.out(console.start_worker_line(spec.rank, spec.log_path, spec.command))
+            stdin = subprocess_devnull() if self.detached else None
+        child = procs.spawn(spec, stdin=stdin, pass_fds=pass_fds)
+        self.watchdog.guard(child.pid)
+        self.children.append(child)
+        if child.pidfd is not None:
+            self.sel.register(child.pidfd, selectors.EVENT_READ, child)
+        else:
+            self.use_pidfd = False
+            if child.reap():  # exited before we could watch it
+                pass
+        return child
+
+    def _make_log_dir(self) -> None:
+        log_dir = self.cfg.log_dir
+        if log_dir and not os.path.isdir(log_dir):
+            old = os.umask(0o077)
+            try:
+                os.makedirs(log_dir, mode=0o700, exist_ok=True)
+            finally:
+                os.umask(old)
+
+    def _register(self, plan: LaunchPlan, deadline: float) -> str | None:
+        """Connect to the builtin scheduler and register this node; return an error or None."""
+        host, port = self.facts.master_ip, self.facts.master_port
+        hello = {
+            "t": "hello",
+            "kind": "agent",
+            "token": self.facts.job_token,
+            "node_rank": self.cfg.node_rank if self.cfg.multi_node else 0,
+            "local": plan.local_worker_num,
+            "host": self.facts.hostname,
+            "ip": self.facts.source_ip,
+            "pid": os.getpid(),
+            "hosts_scheduler": plan.hosts_scheduler,
+        }
+        last = ""
+        while True:
+            try:
+                self.link = wire.Channel.connect(host, port, timeout=max(0.2, min(5.0, deadline - time.monotonic())))
+                self.link.send(hello)
+                break
+            except OSError as exc:
+                self._close_link()
+                last = str(exc)
+            if time.monotonic() >= deadline:
+                return (
+                    f"cannot reach the scheduler at {format_hostport(host, port)} within --cluster_time_out="
+                    f"{self.cfg.cluster_time_out}: {last}"
+                )
+            for kind, payload in self._poll_events(0.2):
+                if kind == "signal":
+                    return f"interrupted by {signal.Signals(payload).name} while waiting for the scheduler"
+                if kind == "exit":
+                    how = procs.describe_returncode(payload.returncode)
+                    return f"the scheduler process {how} before this node registered"
+        self.link_last_seen = time.monotonic()
+        self.sel.register(self.link.sock, selectors.EVENT_READ, "link")
+        return None
+
+    def _await_assignment(self) -> str | None:
+        """Wait for the control plane to hand this node its ranks; return an error or None."""
+        while self.assignment is None:
+            silent = self._heartbeat()
+            if silent:
+                return silent
+            for kind, payload in self._poll_events(self.hb_interval):
+                if kind == "signal":
+                    return f"interrupted by {signal.Signals(payload).name} while waiting for the other nodes"
+                if kind == "exit":
+                    return f"the scheduler process {procs.describe_returncode(payload.returncode)}"
+                if kind == "link_closed":
+                    return f"the scheduler closed the connection ({payload})"
+                if kind == "link":
+                    err = self._on_link_message(payload)
+                    if err:
+                        return err
+        return None
+
+    def _on_link_message(self, msg: dict[str, Any]) -> str | None:
+        kind = msg.get("t")
+        if kind == "assign":
+            offset, index, count = msg.get("offset"), msg.get("node_index"), msg.get("node_count")
+            if not all(isinstance(v, int) for v in (offset, index, count)):
+                return "the scheduler sent a malformed assignment"
+            self.assignment = RankAssignment(offset, index, count)
+            job_id = msg.get("job_id")
+            if isinstance(job_id, str) and job_id:
+                self.facts = replace(self.facts, job_id=job_id[:64])
+            return None
+        if kind == "refused":
+            return f"the scheduler refused this node: {msg.get('reason')}"
+        if kind == "timeout":
+            return str(msg.get("reason"))
+        if kind == "abort":
+            code = msg.get("code")
+            self.remote_code = code if isinstance(code, int) and code > 0 else 1
+            return f"job aborted by the scheduler: {msg.get('reason')}"
+        return None
+
+    # ------------------------------------------------------------------ main
+    def run(self) -> int:
+        self._install_signals()
+        try:
+            return self._run().exit_code
+        finally:
+            self._restore_signals()
+
+    def _launch_error(self, message: str, code: int) -> JobResult:
+        console.err_block(f"msrun: error: {message}")
+        self._teardown(graceful=False)
+        self._write_status("error", code)
+        self._console_done(code)
+        return JobResult(code, "error")
+
+    def _run(self) -> JobResult:
+        cfg = self.cfg
+        procs.become_subreaper()
+        try:
+            prepared = prepare(cfg, self.facts)
+        except LaunchError as exc:
+            console.err_block(f"msrun: error: {exc}")
+            self._console_done(exc.exit_code)
+            return JobResult(exc.exit_code, "error")
+        self.facts = prepared.facts
+        plan = build_plan(cfg, self.facts, hosts_scheduler=prepared.hosts_scheduler)
+        self.plan = plan
+        for text in plan.warnings:
+            console.warning(text)
+        for text in plan.infos:
+            console.info(text)
+        self.watchdog.start()
+        self._make_log_dir()
+
+        listener = prepared.listener
+        try:
+            sched = plan.scheduler
+            if sched is not None:
+                fds: tuple[int, ...] = ()
+                if listener is not None:
+                    sched.env["MSRUN_LISTEN_FD"] = str(listener.fileno())
+                    fds = (listener.fileno(),)
+                    os.set_inheritable(listener.fileno(), True)
+                self._spawn(sched, fds)
+        finally:
+            if listener is not None:
+                listener.close()
+
+        if plan.scheduler_mode == "builtin":
+            deadline = time.monotonic() + (cfg.cluster_time_out if cfg.cluster_time_out >= 0 else 10**9)
+            err = self._register(plan, deadline)
+            if err is None and plan.ranks_pending:
+                if self.detached:
+                    self._console_done(0)
+                err = self._await_assignment()
+            if err is not None:
+                return self._launch_error(err, self.remote_code or EXIT_LAUNCH_ERROR)
+            if plan.ranks_pending:
+                assert self.assignment is not None
+                plan = build_plan(cfg, self.facts, hosts_scheduler=plan.hosts_scheduler, assignment=self.assignment)
+                sched_child = next((c for c in self.children if c.spec.role == "scheduler"), None)
+                self.plan = plan
+                if sched_child is not None:
+                    sched_child.spec = plan.scheduler or sched_child.spec
+            if self.assignment is not None and (self.assignment.node_count or 1) > 1:
+                self.status_name = f"msrun_status_node{self.assignment.node_index}.json"
+
+        for spec in plan.workers:
+            if self.signal_received is not None:
+                break
+            self._spawn(spec)
+        self._write_status("running", None)
+        if cfg.join and not self.detached:
+            console.warning("Distributed job is spawned. Waiting all processes to exit...")
+            tailed = [(prefix_for(s.rank, s.local_index), s.log_path) for s in plan.workers if s.tail]
+            if tailed:
+                self.tailer = LogTailer(tailed)
+                self.tailer.start()
+        self._console_done(0)
+        result = self._supervise()
+        return result
+
+    def _console_done(self, code: int) -> None:
+        if self.on_console_done is not None:
+            callback, self.on_console_done = self.on_console_done, None
+            callback(code)
+
+    # ------------------------------------------------------------------ supervision
+    def _workers(self) -> list[procs.Child]:
+        return [c for c in self.children if c.spec.role == "worker"]
+
+    def _scheduler_child(self) -> procs.Child | None:
+        return next((c for c in self.children if c.spec.role == "scheduler"), None)
+
+    def _record_failure(self, child: procs.Child) -> None:
+        assert child.returncode is not None
+        self.failures.append(
+            failure_of(
+                child.spec.label,
+                child.returncode,
+                child.ended or time.time(),
+                child.spec.log_path,
+                child.pid,
+                self.facts.hostname if (self.assignment and (self.assignment.node_count or 1) > 1) else "",
+            )
+        )
+
+    def _supervise(self) -> JobResult:
+        reason = ""
+        code = 0
+        while True:
+            workers = self._workers()
+            if self.signal_received is not None:
+                sig = signal.Signals(self.signal_received)
+                label = "SIGINT (Ctrl+C)" if sig == signal.SIGINT else sig.name
+                console.warning(f"msrun process received {label}, terminating all workers.")
+                code, reason = 128 + int(sig), "signal"
+                break
+            if workers and all(c.returncode == 0 for c in workers):
+                if not self.sent_done:
+                    self.sent_done = True
+                    console.info("All workers successfully exit!")
+                    self._link_send({"t": "done"})
+                sched = self._scheduler_child()
+                if sched is None or not sched.alive:
+                    break
+            silent = self._heartbeat()
+            if silent and not self.sent_done:
+                console.error(f"Lost the scheduler: {silent}.")
+                code, reason = EXIT_LAUNCH_ERROR, "lost"
+                break
+            failed = False
+            for kind, payload in self._poll_events(self.hb_interval if self.link is not None else None):
+                if kind == "exit":
+                    child: procs.Child = payload
+                    rc = child.returncode
+                    if child.spec.role == "worker" and rc != 0:
+                        console.error(f"Worker process {child.pid} exit with exception. Error code: {rc}.")
+                        self._record_failure(child)
+                        failed = True
+                    elif child.spec.role == "scheduler" and rc != 0:
+                        console.error(f"Scheduler process {child.pid} exit with exception.")
+                        self._record_failure(child)
+                        failed = True
+                elif kind == "link":
+                    err = self._on_link_message(payload)
+                    if err and payload.get("t") == "abort":
+                        console.error(err)
+                        code, reason = self.remote_code or 1, "abort"
+                        failed = True
+                    elif err:
+                        console.error(err)
+                        code, reason = EXIT_LAUNCH_ERROR, "lost"
+                        failed = True
+                elif kind == "link_closed" and not self.sent_done:
+                    sched = self._scheduler_child()
+                    if sched is None:
+                        console.error(f"Lost the connection to the scheduler ({payload}).")
+                        code, reason = EXIT_LAUNCH_ERROR, "lost"
+                        failed = True
+            if failed:
+                if self.failures:
+                    first = min(self.failures, key=lambda f: f.at)
+                    code, reason = first.exit_status or 1, "failure"
+                    if any(f.label != "scheduler" for f in self.failures):
+                        console.warning("There's worker exits with exception, kill all other workers.")
+                    if not self.sent_failed:
+                        self.sent_failed = True
+                        self._link_send(
+                            {
+                                "t": "failed",
+                                "reason": f"{first.label} {first.description}",
+                                "code": min(255, first.exit_status or 1),
+                            }
+                        )
+                break
+        if reason == "" and code == 0:
+            self._teardown(graceful=True)
+            self._finish_console()
+            self._write_status("succeeded", 0)
+            self._close_link()
+            return JobResult(0, "succeeded")
+        self._teardown(graceful=False)
+        self._finish_console()
+        state = "terminated" if reason == "signal" else "failed"
+        console.error(
+            f"Distributed job exited with exception. Please check logs in directory: {self.cfg.log_dir or '.'}."
+        )
+        terminated = [c.spec.label for c in self.children if c.terminated_by_us]
+        text = render(self.failures, terminated, self.cfg.log_dir)
+        if text:
+            console.err_block(text)
+        self._write_status(state, code)
+        self._close_link()
+        return JobResult(code, state, self.failures)
+
+    def _finish_console(self) -> None:
+        if self.tailer is not None:
+            self.tailer.stop()
+            self.tailer = None
+
+    # ------------------------------------------------------------------ teardown
+    def _wait_children(self, deadline: float) -> None:
+        while any(c.alive for c in self.children):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            if self.use_pidfd:
+                for key, _ in self.sel.select(min(remaining, 0.5)):
+                    if isinstance(key.data, procs.Child):
+                        with contextlib.suppress(KeyError, ValueError):
+                            self.sel.unregister(key.data.pidfd)
+                        key.data.reap()
+                    elif key.data == "signal":
+                        self._drain_wakeup()
+                    elif key.data == "link" and self.link is not None:
+                        try:
+                            self.link.poll()
+                        except (wire.PeerClosed, OSError, wire.ProtocolError):
+                            self._close_link()
+            else:
+                time.sleep(min(remaining, 0.01))
+                for c in self.children:
+                    c.reap()
+
+    def _teardown(self, graceful: bool) -> None:
+        """Stop every process of this node's job and sweep what they left behind."""
+        live = [c for c in self.children if c.alive]
+        if live and not graceful:
+            sched = self._scheduler_child()
+            workers_first = (
+                sched is not None
+                and sched.alive
+                and self.sent_failed
+                and (self.assignment is not None and (self.assignment.node_count or 1) > 1)
+            )
+            for child in live:
+                if workers_first and child is sched:
+                    continue
+                child.terminated_by_us = True
+                procs.signal_group(child.pid, signal.SIGTERM)
+            if workers_first and sched is not None:
+                # Let the control plane broadcast the failure to the other nodes first.
+                self._wait_children(time.monotonic() + min(self.term_grace, 2.0))
+                if sched.alive:
+                    sched.terminated_by_us = True
+                    procs.signal_group(sched.pid, signal.SIGTERM)
+            self._wait_children(time.monotonic() + self.term_grace)
+            for child in self.children:
+                if child.alive:
+                    procs.signal_group(child.pid, signal.SIGKILL)
+            self._wait_children(time.monotonic() + 10.0)
+        # Leftovers: members of the children's process groups, and descendants re-parented to us.
+        for child in self.children:
+            procs.signal_group(child.pid, signal.SIGKILL)
+        exclude = [p for p in (self.watchdog.pid,) if p]
+        hit = procs.sweep_descendants(exclude=exclude)
+        if hit:
+            if graceful:
+                console.warning(f"Killed {len(hit)} leftover process(es) started by the job: {hit}.")
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and procs.descendants_of(os.getpid()) != exclude:
+                procs.reap_orphans(exclude=exclude)
+                time.sleep(0.005)
+        procs.reap_orphans(exclude=exclude)
+        self.watchdog.stand_down()
+
+    # ------------------------------------------------------------------ status
+    def _write_status(self, state: str, code: int | None) -> None:
+        plan = self.plan
+        data = {
+            "job_id": self.facts.job_id,
+            "state": state,
+            "exit_code": code,
+            "supervisor_pid": os.getpid(),
+            "host": self.facts.hostname,
+            "join": self.cfg.join,
+            "started": self.started,
+            "node_index": self.assignment.node_index if self.assignment else 0,
+            "processes": [
+                {
+                    "name": c.spec.name,
+                    "role": c.spec.role,
+                    "rank": c.spec.rank,
+                    "pid": c.pid,
+                    "log": os.path.abspath(c.spec.log_path),
+                    "returncode": c.returncode,
+                    "terminated_by_msrun": c.terminated_by_us,
+                }
+                for c in self.children
+            ],
+            "failures": [f.__dict__ for f in sorted(self.failures, key=lambda f: f.at)],
+        }
+        if plan is not None:
+            data["worker_num"] = plan.worker_num
+            data["scheduler_mode"] = plan.scheduler_mode
+        write_status(self.cfg.log_dir, data, self.status_name)
+
+
+def subprocess_devnull() -> int:
+    import subprocess
+
+    return subprocess.DEVNULL

@@ -1,0 +1,1 @@
+"""CPU / NUMA binding: flag parsing, topology discovery and placement strategies."""

@@ -1,0 +1,128 @@
+"""Per-child environment dicts (msrun's variables per role, plus torch-style ones).
+
+Every child starts from a *copy* of the launcher's environment with every variable this
+launcher owns removed, so nothing stale leaks in (spec §7 items 14, 15): no scheduler
+``RANK_ID=0`` in a worker, no ``MS_ROLE`` in a dry run, no ``MSRUN_CPU_LIST`` of another worker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+# Variables msrun (ours or MindSpore's) sets; all removed from the inherited environment.
+OWNED_VARS = (
+    "MS_ROLE",
+    "MS_SCHED_HOST",
+    "MS_SCHED_PORT",
+    "MS_WORKER_NUM",
+    "MS_TOPO_TIMEOUT",
+    "MS_NODE_ID",
+    "RANK_ID",
+    "RANK_SIZE",
+    "DEVICE_ID",
+    "MSRUN_CPU_LIST",
+    "MSRUN_BIND_FILE",
+    "MSRUN_BIND_FILE_HASH",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "LOCAL_RANK_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "MSRUN_JOB_TOKEN",
+    "MSRUN_JOB_ID",
+    "MSRUN_SCHEDULER",
+    "MSRUN_LOG_DIR",
+    "MSRUN_LISTEN_FD",
+)
+# Internal variables that are not part of msrun's interface and never shown as "exported".
+INTERNAL_VARS = frozenset({"MSRUN_JOB_TOKEN", "MSRUN_LISTEN_FD"})
+
+
+def inherited(base: Mapping[str, str], keep: tuple[str, ...] = ()) -> dict[str, str]:
+    """A copy of ``base`` without the launcher-owned variables (except those in ``keep``)."""
+    env = dict(base)
+    for name in OWNED_VARS:
+        if name not in keep:
+            env.pop(name, None)
+    return env
+
+
+def common_vars(
+    *,
+    worker_num: int,
+    rank_size: str,
+    job_id: str,
+    job_token: str,
+    scheduler_mode: str,
+    log_dir: str,
+    rank_table_file: str,
+    sim_level: int,
+    bind_file: str,
+    bind_file_hash: str,
+) -> dict[str, str]:
+    """Variables every child of the job gets."""
+    out = {
+        "RANK_SIZE": rank_size,
+        "MS_WORKER_NUM": str(worker_num),
+        "PYTHONUNBUFFERED": "1",
+        "MSRUN_JOB_ID": job_id,
+        "MSRUN_SCHEDULER": scheduler_mode,
+        "MSRUN_LOG_DIR": log_dir,
+    }
+    if job_token:
+        out["MSRUN_JOB_TOKEN"] = job_token
+    if rank_table_file:
+        out["RANK_TABLE_FILE"] = rank_table_file
+    if sim_level >= 0:
+        out["MS_SIMULATION_LEVEL"] = str(sim_level)
+    if bind_file:
+        out["MSRUN_BIND_FILE"] = bind_file
+        out["MSRUN_BIND_FILE_HASH"] = bind_file_hash
+    return out
+
+
+def cluster_vars(role: str, master_ip: str, master_port: int, topo_timeout: int) -> dict[str, str]:
+    """MindSpore's dynamic-cluster variables (absent in dry runs)."""
+    return {
+        "MS_ROLE": role,
+        "MS_SCHED_HOST": master_ip,
+        "MS_SCHED_PORT": str(master_port),
+        "MS_TOPO_TIMEOUT": str(topo_timeout),
+    }
+
+
+def rank_vars(
+    *,
+    local_index: int,
+    rank: int | None,
+    world_size: int,
+    local_world_size: int,
+    node_index: int | None,
+    node_count: int | None,
+    master_ip: str | None,
+    dist_port: int | None,
+) -> dict[str, str]:
+    """Per-worker rank variables, msrun-style and torch-style."""
+    out = {
+        "DEVICE_ID": str(local_index),
+        "LOCAL_RANK": str(local_index),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(local_world_size),
+        "LOCAL_RANK_SIZE": str(local_world_size),
+    }
+    if rank is not None:
+        out["RANK_ID"] = str(rank)
+        out["MS_NODE_ID"] = str(rank)
+        out["RANK"] = str(rank)
+    if node_index is not None:
+        out["GROUP_RANK"] = str(node_index)
+    if node_count is not None:
+        out["GROUP_WORLD_SIZE"] = str(node_count)
+    if master_ip is not None and dist_port is not None:
+        out["MASTER_ADDR"] = master_ip
+        out["MASTER_PORT"] = str(dist_port)
+    return out

@@ -1,0 +1,188 @@
+"""``msrun``: MindSpore's launcher flags, parsed and validated before anything starts."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import secrets
+import socket
+import sys
+
+from pytest_msrun import console
+from pytest_msrun.binding.flags import BindFlagError, BindSpec, parse_bind_value
+from pytest_msrun.config import SCHEDULER_MODES, ConfigError, LaunchConfig, parse_join, validate
+from pytest_msrun.netaddr import AddressError, is_local_address, resolve_master_addr, source_ip_towards
+from pytest_msrun.plan import NodeFacts, build_plan
+from pytest_msrun.taskcmd import mindspore_importable, task_argv, task_python
+
+
+def _join_type(value: str) -> bool:
+    try:
+        return parse_join(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _bind_type(flag: str):
+    def parse(value: str) -> BindSpec:
+        try:
+            return parse_bind_value(value, flag)
+        except BindFlagError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = flag
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="msrun",
+        description="Start a distributed job: one scheduler plus N workers per node (MindSpore msrun compatible).",
+    )
+    p.add_argument("--worker_num", type=int, default=8, help="total number of workers (ranks) in the job")
+    p.add_argument("--local_worker_num", type=int, default=8, help="workers started on this node")
+    p.add_argument("--master_addr", default="127.0.0.1", help="scheduler address: IPv4, [IPv6] or host name")
+    p.add_argument("--master_port", type=int, default=8118, help="scheduler port (0 = pick a free one, single node)")
+    p.add_argument("--node_rank", type=int, default=-1, help="this node's index (-1 = assign automatically)")
+    p.add_argument("--log_dir", default="", help="directory for scheduler.log and worker_<rank>.log (default: cwd)")
+    p.add_argument(
+        "--join",
+        type=_join_type,
+        default=False,
+        metavar="{True,False}",
+        help="wait for the job, tail logs and return its exit status (default False: detach)",
+    )
+    p.add_argument(
+        "--cluster_time_out", type=int, default=600, help="seconds to wait for every node (negative: forever)"
+    )
+    p.add_argument("--bind_core", type=_bind_type("bind_core"), default=BindSpec(), help="True, False or a JSON dict")
+    p.add_argument(
+        "--bind_numa", type=_bind_type("bind_numa"), default=BindSpec(), help="True, False, a JSON dict or a JSON file"
+    )
+    p.add_argument("--sim_level", type=int, default=None, choices=[0, 1, 2, 3], help="dry-run simulation level")
+    p.add_argument("--sim_rank_id", type=int, default=-1, help="dry-run a single rank with this id")
+    p.add_argument("--rank_table_file", default="", help="rank table file (exported as RANK_TABLE_FILE)")
+    p.add_argument("--worker_log_name", default="", help="worker log prefix; {ip} and {hostname} are replaced")
+    p.add_argument("--tail_worker_log", default="-1", help="ranks whose logs are shown with --join=True (-1 = all)")
+    p.add_argument(
+        "--scheduler",
+        default="auto",
+        choices=SCHEDULER_MODES,
+        help="scheduler process: builtin control plane, a MindSpore scheduler, the task itself, or auto",
+    )
+    p.add_argument("--print_plan", action="store_true", help="print the launch plan as JSON and start nothing")
+    p.add_argument(
+        "--dist_port",
+        type=int,
+        default=-1,
+        help="port exported as MASTER_PORT for torch env:// (default master_port+1)",
+    )
+    p.add_argument("task_script", help="a .py script, python, python3, pytest, or another command")
+    p.add_argument("task_script_args", nargs=argparse.REMAINDER, help="arguments passed to the task")
+    return p
+
+
+def config_from_args(ns: argparse.Namespace, env: dict[str, str]) -> tuple[LaunchConfig, list[str]]:
+    notes: list[str] = []
+    sim_level, sim_from_env = ns.sim_level, False
+    if sim_level is None:
+        sim_level = -1
+        raw = env.get("MS_SIMULATION_LEVEL", "").strip()
+        if raw:
+            if raw not in ("0", "1", "2", "3"):
+                raise ConfigError("sim_level", f"MS_SIMULATION_LEVEL={raw!r} in the environment is not 0, 1, 2 or 3")
+            sim_level, sim_from_env = int(raw), True
+    if sim_level != -1 and ns.sim_rank_id == -1 and env.get("RANK_ID", "").strip():
+        notes.append(
+            f"RANK_ID={env['RANK_ID']} in the environment is ignored for this dry run; "
+            "use --sim_rank_id to dry-run a single rank."
+        )
+    cfg = LaunchConfig(
+        task_script=ns.task_script,
+        task_script_args=list(ns.task_script_args),
+        worker_num=ns.worker_num,
+        local_worker_num=ns.local_worker_num,
+        master_addr=ns.master_addr,
+        master_port=ns.master_port,
+        node_rank=ns.node_rank,
+        log_dir=ns.log_dir,
+        join=ns.join,
+        cluster_time_out=ns.cluster_time_out,
+        bind_core=ns.bind_core,
+        bind_numa=ns.bind_numa,
+        sim_level=sim_level,
+        sim_rank_id=ns.sim_rank_id,
+        sim_from_env=sim_from_env,
+        rank_table_file=ns.rank_table_file,
+        worker_log_name=ns.worker_log_name,
+        tail_worker_log=ns.tail_worker_log,
+        scheduler=ns.scheduler,
+        print_plan=ns.print_plan,
+        dist_port=ns.dist_port,
+    )
+    return cfg, notes
+
+
+def job_token(cfg: LaunchConfig, master_ip: str, env: dict[str, str]) -> str:
+    """``MSRUN_JOB_TOKEN`` if set; a random token on one node; else one all nodes derive alike."""
+    given = env.get("MSRUN_JOB_TOKEN", "")
+    if given:
+        return given
+    if not cfg.multi_node:
+        return secrets.token_hex(16)
+    seed = f"msrun:{master_ip}:{cfg.master_port}:{cfg.worker_num}"
+    return hashlib.sha256(seed.encode()).hexdigest()[:32]
+
+
+def gather_facts(cfg: LaunchConfig, env: dict[str, str]) -> NodeFacts:
+    try:
+        master_ip = resolve_master_addr(cfg.master_addr)
+    except AddressError as exc:
+        raise ConfigError("master_addr", f"{exc}; give an IP address or a resolvable host name") from None
+    argv = task_argv(cfg.task_script, cfg.task_script_args)
+    python = task_python(argv)
+    mode = cfg.scheduler
+    if cfg.dry_run:
+        mode = "none"
+    elif mode == "auto":
+        mode = "mindspore" if mindspore_importable(python) else "builtin"
+    return NodeFacts(
+        master_ip=master_ip,
+        address_is_local=is_local_address(master_ip),
+        hostname=socket.gethostname(),
+        source_ip=source_ip_towards(master_ip, cfg.master_port),
+        task_argv=argv,
+        task_python=python,
+        python=sys.executable,
+        scheduler_mode=mode,
+        job_id=secrets.token_hex(8),
+        job_token=job_token(cfg, master_ip, env),
+        master_port=cfg.master_port,
+        dist_port=cfg.dist_port,
+        base_env=env,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    env = dict(os.environ)
+    try:
+        cfg, notes = config_from_args(ns, env)
+        for text in validate(cfg) + notes:
+            console.warning(text)
+        facts = gather_facts(cfg, env)
+    except ConfigError as exc:
+        parser.error(str(exc))
+    if cfg.print_plan:
+        plan = build_plan(cfg, facts)
+        sys.stdout.write(plan.dumps() + "\n")
+        return 0
+    if not cfg.join:
+        from pytest_msrun.detach import launch_detached
+
+        return launch_detached(cfg, facts)
+    from pytest_msrun.agent import Agent
+
+    return Agent(cfg, facts).run()

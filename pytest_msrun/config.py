@@ -1,0 +1,166 @@
+"""``LaunchConfig``: every launch option, validated before anything starts.
+
+Validation never touches the OS beyond reading paths the user named (task script, rank table,
+log dir); each failure is a :class:`ConfigError` naming the flag and the fix, which the CLI
+prints as ``msrun: error: argument --flag: ...`` with exit status 2.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from pytest_msrun.binding.flags import BindSpec
+
+SCHEDULER_MODES = ("auto", "builtin", "mindspore", "task")
+SIM_LEVELS = (0, 1, 2, 3)
+SIM_SINGLE_PROCESS_LIMIT = 128
+COMMAND_TASKS = ("python", "python3", "pytest")
+
+
+class ConfigError(ValueError):
+    """An invalid option: ``flag`` is the option name without dashes."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(message)
+        self.flag = flag
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"argument --{self.flag}: {self.message}" if self.flag else self.message
+
+
+@dataclass
+class LaunchConfig:
+    """The 15 msrun options plus this project's few extensions."""
+
+    task_script: str = ""
+    task_script_args: list[str] = field(default_factory=list)
+    worker_num: int = 8
+    local_worker_num: int = 8
+    master_addr: str = "127.0.0.1"
+    master_port: int = 8118
+    node_rank: int = -1
+    log_dir: str = ""
+    join: bool = False
+    cluster_time_out: int = 600
+    bind_core: BindSpec = field(default_factory=BindSpec)
+    bind_numa: BindSpec = field(default_factory=BindSpec)
+    sim_level: int = -1
+    sim_rank_id: int = -1
+    sim_from_env: bool = False
+    rank_table_file: str = ""
+    worker_log_name: str = ""
+    tail_worker_log: str = "-1"
+    # extensions
+    scheduler: str = "auto"
+    print_plan: bool = False
+    dist_port: int = -1
+
+    @property
+    def dry_run(self) -> bool:
+        return self.sim_level != -1
+
+    @property
+    def multi_node(self) -> bool:
+        return self.local_worker_num < self.worker_num
+
+    def tail_ranks(self) -> list[int] | None:
+        """Ranks whose logs are tailed; ``None`` = every local worker."""
+        return parse_tail_list(self.tail_worker_log)
+
+
+def parse_join(value: str) -> bool:
+    """``True``/``False`` in any case, ``1``/``0``, ``yes``/``no``."""
+    low = value.strip().lower()
+    if low in ("true", "1", "yes", "on"):
+        return True
+    if low in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"invalid value {value!r}: use True or False")
+
+
+def parse_tail_list(value: str) -> list[int] | None:
+    text = value.strip()
+    if text in ("-1", ""):
+        return None
+    out: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item.lstrip("-").isdigit():
+            raise ValueError(f"{item!r} is not a rank number; use -1 (all) or a comma list such as 0,3")
+        out.append(int(item))
+    return out
+
+
+def validate(cfg: LaunchConfig) -> list[str]:
+    """Check every option; return warnings. Raises :class:`ConfigError` on the first bad value."""
+    warnings: list[str] = []
+    if not cfg.task_script:
+        raise ConfigError("", "the following arguments are required: task_script")
+    if cfg.worker_num <= 0:
+        raise ConfigError("worker_num", f"must be greater than 0, got {cfg.worker_num}")
+    if cfg.local_worker_num <= 0:
+        raise ConfigError("local_worker_num", f"must be at least 1, got {cfg.local_worker_num}")
+    if cfg.local_worker_num > cfg.worker_num:
+        raise ConfigError(
+            "local_worker_num",
+            f"{cfg.local_worker_num} exceeds --worker_num={cfg.worker_num}; "
+            "a node cannot run more workers than the whole job",
+        )
+    if not 0 <= cfg.master_port <= 65535:
+        raise ConfigError("master_port", f"{cfg.master_port} is not a TCP port (0-65535; 0 = pick a free port)")
+    if cfg.master_port == 0 and cfg.multi_node and cfg.sim_level < 0:
+        raise ConfigError(
+            "master_port", "0 (auto) only works when one node runs the whole job; give every node the same port"
+        )
+    if cfg.dist_port != -1 and not 0 <= cfg.dist_port <= 65535:
+        raise ConfigError("dist_port", f"{cfg.dist_port} is not a TCP port (0-65535; -1 = master_port+1)")
+    if cfg.node_rank < -1:
+        raise ConfigError("node_rank", f"{cfg.node_rank} is invalid; use -1 (assign automatically) or 0, 1, ...")
+    if cfg.multi_node and cfg.node_rank >= 0 and cfg.node_rank + cfg.local_worker_num > cfg.worker_num:
+        raise ConfigError(
+            "node_rank",
+            f"node {cfg.node_rank} with {cfg.local_worker_num} workers cannot fit in --worker_num={cfg.worker_num} "
+            "(every lower node runs at least one worker)",
+        )
+    if not cfg.multi_node and cfg.node_rank not in (-1, 0):
+        warnings.append(f"All workers will be spawned on this node, so 'node_rank': [{cfg.node_rank}] will be ignored.")
+    if cfg.sim_level != -1 and cfg.sim_level not in SIM_LEVELS:
+        raise ConfigError("sim_level", f"invalid choice: {cfg.sim_level} (choose from 0, 1, 2, 3)")
+    if cfg.sim_rank_id != -1:
+        if cfg.sim_level == -1:
+            raise ConfigError("sim_rank_id", "needs --sim_level (a single simulated rank is a dry run)")
+        if not 0 <= cfg.sim_rank_id < cfg.worker_num:
+            raise ConfigError(
+                "sim_rank_id", f"{cfg.sim_rank_id} is outside 0..{cfg.worker_num - 1} (--worker_num={cfg.worker_num})"
+            )
+    if cfg.scheduler not in SCHEDULER_MODES:
+        raise ConfigError("scheduler", f"invalid choice: {cfg.scheduler!r} (choose from {', '.join(SCHEDULER_MODES)})")
+    if cfg.rank_table_file and not os.path.isfile(cfg.rank_table_file):
+        raise ConfigError("rank_table_file", f"{cfg.rank_table_file!r} does not exist or is not a file")
+    try:
+        tail = cfg.tail_ranks()
+    except ValueError as exc:
+        raise ConfigError("tail_worker_log", str(exc)) from None
+    for rank in tail or ():
+        if not 0 <= rank < cfg.worker_num:
+            raise ConfigError(
+                "tail_worker_log", f"rank {rank} is outside 0..{cfg.worker_num - 1} (--worker_num={cfg.worker_num})"
+            )
+    if "/" in cfg.worker_log_name.replace("{ip}", "").replace("{hostname}", ""):
+        raise ConfigError("worker_log_name", "must be a file name prefix, not a path; use --log_dir for the directory")
+    if cfg.log_dir:
+        probe = cfg.log_dir
+        while probe and not os.path.exists(probe):
+            probe = os.path.dirname(probe.rstrip("/"))
+        probe = probe or "."
+        if not os.path.isdir(probe):
+            raise ConfigError("log_dir", f"{probe!r} exists and is not a directory")
+        if not os.access(probe, os.W_OK | os.X_OK):
+            raise ConfigError("log_dir", f"{probe!r} is not writable")
+    if cfg.task_script.endswith(".py") and not os.path.isfile(cfg.task_script):
+        raise ConfigError("", f"task_script {cfg.task_script!r} not found (cwd {os.getcwd()})")
+    if cfg.bind_core.kind == "unified":
+        raise ConfigError("bind_core", "the unified JSON format belongs to --bind_numa")
+    return warnings

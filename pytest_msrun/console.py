@@ -1,0 +1,89 @@
+"""What msrun prints: the ``Start ... process`` lines (stdout) and logger lines (stderr).
+
+Logger lines keep MindSpore's shape ``[LEVEL] ME(pid:tid,MainProcess):time [msrun] message`` and
+its verbosity switch ``GLOG_v`` (0 debug, 1 info, 2 warning - the default, 3 error).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+import threading
+import time
+from datetime import datetime
+
+LEVELS = {"DEBUG": 0, "INFO": 1, "WARNING": 2, "ERROR": 3}
+_lock = threading.Lock()
+
+
+def threshold() -> int:
+    try:
+        return int(os.environ.get("GLOG_v", "2"))  # noqa: SIM112 - MindSpore's own spelling
+    except ValueError:
+        return 2
+
+
+def log(level: str, message: str) -> None:
+    if LEVELS[level] < threshold():
+        return
+    now = datetime.now()
+    stamp = now.strftime("%Y-%m-%d-%H:%M:%S.") + f"{now.microsecond // 1000:03d}.{now.microsecond % 1000:03d}"
+    line = f"[{level}] ME({os.getpid()}:{threading.get_ident() % 1000000},MainProcess):{stamp} [msrun] {message}\n"
+    with _lock:
+        try:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def info(message: str) -> None:
+    log("INFO", message)
+
+
+def warning(message: str) -> None:
+    log("WARNING", message)
+
+
+def error(message: str) -> None:
+    log("ERROR", message)
+
+
+def out(line: str) -> None:
+    """A stdout line, flushed (msrun's ``print``)."""
+    with _lock:
+        try:
+            sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def err_block(text: str) -> None:
+    with _lock:
+        try:
+            sys.stderr.write(text if text.endswith("\n") else text + "\n")
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+
+
+def command_text(argv: list[str]) -> str:
+    """The command as a shell would need it (msrun joins without quoting; identical for plain words)."""
+    return shlex.join(argv)
+
+
+def start_scheduler_line(log_path: str, argv: list[str]) -> str:
+    return f"Start scheduler process, log file:{log_path}. Execute command: {command_text(argv)}"
+
+
+def start_worker_line(rank: int | None, log_path: str, argv: list[str]) -> str:
+    return (
+        f"Start worker process with rank id:{rank}, log file:{log_path}. "
+        f"Environment variable [RANK_ID={rank}] is exported. Execute command: {command_text(argv)}"
+    )
+
+
+def clock() -> str:
+    return time.strftime("%H:%M:%S")

@@ -1,0 +1,42 @@
+"""CPU / NUMA id lists in the kernel's range syntax (``0-3,8``), both directions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class RangeSyntaxError(ValueError):
+    """A range list such as ``0-3,8`` is malformed."""
+
+
+def parse_id_list(text: str, what: str = "CPU") -> list[int]:
+    """``"0-3, 8"`` -> ``[0, 1, 2, 3, 8]`` (sorted, unique). Empty text -> ``[]``."""
+    cleaned = "".join(str(text).split())
+    if not cleaned:
+        return []
+    ids: set[int] = set()
+    for seg in cleaned.split(","):
+        if not seg:
+            raise RangeSyntaxError(f"{what} range {text!r} has an empty segment")
+        lo, dash, hi = seg.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise RangeSyntaxError(f"{what} range segment {seg!r} in {text!r} is not 'N' or 'N-M'")
+        start, end = int(lo), int(hi) if dash else int(lo)
+        if start > end:
+            raise RangeSyntaxError(f"{what} range segment {seg!r} in {text!r}: start exceeds end")
+        ids.update(range(start, end + 1))
+    return sorted(ids)
+
+
+def format_id_list(ids: Iterable[int]) -> str:
+    """``[0, 1, 2, 3, 8]`` -> ``"0-3,8"`` (consecutive runs collapsed)."""
+    values = sorted(set(int(i) for i in ids))
+    parts: list[str] = []
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        parts.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
+        i = j + 1
+    return ",".join(parts)

@@ -1,0 +1,73 @@
+"""``--join=False``: return at once, leaving a detached supervisor that applies the same rules.
+
+The supervisor is a forked copy of msrun in its own session. It prints the ``Start ...`` lines
+to the caller's console, tells the caller it is done with the console (the caller then exits
+with status 0, or with the launch error's status), redirects its own output to
+``<log_dir>/msrun_supervisor.log`` and supervises the job to the end, writing the final state
+to ``<log_dir>/msrun_status.json``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from pytest_msrun.config import LaunchConfig
+from pytest_msrun.plan import NodeFacts
+
+SUPERVISOR_LOG = "msrun_supervisor.log"
+
+
+def launch_detached(cfg: LaunchConfig, facts: NodeFacts) -> int:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the supervisor
+        os.close(read_fd)
+        code = 1
+        try:
+            os.setsid()
+            code = _supervise(cfg, facts, write_fd)
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    data = b""
+    while True:
+        chunk = os.read(read_fd, 16)
+        if not chunk:
+            break
+        data += chunk
+        if data.endswith(b"\n"):
+            break
+    os.close(read_fd)
+    try:
+        return int(data.strip() or b"1")
+    except ValueError:
+        return 1
+
+
+def _supervise(cfg: LaunchConfig, facts: NodeFacts, write_fd: int) -> int:
+    from pytest_msrun.agent import Agent
+
+    def console_done(code: int) -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            os.write(write_fd, f"{code}\n".encode())
+            os.close(write_fd)
+        except OSError:
+            pass
+        log_path = os.path.join(cfg.log_dir or ".", SUPERVISOR_LOG)
+        try:
+            fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        except OSError:
+            fd = os.open(os.devnull, os.O_WRONLY)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        os.close(null)
+
+    return Agent(cfg, facts, detached=True, on_console_done=console_done).run()

@@ -1,0 +1,258 @@
+"""Child processes: spawn with a parent-death signal, wait on pidfds, kill whole trees.
+
+Every child runs in its own session (so a tty stays readable for ``pdb``, as with msrun) and
+gets ``PR_SET_PDEATHSIG=SIGKILL``. The launcher is a child subreaper, so descendants orphaned
+by a dying child are re-parented to it and swept. A tiny ``sh`` watchdog in its own session
+holds a pipe to the launcher; if the launcher is SIGKILLed it kills every job process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import IO
+
+from pytest_msrun.plan import ProcessSpec
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+_SIGKILL = int(signal.SIGKILL)
+
+_libc: ctypes.CDLL | None = None
+
+
+def _prctl(option: int, arg: int) -> bool:
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+        return _libc.prctl(option, arg, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def become_subreaper() -> bool:
+    """Make orphaned descendants re-parent to this process instead of init."""
+    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _child_setup_factory(parent_pid: int):
+    def setup() -> None:  # runs in the forked child, before exec
+        os.setsid()
+        assert _libc is not None
+        _libc.prctl(PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(137)
+
+    return setup
+
+
+@dataclass
+class Child:
+    """A running (or finished) child process of this job."""
+
+    spec: ProcessSpec
+    popen: subprocess.Popen
+    started: float
+    pidfd: int | None = None
+    ended: float | None = None
+    returncode: int | None = None
+    terminated_by_us: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.returncode is None
+
+    def reap(self) -> bool:
+        """Collect the exit status if the child exited; True when it did (now or before)."""
+        if self.returncode is not None:
+            return True
+        rc = self.popen.poll()
+        if rc is None:
+            return False
+        self.returncode = rc
+        self.ended = time.time()
+        if self.pidfd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.pidfd)
+        return True
+
+
+def exit_status(returncode: int) -> int:
+    """Shell-style status: the code, or 128+N for a death by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def describe_returncode(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name} (exit status {128 - returncode})"
+    return f"exited with code {returncode}"
+
+
+def spawn(spec: ProcessSpec, *, stdin: int | IO | None = None, pass_fds: Iterable[int] = ()) -> Child:
+    """Start ``spec`` with its log file as stdout+stderr (truncated, as msrun does)."""
+    if _libc is None:
+        _prctl(0, 0)  # load libc in the parent: the child must not import or load anything
+    log_dir = os.path.dirname(spec.log_path)
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+    with open(spec.log_path, "wb") as log:
+        popen = subprocess.Popen(
+            spec.command,
+            env=spec.env,
+            stdin=stdin,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            close_fds=True,
+            pass_fds=tuple(pass_fds),
+            preexec_fn=_child_setup_factory(os.getpid()),
+        )
+    child = Child(spec=spec, popen=popen, started=time.time())
+    try:
+        child.pidfd = os.pidfd_open(popen.pid)  # type: ignore[attr-defined]
+    except (AttributeError, OSError):
+        child.pidfd = None
+    return child
+
+
+def signal_group(pid: int, sig: int) -> bool:
+    """Send ``sig`` to the process group led by ``pid``; False when it no longer exists."""
+    try:
+        os.killpg(pid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def children_of(pid: int) -> list[int]:
+    """Direct children of ``pid`` from ``/proc`` (all threads)."""
+    out: list[int] = []
+    task_dir = f"/proc/{pid}/task"
+    try:
+        tids = os.listdir(task_dir)
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"{task_dir}/{tid}/children") as fh:
+                out.extend(int(x) for x in fh.read().split())
+        except OSError:
+            continue
+    return out
+
+
+def descendants_of(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (breadth first)."""
+    seen: list[int] = []
+    frontier = children_of(pid)
+    while frontier:
+        nxt: list[int] = []
+        for p in frontier:
+            if p not in seen:
+                seen.append(p)
+                nxt.extend(children_of(p))
+        frontier = nxt
+    return seen
+
+
+def reap_orphans(exclude: Iterable[int] = ()) -> None:
+    """Reap zombies re-parented to this (subreaper) process, except pids still owned elsewhere."""
+    skip = set(exclude)
+    for pid in children_of(os.getpid()):
+        if pid in skip:
+            continue
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
+
+
+def sweep_descendants(exclude: Iterable[int] = ()) -> list[int]:
+    """SIGKILL every descendant of this process not in ``exclude``; returns the pids hit."""
+    skip = set(exclude)
+    hit: list[int] = []
+    for pid in descendants_of(os.getpid()):
+        if pid in skip:
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+            hit.append(pid)
+        except (ProcessLookupError, PermissionError):
+            pass
+    return hit
+
+
+_WATCHDOG = r"""
+trap '' INT TERM HUP QUIT
+groups=""
+while IFS= read -r line; do
+  case "$line" in
+    done) exit 0 ;;
+    *) groups="$groups -$line" ;;
+  esac
+done
+[ -n "$groups" ] && kill -s KILL -- $groups 2>/dev/null
+exit 0
+"""
+
+
+@dataclass
+class Watchdog:
+    """``sh`` that kills the job's process groups if this launcher dies without saying ``done``."""
+
+    popen: subprocess.Popen | None = None
+    groups: list[int] = field(default_factory=list)
+
+    def start(self) -> None:
+        try:
+            self.popen = subprocess.Popen(
+                ["/bin/sh", "-c", _WATCHDOG],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                close_fds=True,
+                start_new_session=True,
+            )
+        except OSError:
+            self.popen = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    def guard(self, pgid: int) -> None:
+        self.groups.append(pgid)
+        if self.popen and self.popen.stdin:
+            try:
+                self.popen.stdin.write(f"{pgid}\n".encode())
+                self.popen.stdin.flush()
+            except (BrokenPipeError, OSError):
+                pass
+
+    def stand_down(self) -> None:
+        """The launcher cleaned up itself: let the watchdog exit without killing anything."""
+        if not self.popen:
+            return
+        try:
+            if self.popen.stdin:
+                self.popen.stdin.write(b"done\n")
+                self.popen.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+        try:
+            self.popen.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait()

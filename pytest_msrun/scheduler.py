@@ -1,0 +1,534 @@
+"""The builtin control plane: ``python -m pytest_msrun.scheduler`` (``MS_ROLE=MS_SCHED``).
+
+One single-threaded event loop serves two kinds of authenticated clients:
+
+* **agents** (one per ``msrun`` invocation) register *before* spawning; once ``MS_WORKER_NUM``
+  ranks are registered every agent gets its rank offset, so each worker starts with its final
+  ``RANK_ID``. Agents heartbeat and report failures, which are broadcast so every node tears
+  down at once.
+* **ranks** (``pytest_msrun.cluster.init()`` in a worker) join, then run collectives
+  (barrier, all-gather, broadcast) relayed here as opaque bytes; a rank that leaves or fails
+  turns every blocked collective into an error instead of a hang.
+
+A client that sends garbage, an oversized frame, a wrong token, or nothing at all is dropped;
+the job goes on. Exit status: 0 when every agent reported success, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import selectors
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from pytest_msrun import wire
+
+AUTH_TIMEOUT = float(os.environ.get("MSRUN_AUTH_TIMEOUT", "5"))
+COLLECTIVE_OPS = ("barrier", "gather", "bcast")
+
+
+def log(msg: str) -> None:
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    sys.stdout.write(f"[msrun scheduler {stamp}] {msg}\n")
+    sys.stdout.flush()
+
+
+@dataclass
+class Conn:
+    sock: socket.socket
+    peer: str
+    frames: wire.FrameBuffer = field(default_factory=wire.FrameBuffer)
+    out: bytearray = field(default_factory=bytearray)
+    kind: str = ""  # "" until authenticated, then "agent" or "rank"
+    opened: float = field(default_factory=time.monotonic)
+    last_seen: float = field(default_factory=time.monotonic)
+    closing: bool = False
+
+
+@dataclass
+class AgentInfo:
+    conn: Conn
+    node_rank: int
+    local: int
+    host: str
+    ip: str
+    pid: int
+    hosts_scheduler: bool
+    seq: int
+    offset: int = -1
+    done: bool = False
+
+    def describe(self) -> str:
+        nr = f"node_rank {self.node_rank}, " if self.node_rank >= 0 else ""
+        return f"{self.host} ({self.ip}, {nr}pid {self.pid}): {self.local} worker(s)"
+
+    def sort_key(self) -> tuple:
+        try:
+            addr = ipaddress.ip_address(self.ip.split("%", 1)[0])
+            ip_key: tuple = (addr.version, int(addr))
+        except ValueError:
+            ip_key = (9, 0)
+        explicit = self.node_rank if self.node_rank >= 0 else sys.maxsize
+        return (explicit, not self.hosts_scheduler, ip_key, self.host, self.seq)
+
+
+@dataclass
+class Collective:
+    op: str
+    src: int
+    parts: dict[int, Any] = field(default_factory=dict)
+
+
+def _is_int(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+class Scheduler:
+    """The control-plane state machine and its event loop."""
+
+    def __init__(
+        self,
+        listener: socket.socket,
+        *,
+        worker_num: int,
+        token: str,
+        topo_timeout: float,
+        node_timeout: float,
+        job_id: str = "",
+    ) -> None:
+        self.listener = listener
+        self.job_id = job_id
+        self.worker_num = worker_num
+        self.token = token
+        self.topo_timeout = topo_timeout
+        self.node_timeout = node_timeout
+        self.sel = selectors.DefaultSelector()
+        self.conns: dict[int, Conn] = {}
+        self.agents: list[AgentInfo] = []
+        self.agent_by_conn: dict[int, AgentInfo] = {}
+        self.state = "registering"
+        self.started = time.monotonic()
+        self.seq = 0
+        self.ranks: dict[int, Conn] = {}
+        self.rank_of_conn: dict[int, int] = {}
+        self.rank_gone: dict[int, str] = {}
+        self.ready_sent = False
+        self.collectives: dict[int, Collective] = {}
+        self.exit_code: int | None = None
+        self.abort_msg: dict[str, Any] | None = None
+        self.limit = wire.message_limit()
+
+    # ---------- plumbing ----------
+    def send(self, conn: Conn, msg: dict[str, Any]) -> None:
+        if conn.sock.fileno() < 0:
+            return
+        conn.out += wire.encode(msg)
+        self._flush(conn)
+
+    def _flush(self, conn: Conn) -> None:
+        try:
+            while conn.out:
+                n = conn.sock.send(conn.out)
+                del conn.out[:n]
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            conn.out.clear()
+            self.drop(conn, "send failed")
+            return
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.modify(conn.sock, events, conn)
+        if conn.closing and not conn.out:
+            self._close(conn)
+
+    def _close(self, conn: Conn) -> None:
+        fd = conn.sock.fileno()
+        if fd < 0:
+            return
+        with contextlib.suppress(KeyError, ValueError):
+            self.sel.unregister(conn.sock)
+        self.conns.pop(fd, None)
+        conn.sock.close()
+
+    def drop(self, conn: Conn, why: str) -> None:
+        """Forget a client (after its pending output, if any, was sent)."""
+        fd = conn.sock.fileno()
+        if fd < 0:
+            return
+        if conn.kind == "":
+            log(f"dropped client {conn.peer}: {why}")
+        agent = self.agent_by_conn.pop(fd, None)
+        rank = self.rank_of_conn.pop(fd, None)
+        self._close(conn)
+        if agent is not None:
+            self.agent_lost(agent, why)
+        if rank is not None:
+            self.rank_left(rank, why)
+
+    def refuse(self, conn: Conn, reason: str) -> None:
+        log(f"refused {conn.peer}: {reason}")
+        conn.out += wire.encode({"t": "refused", "reason": reason})
+        conn.closing = True
+        self._flush(conn)
+
+    # ---------- agents ----------
+    def registered(self) -> int:
+        return sum(a.local for a in self.agents)
+
+    def summary(self) -> str:
+        return "; ".join(a.describe() for a in self.agents) or "none"
+
+    def on_agent_hello(self, conn: Conn, msg: dict[str, Any]) -> None:
+        node_rank, local = msg.get("node_rank"), msg.get("local")
+        host, ip, pid = msg.get("host"), msg.get("ip"), msg.get("pid")
+        hosts_sched = msg.get("hosts_scheduler")
+        if not (
+            _is_int(node_rank, -1, 1 << 20)
+            and _is_int(local, 1, 1 << 20)
+            and isinstance(host, str)
+            and isinstance(ip, str)
+            and _is_int(pid, 0, 1 << 31)
+            and isinstance(hosts_sched, bool)
+        ):
+            self.drop(conn, "malformed agent registration")
+            return
+        if self.state != "registering":
+            self.refuse(
+                conn,
+                f"extra node: the job already has all {self.worker_num} ranks (--worker_num={self.worker_num}) "
+                f"from {self.summary()}",
+            )
+            return
+        have = self.registered()
+        if have + local > self.worker_num:
+            self.refuse(
+                conn,
+                f"extra node: this node's {local} worker(s) would exceed --worker_num={self.worker_num}; "
+                f"{have} rank(s) are already registered from {self.summary()}",
+            )
+            return
+        if node_rank >= 0:
+            for other in self.agents:
+                if other.node_rank == node_rank:
+                    self.refuse(conn, f"--node_rank={node_rank} is already taken by {other.describe()}")
+                    return
+        self.seq += 1
+        agent = AgentInfo(conn, node_rank, local, host[:256], ip[:64], pid, hosts_sched, self.seq)
+        conn.kind = "agent"
+        conn.frames.limit = self.limit
+        self.agents.append(agent)
+        self.agent_by_conn[conn.sock.fileno()] = agent
+        log(f"agent registered: {agent.describe()} ({self.registered()}/{self.worker_num} ranks)")
+        if self.registered() == self.worker_num:
+            self.assign()
+
+    def assign(self) -> None:
+        self.state = "running"
+        ordered = sorted(self.agents, key=AgentInfo.sort_key)
+        offset = 0
+        nodes = []
+        for agent in ordered:
+            agent.offset = offset
+            nodes.append({"host": agent.host, "ip": agent.ip, "local": agent.local, "offset": offset})
+            offset += agent.local
+        for index, agent in enumerate(ordered):
+            log(f"node {index}: {agent.describe()} -> ranks {agent.offset}..{agent.offset + agent.local - 1}")
+            self.send(
+                agent.conn,
+                {
+                    "t": "assign",
+                    "offset": agent.offset,
+                    "node_index": index,
+                    "node_count": len(ordered),
+                    "nodes": nodes,
+                    "job_id": self.job_id,
+                },
+            )
+
+    def on_agent_msg(self, agent: AgentInfo, msg: dict[str, Any]) -> None:
+        kind = msg["t"]
+        if kind == "hb":
+            self.send(agent.conn, {"t": "hb"})
+            return
+        if kind == "done":
+            agent.done = True
+            log(f"agent done: {agent.describe()}")
+            if self.state == "running" and all(a.done for a in self.agents):
+                self.finish(0)
+            return
+        if kind == "failed":
+            reason = msg.get("reason")
+            if not isinstance(reason, str):
+                reason = "a process failed"
+            code = msg.get("code")
+            self.abort(f"{reason[:4096]} (on {agent.host})", code if _is_int(code, 0, 255) else None)
+            return
+        self.drop(agent.conn, f"unexpected agent message {kind!r}")
+
+    def agent_lost(self, agent: AgentInfo, why: str) -> None:
+        if agent in self.agents and self.state == "registering":
+            self.agents.remove(agent)
+            log(f"agent left before the job started: {agent.describe()} ({why})")
+            return
+        if self.state == "running" and not agent.done:
+            self.abort(f"lost node {agent.describe()}: {why}", None)
+
+    def abort(self, reason: str, code: int | None) -> None:
+        if self.state == "ended":
+            return
+        log(f"aborting the job: {reason}")
+        self.abort_msg = {"t": "abort", "reason": reason, "code": code}
+        for conn in list(self.conns.values()):
+            if conn.kind:
+                self.send(conn, self.abort_msg)
+        self.finish(1)
+
+    def finish(self, code: int) -> None:
+        if self.state != "ended":
+            self.state = "ended"
+            self.exit_code = code
+            if code == 0:
+                log("every node reported success")
+
+    # ---------- ranks ----------
+    def on_rank_hello(self, conn: Conn, msg: dict[str, Any]) -> None:
+        rank, world = msg.get("rank"), msg.get("world")
+        if not (_is_int(rank, 0, self.worker_num - 1) and world == self.worker_num):
+            self.refuse(conn, f"rank {rank!r} / world {world!r} do not fit this job of {self.worker_num} ranks")
+            return
+        if rank in self.ranks:
+            self.refuse(conn, f"rank {rank} already joined")
+            return
+        if self.abort_msg is not None:
+            self.send(conn, self.abort_msg)
+            return
+        conn.kind = "rank"
+        conn.frames.limit = self.limit
+        self.ranks[rank] = conn
+        self.rank_of_conn[conn.sock.fileno()] = rank
+        self.rank_gone.pop(rank, None)
+        if self.ready_sent:
+            self.send(conn, {"t": "ready", "world": self.worker_num})
+        elif len(self.ranks) == self.worker_num:
+            self.ready_sent = True
+            log(f"all {self.worker_num} ranks joined the communication group")
+            for peer in self.ranks.values():
+                self.send(peer, {"t": "ready", "world": self.worker_num})
+
+    def rank_error(self, reason: str, seqs: list[int] | None = None) -> None:
+        for seq in list(self.collectives) if seqs is None else seqs:
+            coll = self.collectives.pop(seq, None)
+            if coll is None:
+                continue
+            for r in coll.parts:
+                peer = self.ranks.get(r)
+                if peer is not None:
+                    self.send(peer, {"t": "error", "seq": seq, "reason": reason})
+
+    def rank_left(self, rank: int, why: str) -> None:
+        self.ranks.pop(rank, None)
+        self.rank_gone[rank] = why
+        if not self.ready_sent:
+            for peer in self.ranks.values():
+                self.send(
+                    peer, {"t": "error", "seq": -1, "reason": f"rank {rank} left before the group formed ({why})"}
+                )
+        if self.collectives:
+            self.rank_error(f"rank {rank} left the job ({why})")
+
+    def on_rank_msg(self, conn: Conn, rank: int, msg: dict[str, Any]) -> None:
+        kind = msg["t"]
+        if kind == "bye":
+            self.rank_of_conn.pop(conn.sock.fileno(), None)
+            self.ranks.pop(rank, None)
+            self.rank_gone[rank] = "it called finalize()"
+            if self.collectives:
+                self.rank_error(f"rank {rank} called finalize() while others wait in a collective")
+            self._close(conn)
+            return
+        if kind != "coll":
+            self.drop(conn, f"unexpected rank message {kind!r}")
+            return
+        op, seq, src = msg.get("op"), msg.get("seq"), msg.get("src", 0)
+        data = msg.get("data")
+        if op not in COLLECTIVE_OPS or not _is_int(seq, 0, 1 << 62) or not _is_int(src, 0, self.worker_num - 1):
+            self.drop(conn, "malformed collective")
+            return
+        if data is not None and not isinstance(data, str):
+            self.drop(conn, "malformed collective data")
+            return
+        coll = self.collectives.setdefault(seq, Collective(op=op, src=src))
+        if coll.op != op or coll.src != src:
+            first = coll.op if coll.op != "bcast" else f"bcast(src={coll.src})"
+            this = op if op != "bcast" else f"bcast(src={src})"
+            coll.parts[rank] = None
+            self.rank_error(
+                f"collective #{seq} mismatch: rank {rank} called {this}, another rank called {first}", [seq]
+            )
+            return
+        coll.parts[rank] = data
+        if self.rank_gone:
+            gone = ", ".join(f"rank {r} ({why})" for r, why in sorted(self.rank_gone.items()))
+            self.rank_error(f"{op} #{seq} cannot complete: {gone} left the job", [seq])
+            return
+        if len(coll.parts) < self.worker_num:
+            return
+        del self.collectives[seq]
+        if op == "barrier":
+            reply: dict[str, Any] = {"t": "coll", "seq": seq}
+        elif op == "gather":
+            reply = {"t": "coll", "seq": seq, "data": [coll.parts[r] for r in range(self.worker_num)]}
+        else:
+            reply = {"t": "coll", "seq": seq, "data": coll.parts.get(src)}
+        for r in range(self.worker_num):
+            peer = self.ranks.get(r)
+            if peer is not None:
+                self.send(peer, reply)
+
+    # ---------- dispatch ----------
+    def on_message(self, conn: Conn, msg: dict[str, Any]) -> None:
+        conn.last_seen = time.monotonic()
+        fd = conn.sock.fileno()
+        if conn.kind == "":
+            if msg["t"] != "hello" or msg.get("kind") not in ("agent", "rank"):
+                self.drop(conn, "first message is not a hello")
+                return
+            if not wire.token_ok(msg.get("token"), self.token):
+                self.refuse(conn, "bad job token (MSRUN_JOB_TOKEN differs from this job's)")
+                return
+            if msg["kind"] == "agent":
+                self.on_agent_hello(conn, msg)
+            else:
+                self.on_rank_hello(conn, msg)
+            return
+        if conn.kind == "agent":
+            agent = self.agent_by_conn.get(fd)
+            if agent is not None:
+                self.on_agent_msg(agent, msg)
+            return
+        rank = self.rank_of_conn.get(fd)
+        if rank is not None:
+            self.on_rank_msg(conn, rank, msg)
+
+    def on_readable(self, conn: Conn) -> None:
+        try:
+            data = conn.sock.recv(1 << 20)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self.drop(conn, f"connection error: {exc}")
+            return
+        if not data:
+            self.drop(conn, "connection closed")
+            return
+        try:
+            msgs = conn.frames.feed(data)
+        except wire.ProtocolError as exc:
+            self.drop(conn, str(exc))
+            return
+        for msg in msgs:
+            if conn.sock.fileno() < 0 or conn.closing:
+                break
+            self.on_message(conn, msg)
+
+    def accept(self) -> None:
+        while True:
+            try:
+                sock, addr = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            sock.setblocking(False)
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = Conn(sock=sock, peer=f"{addr[0]}:{addr[1]}")
+            self.conns[sock.fileno()] = conn
+            self.sel.register(sock, selectors.EVENT_READ, conn)
+
+    def check_timers(self) -> None:
+        now = time.monotonic()
+        for conn in list(self.conns.values()):
+            if conn.kind == "" and not conn.closing and now - conn.opened > AUTH_TIMEOUT:
+                self.drop(conn, f"no hello within {AUTH_TIMEOUT:g} s")
+            elif conn.kind == "agent" and self.node_timeout > 0 and now - conn.last_seen > self.node_timeout:
+                self.drop(conn, f"no heartbeat for {self.node_timeout:g} s")
+        if self.state == "registering" and self.topo_timeout >= 0 and now - self.started > self.topo_timeout:
+            reason = (
+                f"cluster time out after {self.topo_timeout:g} s (--cluster_time_out): {self.registered()} of "
+                f"{self.worker_num} ranks registered, from {self.summary()}; "
+                f"missing {self.worker_num - self.registered()}. "
+                "Start msrun on the remaining nodes with the same --master_addr, --master_port and --worker_num, "
+                "or lower --worker_num."
+            )
+            log(reason)
+            for agent in self.agents:
+                self.send(agent.conn, {"t": "timeout", "reason": reason})
+            self.finish(1)
+
+    def run(self) -> int:
+        self.listener.setblocking(False)
+        self.sel.register(self.listener, selectors.EVENT_READ, None)
+        log(f"listening on {self.listener.getsockname()[:2]} for {self.worker_num} ranks")
+        while self.exit_code is None:
+            for key, events in self.sel.select(timeout=0.25):
+                if key.data is None:
+                    self.accept()
+                    continue
+                conn: Conn = key.data
+                if events & selectors.EVENT_WRITE:
+                    self._flush(conn)
+                if events & selectors.EVENT_READ and conn.sock.fileno() >= 0:
+                    self.on_readable(conn)
+            self.check_timers()
+        self.drain(1.0)
+        return self.exit_code
+
+    def drain(self, seconds: float) -> None:
+        """Give queued messages (abort, timeout) a bounded chance to leave."""
+        deadline = time.monotonic() + seconds
+        while any(c.out for c in self.conns.values()) and time.monotonic() < deadline:
+            for key, events in self.sel.select(timeout=0.05):
+                if key.data is not None and events & selectors.EVENT_WRITE:
+                    self._flush(key.data)
+
+
+def _listener_from_env(env: dict[str, str]) -> socket.socket:
+    fd = env.get("MSRUN_LISTEN_FD")
+    if fd:
+        return socket.socket(fileno=int(fd))
+    from pytest_msrun.netaddr import listen_socket
+
+    return listen_socket(env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"]))
+
+
+def main() -> int:
+    env = dict(os.environ)
+    try:
+        worker_num = int(env["MS_WORKER_NUM"])
+        topo = float(env.get("MS_TOPO_TIMEOUT", "600"))
+        node_timeout = float(env.get("MS_NODE_TIMEOUT", "30"))
+        token = env.get("MSRUN_JOB_TOKEN", "")
+        listener = _listener_from_env(env)
+    except (KeyError, ValueError, OSError) as exc:
+        log(f"cannot start: {exc!r}")
+        return 1
+    sched = Scheduler(
+        listener,
+        worker_num=worker_num,
+        token=token,
+        topo_timeout=topo,
+        node_timeout=node_timeout,
+        job_id=env.get("MSRUN_JOB_ID", ""),
+    )
+    return sched.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""Root-cause reporting: which process failed first, how, and what its log says."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from pytest_msrun.procs import describe_returncode
+from pytest_msrun.tail import tail_size
+
+TAIL_LINES = 20
+
+
+@dataclass
+class Failure:
+    """One failed process (local or reported by another node)."""
+
+    label: str  # "rank 3", "scheduler"
+    description: str  # "exited with code 3", "killed by SIGSEGV (exit status 139)"
+    exit_status: int
+    at: float
+    log_path: str = ""
+    pid: int | None = None
+    host: str = ""
+
+    def headline(self) -> str:
+        where = f", pid {self.pid}" if self.pid else ""
+        where += f", host {self.host}" if self.host else ""
+        stamp = time.strftime("%H:%M:%S", time.localtime(self.at)) + f".{int(self.at * 1000) % 1000:03d}"
+        return f"{self.label} ({os.path.basename(self.log_path) or 'no log'}{where}) {self.description} at {stamp}"
+
+
+def failure_of(label: str, returncode: int, at: float, log_path: str, pid: int, host: str = "") -> Failure:
+    status = 128 - returncode if returncode < 0 else returncode
+    return Failure(label, describe_returncode(returncode), status, at, log_path, pid, host)
+
+
+def extract_traceback(text: str) -> str:
+    """The last Python traceback (or fatal-error dump) in ``text``, or ``""``."""
+    lines = text.splitlines()
+    start = None
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith(("Traceback (most recent call last):", "Fatal Python error:")):
+            start = i
+            break
+    if start is None:
+        return ""
+    if lines[start].startswith("Fatal Python error:"):
+        return "\n".join(lines[start : start + 40])
+    out = [lines[start]]
+    for line in lines[start + 1 :]:
+        out.append(line)
+        if line and not line[0].isspace():
+            break
+    return "\n".join(out)
+
+
+def log_tail(path: str, n: int = TAIL_LINES) -> str:
+    text = tail_size(path).decode("utf-8", errors="replace")
+    return "\n".join(text.splitlines()[-n:])
+
+
+def _indent(text: str, pad: str = "    ") -> str:
+    return "\n".join(pad + line for line in text.splitlines())
+
+
+def render(failures: list[Failure], terminated: list[str], log_dir: str) -> str:
+    """The summary printed on stderr when a job fails."""
+    if not failures:
+        return ""
+    ordered = sorted(failures, key=lambda f: f.at)
+    root = ordered[0]
+    parts = ["msrun: the job failed. Root cause (first observed failure):", f"  {root.headline()}"]
+    if root.log_path:
+        parts.append(f"  log: {os.path.abspath(root.log_path)}")
+        text = tail_size(root.log_path).decode("utf-8", errors="replace")
+        tb = extract_traceback(text)
+        if tb:
+            parts.append("  traceback:")
+            parts.append(_indent(tb))
+        tail = "\n".join(text.splitlines()[-TAIL_LINES:])
+        if tb and tail.strip() == tb.strip():
+            pass
+        elif tail.strip():
+            parts.append(f"  last {min(TAIL_LINES, len(tail.splitlines()))} lines of its log:")
+            parts.append(_indent(tail))
+        else:
+            parts.append("  (its log is empty)")
+    for other in ordered[1:]:
+        parts.append(f"  also failed: {other.headline()}")
+    if terminated:
+        parts.append(f"  terminated by msrun: {', '.join(terminated)}")
+    parts.append(f"  logs: {os.path.abspath(log_dir or '.')}")
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,100 @@
+"""In-process tailing of worker logs to the console, each line prefixed ``[rank N]``.
+
+One thread polls every tailed file from offset 0, so no line is skipped at the start, and
+:meth:`LogTailer.stop` drains every file to the end, so no line is lost at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from typing import BinaryIO
+
+
+class _Tailed:
+    def __init__(self, prefix: str, path: str) -> None:
+        self.prefix = prefix.encode()
+        self.path = path
+        self.fh: BinaryIO | None = None
+        self.partial = b""
+
+    def read_lines(self, final: bool) -> list[bytes]:
+        if self.fh is None:
+            try:
+                self.fh = open(self.path, "rb")  # noqa: SIM115 - kept open across polls
+            except OSError:
+                return []
+        data = self.fh.read()
+        if not data and not (final and self.partial):
+            return []
+        data = self.partial + data
+        lines = data.split(b"\n")
+        self.partial = lines.pop()
+        if final and self.partial:
+            lines.append(self.partial)
+            self.partial = b""
+        return [self.prefix + line + b"\n" for line in lines]
+
+    def close(self) -> None:
+        if self.fh is not None:
+            self.fh.close()
+
+
+class LogTailer:
+    """Copies new lines of several files to ``out`` (stdout by default) until stopped."""
+
+    def __init__(self, files: list[tuple[str, str]], interval: float = 0.05, out: BinaryIO | None = None) -> None:
+        self.files = [_Tailed(prefix, path) for prefix, path in files]
+        self.interval = interval
+        self.out = out if out is not None else sys.stdout.buffer
+        self.stop_event = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()
+
+    def _pump(self, final: bool) -> None:
+        with self.lock:
+            chunks: list[bytes] = []
+            for tailed in self.files:
+                chunks.extend(tailed.read_lines(final))
+            if chunks:
+                try:
+                    sys.stdout.flush()
+                    self.out.write(b"".join(chunks))
+                    self.out.flush()
+                except (OSError, ValueError):
+                    pass
+
+    def _run(self) -> None:
+        while not self.stop_event.wait(self.interval):
+            self._pump(final=False)
+
+    def start(self) -> None:
+        if self.files:
+            self.thread = threading.Thread(target=self._run, name="msrun-tail", daemon=True)
+            self.thread.start()
+
+    def stop(self) -> None:
+        """Stop polling and copy everything that is left, including a last unterminated line."""
+        self.stop_event.set()
+        if self.thread is not None:
+            self.thread.join()
+        self._pump(final=True)
+        for tailed in self.files:
+            tailed.close()
+
+
+def prefix_for(rank: int | None, local_index: int) -> str:
+    return f"[rank {rank}] " if rank is not None else f"[local {local_index}] "
+
+
+def tail_size(path: str, max_bytes: int = 64 * 1024) -> bytes:
+    """The last ``max_bytes`` of a file (empty if unreadable)."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - max_bytes))
+            return fh.read()
+    except OSError:
+        return b""

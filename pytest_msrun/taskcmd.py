@@ -1,0 +1,71 @@
+"""Turn ``task_script task_script_args...`` into a child argv, and find the task's interpreter."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+from pytest_msrun.config import COMMAND_TASKS, ConfigError
+
+
+def task_argv(script: str, args: list[str], python: str = sys.executable) -> list[str]:
+    """The argv every worker runs.
+
+    ``python``/``python3``/``pytest`` run as commands; a ``.py`` file runs with ``python``
+    (this interpreter by default, not whatever ``python`` is first on PATH); an executable
+    file or a command on PATH runs as itself; any other file runs with ``python``.
+    """
+    if script in COMMAND_TASKS:
+        return [script, *args]
+    if script.endswith(".py"):
+        return [python, script, *args]
+    if os.path.isfile(script):
+        if os.access(script, os.X_OK):
+            return [script if os.sep in script else os.path.join(".", script), *args]
+        return [python, script, *args]
+    if shutil.which(script):
+        return [script, *args]
+    raise ConfigError("", f"task_script {script!r} is neither a file nor a command on PATH")
+
+
+def _shebang_python(path: str) -> str | None:
+    try:
+        with open(path, "rb") as fh:
+            first = fh.readline(512)
+    except OSError:
+        return None
+    if not first.startswith(b"#!"):
+        return None
+    words = first[2:].decode(errors="replace").split()
+    if not words:
+        return None
+    if os.path.basename(words[0]) == "env" and len(words) > 1:
+        return shutil.which(words[1])
+    return words[0]
+
+
+def task_python(argv: list[str]) -> str:
+    """The interpreter that will run the task (best effort; this one when unsure)."""
+    head = argv[0]
+    if head in ("python", "python3"):
+        return shutil.which(head) or sys.executable
+    if head == "pytest":
+        found = shutil.which(head)
+        return (_shebang_python(found) if found else None) or sys.executable
+    return sys.executable
+
+
+def mindspore_importable(python: str) -> bool:
+    """Whether ``python`` can import MindSpore, without importing it here."""
+    if os.path.abspath(python) == os.path.abspath(sys.executable):
+        import importlib.util
+
+        return importlib.util.find_spec("mindspore") is not None
+    import subprocess
+
+    probe = "import importlib.util,sys;sys.exit(0 if importlib.util.find_spec('mindspore') else 1)"
+    try:
+        return subprocess.run([python, "-c", probe], timeout=30, capture_output=True).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False

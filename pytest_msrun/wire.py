@@ -1,0 +1,149 @@
+"""The control-plane wire format: length-prefixed JSON frames with hard size limits.
+
+A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON encoding one
+object with a string field ``t`` (the message type). Before a peer has authenticated, frames
+are limited to :data:`HELLO_LIMIT` bytes; afterwards to :func:`message_limit`.
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+import json
+import os
+import socket
+import struct
+import time
+from typing import Any
+
+HEADER = struct.Struct(">I")
+HELLO_LIMIT = 64 * 1024
+DEFAULT_MESSAGE_LIMIT = 64 * 1024 * 1024
+
+
+class ProtocolError(Exception):
+    """A peer sent something that is not a valid frame or message."""
+
+
+class PeerClosed(ConnectionError):
+    """The peer closed the connection."""
+
+
+def message_limit() -> int:
+    try:
+        return max(HELLO_LIMIT, int(os.environ.get("MSRUN_MAX_MESSAGE_BYTES", DEFAULT_MESSAGE_LIMIT)))
+    except ValueError:
+        return DEFAULT_MESSAGE_LIMIT
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    body = json.dumps(msg, separators=(",", ":")).encode("utf-8")
+    return HEADER.pack(len(body)) + body
+
+
+def decode(body: bytes) -> dict[str, Any]:
+    try:
+        msg = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"frame is not UTF-8 JSON: {exc}") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
+        raise ProtocolError("frame is not an object with a string field 't'")
+    return msg
+
+
+class FrameBuffer:
+    """Accumulates bytes from a non-blocking socket and yields complete messages."""
+
+    def __init__(self, limit: int = HELLO_LIMIT) -> None:
+        self.buf = bytearray()
+        self.limit = limit
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        self.buf += data
+        out: list[dict[str, Any]] = []
+        while len(self.buf) >= HEADER.size:
+            (size,) = HEADER.unpack_from(self.buf)
+            if size > self.limit:
+                raise ProtocolError(f"frame of {size} bytes exceeds the limit of {self.limit}")
+            if len(self.buf) < HEADER.size + size:
+                break
+            body = bytes(self.buf[HEADER.size : HEADER.size + size])
+            del self.buf[: HEADER.size + size]
+            out.append(decode(body))
+        return out
+
+
+def token_ok(given: Any, expected: str) -> bool:
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
+
+
+def pack_data(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+def unpack_data(text: Any) -> bytes:
+    if not isinstance(text, str):
+        raise ProtocolError("data field is not a string")
+    try:
+        return base64.b64decode(text.encode("ascii"), validate=True)
+    except (ValueError, UnicodeEncodeError) as exc:
+        raise ProtocolError(f"data field is not base64: {exc}") from None
+
+
+class Channel:
+    """A blocking, message-oriented client connection (used by agents and ranks)."""
+
+    def __init__(self, sock: socket.socket, limit: int | None = None) -> None:
+        self.sock = sock
+        self.frames = FrameBuffer(limit or message_limit())
+        self.pending: list[dict[str, Any]] = []
+
+    @classmethod
+    def connect(cls, host: str, port: int, timeout: float) -> Channel:
+        sock = socket.create_connection((host, port), timeout=timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return cls(sock)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def send(self, msg: dict[str, Any]) -> None:
+        self.sock.settimeout(None)
+        self.sock.sendall(encode(msg))
+
+    def recv(self, timeout: float | None = None) -> dict[str, Any]:
+        """Next message; ``socket.timeout`` if none arrives in time, :class:`PeerClosed` on EOF."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if remaining == 0.0 and deadline is not None:
+                raise socket.timeout("timed out")
+            self.sock.settimeout(remaining)
+            data = self.sock.recv(1 << 20)
+            if not data:
+                raise PeerClosed("connection closed by peer")
+            self.pending.extend(self.frames.feed(data))
+        return self.pending.pop(0)
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Messages available right now without blocking (raises :class:`PeerClosed` on EOF)."""
+        self.sock.setblocking(False)
+        try:
+            while True:
+                try:
+                    data = self.sock.recv(1 << 20)
+                except (BlockingIOError, InterruptedError):
+                    break
+                if not data:
+                    raise PeerClosed("connection closed by peer")
+                self.pending.extend(self.frames.feed(data))
+        finally:
+            self.sock.setblocking(True)
+        out, self.pending = self.pending, []
+        return out
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass

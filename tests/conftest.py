@@ -1,0 +1,164 @@
+"""Shared helpers: run the real ``msrun`` as a subprocess and prove nothing is left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MARK = "MSRUN_TEST_MARK"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def marked_processes(mark: str) -> list[psutil.Process]:
+    """Live (non-zombie) processes whose environment carries ``MSRUN_TEST_MARK=mark``."""
+    found = []
+    for proc in psutil.process_iter(["pid", "status"]):
+        if proc.pid == os.getpid() or proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            if proc.environ().get(MARK) == mark:
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
+            continue
+    return found
+
+
+def wait_gone(mark: str, timeout: float = 5.0) -> list[psutil.Process]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = marked_processes(mark)
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+@dataclass
+class Job:
+    """A finished (or started) msrun invocation."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    log_dir: Path
+
+    def log(self, name: str) -> str:
+        return (self.log_dir / name).read_text()
+
+    def status(self, name: str = "msrun_status.json") -> dict:
+        return json.loads((self.log_dir / name).read_text())
+
+
+class Msrun:
+    """Runs ``python -m pytest_msrun`` in a scratch directory with a leak-tracking mark."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.cwd = tmp_path
+        self.mark = uuid.uuid4().hex
+        self.dump = tmp_path / "dump"
+        self.dump.mkdir(exist_ok=True)
+        self.popens: list[subprocess.Popen] = []
+
+    def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        env[MARK] = self.mark
+        env["DUMP_DIR"] = str(self.dump)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+        for name in ("RANK_ID", "MS_ROLE", "MS_SIMULATION_LEVEL", "RANK_SIZE", "MSRUN_JOB_TOKEN"):
+            env.pop(name, None)
+        env.update(extra or {})
+        return env
+
+    def script(self, name: str, body: str) -> Path:
+        path = self.cwd / name
+        path.write_text(textwrap.dedent(body))
+        return path
+
+    def argv(self, args: list[str]) -> list[str]:
+        return [sys.executable, "-m", "pytest_msrun", *args]
+
+    def start(self, args: list[str], env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
+        popen = subprocess.Popen(
+            self.argv(args),
+            cwd=self.cwd,
+            env=self.env(env),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            **kw,
+        )
+        self.popens.append(popen)
+        return popen
+
+    def run(
+        self, args: list[str], env: dict[str, str] | None = None, timeout: float = 60, log_dir: str = "logs"
+    ) -> Job:
+        proc = subprocess.run(
+            self.argv(args), cwd=self.cwd, env=self.env(env), capture_output=True, text=True, timeout=timeout
+        )
+        return Job(proc.returncode, proc.stdout, proc.stderr, self.cwd / log_dir)
+
+    def finish(self, popen: subprocess.Popen, log_dir: str = "logs", timeout: float = 60) -> Job:
+        out, err = popen.communicate(timeout=timeout)
+        return Job(popen.returncode, out, err, self.cwd / log_dir)
+
+    def dumps(self) -> list[dict[str, str]]:
+        """Environments written by the ``env_dump`` script, sorted by role then rank."""
+        out = [json.loads(p.read_text()) for p in sorted(self.dump.glob("*.json"))]
+        return sorted(out, key=lambda e: (e.get("MS_ROLE", ""), int(e.get("RANK_ID", "-1") or -1)))
+
+    def cleanup(self) -> list[psutil.Process]:
+        for popen in self.popens:
+            if popen.poll() is None:
+                popen.send_signal(signal.SIGKILL)
+                popen.wait()
+        left = wait_gone(self.mark)
+        for proc in left:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        return left
+
+
+@pytest.fixture
+def msrun(tmp_path: Path):
+    """An :class:`Msrun` runner; the test fails if any process of its jobs outlives it."""
+    runner = Msrun(tmp_path)
+    yield runner
+    left = runner.cleanup()
+    assert not left, f"leftover processes: {[(p.pid, p.cmdline()) for p in left if p.is_running()]}"
+
+
+ENV_DUMP = """
+import json, os, sys, time
+role = os.environ.get("MS_ROLE", "none")
+rank = os.environ.get("RANK_ID", "x")
+path = os.path.join(os.environ["DUMP_DIR"], f"{role}_{rank}_{os.getpid()}.json")
+with open(path, "w") as fh:
+    json.dump({**os.environ, "_argv": json.dumps(sys.argv), "_executable": sys.executable}, fh)
+time.sleep(float(os.environ.get("SLEEP", "0")))
+"""
+
+
+@pytest.fixture
+def env_dump(msrun: Msrun) -> Path:
+    """A task script that writes its environment to ``DUMP_DIR``."""
+    return msrun.script("env_dump.py", ENV_DUMP)

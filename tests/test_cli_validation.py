@@ -1,0 +1,141 @@
+"""Bad input: one clear error naming the flag, exit status 2, nothing started."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+BAD = [
+    (["--worker_num=0"], "--worker_num", "greater than 0"),
+    (["--worker_num=x"], "--worker_num", "invalid int value"),
+    (["--local_worker_num=0"], "--local_worker_num", "at least 1"),
+    (["--worker_num=2", "--local_worker_num=4"], "--local_worker_num", "exceeds --worker_num=2"),
+    (["--master_port=70000"], "--master_port", "not a TCP port"),
+    (["--master_port=-1"], "--master_port", "not a TCP port"),
+    (["--worker_num=4", "--local_worker_num=2", "--master_port=0"], "--master_port", "one node"),
+    (["--node_rank=-2"], "--node_rank", "invalid"),
+    (["--worker_num=4", "--local_worker_num=2", "--node_rank=3"], "--node_rank", "cannot fit"),
+    (["--join=maybe"], "--join", "use True or False"),
+    (["--sim_level=5"], "--sim_level", "invalid choice"),
+    (["--sim_level=0", "--sim_rank_id=9", "--worker_num=4", "--local_worker_num=4"], "--sim_rank_id", "outside"),
+    (["--sim_rank_id=1"], "--sim_rank_id", "needs --sim_level"),
+    (["--rank_table_file=/nonexistent/rt.json"], "--rank_table_file", "does not exist"),
+    (["--tail_worker_log=a"], "--tail_worker_log", "not a rank number"),
+    (["--worker_num=2", "--local_worker_num=2", "--tail_worker_log=5"], "--tail_worker_log", "outside"),
+    (["--worker_log_name=a/b"], "--worker_log_name", "not a path"),
+    (["--master_addr=no-such-host.invalid"], "--master_addr", "cannot resolve"),
+    (["--scheduler=bogus"], "--scheduler", "invalid choice"),
+    (["--bind_core=[1]"], "--bind_core", "JSON object"),
+    (['--bind_core={"gpu0": ["0"]}'], "--bind_core", "'scheduler' or 'deviceN'"),
+    (['--bind_core={"device0": "0"}'], "--bind_core", "list of range strings"),
+    (['--bind_core={"device0": [0]}'], "--bind_core", "must be a string"),
+    (['--bind_core={"device0": ["3-1"]}'], "--bind_core", "start exceeds end"),
+    (["--bind_numa=missing.json"], "--bind_numa", "does not exist"),
+    (['--bind_numa={"bind_config": {"bind_cpu_mode": "x"}}'], "--bind_numa", "bind_cpu_mode"),
+    (['--bind_core={"bind_config": {}}'], "--bind_core", "belongs to --bind_numa"),
+    (["--dist_port=99999"], "--dist_port", "not a TCP port"),
+]
+
+
+@pytest.mark.parametrize("args,flag,text", BAD, ids=[" ".join(a) for a, _, _ in BAD])
+def test_bad_flag_exits_2_naming_the_flag(msrun, env_dump, args, flag, text):
+    join = [] if any(a.startswith("--join") for a in args) else ["--join=True"]
+    job = msrun.run([*args, *join, "--log_dir=logs", "env_dump.py"])
+    assert job.returncode == 2, job.stderr
+    error_lines = [line for line in job.stderr.splitlines() if line.startswith("msrun: error:")]
+    assert len(error_lines) == 1, job.stderr
+    assert flag in error_lines[0] and text in error_lines[0], error_lines[0]
+    assert job.stdout == ""
+    assert not (msrun.cwd / "logs").exists(), "nothing may be created before validation passed"
+    assert not list(msrun.dump.iterdir())
+
+
+def test_missing_task_script(msrun):
+    job = msrun.run(["--worker_num=1", "--local_worker_num=1"])
+    assert job.returncode == 2
+    assert "task_script" in job.stderr
+
+
+def test_missing_py_script_is_reported_before_start(msrun):
+    job = msrun.run(["--worker_num=1", "--local_worker_num=1", "--join=True", "nope.py"])
+    assert job.returncode == 2
+    assert "nope.py" in job.stderr and "not found" in job.stderr
+
+
+def test_bad_bind_file_contents(msrun, env_dump, tmp_path):
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "mode.json").write_text(json.dumps({"bind_config": {"bind_memory_mode": "cpu"}}))
+    (tmp_path / "key.json").write_text(json.dumps({"bind_config": {"bind_cpu_mode": "cpu"}, "bind_cpu": {"gpu1": {}}}))
+    (tmp_path / "int.json").write_text(
+        json.dumps({"bind_config": {"bind_cpu_mode": "cpu"}, "bind_cpu": {"device0": {"main": 3}}})
+    )
+    for name, text in [
+        ("bad.json", "failed to load"),
+        ("mode.json", "bind_memory_mode"),
+        ("key.json", "'gpu1'"),
+        ("int.json", "bind_cpu.device0.main"),
+    ]:
+        job = msrun.run(["--worker_num=1", "--local_worker_num=1", f"--bind_numa={name}", "env_dump.py"])
+        assert job.returncode == 2, (name, job.stderr)
+        assert "--bind_numa" in job.stderr and text in job.stderr, (name, job.stderr)
+
+
+def test_port_in_use_is_a_clear_error(msrun, env_dump):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        job = msrun.run(
+            ["--worker_num=1", "--local_worker_num=1", f"--master_port={port}", "--join=True", "env_dump.py"]
+        )
+    assert job.returncode == 2
+    assert f"--master_port: 127.0.0.1:{port} is already in use" in job.stderr
+    assert not list(msrun.dump.iterdir())
+
+
+@pytest.mark.parametrize(
+    "value,expected", [("True", True), ("true", True), ("1", True), ("False", False), ("0", False)]
+)
+def test_join_spellings(value, expected):
+    from pytest_msrun.cli import build_parser
+
+    ns = build_parser().parse_args([f"--join={value}", "x.py"])
+    assert ns.join is expected
+
+
+def test_task_args_pass_through_verbatim():
+    from pytest_msrun.cli import build_parser
+
+    ns = build_parser().parse_args(["--worker_num=2", "s.py", "--join=True", "--worker_num", "9", "-x"])
+    assert ns.task_script == "s.py"
+    assert ns.task_script_args == ["--join=True", "--worker_num", "9", "-x"]
+    assert ns.worker_num == 2
+
+
+def test_help_lists_all_fifteen_flags():
+    from pytest_msrun.cli import build_parser
+
+    text = build_parser().format_help()
+    for flag in (
+        "--worker_num",
+        "--local_worker_num",
+        "--master_addr",
+        "--master_port",
+        "--node_rank",
+        "--log_dir",
+        "--join",
+        "--cluster_time_out",
+        "--bind_core",
+        "--bind_numa",
+        "--sim_level",
+        "--sim_rank_id",
+        "--rank_table_file",
+        "--worker_log_name",
+        "--tail_worker_log",
+        "task_script",
+        "task_script_args",
+    ):
+        assert flag in text

@@ -1,0 +1,183 @@
+"""The pure half: config + node facts -> the exact processes, environments, logs and commands."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from pytest_msrun.binding.flags import parse_bind_value
+from pytest_msrun.config import LaunchConfig
+from pytest_msrun.plan import NodeFacts, RankAssignment, build_plan
+
+PY = sys.executable
+
+
+def facts(**kw) -> NodeFacts:
+    base = dict(
+        master_ip="127.0.0.1",
+        address_is_local=True,
+        hostname="vm",
+        source_ip="127.0.0.1",
+        task_argv=[PY, "net.py"],
+        task_python=PY,
+        python=PY,
+        scheduler_mode="builtin",
+        job_id="job1",
+        job_token="tok",
+        master_port=8118,
+        dist_port=-1,
+        base_env={"PATH": "/bin", "RANK_ID": "0", "MS_ROLE": "MS_SCHED", "MSRUN_CPU_LIST": "[9]", "HOME": "/root"},
+    )
+    base.update(kw)
+    return NodeFacts(**base)
+
+
+def cfg(**kw) -> LaunchConfig:
+    base = dict(task_script="net.py", worker_num=4, local_worker_num=4)
+    base.update(kw)
+    return LaunchConfig(**base)
+
+
+def test_single_node_scheduler_and_workers():
+    plan = build_plan(cfg(log_dir="msrun_log"), facts())
+    assert [p.name for p in plan.processes] == ["scheduler", "worker_0", "worker_1", "worker_2", "worker_3"]
+    sched = plan.scheduler
+    assert sched.argv == [PY, "-m", "pytest_msrun.scheduler"]
+    assert sched.log_path == "msrun_log/scheduler.log"
+    for key, value in {
+        "MS_ROLE": "MS_SCHED",
+        "MS_SCHED_HOST": "127.0.0.1",
+        "MS_SCHED_PORT": "8118",
+        "MS_WORKER_NUM": "4",
+        "MS_TOPO_TIMEOUT": "600",
+        "RANK_SIZE": "4",
+        "RANK_ID": "0",
+    }.items():
+        assert sched.env[key] == value, key
+    assert "DEVICE_ID" not in sched.env and "MS_NODE_ID" not in sched.env and "MSRUN_CPU_LIST" not in sched.env
+    for i, w in enumerate(plan.workers):
+        assert w.rank == i and w.log_path == f"msrun_log/worker_{i}.log"
+        env = w.env
+        assert env["MS_ROLE"] == "MS_WORKER" and env["RANK_ID"] == str(i) and env["MS_NODE_ID"] == str(i)
+        assert env["DEVICE_ID"] == str(i) and env["RANK_SIZE"] == "4" and env["MS_WORKER_NUM"] == "4"
+        assert env["RANK"] == str(i) and env["LOCAL_RANK"] == str(i) and env["WORLD_SIZE"] == "4"
+        assert env["LOCAL_WORLD_SIZE"] == "4" and env["GROUP_RANK"] == "0"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and env["MASTER_PORT"] == "8119"
+        assert env["PYTHONUNBUFFERED"] == "1" and env["HOME"] == "/root"
+        assert "MSRUN_CPU_LIST" not in env
+
+
+def test_inherited_stale_vars_never_leak():
+    plan = build_plan(cfg(local_worker_num=2, worker_num=2), facts(base_env={"MS_NODE_ID": "7", "DEVICE_ID": "5"}))
+    assert "MS_NODE_ID" not in plan.scheduler.env and "DEVICE_ID" not in plan.scheduler.env
+    assert plan.workers[1].env["MS_NODE_ID"] == "1"
+
+
+def test_node_rank_ignored_on_single_node():
+    plan = build_plan(cfg(node_rank=3), facts())
+    assert [w.rank for w in plan.workers] == [0, 1, 2, 3]
+
+
+def test_multi_node_builtin_waits_for_the_control_plane():
+    plan = build_plan(cfg(worker_num=8, local_worker_num=4, node_rank=1), facts())
+    assert plan.ranks_pending and all(w.rank is None for w in plan.workers)
+    plan = build_plan(cfg(worker_num=8, local_worker_num=4, node_rank=1), facts(), assignment=RankAssignment(3, 1, 2))
+    assert [w.rank for w in plan.workers] == [3, 4, 5, 6]
+    assert [w.log_path for w in plan.workers] == [f"worker_{r}.log" for r in (3, 4, 5, 6)]
+    assert plan.workers[0].env["GROUP_RANK"] == "1" and plan.workers[0].env["GROUP_WORLD_SIZE"] == "2"
+    assert plan.workers[0].env["DEVICE_ID"] == "0" and plan.workers[0].env["LOCAL_WORLD_SIZE"] == "4"
+
+
+def test_non_master_node_has_no_scheduler():
+    plan = build_plan(cfg(worker_num=8, local_worker_num=4), facts(address_is_local=False))
+    assert plan.scheduler is None and len(plan.workers) == 4
+
+
+@pytest.mark.parametrize("mode", ["mindspore", "task"])
+def test_msrun_rank_formula_without_builtin(mode):
+    plan = build_plan(cfg(worker_num=8, local_worker_num=4, node_rank=1), facts(scheduler_mode=mode))
+    assert [w.rank for w in plan.workers] == [4, 5, 6, 7]
+    auto = build_plan(cfg(worker_num=8, local_worker_num=4), facts(scheduler_mode=mode))
+    assert all(w.rank is None for w in auto.workers)
+    assert [w.log_path for w in auto.workers] == [f"worker_{i}.log" for i in range(4)]
+    assert all("RANK_ID" not in w.env and "MS_NODE_ID" not in w.env for w in auto.workers)
+    assert any("not setting '--node_rank'" in t for t in auto.warnings)
+
+
+def test_task_and_mindspore_scheduler_commands():
+    task = build_plan(cfg(), facts(scheduler_mode="task"))
+    assert task.scheduler.argv == [PY, "net.py"]
+    ms = build_plan(cfg(), facts(scheduler_mode="mindspore"))
+    assert ms.scheduler.argv[:2] == [PY, "-c"] and "mindspore.communication" in ms.scheduler.argv[2]
+    assert "MSRUN_JOB_TOKEN" not in ms.workers[0].env
+
+
+def test_dry_run_env():
+    plan = build_plan(cfg(sim_level=1), facts())
+    assert plan.scheduler is None and len(plan.workers) == 4
+    for i, w in enumerate(plan.workers):
+        env = w.env
+        assert env["MS_SIMULATION_LEVEL"] == "1" and env["RANK_ID"] == str(i) and env["DEVICE_ID"] == str(i)
+        assert env["MS_WORKER_NUM"] == "4" and env["RANK_SIZE"] == "4"
+        for gone in ("MS_ROLE", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_TOPO_TIMEOUT", "MASTER_ADDR"):
+            assert gone not in env, gone
+
+
+def test_dry_run_single_rank():
+    plan = build_plan(cfg(worker_num=64, local_worker_num=8, sim_level=0, sim_rank_id=5), facts())
+    assert len(plan.workers) == 1
+    w = plan.workers[0]
+    assert w.rank == 5 and w.env["RANK_ID"] == "5" and w.env["DEVICE_ID"] == "0" and w.log_path == "worker_0.log"
+    assert w.env["MS_NODE_ID"] == "5" and w.env["LOCAL_WORLD_SIZE"] == "1"
+    assert "In dryrun case, RANK_ID is assigned to 5." in plan.warnings
+
+
+def test_dry_run_over_128_local_workers_is_one_process():
+    plan = build_plan(cfg(worker_num=1024, local_worker_num=256, sim_level=0), facts())
+    assert len(plan.workers) == 1 and plan.workers[0].env["RANK_ID"] == "0"
+    assert plan.workers[0].env["RANK_SIZE"] == "1024"
+    assert any("larger than 128" in t for t in plan.warnings)
+
+
+def test_dry_run_from_env_keeps_rank_size():
+    c = cfg(sim_level=2, sim_from_env=True)
+    plan = build_plan(c, facts(base_env={"MS_SIMULATION_LEVEL": "2", "RANK_SIZE": "32"}))
+    assert plan.workers[0].env["RANK_SIZE"] == "32" and plan.workers[0].env["MS_SIMULATION_LEVEL"] == "2"
+
+
+def test_worker_log_name_placeholders():
+    c = cfg(worker_num=4, local_worker_num=2, node_rank=1, worker_log_name="w_{ip}_{hostname}")
+    plan = build_plan(c, facts(scheduler_mode="task", source_ip="10.0.0.2"))
+    assert [w.log_path for w in plan.workers] == ["w_10.0.0.2_vm_2.log", "w_10.0.0.2_vm_3.log"]
+
+
+def test_tail_selection_by_global_rank():
+    c = cfg(join=True, tail_worker_log="1,3")
+    plan = build_plan(c, facts())
+    assert [w.tail for w in plan.workers] == [False, True, False, True]
+    assert all(not w.tail for w in build_plan(cfg(tail_worker_log="1"), facts()).workers), "only with --join"
+
+
+def test_rank_table_and_bind_file_env(tmp_path):
+    bind = tmp_path / "bind.json"
+    bind.write_text(json.dumps({"bind_config": {"bind_cpu_mode": "none", "bind_memory_mode": "none"}}))
+    spec = parse_bind_value(str(bind), "bind_numa")
+    plan = build_plan(cfg(rank_table_file="/rt.json", bind_numa=spec), facts())
+    for p in plan.processes:
+        assert p.env["RANK_TABLE_FILE"] == "/rt.json"
+        assert p.env["MSRUN_BIND_FILE"] == str(bind) and len(p.env["MSRUN_BIND_FILE_HASH"]) == 64
+
+
+def test_plan_json_hides_the_token_and_full_env():
+    plan = build_plan(cfg(), facts())
+    data = json.loads(plan.dumps())
+    assert data["processes"][1]["exported"]["RANK_ID"] == "0"
+    assert "MSRUN_JOB_TOKEN" not in json.dumps(data) and "HOME" not in json.dumps(data)
+    assert data["processes"][1]["command"] == [PY, "net.py"]
+
+
+def test_dist_port_override():
+    plan = build_plan(cfg(), facts(dist_port=29500))
+    assert plan.workers[0].env["MASTER_PORT"] == "29500"
