@@ -142,7 +142,10 @@ class Agent:
         self.term_grace = _env_float("MSRUN_TERM_TIMEOUT", 5.0)
         self.node_timeout = _env_float("MS_NODE_TIMEOUT", 30.0)
         self.hb_interval = max(0.05, min(1.0, self.node_timeout / 3 if self.node_timeout > 0 else 1.0))
-        self.status_name = STATUS_FILE
+        self.status_name: str | None = STATUS_FILE
+        if cfg.multi_node:
+            # Nodes may share a log directory: one status file per node, named once known.
+            self.status_name = f"msrun_status_node{cfg.node_rank}.json" if cfg.node_rank >= 0 else None
         self.started = time.time()
 
     # ------------------------------------------------------------------ signals
@@ -193,6 +196,8 @@ class Agent:
                     events.append(("exit", child))
         if self.signal_received is not None:
             events.append(("signal", self.signal_received))
+        # Messages first: an abort that the scheduler sent before exiting explains that exit.
+        events.sort(key=lambda e: e[0] != "link")
         return events
 
     def _read_link(self, events: list[tuple[str, Any]]) -> None:
@@ -395,7 +400,8 @@ class Agent:
                     self._console_done(0)
                 err = self._await_assignment()
             if err is not None:
-                return self._launch_error(err, self.remote_code or EXIT_LAUNCH_ERROR)
+                code = 128 + self.signal_received if self.signal_received else EXIT_LAUNCH_ERROR
+                return self._launch_error(err, self.remote_code or code)
             if plan.ranks_pending:
                 assert self.assignment is not None
                 plan = build_plan(cfg, self.facts, hosts_scheduler=plan.hosts_scheduler, assignment=self.assignment)
@@ -405,6 +411,8 @@ class Agent:
                     sched_child.spec = plan.scheduler or sched_child.spec
             if self.assignment is not None and (self.assignment.node_count or 1) > 1:
                 self.status_name = f"msrun_status_node{self.assignment.node_index}.json"
+        if self.status_name is None:
+            self.status_name = f"msrun_status_{self.facts.hostname}_{os.getpid()}.json"
 
         for spec in plan.workers:
             if self.signal_received is not None:
@@ -481,7 +489,8 @@ class Agent:
                         failed = True
                     elif child.spec.role == "scheduler" and rc != 0:
                         console.error(f"Scheduler process {child.pid} exit with exception.")
-                        self._record_failure(child)
+                        if self.remote_code is None:  # not just the end of an abort it broadcast
+                            self._record_failure(child)
                         failed = True
                 elif kind == "link":
                     err = self._on_link_message(payload)
@@ -514,6 +523,8 @@ class Agent:
                                 "code": min(255, first.exit_status or 1),
                             }
                         )
+                elif code == 0:
+                    code, reason = EXIT_LAUNCH_ERROR, "failure"
                 break
         if reason == "" and code == 0:
             self._teardown(graceful=True)
@@ -608,6 +619,10 @@ class Agent:
 
     # ------------------------------------------------------------------ status
     def _write_status(self, state: str, code: int | None) -> None:
+        if self.status_name is None or (
+            self.cfg.multi_node and self.assignment is None and self.facts.scheduler_mode == "builtin"
+        ):
+            return  # a node that never joined the job writes nothing into a shared log directory
         plan = self.plan
         data = {
             "job_id": self.facts.job_id,

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
-import secrets
 import socket
 import sys
 
@@ -130,7 +128,9 @@ def job_token(cfg: LaunchConfig, master_ip: str, env: dict[str, str]) -> str:
     if given:
         return given
     if not cfg.multi_node:
-        return secrets.token_hex(16)
+        return os.urandom(16).hex()
+    import hashlib
+
     seed = f"msrun:{master_ip}:{cfg.master_port}:{cfg.worker_num}"
     return hashlib.sha256(seed.encode()).hexdigest()[:32]
 
@@ -156,11 +156,12 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str]) -> NodeFacts:
         task_python=python,
         python=sys.executable,
         scheduler_mode=mode,
-        job_id=secrets.token_hex(8),
+        job_id=os.urandom(8).hex(),
         job_token=job_token(cfg, master_ip, env),
         master_port=cfg.master_port,
         dist_port=cfg.dist_port,
         base_env=env,
+        package_root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )
 
 

@@ -7,6 +7,7 @@ agent spawns exactly what the plan says, so tests can assert on the plan alone.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -14,12 +15,8 @@ from typing import Any
 from pytest_msrun import childenv
 from pytest_msrun.config import SIM_SINGLE_PROCESS_LIMIT, LaunchConfig
 
-MS_SCHED_STUB = (
-    "import sys\n"
-    "from mindspore.communication import init\n"
-    "init()\n"  # never returns for MS_SCHED: MindSpore exits the process once every worker left
-    "sys.exit(0)\n"
-)
+# init() never returns in the MS_SCHED role: MindSpore exits the process once every worker left.
+MS_SCHED_STUB = "import sys; from mindspore.communication import init; init(); sys.exit(0)"
 
 
 @dataclass
@@ -39,6 +36,7 @@ class NodeFacts:
     master_port: int
     dist_port: int
     base_env: Mapping[str, str] = field(default_factory=dict)
+    package_root: str = ""  # the directory holding pytest_msrun, for the builtin scheduler
 
 
 @dataclass
@@ -227,8 +225,13 @@ def build_plan(
 
     processes: list[ProcessSpec] = []
     if hosts_scheduler:
+        sched_env: dict[str, str] = {}
         if mode == "builtin":
-            argv = [facts.python, "-m", "pytest_msrun.scheduler"]
+            # -S: the control plane needs the standard library and this package only, so skip
+            # site-packages processing (.pth files) - it is on the launch's critical path.
+            argv = [facts.python, "-S", "-m", "pytest_msrun.scheduler"]
+            if facts.package_root:
+                sched_env["PYTHONPATH"] = os.pathsep.join(filter(None, [facts.package_root, base.get("PYTHONPATH")]))
         elif mode == "mindspore":
             argv = [facts.task_python, "-c", MS_SCHED_STUB]
         else:
@@ -245,7 +248,7 @@ def build_plan(
                 local_index=-1,
                 rank=None,
                 argv=argv,
-                env={**base, **exported},
+                env={**base, **exported, **sched_env},
                 exported=exported,
                 log_path=_join(cfg.log_dir, "scheduler.log"),
             )

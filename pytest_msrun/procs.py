@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -42,7 +43,25 @@ def become_subreaper() -> bool:
     return _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
+_setpriv: str | None | bool = False
+
+
+def _pdeathsig_wrapper() -> list[str]:
+    """``setpriv --pdeathsig KILL --`` when util-linux's setpriv is installed.
+
+    Setting the parent-death signal through a tiny exec'd helper keeps ``subprocess`` on its
+    fast vfork path; without setpriv a ``preexec_fn`` does the same, more slowly.
+    """
+    global _setpriv
+    if _setpriv is False:
+        _setpriv = shutil.which("setpriv")
+    return [_setpriv, "--pdeathsig", "KILL", "--"] if _setpriv else []
+
+
 def _child_setup_factory(parent_pid: int):
+    if _libc is None:
+        _prctl(0, 0)  # load libc in the parent: the child must not import or load anything
+
     def setup() -> None:  # runs in the forked child, before exec
         os.setsid()
         assert _libc is not None
@@ -105,21 +124,21 @@ def describe_returncode(returncode: int) -> str:
 
 def spawn(spec: ProcessSpec, *, stdin: int | IO | None = None, pass_fds: Iterable[int] = ()) -> Child:
     """Start ``spec`` with its log file as stdout+stderr (truncated, as msrun does)."""
-    if _libc is None:
-        _prctl(0, 0)  # load libc in the parent: the child must not import or load anything
     log_dir = os.path.dirname(spec.log_path)
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
+    wrapper = _pdeathsig_wrapper()
     with open(spec.log_path, "wb") as log:
         popen = subprocess.Popen(
-            spec.command,
+            [*wrapper, *spec.command],
             env=spec.env,
             stdin=stdin,
             stdout=log,
             stderr=subprocess.STDOUT,
             close_fds=True,
             pass_fds=tuple(pass_fds),
-            preexec_fn=_child_setup_factory(os.getpid()),
+            start_new_session=bool(wrapper),
+            preexec_fn=None if wrapper else _child_setup_factory(os.getpid()),
         )
     child = Child(spec=spec, popen=popen, started=time.time())
     try:

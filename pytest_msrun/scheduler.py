@@ -16,17 +16,20 @@ the job goes on. Exit status: 0 when every agent reported success, 1 otherwise.
 
 from __future__ import annotations
 
-import contextlib
-import ipaddress
 import os
 import selectors
+import signal
 import socket
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
 from pytest_msrun import wire
+
+# This module is the scheduler process's whole start-up: it imports no typing, dataclasses,
+# contextlib or hashlib, so the control plane is up while the workers are still starting.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 AUTH_TIMEOUT = float(os.environ.get("MSRUN_AUTH_TIMEOUT", "5"))
 COLLECTIVE_OPS = ("barrier", "gather", "bcast")
@@ -38,36 +41,47 @@ def log(msg: str) -> None:
     sys.stdout.flush()
 
 
-@dataclass
 class Conn:
-    sock: socket.socket
-    peer: str
-    frames: wire.FrameBuffer = field(default_factory=wire.FrameBuffer)
-    out: bytearray = field(default_factory=bytearray)
-    kind: str = ""  # "" until authenticated, then "agent" or "rank"
-    opened: float = field(default_factory=time.monotonic)
-    last_seen: float = field(default_factory=time.monotonic)
-    closing: bool = False
+    """One client connection and its buffers."""
+
+    __slots__ = ("sock", "peer", "frames", "out", "kind", "opened", "last_seen", "closing")
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.frames = wire.FrameBuffer()
+        self.out = bytearray()
+        self.kind = ""  # "" until authenticated, then "agent" or "rank"
+        self.opened = self.last_seen = time.monotonic()
+        self.closing = False
 
 
-@dataclass
 class AgentInfo:
-    conn: Conn
-    node_rank: int
-    local: int
-    host: str
-    ip: str
-    pid: int
-    hosts_scheduler: bool
-    seq: int
-    offset: int = -1
-    done: bool = False
+    """A registered node agent."""
+
+    __slots__ = ("conn", "node_rank", "local", "host", "ip", "pid", "hosts_scheduler", "seq", "offset", "done")
+
+    def __init__(
+        self, conn: Conn, node_rank: int, local: int, host: str, ip: str, pid: int, hosts_scheduler: bool, seq: int
+    ) -> None:
+        self.conn = conn
+        self.node_rank = node_rank
+        self.local = local
+        self.host = host
+        self.ip = ip
+        self.pid = pid
+        self.hosts_scheduler = hosts_scheduler
+        self.seq = seq
+        self.offset = -1
+        self.done = False
 
     def describe(self) -> str:
         nr = f"node_rank {self.node_rank}, " if self.node_rank >= 0 else ""
         return f"{self.host} ({self.ip}, {nr}pid {self.pid}): {self.local} worker(s)"
 
     def sort_key(self) -> tuple:
+        import ipaddress
+
         try:
             addr = ipaddress.ip_address(self.ip.split("%", 1)[0])
             ip_key: tuple = (addr.version, int(addr))
@@ -77,11 +91,15 @@ class AgentInfo:
         return (explicit, not self.hosts_scheduler, ip_key, self.host, self.seq)
 
 
-@dataclass
 class Collective:
-    op: str
-    src: int
-    parts: dict[int, Any] = field(default_factory=dict)
+    """Contributions to one collective operation, by rank."""
+
+    __slots__ = ("op", "src", "parts")
+
+    def __init__(self, op: str, src: int) -> None:
+        self.op = op
+        self.src = src
+        self.parts: dict[int, Any] = {}
 
 
 def _is_int(value: Any, low: int, high: int) -> bool:
@@ -122,6 +140,7 @@ class Scheduler:
         self.exit_code: int | None = None
         self.abort_msg: dict[str, Any] | None = None
         self.limit = wire.message_limit()
+        self.terminated_by: int | None = None
 
     # ---------- plumbing ----------
     def send(self, conn: Conn, msg: dict[str, Any]) -> None:
@@ -142,8 +161,10 @@ class Scheduler:
             self.drop(conn, "send failed")
             return
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
-        with contextlib.suppress(KeyError, ValueError):
+        try:
             self.sel.modify(conn.sock, events, conn)
+        except (KeyError, ValueError):
+            pass
         if conn.closing and not conn.out:
             self._close(conn)
 
@@ -151,8 +172,10 @@ class Scheduler:
         fd = conn.sock.fileno()
         if fd < 0:
             return
-        with contextlib.suppress(KeyError, ValueError):
+        try:
             self.sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
         self.conns.pop(fd, None)
         conn.sock.close()
 
@@ -363,7 +386,7 @@ class Scheduler:
         if data is not None and not isinstance(data, str):
             self.drop(conn, "malformed collective data")
             return
-        coll = self.collectives.setdefault(seq, Collective(op=op, src=src))
+        coll = self.collectives.setdefault(seq, Collective(op, src))
         if coll.op != op or coll.src != src:
             first = coll.op if coll.op != "bcast" else f"bcast(src={coll.src})"
             this = op if op != "bcast" else f"bcast(src={src})"
@@ -446,9 +469,11 @@ class Scheduler:
             except OSError:
                 return
             sock.setblocking(False)
-            with contextlib.suppress(OSError):
+            try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = Conn(sock=sock, peer=f"{addr[0]}:{addr[1]}")
+            except OSError:
+                pass
+            conn = Conn(sock, f"{addr[0]}:{addr[1]}")
             self.conns[sock.fileno()] = conn
             self.sel.register(sock, selectors.EVENT_READ, conn)
 
@@ -472,12 +497,28 @@ class Scheduler:
                 self.send(agent.conn, {"t": "timeout", "reason": reason})
             self.finish(1)
 
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.terminated_by = signum
+
     def run(self) -> int:
+        wake_r, wake_w = os.pipe()
+        os.set_blocking(wake_r, False)
+        os.set_blocking(wake_w, False)
+        signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        self.sel.register(wake_r, selectors.EVENT_READ, "signal")
         self.listener.setblocking(False)
         self.sel.register(self.listener, selectors.EVENT_READ, None)
         log(f"listening on {self.listener.getsockname()[:2]} for {self.worker_num} ranks")
         while self.exit_code is None:
             for key, events in self.sel.select(timeout=0.25):
+                if key.data == "signal":
+                    try:
+                        os.read(wake_r, 64)
+                    except OSError:
+                        pass
+                    continue
                 if key.data is None:
                     self.accept()
                     continue
@@ -486,6 +527,10 @@ class Scheduler:
                     self._flush(conn)
                 if events & selectors.EVENT_READ and conn.sock.fileno() >= 0:
                     self.on_readable(conn)
+            if self.terminated_by is not None and self.exit_code is None:
+                # Messages already received (a failure report, say) were handled above, so a
+                # broadcast abort carries the real cause; else tell every client why it ends.
+                self.abort(f"the scheduler was stopped by {signal.Signals(self.terminated_by).name}", None)
             self.check_timers()
         self.drain(1.0)
         return self.exit_code
@@ -495,7 +540,7 @@ class Scheduler:
         deadline = time.monotonic() + seconds
         while any(c.out for c in self.conns.values()) and time.monotonic() < deadline:
             for key, events in self.sel.select(timeout=0.05):
-                if key.data is not None and events & selectors.EVENT_WRITE:
+                if isinstance(key.data, Conn) and events & selectors.EVENT_WRITE:
                     self._flush(key.data)
 
 
@@ -531,4 +576,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    os._exit(code)  # nothing left to clean up; skip interpreter teardown

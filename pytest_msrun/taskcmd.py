@@ -59,9 +59,15 @@ def task_python(argv: list[str]) -> str:
 def mindspore_importable(python: str) -> bool:
     """Whether ``python`` can import MindSpore, without importing it here."""
     if os.path.abspath(python) == os.path.abspath(sys.executable):
-        import importlib.util
-
-        return importlib.util.find_spec("mindspore") is not None
+        # What importlib.util.find_spec does for a top-level name, without importing it.
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            try:
+                if find is not None and find("mindspore", None) is not None:
+                    return True
+            except (ImportError, ValueError, TypeError):
+                continue
+        return False
     import subprocess
 
     probe = "import importlib.util,sys;sys.exit(0 if importlib.util.find_spec('mindspore') else 1)"

@@ -7,14 +7,20 @@ are limited to :data:`HELLO_LIMIT` bytes; afterwards to :func:`message_limit`.
 
 from __future__ import annotations
 
-import base64
-import hmac
 import json
 import os
 import socket
 import struct
 import time
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+try:  # constant-time comparison without importing hmac/hashlib (OpenSSL) on the start-up path
+    from _operator import _compare_digest as compare_digest
+except ImportError:  # pragma: no cover
+    from hmac import compare_digest
 
 HEADER = struct.Struct(">I")
 HELLO_LIMIT = 64 * 1024
@@ -74,14 +80,18 @@ class FrameBuffer:
 
 
 def token_ok(given: Any, expected: str) -> bool:
-    return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
+    return isinstance(given, str) and compare_digest(given.encode(), expected.encode())
 
 
 def pack_data(raw: bytes) -> str:
+    import base64
+
     return base64.b64encode(raw).decode("ascii")
 
 
 def unpack_data(text: Any) -> bytes:
+    import base64
+
     if not isinstance(text, str):
         raise ProtocolError("data field is not a string")
     try:
@@ -97,6 +107,7 @@ class Channel:
         self.sock = sock
         self.frames = FrameBuffer(limit or message_limit())
         self.pending: list[dict[str, Any]] = []
+        self.eof = False
 
     @classmethod
     def connect(cls, host: str, port: int, timeout: float) -> Channel:
@@ -115,30 +126,39 @@ class Channel:
         """Next message; ``socket.timeout`` if none arrives in time, :class:`PeerClosed` on EOF."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.pending:
+            if self.eof:
+                raise PeerClosed("connection closed by peer")
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             if remaining == 0.0 and deadline is not None:
                 raise socket.timeout("timed out")
             self.sock.settimeout(remaining)
             data = self.sock.recv(1 << 20)
             if not data:
-                raise PeerClosed("connection closed by peer")
+                self.eof = True
+                continue
             self.pending.extend(self.frames.feed(data))
         return self.pending.pop(0)
 
     def poll(self) -> list[dict[str, Any]]:
-        """Messages available right now without blocking (raises :class:`PeerClosed` on EOF)."""
+        """Messages available right now without blocking.
+
+        Raises :class:`PeerClosed` once the peer closed and every message it sent was returned.
+        """
         self.sock.setblocking(False)
         try:
-            while True:
+            while not self.eof:
                 try:
                     data = self.sock.recv(1 << 20)
                 except (BlockingIOError, InterruptedError):
                     break
                 if not data:
-                    raise PeerClosed("connection closed by peer")
+                    self.eof = True
+                    break
                 self.pending.extend(self.frames.feed(data))
         finally:
             self.sock.setblocking(True)
+        if self.eof and not self.pending:
+            raise PeerClosed("connection closed by peer")
         out, self.pending = self.pending, []
         return out
 

@@ -162,3 +162,70 @@ time.sleep(float(os.environ.get("SLEEP", "0")))
 def env_dump(msrun: Msrun) -> Path:
     """A task script that writes its environment to ``DUMP_DIR``."""
     return msrun.script("env_dump.py", ENV_DUMP)
+
+
+def wait_for(predicate, timeout: float = 15.0, interval: float = 0.02):
+    """Poll ``predicate`` until it returns something truthy; fail the test on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {predicate}")
+
+
+def read_status(log_dir: Path, name: str = "msrun_status.json") -> dict | None:
+    try:
+        return json.loads((log_dir / name).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def wait_running(log_dir: Path, workers: int, name: str = "msrun_status.json") -> dict:
+    """Wait until the job's status file lists ``workers`` running workers whose task has started."""
+
+    def ready():
+        st = read_status(log_dir, name)
+        if not st or st["state"] != "running":
+            return None
+        procs = [p for p in st["processes"] if p["role"] == "worker"]
+        if len(procs) != workers:
+            return None
+        for p in procs:
+            try:
+                if not Path(p["log"]).read_text().startswith("started"):
+                    return None
+            except OSError:
+                return None
+        return st
+
+    return wait_for(ready)
+
+
+# A task whose ranks print "started", then behave as FAIL_MODE says for rank FAIL_RANK.
+FAULTY = """
+import ctypes, os, signal, subprocess, sys, time
+rank = int(os.environ.get("RANK_ID", "0"))
+print("started", flush=True)
+mode = os.environ.get("FAIL_MODE", "")
+if os.environ.get("GRANDCHILD"):
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+if os.environ.get("DAEMON"):
+    subprocess.Popen([sys.executable, "-c",
+        "import os, time\\nif os.fork() == 0:\\n    os.setsid()\\n    time.sleep(120)\\n"])
+if os.environ.get("IGNORE_TERM"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if rank == int(os.environ.get("FAIL_RANK", "-1")):
+    time.sleep(float(os.environ.get("FAIL_AFTER", "0.3")))
+    if mode == "exit3":
+        print("rank failing on purpose", flush=True)
+        sys.exit(3)
+    if mode == "raise":
+        raise RuntimeError(f"boom on rank {rank}")
+    if mode == "segv":
+        ctypes.string_at(0)
+    if mode == "exit0":
+        os._exit(0)
+time.sleep(float(os.environ.get("SLEEP", "120")))
+"""

@@ -44,7 +44,7 @@ def test_single_node_scheduler_and_workers():
     plan = build_plan(cfg(log_dir="msrun_log"), facts())
     assert [p.name for p in plan.processes] == ["scheduler", "worker_0", "worker_1", "worker_2", "worker_3"]
     sched = plan.scheduler
-    assert sched.argv == [PY, "-m", "pytest_msrun.scheduler"]
+    assert sched.argv == [PY, "-S", "-m", "pytest_msrun.scheduler"]
     assert sched.log_path == "msrun_log/scheduler.log"
     for key, value in {
         "MS_ROLE": "MS_SCHED",

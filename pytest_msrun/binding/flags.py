@@ -8,7 +8,6 @@ every form is validated here, before anything starts (spec §7 items 10, 29).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -175,6 +174,8 @@ def normalise_unified(obj: dict[str, Any]) -> dict[str, Any]:
 
 def file_hash(path: str) -> str:
     """SHA-256 of the file text, read as msrun does (text mode, re-encoded UTF-8)."""
+    import hashlib
+
     with open(path, encoding="utf-8") as fh:
         return hashlib.sha256(fh.read().encode("utf-8")).hexdigest()
 

@@ -1,0 +1,222 @@
+"""The in-rank API over the builtin control plane: init, ranks, collectives, prompt failure."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from pytest_msrun import cluster
+
+COLLECTIVES = """
+import json, os, sys
+from pytest_msrun import cluster
+cluster.init()
+rank, size = cluster.get_rank(), cluster.get_group_size()
+assert rank == int(os.environ["RANK_ID"]) and size == 4
+cluster.barrier()
+gathered = cluster.all_gather_object({"rank": rank, "sq": rank * rank})
+root = cluster.broadcast_object({"from": rank, "payload": list(range(5))} if rank == 2 else None, src=2)
+big = cluster.all_gather_object(b"x" * 200000)
+for i in range(20):
+    cluster.barrier()
+out = {"rank": rank, "local": cluster.get_local_rank(), "local_size": cluster.get_local_rank_size(),
+       "gathered": gathered, "root": root, "big": [len(b) for b in big], "dryrun": cluster.is_dryrun()}
+with open(os.path.join(os.environ["DUMP_DIR"], f"out_{rank}.json"), "w") as fh:
+    json.dump(out, fh)
+cluster.finalize()
+"""
+
+
+def test_collectives_across_four_ranks(msrun):
+    msrun.script("coll.py", COLLECTIVES)
+    job = msrun.run(
+        [
+            "--worker_num=4",
+            "--local_worker_num=4",
+            "--master_port=0",
+            "--join=True",
+            "--log_dir=logs",
+            "--scheduler=builtin",
+            "coll.py",
+        ]
+    )
+    assert job.returncode == 0, job.stderr + job.stdout
+    outs = [json.loads((msrun.dump / f"out_{r}.json").read_text()) for r in range(4)]
+    for r, out in enumerate(outs):
+        assert out["rank"] == r and out["local"] == r and out["local_size"] == 4 and out["dryrun"] is False
+        assert out["gathered"] == [{"rank": i, "sq": i * i} for i in range(4)]
+        assert out["root"] == {"from": 2, "payload": [0, 1, 2, 3, 4]}
+        assert out["big"] == [200000] * 4
+
+
+def test_collectives_across_two_nodes(msrun):
+    from conftest import free_port, wait_for
+
+    msrun.script("coll.py", COLLECTIVES)
+    port = free_port()
+    args = [
+        "--worker_num=4",
+        "--local_worker_num=2",
+        f"--master_port={port}",
+        "--join=True",
+        "--log_dir=logs",
+        "--scheduler=builtin",
+        "coll.py",
+    ]
+    a = msrun.start(args)
+    wait_for(lambda: (msrun.cwd / "logs" / "scheduler.log").exists())
+    b = msrun.start(args)
+    ja, jb = msrun.finish(a), msrun.finish(b)
+    assert ja.returncode == 0 and jb.returncode == 0, ja.stderr + jb.stderr
+    outs = [json.loads((msrun.dump / f"out_{r}.json").read_text()) for r in range(4)]
+    assert [o["local"] for o in outs] == [0, 1, 0, 1]
+    assert all(o["gathered"][3] == {"rank": 3, "sq": 9} for o in outs)
+
+
+PEER_DIES = """
+import os, signal, sys, time
+from pytest_msrun import cluster
+if os.environ.get("IGNORE_TERM"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+cluster.init()
+rank = cluster.get_rank()
+if rank == 1:
+    time.sleep(0.3)
+    os._exit(7)
+t0 = time.monotonic()
+try:
+    cluster.barrier()
+except cluster.ClusterError as exc:
+    print(f"rank {rank} barrier raised after {time.monotonic() - t0:.2f}s: {type(exc).__name__}: {exc}", flush=True)
+    with open(os.path.join(os.environ["DUMP_DIR"], f"raised_{rank}.txt"), "w") as fh:
+        fh.write(f"{time.monotonic() - t0:.3f} {exc}")
+    sys.exit(5)
+print("barrier passed?!", flush=True)
+"""
+
+
+def test_blocked_barrier_raises_promptly_when_a_peer_dies(msrun):
+    msrun.script("peer.py", PEER_DIES)
+    # The survivors ignore SIGTERM, so msrun's teardown does not end them before they can
+    # observe what their blocked barrier does when rank 1 dies.
+    t0 = time.monotonic()
+    job = msrun.run(
+        [
+            "--worker_num=3",
+            "--local_worker_num=3",
+            "--master_port=0",
+            "--join=True",
+            "--log_dir=logs",
+            "--scheduler=builtin",
+            "peer.py",
+        ],
+        env={"IGNORE_TERM": "1", "MSRUN_TERM_TIMEOUT": "5"},
+    )
+    assert time.monotonic() - t0 < 10
+    assert job.returncode == 7, job.stderr
+    raised = sorted(p.name for p in msrun.dump.glob("raised_*.txt"))
+    assert raised == ["raised_0.txt", "raised_2.txt"], job.stderr
+    for name in raised:
+        elapsed, text = (msrun.dump / name).read_text().split(" ", 1)
+        assert float(elapsed) < 2.0 and "rank 1" in text, text
+
+
+def test_barrier_error_without_teardown(msrun):
+    """A rank that leaves cleanly but early (exit 0 without finalize) makes peers' barrier fail, not hang."""
+    msrun.script("early.py", PEER_DIES.replace("os._exit(7)", "os._exit(0)"))
+    job = msrun.run(
+        [
+            "--worker_num=3",
+            "--local_worker_num=3",
+            "--master_port=0",
+            "--join=True",
+            "--log_dir=logs",
+            "--scheduler=builtin",
+            "early.py",
+        ]
+    )
+    assert job.returncode == 5, job.stderr
+    raised = sorted(p.name for p in msrun.dump.glob("raised_*.txt"))
+    assert raised and set(raised) <= {"raised_0.txt", "raised_2.txt"}
+    text = (msrun.dump / raised[0]).read_text()
+    assert "rank 1 left the job" in text
+
+
+def test_collective_mismatch_is_an_error(msrun):
+    msrun.script(
+        "mismatch.py",
+        """
+        import sys
+        from pytest_msrun import cluster
+        cluster.init()
+        try:
+            if cluster.get_rank() == 0:
+                cluster.barrier()
+            else:
+                cluster.all_gather_object(1)
+        except cluster.ClusterError as exc:
+            print("ERR", exc, flush=True)
+            sys.exit(4)
+    """,
+    )
+    job = msrun.run(
+        [
+            "--worker_num=2",
+            "--local_worker_num=2",
+            "--master_port=0",
+            "--join=True",
+            "--log_dir=logs",
+            "--scheduler=builtin",
+            "mismatch.py",
+        ]
+    )
+    assert job.returncode == 4
+    assert "mismatch" in job.log("worker_0.log") + job.log("worker_1.log")
+
+
+def test_dry_run_and_standalone_groups(msrun, monkeypatch):
+    msrun.script(
+        "dry.py",
+        """
+        import json, os
+        from pytest_msrun import cluster
+        cluster.init()
+        assert cluster.is_dryrun()
+        cluster.barrier()
+        out = cluster.all_gather_object(cluster.get_rank())
+        with open(os.path.join(os.environ["DUMP_DIR"], f"dry_{cluster.get_rank()}.json"), "w") as fh:
+            json.dump(out, fh)
+    """,
+    )
+    job = msrun.run(
+        ["--worker_num=2", "--local_worker_num=2", "--sim_level=0", "--join=True", "--log_dir=logs", "dry.py"]
+    )
+    assert job.returncode == 0, job.stderr
+    assert json.loads((msrun.dump / "dry_1.json").read_text()) == [1, 1]
+
+    for name in ("MS_ROLE", "RANK_ID", "RANK_SIZE", "MS_SIMULATION_LEVEL"):
+        monkeypatch.delenv(name, raising=False)
+    cluster.finalize()
+    cluster.init()
+    try:
+        assert cluster.get_rank() == 0 and cluster.get_group_size() == 1
+        assert cluster.all_gather_object("x") == ["x"] and cluster.broadcast_object(5) == 5
+    finally:
+        cluster.finalize()
+
+
+def test_collective_before_init_raises(monkeypatch):
+    cluster.finalize()
+    with pytest.raises(cluster.ClusterError, match="has not been inited"):
+        cluster.barrier()
+
+
+def test_non_builtin_scheduler_is_named(monkeypatch):
+    cluster.finalize()
+    monkeypatch.setenv("MS_ROLE", "MS_WORKER")
+    monkeypatch.setenv("MSRUN_SCHEDULER", "mindspore")
+    monkeypatch.setenv("RANK_ID", "0")
+    with pytest.raises(cluster.ClusterError, match="builtin scheduler"):
+        cluster.init()

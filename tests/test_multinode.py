@@ -1,0 +1,215 @@
+"""Two or more msrun invocations on this machine (loopback) form one job through the builtin scheduler."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import FAULTY, free_port, read_status, wait_for
+
+
+def _node(msrun, port, local, total, extra=(), env=None, script="env_dump.py"):
+    args = [
+        f"--worker_num={total}",
+        f"--local_worker_num={local}",
+        f"--master_port={port}",
+        "--join=True",
+        "--log_dir=logs",
+        "--cluster_time_out=20",
+        *extra,
+        script,
+    ]
+    return msrun.start(args, env=env)
+
+
+def _wait_listening(msrun):
+    wait_for(
+        lambda: (
+            (msrun.cwd / "logs" / "scheduler.log").exists()
+            and "listening" in (msrun.cwd / "logs" / "scheduler.log").read_text()
+        )
+    )
+
+
+def _ranks_by_node(dumps):
+    by_node: dict[str, list[int]] = {}
+    for d in dumps:
+        by_node.setdefault(d["GROUP_RANK"], []).append(int(d["RANK_ID"]))
+    return {k: sorted(v) for k, v in sorted(by_node.items())}
+
+
+@pytest.mark.parametrize(
+    "nodes,expected",
+    [
+        ([(2, ["--node_rank=0"]), (2, ["--node_rank=1"])], {"0": [0, 1], "1": [2, 3]}),
+        ([(2, ["--node_rank=1"]), (2, ["--node_rank=0"])], {"0": [0, 1], "1": [2, 3]}),
+        ([(2, []), (2, [])], {"0": [0, 1], "1": [2, 3]}),
+        ([(3, ["--node_rank=0"]), (1, ["--node_rank=1"])], {"0": [0, 1, 2], "1": [3]}),
+        ([(1, ["--node_rank=1"]), (3, ["--node_rank=0"])], {"0": [0, 1, 2], "1": [3]}),
+        ([(3, []), (1, [])], {"0": [0, 1, 2], "1": [3]}),
+    ],
+    ids=["2+2-node_rank", "2+2-node_rank-reversed", "2+2-auto", "3+1-node_rank", "1+3-master-is-node1", "3+1-auto"],
+)
+def test_two_invocations_form_one_job(msrun, env_dump, nodes, expected):
+    port = free_port()
+    first = _node(msrun, port, nodes[0][0], 4, nodes[0][1])
+    _wait_listening(msrun)
+    second = _node(msrun, port, nodes[1][0], 4, nodes[1][1])
+    a, b = msrun.finish(first), msrun.finish(second)
+    assert a.returncode == 0, a.stderr
+    assert b.returncode == 0, b.stderr
+    dumps = msrun.dumps()
+    assert sorted(int(d["RANK_ID"]) for d in dumps) == [0, 1, 2, 3]
+    assert _ranks_by_node(dumps) == expected
+    for d in dumps:
+        assert d["RANK_ID"] == d["MS_NODE_ID"] == d["RANK"]
+        assert d["RANK_SIZE"] == d["WORLD_SIZE"] == "4" and d["GROUP_WORLD_SIZE"] == "2"
+        assert int(d["LOCAL_RANK"]) < int(d["LOCAL_WORLD_SIZE"])
+        assert d["MSRUN_JOB_ID"] == dumps[0]["MSRUN_JOB_ID"]
+    logs = sorted(p.name for p in (msrun.cwd / "logs").glob("worker_*.log"))
+    assert logs == ["worker_0.log", "worker_1.log", "worker_2.log", "worker_3.log"]
+    assert "Start scheduler process" in a.stdout and "Start scheduler process" not in b.stdout
+
+
+def test_missing_node_times_out_with_a_clear_error(msrun, env_dump):
+    t0 = time.monotonic()
+    job = msrun.run(
+        [
+            "--worker_num=4",
+            "--local_worker_num=2",
+            f"--master_port={free_port()}",
+            "--join=True",
+            "--log_dir=logs",
+            "--cluster_time_out=2",
+            "env_dump.py",
+        ]
+    )
+    assert 1.5 < time.monotonic() - t0 < 15
+    assert job.returncode == 1, job.stderr
+    assert "cluster time out after 2 s (--cluster_time_out): 2 of 4 ranks registered" in job.stderr
+    assert "missing 2" in job.stderr
+    assert "Start worker" not in job.stdout and not list(msrun.dump.iterdir())
+
+
+def test_extra_node_is_refused_and_the_job_goes_on(msrun, faulty_sleep):
+    port = free_port()
+    a = _node(msrun, port, 2, 4, env={"SLEEP": "3"}, script="faulty.py")
+    _wait_listening(msrun)
+    b = _node(msrun, port, 2, 4, env={"SLEEP": "3"}, script="faulty.py")
+    wait_for(lambda: "4/4 ranks" in (msrun.cwd / "logs" / "scheduler.log").read_text())
+    extra = msrun.run(
+        [
+            "--worker_num=4",
+            "--local_worker_num=2",
+            f"--master_port={port}",
+            "--join=True",
+            "--log_dir=extra",
+            "faulty.py",
+        ],
+        log_dir="extra",
+    )
+    assert extra.returncode == 1
+    assert "the scheduler refused this node: extra node" in extra.stderr
+    assert "Start worker" not in extra.stdout
+    assert msrun.finish(a).returncode == 0
+    assert msrun.finish(b).returncode == 0
+
+
+def test_oversubscribing_node_is_refused(msrun, env_dump):
+    port = free_port()
+    a = _node(msrun, port, 2, 4)
+    _wait_listening(msrun)
+    big = msrun.run(
+        [
+            "--worker_num=4",
+            "--local_worker_num=3",
+            f"--master_port={port}",
+            "--join=True",
+            "--log_dir=big",
+            "env_dump.py",
+        ],
+        log_dir="big",
+    )
+    assert big.returncode == 1
+    assert "would exceed --worker_num=4" in big.stderr
+    b = _node(msrun, port, 2, 4)
+    assert msrun.finish(a).returncode == 0 and msrun.finish(b).returncode == 0
+
+
+def test_bad_token_is_refused_and_the_job_goes_on(msrun, env_dump):
+    port = free_port()
+    a = _node(msrun, port, 2, 4, env={"MSRUN_JOB_TOKEN": "secret"})
+    _wait_listening(msrun)
+    bad = msrun.run(
+        [
+            "--worker_num=4",
+            "--local_worker_num=2",
+            f"--master_port={port}",
+            "--join=True",
+            "--log_dir=bad",
+            "env_dump.py",
+        ],
+        env={"MSRUN_JOB_TOKEN": "wrong"},
+        log_dir="bad",
+    )
+    assert bad.returncode == 1
+    assert "refused this node: bad job token" in bad.stderr
+    b = _node(msrun, port, 2, 4, env={"MSRUN_JOB_TOKEN": "secret"})
+    assert msrun.finish(a).returncode == 0 and msrun.finish(b).returncode == 0
+    assert sorted(int(d["RANK_ID"]) for d in msrun.dumps()) == [0, 1, 2, 3]
+
+
+def test_duplicate_node_rank_is_refused(msrun, env_dump):
+    port = free_port()
+    a = _node(msrun, port, 2, 4, ["--node_rank=0"])
+    _wait_listening(msrun)
+    dup = msrun.run(
+        [
+            "--worker_num=4",
+            "--local_worker_num=2",
+            f"--master_port={port}",
+            "--join=True",
+            "--node_rank=0",
+            "--log_dir=dup",
+            "env_dump.py",
+        ],
+        log_dir="dup",
+    )
+    assert dup.returncode == 1 and "--node_rank=0 is already taken" in dup.stderr
+    b = _node(msrun, port, 2, 4, ["--node_rank=1"])
+    assert msrun.finish(a).returncode == 0 and msrun.finish(b).returncode == 0
+
+
+@pytest.mark.parametrize("failing_node", ["master", "other"])
+def test_failure_on_one_node_tears_down_every_node(msrun, faulty_sleep, failing_node):
+    port = free_port()
+    fail_rank = "1" if failing_node == "master" else "3"
+    env = {"FAIL_RANK": fail_rank, "FAIL_MODE": "exit3", "FAIL_AFTER": "0.5"}
+    a = _node(msrun, port, 2, 4, ["--node_rank=0"], env=env, script="faulty.py")
+    _wait_listening(msrun)
+    b = _node(msrun, port, 2, 4, ["--node_rank=1"], env=env, script="faulty.py")
+    t0 = time.monotonic()
+    ja, jb = msrun.finish(a, timeout=30), msrun.finish(b, timeout=30)
+    assert time.monotonic() - t0 < 10, "every node must tear down at once, not after a heartbeat timeout"
+    assert ja.returncode == 3, ja.stderr
+    assert jb.returncode == 3, jb.stderr
+    origin, other = (ja, jb) if failing_node == "master" else (jb, ja)
+    assert f"rank {fail_rank} (worker_{fail_rank}.log" in origin.stderr
+    assert "job aborted by the scheduler" in other.stderr and f"rank {fail_rank} exited with code 3" in other.stderr
+
+
+def test_node_status_files(msrun, env_dump):
+    port = free_port()
+    a = _node(msrun, port, 2, 4)
+    _wait_listening(msrun)
+    b = _node(msrun, port, 2, 4)
+    assert msrun.finish(a).returncode == 0 and msrun.finish(b).returncode == 0
+    st0 = read_status(msrun.cwd / "logs", "msrun_status_node0.json")
+    st1 = read_status(msrun.cwd / "logs", "msrun_status_node1.json")
+    assert st0["state"] == st1["state"] == "succeeded"
+    assert [p["rank"] for p in st1["processes"]] == [2, 3]
+
+
+@pytest.fixture
+def faulty_sleep(msrun):
+    return msrun.script("faulty.py", FAULTY)

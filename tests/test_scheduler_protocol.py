@@ -1,0 +1,219 @@
+"""The control plane survives hostile or broken clients: each is dropped, the job goes on."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, free_port, wait_for
+
+from pytest_msrun import wire
+
+
+@pytest.fixture
+def scheduler(tmp_path):
+    port = free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "MS_WORKER_NUM": "2",
+        "MS_SCHED_HOST": "127.0.0.1",
+        "MS_SCHED_PORT": str(port),
+        "MS_TOPO_TIMEOUT": "30",
+        "MSRUN_JOB_TOKEN": "tok",
+        "MSRUN_AUTH_TIMEOUT": "0.5",
+        "MSRUN_MAX_MESSAGE_BYTES": "100000",
+    }
+    log = tmp_path / "scheduler.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest_msrun.scheduler"], env=env, stdout=fh, stderr=subprocess.STDOUT
+        )
+    wait_for(lambda: "listening" in log.read_text())
+    yield port, proc, log
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+def _raw(port: int) -> socket.socket:
+    return socket.create_connection(("127.0.0.1", port), timeout=5)
+
+
+def _closed(sock: socket.socket, timeout: float = 3) -> bool:
+    sock.settimeout(timeout)
+    try:
+        while True:
+            data = sock.recv(65536)
+            if not data:
+                return True
+    except (ConnectionResetError, BrokenPipeError):
+        return True
+    except socket.timeout:
+        return False
+
+
+def _agent(port: int, token: str = "tok", local: int = 1, node_rank: int = -1) -> wire.Channel:
+    ch = wire.Channel.connect("127.0.0.1", port, timeout=5)
+    ch.send(
+        {
+            "t": "hello",
+            "kind": "agent",
+            "token": token,
+            "node_rank": node_rank,
+            "local": local,
+            "host": "h",
+            "ip": "127.0.0.1",
+            "pid": os.getpid(),
+            "hosts_scheduler": False,
+        }
+    )
+    return ch
+
+
+def test_hostile_clients_are_dropped_and_the_job_goes_on(scheduler):
+    port, proc, log = scheduler
+    http = _raw(port)
+    http.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    notjson = _raw(port)
+    notjson.sendall(struct.pack(">I", 5) + b"\xff\xfe{{{")
+    oversized = _raw(port)
+    oversized.sendall(struct.pack(">I", 10**9))
+    silent = _raw(port)
+    wrongtype = _raw(port)
+    wrongtype.sendall(wire.encode({"t": "done"}))
+    badtoken = wire.Channel.connect("127.0.0.1", port, timeout=5)
+    badtoken.send(
+        {
+            "t": "hello",
+            "kind": "agent",
+            "token": "nope",
+            "node_rank": -1,
+            "local": 1,
+            "host": "h",
+            "ip": "127.0.0.1",
+            "pid": 1,
+            "hosts_scheduler": False,
+        }
+    )
+    malformed = wire.Channel.connect("127.0.0.1", port, timeout=5)
+    malformed.send({"t": "hello", "kind": "agent", "token": "tok", "local": "many"})
+    for sock in (http, notjson, oversized, wrongtype, malformed.sock):
+        assert _closed(sock), sock
+    assert badtoken.recv(5)["t"] == "refused"
+    assert _closed(silent, timeout=5), "a silent client is dropped after the auth timeout"
+    assert proc.poll() is None, "the scheduler must survive all of that"
+
+    a, b = _agent(port), _agent(port)
+    assert a.recv(5)["t"] == "assign" and b.recv(5)["t"] == "assign"
+    for ch in (a, b):
+        ch.send({"t": "done"})
+    assert proc.wait(timeout=10) == 0
+    text = log.read_text()
+    for why in (
+        "exceeds the limit",
+        "not UTF-8 JSON",
+        "no hello within",
+        "first message is not a hello",
+        "bad job token",
+        "malformed agent registration",
+    ):
+        assert why in text, why
+
+
+def test_oversized_message_from_a_rank_drops_only_that_rank(scheduler):
+    port, proc, log = scheduler
+    a, b = _agent(port), _agent(port)
+    a.recv(5), b.recv(5)
+    r0 = wire.Channel.connect("127.0.0.1", port, timeout=5)
+    r0.send({"t": "hello", "kind": "rank", "token": "tok", "rank": 0, "world": 2})
+    r1 = wire.Channel.connect("127.0.0.1", port, timeout=5)
+    r1.send({"t": "hello", "kind": "rank", "token": "tok", "rank": 1, "world": 2})
+    assert r0.recv(5)["t"] == "ready" and r1.recv(5)["t"] == "ready"
+    r0.send({"t": "coll", "op": "barrier", "seq": 1, "src": 0})
+    r1.send({"t": "coll", "op": "gather", "seq": 1, "src": 0, "data": "A" * 200000})
+    reply = r0.recv(5)
+    assert reply["t"] == "error" and "rank 1 left" in reply["reason"]
+    assert proc.poll() is None
+
+
+def test_agent_heartbeat_timeout_aborts(tmp_path):
+    port = free_port()
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "MS_WORKER_NUM": "2",
+        "MS_SCHED_HOST": "127.0.0.1",
+        "MS_SCHED_PORT": str(port),
+        "MSRUN_JOB_TOKEN": "tok",
+        "MS_NODE_TIMEOUT": "0.5",
+    }
+    log = tmp_path / "s.log"
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest_msrun.scheduler"], env=env, stdout=fh, stderr=subprocess.STDOUT
+        )
+    try:
+        wait_for(lambda: "listening" in log.read_text())
+        a, b = _agent(port), _agent(port)
+        assert a.recv(5)["t"] == "assign" and b.recv(5)["t"] == "assign"
+        t0 = time.monotonic()
+        deadline = t0 + 3
+        got = None
+        while time.monotonic() < deadline:  # a keeps beating, b falls silent
+            a.send({"t": "hb"})
+            try:
+                msg = a.recv(0.1)
+            except socket.timeout:
+                continue
+            if msg["t"] == "abort":
+                got = msg
+                break
+        assert got is not None and "no heartbeat" in got["reason"]
+        assert proc.wait(timeout=5) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_garbage_during_a_real_job(msrun):
+    msrun.script(
+        "job.py",
+        """
+        import time
+        from pytest_msrun import cluster
+        cluster.init()
+        time.sleep(0.5)
+        cluster.barrier()
+        print("barrier ok", flush=True)
+    """,
+    )
+    port = free_port()
+    popen = msrun.start(
+        [
+            "--worker_num=2",
+            "--local_worker_num=2",
+            f"--master_port={port}",
+            "--join=True",
+            "--log_dir=logs",
+            "--scheduler=builtin",
+            "job.py",
+        ]
+    )
+    wait_for(lambda: (msrun.cwd / "logs" / "scheduler.log").exists())
+    socks = []
+    for payload in (b"\x00" * 64, struct.pack(">I", 2**31), b"garbage\n"):
+        s = _raw(port)
+        s.sendall(payload)
+        socks.append(s)
+    job = msrun.finish(popen)
+    assert job.returncode == 0, job.stderr
+    assert "barrier ok" in job.log("worker_0.log") and "barrier ok" in job.log("worker_1.log")
+    for s in socks:
+        s.close()

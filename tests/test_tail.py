@@ -1,0 +1,70 @@
+"""``--tail_worker_log``: in-process tailing with a ``[rank N]`` prefix, no line lost."""
+
+from __future__ import annotations
+
+LOUD = """
+import os, sys
+rank = os.environ["RANK_ID"]
+for i in range(int(os.environ.get("LINES", "20000"))):
+    print(f"line {i} of rank {rank}")
+sys.stdout.write(f"last words of rank {rank} without newline")
+"""
+
+
+def test_every_line_of_every_rank_arrives_prefixed(msrun):
+    msrun.script("loud.py", LOUD)
+    job = msrun.run(
+        ["--worker_num=2", "--local_worker_num=2", "--master_port=0", "--join=True", "--log_dir=logs", "loud.py"]
+    )
+    assert job.returncode == 0, job.stderr
+    lines = job.stdout.splitlines()
+    for rank in (0, 1):
+        mine = [ln for ln in lines if ln.startswith(f"[rank {rank}] ")]
+        assert len(mine) == 20001
+        assert mine[0] == f"[rank {rank}] line 0 of rank {rank}"
+        assert mine[19999] == f"[rank {rank}] line 19999 of rank {rank}"
+        assert mine[-1] == f"[rank {rank}] last words of rank {rank} without newline"
+
+
+def test_tail_selection_by_rank(msrun):
+    msrun.script("loud.py", LOUD)
+    job = msrun.run(
+        [
+            "--worker_num=3",
+            "--local_worker_num=3",
+            "--master_port=0",
+            "--join=True",
+            "--log_dir=logs",
+            "--tail_worker_log=1",
+            "loud.py",
+        ],
+        env={"LINES": "10"},
+    )
+    assert job.returncode == 0
+    tailed = {ln.split("]")[0] + "]" for ln in job.stdout.splitlines() if ln.startswith("[rank")}
+    assert tailed == {"[rank 1]"}
+    assert "line 9 of rank 0" in job.log("worker_0.log")
+
+
+def test_no_tail_without_join(msrun):
+    msrun.script("loud.py", LOUD)
+    job = msrun.run(
+        ["--worker_num=1", "--local_worker_num=1", "--master_port=0", "--log_dir=logs", "loud.py"], env={"LINES": "5"}
+    )
+    assert job.returncode == 0
+    assert "[rank" not in job.stdout
+
+
+def test_tail_no_tail_subprocess(msrun):
+    """msrun tails in-process: no ``tail`` process is ever started."""
+    import psutil
+    from conftest import wait_running
+
+    msrun.script("slow.py", "import time\nprint('started', flush=True)\ntime.sleep(2)\n")
+    popen = msrun.start(
+        ["--worker_num=2", "--local_worker_num=2", "--master_port=0", "--join=True", "--log_dir=logs", "slow.py"]
+    )
+    wait_running(msrun.cwd / "logs", 2)
+    names = [c.name() for c in psutil.Process(popen.pid).children(recursive=True)]
+    assert "tail" not in names
+    assert msrun.finish(popen).returncode == 0
