@@ -21,10 +21,33 @@ REPO = Path(__file__).resolve().parents[1]
 MARK = "MSRUN_TEST_MARK"
 
 
+_next_port = [0]
+
+
 def free_port() -> int:
+    """A free port (and the one above it, for MASTER_PORT) from a range owned by this xdist worker.
+
+    Ports come from below the kernel's ephemeral range, so client sockets never take them, and
+    each xdist worker has its own slice, so parallel tests never hand out the same port.
+    """
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    base = 20000 + (index % 10) * 1000
+    for _ in range(500):
+        port = base + (_next_port[0] % 500) * 2
+        _next_port[0] += 1
+        if all(_bindable(p) for p in (port, port + 1)):
+            return port
+    raise RuntimeError("no free port pair")
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def marked_processes(mark: str) -> list[psutil.Process]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 LOUD = """
 import os, sys
 rank = os.environ["RANK_ID"]
-for i in range(int(os.environ.get("LINES", "20000"))):
+for i in range(int(os.environ.get("LOUD_LINES", "20000"))):
     print(f"line {i} of rank {rank}")
 sys.stdout.write(f"last words of rank {rank} without newline")
 """
@@ -38,7 +38,7 @@ def test_tail_selection_by_rank(msrun):
             "--tail_worker_log=1",
             "loud.py",
         ],
-        env={"LINES": "10"},
+        env={"LOUD_LINES": "10"},
     )
     assert job.returncode == 0
     tailed = {ln.split("]")[0] + "]" for ln in job.stdout.splitlines() if ln.startswith("[rank")}
@@ -49,7 +49,7 @@ def test_tail_selection_by_rank(msrun):
 def test_no_tail_without_join(msrun):
     msrun.script("loud.py", LOUD)
     job = msrun.run(
-        ["--worker_num=1", "--local_worker_num=1", "--master_port=0", "--log_dir=logs", "loud.py"], env={"LINES": "5"}
+        ["--worker_num=1", "--local_worker_num=1", "--master_port=0", "--log_dir=logs", "loud.py"], env={"LOUD_LINES": "5"}
     )
     assert job.returncode == 0
     assert "[rank" not in job.stdout
