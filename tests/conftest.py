@@ -252,3 +252,16 @@ if rank == int(os.environ.get("FAIL_RANK", "-1")):
         os._exit(0)
 time.sleep(float(os.environ.get("SLEEP", "120")))
 """
+
+
+def job_args(workers: int, *rest: str, local: int | None = None, port: int = 0, join: bool = True) -> list[str]:
+    """The usual msrun flags for a test job (logs in ``logs/``), then ``rest`` (flags, task, args)."""
+    args = [
+        f"--worker_num={workers}",
+        f"--local_worker_num={local or workers}",
+        f"--master_port={port}",
+        "--log_dir=logs",
+    ]
+    if join:
+        args.append("--join=True")
+    return [*args, *rest]

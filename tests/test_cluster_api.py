@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+from conftest import free_port, job_args, wait_for
 
 from pytest_msrun import cluster
 
@@ -31,17 +32,7 @@ cluster.finalize()
 
 def test_collectives_across_four_ranks(msrun):
     msrun.script("coll.py", COLLECTIVES)
-    job = msrun.run(
-        [
-            "--worker_num=4",
-            "--local_worker_num=4",
-            "--master_port=0",
-            "--join=True",
-            "--log_dir=logs",
-            "--scheduler=builtin",
-            "coll.py",
-        ]
-    )
+    job = msrun.run(job_args(4, "--scheduler=builtin", "coll.py"))
     assert job.returncode == 0, job.stderr + job.stdout
     outs = [json.loads((msrun.dump / f"out_{r}.json").read_text()) for r in range(4)]
     for r, out in enumerate(outs):
@@ -52,8 +43,6 @@ def test_collectives_across_four_ranks(msrun):
 
 
 def test_collectives_across_two_nodes(msrun):
-    from conftest import free_port, wait_for
-
     msrun.script("coll.py", COLLECTIVES)
     port = free_port()
     args = [
@@ -103,15 +92,7 @@ def test_blocked_barrier_raises_promptly_when_a_peer_dies(msrun):
     # observe what their blocked barrier does when rank 1 dies.
     t0 = time.monotonic()
     job = msrun.run(
-        [
-            "--worker_num=3",
-            "--local_worker_num=3",
-            "--master_port=0",
-            "--join=True",
-            "--log_dir=logs",
-            "--scheduler=builtin",
-            "peer.py",
-        ],
+        job_args(3, "--scheduler=builtin", "peer.py"),
         env={"IGNORE_TERM": "1", "MSRUN_TERM_TIMEOUT": "5"},
     )
     assert time.monotonic() - t0 < 10
@@ -126,17 +107,7 @@ def test_blocked_barrier_raises_promptly_when_a_peer_dies(msrun):
 def test_barrier_error_without_teardown(msrun):
     """A rank that leaves cleanly but early (exit 0 without finalize) makes peers' barrier fail, not hang."""
     msrun.script("early.py", PEER_DIES.replace("os._exit(7)", "os._exit(0)"))
-    job = msrun.run(
-        [
-            "--worker_num=3",
-            "--local_worker_num=3",
-            "--master_port=0",
-            "--join=True",
-            "--log_dir=logs",
-            "--scheduler=builtin",
-            "early.py",
-        ]
-    )
+    job = msrun.run(job_args(3, "--scheduler=builtin", "early.py"))
     assert job.returncode == 5, job.stderr
     raised = sorted(p.name for p in msrun.dump.glob("raised_*.txt"))
     assert raised and set(raised) <= {"raised_0.txt", "raised_2.txt"}
@@ -161,17 +132,7 @@ def test_collective_mismatch_is_an_error(msrun):
             sys.exit(4)
     """,
     )
-    job = msrun.run(
-        [
-            "--worker_num=2",
-            "--local_worker_num=2",
-            "--master_port=0",
-            "--join=True",
-            "--log_dir=logs",
-            "--scheduler=builtin",
-            "mismatch.py",
-        ]
-    )
+    job = msrun.run(job_args(2, "--scheduler=builtin", "mismatch.py"))
     assert job.returncode == 4
     assert "mismatch" in job.log("worker_0.log") + job.log("worker_1.log")
 

@@ -12,6 +12,7 @@ import sys
 
 import psutil
 import pytest
+from conftest import job_args
 
 START_WORKER = re.compile(
     r"^Start worker process with rank id:(\d+), log file:(\S+)\. Environment variable \[RANK_ID=(\d+)\] is exported\. "
@@ -85,7 +86,7 @@ def test_task_mode_scheduler_and_worker_env(msrun, env_dump):
 
 def test_builtin_scheduler_env_read_from_proc(msrun, env_dump):
     popen = msrun.start(
-        ["--worker_num=2", "--local_worker_num=2", "--master_port=0", "--join=True", "--log_dir=logs", "env_dump.py"],
+        job_args(2, "env_dump.py"),
         env={"SLEEP": "3"},
     )
     import time
@@ -132,17 +133,7 @@ def test_default_log_dir_is_cwd(msrun, env_dump):
 
 
 def test_worker_log_name_in_real_run(msrun, env_dump):
-    job = msrun.run(
-        [
-            "--worker_num=2",
-            "--local_worker_num=2",
-            "--master_port=0",
-            "--join=True",
-            "--log_dir=logs",
-            "--worker_log_name=w_{ip}_{hostname}",
-            "env_dump.py",
-        ]
-    )
+    job = msrun.run(job_args(2, "--worker_log_name=w_{ip}_{hostname}", "env_dump.py"))
     assert job.returncode == 0, job.stderr
     host = socket.gethostname()
     assert (job.log_dir / f"w_127.0.0.1_{host}_0.log").exists()
@@ -199,18 +190,7 @@ def test_bind_file_and_rank_table_exported(msrun, env_dump, tmp_path):
     (tmp_path / "rt.json").write_text("{}")
     bind = tmp_path / "bind.cfg"
     bind.write_text(json.dumps({"bind_config": {"bind_cpu_mode": "none"}}))
-    job = msrun.run(
-        [
-            "--worker_num=1",
-            "--local_worker_num=1",
-            "--master_port=0",
-            "--join=True",
-            "--log_dir=logs",
-            "--rank_table_file=rt.json",
-            f"--bind_numa={bind.name}",
-            "env_dump.py",
-        ]
-    )
+    job = msrun.run(job_args(1, "--rank_table_file=rt.json", f"--bind_numa={bind.name}", "env_dump.py"))
     assert job.returncode == 0, job.stderr
     (d,) = msrun.dumps()
     import hashlib
@@ -227,17 +207,7 @@ def test_master_addr_forms(msrun, env_dump, addr, expected):
             socket.socket(socket.AF_INET6).bind(("::1", 0))
         except OSError:
             pytest.skip("no IPv6 loopback here")
-    job = msrun.run(
-        [
-            "--worker_num=1",
-            "--local_worker_num=1",
-            "--master_port=0",
-            "--join=True",
-            "--log_dir=logs",
-            f"--master_addr={addr}",
-            "env_dump.py",
-        ]
-    )
+    job = msrun.run(job_args(1, f"--master_addr={addr}", "env_dump.py"))
     assert job.returncode == 0, job.stderr
     (d,) = msrun.dumps()
     assert d["MS_SCHED_HOST"] == expected and d["MASTER_ADDR"] == expected
@@ -245,18 +215,7 @@ def test_master_addr_forms(msrun, env_dump, addr, expected):
 
 
 def test_python_and_pytest_run_as_commands(msrun, env_dump):
-    job = msrun.run(
-        [
-            "--worker_num=1",
-            "--local_worker_num=1",
-            "--master_port=0",
-            "--join=True",
-            "--log_dir=logs",
-            "python",
-            "env_dump.py",
-            "x",
-        ]
-    )
+    job = msrun.run(job_args(1, "python", "env_dump.py", "x"))
     assert job.returncode == 0, job.stderr
     (d,) = msrun.dumps()
     assert json.loads(d["_argv"]) == ["env_dump.py", "x"]
@@ -264,20 +223,7 @@ def test_python_and_pytest_run_as_commands(msrun, env_dump):
     msrun.script("test_ok.py", "def test_ok():\n    assert True\n")
     if shutil.which("pytest") is None:
         pytest.skip("no pytest command on PATH")
-    job = msrun.run(
-        [
-            "--worker_num=2",
-            "--local_worker_num=2",
-            "--master_port=0",
-            "--join=True",
-            "--log_dir=logs",
-            "pytest",
-            "-q",
-            "-p",
-            "no:msrun",
-            "test_ok.py",
-        ]
-    )
+    job = msrun.run(job_args(2, "pytest", "-q", "-p", "no:msrun", "test_ok.py"))
     assert job.returncode == 0, job.stderr
     assert "1 passed" in job.log("worker_1.log")
 
@@ -286,9 +232,7 @@ def test_executable_non_python_task(msrun):
     script = msrun.cwd / "run.sh"
     script.write_text('#!/bin/sh\necho "rank=$RANK_ID role=$MS_ROLE"\n')
     script.chmod(0o755)
-    job = msrun.run(
-        ["--worker_num=2", "--local_worker_num=2", "--master_port=0", "--join=True", "--log_dir=logs", "run.sh"]
-    )
+    job = msrun.run(job_args(2, "run.sh"))
     assert job.returncode == 0, job.stderr
     assert job.log("worker_1.log").strip() == "rank=1 role=MS_WORKER"
 

@@ -8,9 +8,9 @@ import time
 
 import psutil
 import pytest
-from conftest import FAULTY, read_status, wait_for, wait_gone, wait_running
+from conftest import FAULTY, job_args, read_status, wait_for, wait_gone, wait_running
 
-BASE = ["--worker_num=3", "--local_worker_num=3", "--master_port=0", "--join=True", "--log_dir=logs"]
+BASE = job_args(3)
 
 
 @pytest.fixture
@@ -120,7 +120,7 @@ def _alive(pid: int) -> bool:
 def test_join_false_returns_at_once_and_supervises(msrun, faulty):
     t0 = time.monotonic()
     job = msrun.run(
-        ["--worker_num=3", "--local_worker_num=3", "--master_port=0", "--log_dir=logs", "faulty.py"],
+        job_args(3, "faulty.py", join=False),
         env={"FAIL_RANK": "1", "FAIL_MODE": "exit3", "FAIL_AFTER": "1.0", "GRANDCHILD": "1"},
     )
     assert job.returncode == 0, job.stderr
@@ -136,7 +136,7 @@ def test_join_false_returns_at_once_and_supervises(msrun, faulty):
 
 def test_join_false_success_status(msrun, faulty):
     job = msrun.run(
-        ["--worker_num=2", "--local_worker_num=2", "--master_port=0", "--log_dir=logs", "faulty.py"],
+        job_args(2, "faulty.py", join=False),
         env={"SLEEP": "0.2"},
     )
     assert job.returncode == 0

@@ -5,21 +5,14 @@ from __future__ import annotations
 import shutil
 
 import pytest
-from conftest import REPO, free_port, wait_for
+from conftest import REPO, free_port, job_args, wait_for
 
 SAMPLES = REPO / "sample_code" / "startup_method"
 
 
 def test_cluster_demo_four_ranks(msrun):
     job = msrun.run(
-        [
-            "--worker_num=4",
-            "--local_worker_num=4",
-            "--master_port=0",
-            "--join=True",
-            "--log_dir=logs",
-            str(SAMPLES / "cluster_demo.py"),
-        ],
+        job_args(4, str(SAMPLES / "cluster_demo.py")),
         env={"DEMO_N": "10000"},
     )
     assert job.returncode == 0, job.stderr
@@ -47,14 +40,7 @@ def test_cluster_demo_two_nodes(msrun):
 def test_torch_gloo_all_reduce(msrun):
     pytest.importorskip("torch")
     job = msrun.run(
-        [
-            "--worker_num=2",
-            "--local_worker_num=2",
-            "--master_port=0",
-            "--join=True",
-            "--log_dir=logs",
-            str(SAMPLES / "torch_allreduce.py"),
-        ],
+        job_args(2, str(SAMPLES / "torch_allreduce.py")),
         timeout=120,
     )
     assert job.returncode == 0, job.stderr + job.stdout
@@ -66,15 +52,7 @@ def test_torch_gloo_all_reduce(msrun):
 def test_mindspore_net_sample(msrun):
     pytest.importorskip("mindspore")
     job = msrun.run(
-        [
-            "--worker_num=2",
-            "--local_worker_num=2",
-            "--master_port=0",
-            "--join=True",
-            "--log_dir=logs",
-            "--scheduler=mindspore",
-            str(SAMPLES / "net.py"),
-        ],
+        job_args(2, "--scheduler=mindspore", str(SAMPLES / "net.py")),
         env={"SAMPLES": "256"},
         timeout=600,
     )
@@ -109,15 +87,7 @@ def test_mindspore_failure_is_torn_down_at_once(msrun):
 
     t0 = time.monotonic()
     job = msrun.run(
-        [
-            "--worker_num=2",
-            "--local_worker_num=2",
-            "--master_port=0",
-            "--join=True",
-            "--log_dir=logs",
-            "--scheduler=mindspore",
-            "ms_fail.py",
-        ],
+        job_args(2, "--scheduler=mindspore", "ms_fail.py"),
         timeout=300,
     )
     assert job.returncode == 3, job.stderr

@@ -15,8 +15,8 @@ from conftest import REPO, free_port, wait_for
 from pytest_msrun import wire
 
 
-@pytest.fixture
-def scheduler(tmp_path):
+def start_scheduler(tmp_path, **extra: str):
+    """A standalone builtin scheduler for a 2-rank job; returns (port, process, log path)."""
     port = free_port()
     env = {
         **os.environ,
@@ -26,8 +26,7 @@ def scheduler(tmp_path):
         "MS_SCHED_PORT": str(port),
         "MS_TOPO_TIMEOUT": "30",
         "MSRUN_JOB_TOKEN": "tok",
-        "MSRUN_AUTH_TIMEOUT": "0.5",
-        "MSRUN_MAX_MESSAGE_BYTES": "100000",
+        **extra,
     }
     log = tmp_path / "scheduler.log"
     with open(log, "w") as fh:
@@ -35,6 +34,12 @@ def scheduler(tmp_path):
             [sys.executable, "-m", "pytest_msrun.scheduler"], env=env, stdout=fh, stderr=subprocess.STDOUT
         )
     wait_for(lambda: "listening" in log.read_text())
+    return port, proc, log
+
+
+@pytest.fixture
+def scheduler(tmp_path):
+    port, proc, log = start_scheduler(tmp_path, MSRUN_AUTH_TIMEOUT="0.5", MSRUN_MAX_MESSAGE_BYTES="100000")
     yield port, proc, log
     if proc.poll() is None:
         proc.kill()
@@ -143,23 +148,8 @@ def test_oversized_message_from_a_rank_drops_only_that_rank(scheduler):
 
 
 def test_agent_heartbeat_timeout_aborts(tmp_path):
-    port = free_port()
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(REPO),
-        "MS_WORKER_NUM": "2",
-        "MS_SCHED_HOST": "127.0.0.1",
-        "MS_SCHED_PORT": str(port),
-        "MSRUN_JOB_TOKEN": "tok",
-        "MS_NODE_TIMEOUT": "0.5",
-    }
-    log = tmp_path / "s.log"
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest_msrun.scheduler"], env=env, stdout=fh, stderr=subprocess.STDOUT
-        )
+    port, proc, log = start_scheduler(tmp_path, MS_NODE_TIMEOUT="0.5")
     try:
-        wait_for(lambda: "listening" in log.read_text())
         a, b = _agent(port), _agent(port)
         assert a.recv(5)["t"] == "assign" and b.recv(5)["t"] == "assign"
         t0 = time.monotonic()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from conftest import job_args
+
 LOUD = """
 import os, sys
 rank = os.environ["RANK_ID"]
@@ -13,9 +15,7 @@ sys.stdout.write(f"last words of rank {rank} without newline")
 
 def test_every_line_of_every_rank_arrives_prefixed(msrun):
     msrun.script("loud.py", LOUD)
-    job = msrun.run(
-        ["--worker_num=2", "--local_worker_num=2", "--master_port=0", "--join=True", "--log_dir=logs", "loud.py"]
-    )
+    job = msrun.run(job_args(2, "loud.py"))
     assert job.returncode == 0, job.stderr
     lines = job.stdout.splitlines()
     for rank in (0, 1):
@@ -29,15 +29,7 @@ def test_every_line_of_every_rank_arrives_prefixed(msrun):
 def test_tail_selection_by_rank(msrun):
     msrun.script("loud.py", LOUD)
     job = msrun.run(
-        [
-            "--worker_num=3",
-            "--local_worker_num=3",
-            "--master_port=0",
-            "--join=True",
-            "--log_dir=logs",
-            "--tail_worker_log=1",
-            "loud.py",
-        ],
+        job_args(3, "--tail_worker_log=1", "loud.py"),
         env={"LOUD_LINES": "10"},
     )
     assert job.returncode == 0
@@ -49,7 +41,8 @@ def test_tail_selection_by_rank(msrun):
 def test_no_tail_without_join(msrun):
     msrun.script("loud.py", LOUD)
     job = msrun.run(
-        ["--worker_num=1", "--local_worker_num=1", "--master_port=0", "--log_dir=logs", "loud.py"], env={"LOUD_LINES": "5"}
+        job_args(1, "loud.py", join=False),
+        env={"LOUD_LINES": "5"},
     )
     assert job.returncode == 0
     assert "[rank" not in job.stdout
@@ -61,9 +54,7 @@ def test_tail_no_tail_subprocess(msrun):
     from conftest import wait_running
 
     msrun.script("slow.py", "import time\nprint('started', flush=True)\ntime.sleep(2)\n")
-    popen = msrun.start(
-        ["--worker_num=2", "--local_worker_num=2", "--master_port=0", "--join=True", "--log_dir=logs", "slow.py"]
-    )
+    popen = msrun.start(job_args(2, "slow.py"))
     wait_running(msrun.cwd / "logs", 2)
     names = [c.name() for c in psutil.Process(popen.pid).children(recursive=True)]
     assert "tail" not in names
