@@ -550,6 +550,13 @@ class Agent:
         if self.tailer is not None:
             self.tailer.stop()
             self.tailer = None
+        if self.cfg.join and not self.detached:
+            from pytest_msrun.results_table import render_table
+
+            ranks = [c.spec.rank for c in self._workers() if c.spec.rank is not None]
+            table = render_table(self.cfg.log_dir, ranks, since=self.started - 1)
+            if table:
+                console.out(table)
 
     # ------------------------------------------------------------------ teardown
     def _wait_children(self, deadline: float) -> None:
@@ -641,6 +648,8 @@ class Agent:
                     "pid": c.pid,
                     "log": os.path.abspath(c.spec.log_path),
                     "returncode": c.returncode,
+                    "started": c.started,
+                    "ended": c.ended,
                     "terminated_by_msrun": c.terminated_by_us,
                 }
                 for c in self.children

@@ -1,17 +1,92 @@
-"""pytest entry point (``pytest11``): the ``msrun`` marker.
+"""pytest entry point (``pytest11``): the ``msrun`` marker, options, fixtures, and the role plugins.
 
-The controller that turns a marked test into a multi-rank job is built on the launch engine;
-until a test is marked, this plugin adds nothing but the marker's registration.
+* In a normal session (the controller) each ``@pytest.mark.msrun`` test runs as a real msrun
+  job and its ranks' results come back as one report per phase.
+* Inside a job (``msrun pytest ...``, or a rank the controller started) marked tests run in
+  place when the job has their ``worker_num`` ranks, and every rank records its results.
+* As the scheduler (``--scheduler=task``) pytest runs no test.
 """
 
 from __future__ import annotations
 
 import pytest
 
+from pytest_msrun.plugin.env import CONTROLLER, RANK, SCHEDULER, role
+from pytest_msrun.plugin.fixtures import local_rank, msrun, msrun_tmp_path, rank, world_size
+from pytest_msrun.plugin.marker import MARKER_HELP, PARAM, MarkerError, worker_nums
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers",
-        "msrun(worker_num=..., local_worker_num=..., timeout=..., bind_core=..., bind_numa=..., sim_level=..., "
-        "scheduler=..., env=..., devices=...): run the test as a multi-rank msrun job",
+__all__ = ["local_rank", "msrun", "msrun_tmp_path", "rank", "world_size"]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("msrun", "multi-rank tests with msrun")
+    group.addoption(
+        "--msrun-timeout",
+        dest="msrun_timeout",
+        type=float,
+        default=None,
+        help="seconds a marked test's job may run before every rank's stack is collected and the job "
+        "is torn down (default: ini msrun_timeout, else 300; the marker's timeout= wins)",
     )
+    group.addoption(
+        "--msrun-report",
+        dest="msrun_report",
+        choices=("first", "all"),
+        default=None,
+        help="failure detail: the first failing rank's traceback and one line per other failing rank "
+        "(first, default), or every failing rank's traceback (all)",
+    )
+    group.addoption(
+        "--msrun-inprocess",
+        dest="msrun_inprocess",
+        action="store_true",
+        default=False,
+        help="run marked tests in this process as rank 0 of a one-rank world (for --pdb and debuggers)",
+    )
+    group.addoption(
+        "--msrun-devices",
+        dest="msrun_devices",
+        default=None,
+        help="devices jobs may use: auto (default: visible-device variables, then NVML), none, "
+        "cuda:0,1,... or ascend:0-7",
+    )
+    parser.addini("msrun_timeout", "default timeout in seconds of a marked test's job", default="300")
+    parser.addini("msrun_report", "failure detail: first or all", default="first")
+    parser.addini("msrun_devices", "devices jobs may use (see --msrun-devices)", default="auto")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", MARKER_HELP)
+    where = role()
+    if where == RANK:
+        from pytest_msrun.plugin.rank import RankPlugin
+
+        config.pluginmanager.register(RankPlugin(config), "msrun-rank")
+    elif where == SCHEDULER:
+        from pytest_msrun.plugin.rank import SchedulerRolePlugin
+
+        config.pluginmanager.register(SchedulerRolePlugin(), "msrun-scheduler-role")
+    elif where == CONTROLLER and not config.getoption("msrun_inprocess") and not _collect_only(config):
+        from pytest_msrun.plugin.controller import Controller
+
+        config.pluginmanager.register(Controller(config), "msrun-controller")
+
+
+def _collect_only(config: pytest.Config) -> bool:
+    return bool(getattr(config.option, "collectonly", False))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    """``msrun(worker_num=[2, 4])`` runs the test once per job size, ids ``worker_num=2`` ..."""
+    mark = metafunc.definition.get_closest_marker("msrun")
+    if mark is None:
+        return
+    try:
+        nums = worker_nums(mark, metafunc.definition.nodeid)
+    except MarkerError:
+        return  # reported when the item runs
+    value = mark.kwargs.get("worker_num", mark.args[0] if mark.args else None)
+    if isinstance(value, (list, tuple)):
+        metafunc.fixturenames.append(PARAM)
+        metafunc.parametrize(PARAM, nums, ids=[f"worker_num={n}" for n in nums])

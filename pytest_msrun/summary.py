@@ -41,13 +41,14 @@ def extract_traceback(text: str) -> str:
     lines = text.splitlines()
     start = None
     for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith(("Traceback (most recent call last):", "Fatal Python error:")):
+        if lines[i].startswith("Traceback (most recent call last):") or "Fatal Python error:" in lines[i]:
             start = i
             break
     if start is None:
         return ""
-    if lines[start].startswith("Fatal Python error:"):
-        return "\n".join(lines[start : start + 40])
+    if "Fatal Python error:" in lines[start]:  # faulthandler's dump, maybe after unterminated output
+        first = lines[start][lines[start].index("Fatal Python error:") :]
+        return "\n".join([first, *lines[start + 1 : start + 40]])
     out = [lines[start]]
     for line in lines[start + 1 :]:
         out.append(line)

@@ -20,6 +20,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 MARK = "MSRUN_TEST_MARK"
 
+pytest_plugins = ["pytester"]
+collect_ignore = ["examples"]  # example test files for pytester runs, not tests of their own
+
 
 _next_port = [0]
 

@@ -1,0 +1,158 @@
+"""The ``@pytest.mark.msrun(...)`` marker: every engine option a test may set, validated."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from pytest_msrun.binding.flags import BindFlagError, parse_bind_value
+from pytest_msrun.config import SCHEDULER_MODES, SIM_LEVELS
+
+MARKER = "msrun"
+PARAM = "_msrun_worker_num"
+KNOWN = (
+    "worker_num",
+    "local_worker_num",
+    "timeout",
+    "bind_core",
+    "bind_numa",
+    "sim_level",
+    "sim_rank_id",
+    "scheduler",
+    "env",
+    "devices",
+)
+MARKER_HELP = (
+    "msrun(worker_num=2, local_worker_num=None, timeout=None, bind_core=False, bind_numa=False, "
+    "sim_level=None, sim_rank_id=None, scheduler='auto', env=None, devices=0): run the test as a "
+    "multi-rank msrun job (worker_num=[2, 4] parametrizes)"
+)
+
+
+class MarkerError(pytest.UsageError):
+    """An ``msrun`` marker with an invalid argument."""
+
+
+@dataclass
+class MsrunSpec:
+    """A marked test's job, after parametrization picked one ``worker_num``."""
+
+    worker_num: int = 2
+    local_worker_num: int | None = None
+    timeout: float | None = None
+    bind_core: str = "False"
+    bind_numa: str = "False"
+    sim_level: int | None = None
+    sim_rank_id: int | None = None
+    scheduler: str = "auto"
+    env: dict[str, str] = field(default_factory=dict)
+    devices: int = 0
+
+    @property
+    def local(self) -> int:
+        return self.local_worker_num or self.worker_num
+
+    def node_sizes(self) -> list[int]:
+        """Workers per msrun invocation (several invocations = a multi-node job on loopback)."""
+        sizes, left = [], self.worker_num
+        while left > 0:
+            sizes.append(min(self.local, left))
+            left -= sizes[-1]
+        return sizes
+
+
+def _positive_int(name: str, value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MarkerError(f"{where}: msrun({name}=...) must be a positive int, got {value!r}")
+    return value
+
+
+def marker_kwargs(mark: pytest.Mark, where: str) -> dict[str, Any]:
+    kwargs = dict(mark.kwargs)
+    if mark.args:
+        if len(mark.args) > 1 or "worker_num" in kwargs:
+            raise MarkerError(f"{where}: msrun() takes worker_num as its only positional argument")
+        kwargs["worker_num"] = mark.args[0]
+    unknown = sorted(set(kwargs) - set(KNOWN))
+    if unknown:
+        raise MarkerError(f"{where}: unknown msrun() argument(s) {unknown}; known: {', '.join(KNOWN)}")
+    return kwargs
+
+
+def worker_nums(mark: pytest.Mark, where: str) -> list[int]:
+    """``worker_num`` as a list (a list parametrizes the test)."""
+    value = marker_kwargs(mark, where).get("worker_num", 2)
+    values = list(value) if isinstance(value, (list, tuple)) else [value]
+    if not values:
+        raise MarkerError(f"{where}: msrun(worker_num=[]) is empty")
+    return [_positive_int("worker_num", v, where) for v in values]
+
+
+def spec_for(item: pytest.Item) -> MsrunSpec | None:
+    """The validated job spec of ``item``, or None when it is not marked."""
+    mark = item.get_closest_marker(MARKER)
+    if mark is None:
+        return None
+    where = item.nodeid
+    kwargs = marker_kwargs(mark, where)
+    nums = worker_nums(mark, where)
+    callspec = getattr(item, "callspec", None)
+    if callspec is not None and PARAM in callspec.params:
+        worker_num = int(callspec.params[PARAM])
+    else:
+        worker_num = nums[0]
+    spec = MsrunSpec(worker_num=worker_num)
+    if kwargs.get("local_worker_num") is not None:
+        spec.local_worker_num = _positive_int("local_worker_num", kwargs["local_worker_num"], where)
+        if spec.local_worker_num > worker_num:
+            raise MarkerError(
+                f"{where}: msrun(local_worker_num={spec.local_worker_num}) exceeds worker_num={worker_num}"
+            )
+    if kwargs.get("timeout") is not None:
+        timeout = kwargs["timeout"]
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise MarkerError(f"{where}: msrun(timeout=...) must be a positive number of seconds, got {timeout!r}")
+        spec.timeout = float(timeout)
+    for flag in ("bind_core", "bind_numa"):
+        value = kwargs.get(flag, False)
+        if isinstance(value, bool):
+            text = str(value)
+        elif isinstance(value, dict):
+            import json
+
+            text = json.dumps(value)
+        elif isinstance(value, str):
+            text = value
+        else:
+            raise MarkerError(f"{where}: msrun({flag}=...) must be a bool, a dict or a string, got {value!r}")
+        try:
+            parse_bind_value(text, flag)
+        except BindFlagError as exc:
+            raise MarkerError(f"{where}: msrun({flag}=...): {exc}") from None
+        setattr(spec, flag, text)
+    if kwargs.get("sim_level") is not None:
+        if kwargs["sim_level"] not in SIM_LEVELS:
+            raise MarkerError(f"{where}: msrun(sim_level=...) must be one of {SIM_LEVELS}")
+        spec.sim_level = int(kwargs["sim_level"])
+    if kwargs.get("sim_rank_id") is not None:
+        rid = kwargs["sim_rank_id"]
+        if spec.sim_level is None or isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < worker_num:
+            raise MarkerError(f"{where}: msrun(sim_rank_id=...) needs sim_level and 0 <= id < worker_num")
+        spec.sim_rank_id = rid
+    scheduler = kwargs.get("scheduler", "auto")
+    if scheduler not in SCHEDULER_MODES:
+        raise MarkerError(f"{where}: msrun(scheduler={scheduler!r}) is not one of {SCHEDULER_MODES}")
+    spec.scheduler = scheduler
+    env = kwargs.get("env") or {}
+    if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+        raise MarkerError(f"{where}: msrun(env=...) must be a dict of str to str")
+    spec.env = dict(env)
+    devices = kwargs.get("devices", 0)
+    if devices is True:
+        devices = worker_num
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 0:
+        raise MarkerError(f"{where}: msrun(devices=...) must be a device count (or True = one per rank)")
+    spec.devices = devices
+    return spec

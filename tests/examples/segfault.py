@@ -1,0 +1,12 @@
+import ctypes
+import time
+
+import pytest
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_rank_segfaults(rank):
+    if rank == 1:
+        time.sleep(0.2)
+        ctypes.string_at(0)
+    time.sleep(30)

@@ -1,0 +1,247 @@
+"""The controller side of the plugin with pytest's own options: junitxml, xdist, -s, --lf, ..."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+import psutil
+import pytest
+from conftest import MARK, wait_for, wait_gone
+
+EIGHT = """
+import pytest
+
+@pytest.mark.msrun(worker_num=2)
+@pytest.mark.parametrize("i", range(8))
+def test_marked(i, rank, msrun):
+    assert msrun.all_gather(rank) == [0, 1]
+"""
+
+
+@pytest.fixture
+def tracked(monkeypatch, request):
+    mark = f"controller-{request.node.name}"
+    monkeypatch.setenv(MARK, mark)
+    yield mark
+    left = wait_gone(mark)
+    for proc in left:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    assert not left, [p.cmdline() for p in left if p.is_running()]
+
+
+def test_junitxml_has_one_testcase_per_item(pytester, tracked):
+    pytester.makepyfile(
+        test_j="""
+        import pytest
+
+        @pytest.mark.msrun(worker_num=3)
+        def test_ok(rank):
+            print("rank", rank)
+
+        @pytest.mark.msrun(worker_num=3)
+        def test_bad(rank):
+            assert rank != 2
+    """
+    )
+    result = pytester.runpytest_subprocess("--junitxml=out.xml")
+    result.assert_outcomes(passed=1, failed=1)
+    cases = list(ET.parse(pytester.path / "out.xml").getroot().iter("testcase"))
+    assert sorted(c.get("name") for c in cases) == ["test_bad", "test_ok"]
+    bad = next(c for c in cases if c.get("name") == "test_bad")
+    failure = bad.find("failure")
+    assert failure is not None and failure.get("message").startswith("[rank 2] ")
+    assert not list(pytester.path.glob("out.rank*.xml"))
+
+
+@pytest.mark.parametrize("attempt", [1, 2])
+def test_xdist_eight_marked_tests_no_port_collision(pytester, tracked, attempt):
+    pytester.makepyfile(test_eight=EIGHT)
+    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:randomly")
+    result.assert_outcomes(passed=8)
+
+
+def test_dash_s_shows_rank_output_live(pytester, tracked):
+    pytester.makepyfile(
+        test_s="""
+        import pytest
+
+        @pytest.mark.msrun(worker_num=2)
+        def test_prints(rank):
+            print(f"live line from rank {rank}")
+    """
+    )
+    result = pytester.runpytest_subprocess("-s")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines_random(["*[[]rank 0[]]*live line from rank 0*", "*[[]rank 1[]]*live line from rank 1*"])
+
+
+def test_inprocess_mode_runs_in_this_process(pytester, tracked):
+    pytester.makepyfile(
+        test_in="""
+        import os
+        import pytest
+
+        @pytest.mark.msrun(worker_num=4)
+        def test_debuggable(rank, world_size, msrun):
+            assert (rank, world_size) == (0, 1) and "MS_ROLE" not in os.environ
+            assert msrun.all_gather("x") == ["x"]
+            msrun.barrier()
+    """
+    )
+    result = pytester.runpytest_subprocess("--msrun-inprocess")
+    result.assert_outcomes(passed=1)
+
+
+def test_last_failed_and_k_and_durations(pytester, tracked):
+    pytester.makepyfile(
+        test_lf="""
+        import pytest
+
+        @pytest.mark.msrun(worker_num=2)
+        def test_good(rank):
+            pass
+
+        @pytest.mark.msrun(worker_num=2)
+        def test_flaky(rank):
+            import os
+            assert not os.path.exists("fail.flag") or rank == 0
+    """
+    )
+    (pytester.path / "fail.flag").write_text("x")
+    first = pytester.runpytest_subprocess("--durations=5", "-vv")
+    first.assert_outcomes(passed=1, failed=1)
+    first.stdout.fnmatch_lines(["*slowest 5 durations*", "*call*test_lf.py::test_*"])
+    second = pytester.runpytest_subprocess("--lf", "-v")
+    second.assert_outcomes(failed=1)
+    second.stdout.fnmatch_lines(["*test_flaky FAILED*"])
+    assert "test_good" not in second.stdout.str().split("short test summary")[0].split("collected")[1]
+    third = pytester.runpytest_subprocess("-k", "good")
+    third.assert_outcomes(passed=1)
+
+
+def test_report_style_all_shows_every_failing_rank(pytester, tracked):
+    pytester.makepyfile(
+        test_all="""
+        import pytest
+
+        @pytest.mark.msrun(worker_num=3)
+        def test_two_fail(rank):
+            assert rank == 0, f"rank {rank} disagrees"
+    """
+    )
+    first = pytester.runpytest_subprocess()
+    first.assert_outcomes(failed=1)
+    text = first.stdout.str()
+    assert "also failed on ranks" in text
+    assert text.count("disagrees") >= 2
+    every = pytester.runpytest_subprocess("--msrun-report=all")
+    every.assert_outcomes(failed=1)
+    out = every.stdout.str()
+    assert "AssertionError: rank 1 disagrees" in out and "AssertionError: rank 2 disagrees" in out
+
+
+def test_parent_options_reach_the_ranks(pytester, tracked):
+    pytester.makepyfile(
+        test_opts="""
+        import warnings
+        import pytest
+
+        @pytest.mark.msrun(worker_num=2)
+        def test_warns(rank):
+            warnings.warn("careful", UserWarning)
+
+        @pytest.mark.xfail(reason="made strict by -o")
+        @pytest.mark.msrun(worker_num=2)
+        def test_xpasses(rank):
+            pass
+    """
+    )
+    result = pytester.runpytest_subprocess("-W", "error:careful", "-o", "xfail_strict=true")
+    result.assert_outcomes(failed=2)
+    assert "UserWarning: careful" in result.stdout.str()
+
+
+def test_devices_are_disjoint_across_xdist_workers(pytester, tracked):
+    pytester.makepyfile(
+        test_dev="""
+        import json, os, time
+        import pytest
+
+        @pytest.mark.msrun(worker_num=2, devices=2)
+        @pytest.mark.parametrize("i", range(4))
+        def test_devices(i, rank, msrun_tmp_path):
+            start = time.time()
+            time.sleep(0.6)
+            if rank == 0:
+                rec = {"devices": os.environ["CUDA_VISIBLE_DEVICES"], "start": start, "end": time.time()}
+                with open(os.path.join(os.environ["DEV_LOG"], f"{i}.json"), "w") as fh:
+                    json.dump(rec, fh)
+    """
+    )
+    log = pytester.path / "devlog"
+    log.mkdir()
+    os.environ["DEV_LOG"] = str(log)
+    try:
+        result = pytester.runpytest_subprocess("-n", "2", "--msrun-devices=cuda:0,1,2")
+    finally:
+        del os.environ["DEV_LOG"]
+    result.assert_outcomes(passed=4)
+    recs = [json.loads(p.read_text()) for p in log.glob("*.json")]
+    assert len(recs) == 4
+    for a in recs:
+        assert len(set(a["devices"].split(","))) == 2
+        for b in recs:
+            if a is b:
+                continue
+            overlap_in_time = a["start"] < b["end"] and b["start"] < a["end"]
+            if overlap_in_time:
+                assert not set(a["devices"].split(",")) & set(b["devices"].split(",")), (a, b)
+
+
+def test_ctrl_c_of_the_controller_leaves_nothing(pytester, tracked):
+    pytester.makepyfile(
+        test_hang="""
+        import time
+        import pytest
+
+        @pytest.mark.msrun(worker_num=2)
+        def test_long(rank):
+            print("started", flush=True)
+            time.sleep(60)
+    """
+    )
+    # A terminal's Ctrl+C: SIGINT to the foreground process group. (xdist workers ignore SIGINT,
+    # and children inherit that, so restore the default for the pytest under test.)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=pytester.path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+    def rank_started() -> bool:
+        return any(
+            p.name().startswith("python")
+            and "test_hang.py" in " ".join(p.cmdline())
+            and "-S" not in p.cmdline()
+            and "pytest_msrun" not in p.cmdline()
+            for p in psutil.Process(proc.pid).children(recursive=True)
+        )
+
+    wait_for(rank_started, timeout=30)
+    time.sleep(0.5)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2, out.decode()
+    assert b"KeyboardInterrupt" in out

@@ -1,0 +1,126 @@
+"""The plugin's behaviour table: example test files x expected merged outcomes (real jobs, real pytest)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from conftest import MARK, wait_gone
+
+EXAMPLES = Path(__file__).parent / "examples"
+
+# (example file, extra pytest args, expected outcomes, patterns that must appear in the output)
+TABLE = [
+    ("all_pass", ["-rP"], {"passed": 1}, [r"Captured stdout call \[rank 0\]", r"output of rank 2"]),
+    (
+        "one_fails",
+        [],
+        {"failed": 1},
+        [
+            r"\[rank 1\] failed first",
+            r"AssertionError: rank 1 computed the wrong value",
+            r"FAILED test_one_fails.py::test_rank_one_fails - \[rank 1\] AssertionError",
+            r"msrun --worker_num=3",
+            r"worker_1.log",
+        ],
+    ),
+    (
+        "segfault",
+        [],
+        {"failed": 1},
+        [
+            r"rank 1 left no record during the call phase and killed by SIGSEGV \(exit status 139\)",
+            r"Fatal Python error: Segmentation fault",
+            r"terminated by msrun",
+            r"ranks 0 were stopped",
+        ],
+    ),
+    ("os_exit_zero", [], {"failed": 1}, [r"rank 1 left no record during the call phase and exited with code 0"]),
+    (
+        "skips",
+        ["-rs"],
+        {"skipped": 2, "failed": 1},
+        [
+            r"not on this platform",
+            r"statically skipped",
+            r"skipped on ranks 2 \(.*rank 2 has no device.*\) but ran on ranks 0, 1",
+        ],
+    ),
+    (
+        "xfails",
+        ["-rxX"],
+        {"xfailed": 2, "xpassed": 1, "failed": 1},
+        [
+            r"XFAIL test_xfails.py::test_xfail_all_ranks",
+            r"XFAIL test_xfails.py::test_xfail_one_rank",
+            r"XPASS test_xfails.py::test_xpass",
+            r"\[XPASS\(strict\)\] strict",
+        ],
+    ),
+    (
+        "hang",
+        [],
+        {"failed": 1},
+        [
+            r"msrun job timed out after 3 s in the call phase \(ranks 0, 1 had not finished\)",
+            r"stack of rank 0 at the timeout",
+            r"stack of rank 1 at the timeout",
+            r"in wait_forever_here",
+        ],
+    ),
+    ("fixture_error", [], {"errors": 1}, [r"\[rank 1\] failed first", r"RuntimeError: no device for rank 1"]),
+    (
+        "parametrized",
+        ["-v"],
+        {"passed": 5},
+        [
+            r"test_sizes\[worker_num=1\] PASSED",
+            r"test_sizes\[worker_num=2\] PASSED",
+            r"test_sizes\[worker_num=4\] PASSED",
+            r"test_with_user_params\[1\] PASSED",
+        ],
+    ),
+    ("classes", ["-v"], {"passed": 3}, [r"TestClass::test_override PASSED"]),
+    ("many_failures", ["-x"], {"failed": 1}, [r"stopping after 1 failures"]),
+    ("many_failures", ["--maxfail=2"], {"failed": 2}, [r"stopping after 2 failures"]),
+    ("shared", [], {"passed": 1}, []),
+    ("multinode", [], {"passed": 1}, []),
+    ("dryrun", [], {"passed": 2}, []),
+    (
+        "bad_marker",
+        [],
+        {"errors": 2},
+        [r"msrun\(worker_num=...\) must be a positive int", r"unknown msrun\(\) argument\(s\) \['colour'\]"],
+    ),
+    (
+        "devices",
+        ["-rs", "--msrun-devices=cuda:0,1,2"],
+        {"passed": 1, "skipped": 1},
+        [r"needs 64 devices; this machine has 3 \(cuda: 0,1,2\)"],
+    ),
+    (
+        "collect_error_in_rank",
+        [],
+        {"errors": 1},
+        [r"rank 1: collection failed", r"ImportError: rank 1 cannot import a dependency"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "example,args,outcomes,patterns",
+    TABLE,
+    ids=[f"{name}{''.join(a.split('=')[0] for a in args)}" for name, args, _, _ in TABLE],
+)
+def test_example(pytester: pytest.Pytester, monkeypatch, example, args, outcomes, patterns):
+    mark = f"plugin-{example}-{id(args)}"
+    monkeypatch.setenv(MARK, mark)
+    pytester.makepyfile(**{f"test_{example}": (EXAMPLES / f"{example}.py").read_text()})
+    result = pytester.runpytest_subprocess(*args, timeout=180)
+    text = result.stdout.str()
+    result.assert_outcomes(**outcomes)
+    for pattern in patterns:
+        assert re.search(pattern, text), f"{pattern!r} not in output:\n{text}"
+    left = wait_gone(mark)
+    assert not left, f"leftover processes: {[p.cmdline() for p in left]}"
