@@ -75,6 +75,11 @@ class Controller:
         self.pool = ResourcePool()
         self.args = rank_args(config)
 
+    def pytest_report_header(self, config: pytest.Config) -> str | None:
+        if getattr(config.option, "usepdb", False):
+            return "msrun: --pdb cannot enter ranks in other processes; add --msrun-inprocess to debug marked tests here"
+        return None
+
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
         if item.get_closest_marker(MARKER) is None:
