@@ -35,7 +35,7 @@ def write_files(d: Path, n: int) -> None:
     )
     (d / "test_subprocess.py").write_text(
         textwrap.dedent(
-            f"""
+            """
             import socket, subprocess, sys
 
             def _port():
@@ -45,7 +45,7 @@ def write_files(d: Path, n: int) -> None:
 
             def _job(tmp_path):
                 cmd = [sys.executable, "-m", "pytest_msrun", "--worker_num=2", "--local_worker_num=2",
-                       f"--master_port={{_port()}}", "--join=True", "--scheduler=task", f"--log_dir={{tmp_path}}",
+                       f"--master_port={_port()}", "--join=True", "--scheduler=task", f"--log_dir={tmp_path}",
                        sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "inner.py::test_inner"]
                 assert subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
             """
@@ -56,8 +56,13 @@ def write_files(d: Path, n: int) -> None:
 
 def timed(args: list[str], cwd: Path, env: dict[str, str]) -> float:
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=cwd, env=env,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"pytest {args} failed:\n{proc.stdout.decode()[-3000:]}")
@@ -91,10 +96,14 @@ def main() -> int:
     print(f"{n} plain tests                                : {med['plain'] * 1000:7.0f} ms")
     print(f"{n} marked tests, worker_num=2                 : {med['marked'] * 1000:7.0f} ms")
     print(f"{n} tests shelling out to msrun ... pytest     : {med['subprocess'] * 1000:7.0f} ms")
-    print(f"per-test overhead, marked                     : {marked * 1000:7.0f} ms   "
-          f"target <= start-up + 100 ms = {target * 1000:.0f} ms: {'PASS' if marked <= target else 'FAIL'}")
-    print(f"per-test overhead, subprocess pattern         : {sub * 1000:7.0f} ms   (marked/subprocess = "
-          f"{marked / sub:.2f})")
+    print(
+        f"per-test overhead, marked                     : {marked * 1000:7.0f} ms   "
+        f"target <= start-up + 100 ms = {target * 1000:.0f} ms: {'PASS' if marked <= target else 'FAIL'}"
+    )
+    print(
+        f"per-test overhead, subprocess pattern         : {sub * 1000:7.0f} ms   (marked/subprocess = "
+        f"{marked / sub:.2f})"
+    )
     return 0 if marked <= target else 1
 
 

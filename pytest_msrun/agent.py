@@ -419,6 +419,8 @@ class Agent:
                 break
             self._spawn(spec)
         self._write_status("running", None)
+        if cfg.bind_core.enabled or cfg.bind_numa.enabled:
+            self._report_bindings()
         if cfg.join and not self.detached:
             console.warning("Distributed job is spawned. Waiting all processes to exit...")
             tailed = [(prefix_for(s.rank, s.local_index), s.log_path) for s in plan.workers if s.tail]
@@ -428,6 +430,22 @@ class Agent:
         self._console_done(0)
         result = self._supervise()
         return result
+
+    def _report_bindings(self) -> None:
+        """Read back what the kernel applied to every process, warn on any mismatch, print the table."""
+        from pytest_msrun.binding.verify import mismatch, past_wrappers, read_binding, report_table
+
+        rows = []
+        for child in self.children:
+            spec = child.spec
+            got = read_binding(child.pid) if past_wrappers(child.pid) else None
+            if got is not None:
+                for problem in mismatch(spec.cpus, spec.mems, got):
+                    console.warning(f"Binding of {spec.label} (pid {child.pid}) {problem}.")
+            rows.append((spec.label, child.pid, spec.device, spec.cpus, spec.mems, got, spec.bind_how))
+        topo = self.facts.topology
+        source = getattr(topo, "source", "live")
+        console.out(report_table(rows, f"msrun: bindings on {self.facts.hostname} (topology: {source})"))
 
     def _console_done(self, code: int) -> None:
         if self.on_console_done is not None:

@@ -9,6 +9,7 @@ import sys
 
 from pytest_msrun import console
 from pytest_msrun.binding.flags import BindFlagError, BindSpec, parse_bind_value
+from pytest_msrun.binding.strategies import BindingError
 from pytest_msrun.config import SCHEDULER_MODES, ConfigError, LaunchConfig, parse_join, validate
 from pytest_msrun.netaddr import AddressError, is_local_address, resolve_master_addr, source_ip_towards
 from pytest_msrun.plan import NodeFacts, build_plan
@@ -135,6 +136,45 @@ def job_token(cfg: LaunchConfig, master_ip: str, env: dict[str, str]) -> str:
     return hashlib.sha256(seed.encode()).hexdigest()[:32]
 
 
+def binding_facts(cfg: LaunchConfig, env: dict[str, str]) -> tuple[object, dict[str, str | None]]:
+    """Topology (``MSRUN_TOPOLOGY`` snapshot, else live) and tool paths - read only when binding."""
+    if not (cfg.bind_core.enabled or cfg.bind_numa.enabled):
+        return None, {}
+    import shutil
+
+    from pytest_msrun.binding.discover import load_topology
+
+    try:
+        topology = load_topology(env)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(
+            "bind_numa" if cfg.bind_numa.enabled else "bind_core",
+            f"cannot read the topology snapshot in MSRUN_TOPOLOGY: {exc}",
+        ) from None
+    tools = {name: shutil.which(name, path=env.get("PATH")) for name in ("taskset", "numactl")}
+    return topology, tools
+
+
+def probe_numactl(plan_processes: list, topology: object) -> None:
+    """A numactl that cannot set a memory policy here (containers without CAP_SYS_NICE) fails now."""
+    import subprocess
+
+    prefix = next((p.bind_prefix for p in plan_processes if p.bind_prefix[:1] == ["numactl"]), None)
+    if prefix is None or getattr(topology, "source", "") != "live":
+        return
+    node = next((p.mems[0] for p in plan_processes if p.mems), 0)
+    try:
+        proc = subprocess.run(["numactl", f"--membind={node}", "true"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise ConfigError("bind_numa", f"numactl does not run here: {exc}") from None
+    if proc.returncode != 0:
+        raise ConfigError(
+            "bind_numa",
+            f"numactl cannot bind memory here ({proc.stderr.strip() or 'exit ' + str(proc.returncode)}); "
+            "containers need CAP_SYS_NICE - drop the memory binding or run with that capability",
+        )
+
+
 def gather_facts(cfg: LaunchConfig, env: dict[str, str]) -> NodeFacts:
     try:
         master_ip = resolve_master_addr(cfg.master_addr)
@@ -142,6 +182,7 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str]) -> NodeFacts:
         raise ConfigError("master_addr", f"{exc}; give an IP address or a resolvable host name") from None
     argv = task_argv(cfg.task_script, cfg.task_script_args)
     python = task_python(argv)
+    topology, tools = binding_facts(cfg, env)
     mode = cfg.scheduler
     if cfg.dry_run:
         mode = "none"
@@ -162,6 +203,8 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str]) -> NodeFacts:
         dist_port=cfg.dist_port,
         base_env=env,
         package_root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        topology=topology,
+        tools=tools,
     )
 
 
@@ -174,10 +217,12 @@ def main(argv: list[str] | None = None) -> int:
         for text in validate(cfg) + notes:
             console.warning(text)
         facts = gather_facts(cfg, env)
-    except ConfigError as exc:
-        parser.error(str(exc))
+        plan = build_plan(cfg, facts)  # every binding check happens here, before anything starts
+        if not cfg.print_plan:
+            probe_numactl(plan.processes, facts.topology)
+    except (ConfigError, BindingError) as exc:
+        parser.error(str(exc) if isinstance(exc, ConfigError) else f"argument --{exc.flag}: {exc}")
     if cfg.print_plan:
-        plan = build_plan(cfg, facts)
         sys.stdout.write(plan.dumps() + "\n")
         return 0
     if not cfg.join:

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pytest_msrun import childenv
+from pytest_msrun.binding.strategies import Placement, plan_bindings
+from pytest_msrun.binding.topology import Topology
 from pytest_msrun.config import SIM_SINGLE_PROCESS_LIMIT, LaunchConfig
 
 # init() never returns in the MS_SCHED role: MindSpore exits the process once every worker left.
@@ -37,6 +39,8 @@ class NodeFacts:
     dist_port: int
     base_env: Mapping[str, str] = field(default_factory=dict)
     package_root: str = ""  # the directory holding pytest_msrun, for the builtin scheduler
+    topology: Topology | None = None  # read only when a binding flag is set
+    tools: Mapping[str, str | None] = field(default_factory=dict)  # taskset / numactl paths
 
 
 @dataclass
@@ -64,6 +68,19 @@ class ProcessSpec:
     cpus: list[int] | None = None
     mems: list[int] | None = None
     bind_prefix: list[str] = field(default_factory=list)
+    in_child_cpus: list[int] | None = None
+    device: str = ""
+    bind_how: str = ""
+
+    def place(self, placement: Placement) -> None:
+        """Apply a binding placement (prefix, expected CPUs/nodes, extra variables)."""
+        self.cpus, self.mems = placement.cpus, placement.mems
+        self.bind_prefix = list(placement.prefix)
+        self.in_child_cpus = placement.in_child_cpus
+        self.device = placement.device
+        self.bind_how = placement.how
+        self.env.update(placement.env)
+        self.exported.update(placement.env)
 
     @property
     def command(self) -> list[str]:
@@ -305,9 +322,20 @@ def build_plan(
             )
         )
 
-    for flag, spec in (("bind_core", cfg.bind_core), ("bind_numa", cfg.bind_numa)):
-        if spec.enabled:
-            warnings.append(f"--{flag} is accepted and recorded in the plan; this version does not bind yet.")
+    if cfg.bind_core.enabled or cfg.bind_numa.enabled:
+        if facts.topology is None:
+            raise ValueError("binding needs the node's topology in NodeFacts")
+        binding = plan_bindings(
+            facts.topology, cfg.bind_core, cfg.bind_numa, local, facts.base_env, facts.tools, dry_run=dry
+        )
+        if binding is not None:
+            warnings.extend(binding.warnings)
+            workers = [p for p in processes if p.role == "worker"]
+            for spec, placement in zip(workers, binding.workers):
+                spec.place(placement)
+            for spec in processes:
+                if spec.role == "scheduler":
+                    spec.place(binding.scheduler)
 
     return LaunchPlan(
         job_id=facts.job_id,

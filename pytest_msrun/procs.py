@@ -58,7 +58,7 @@ def _pdeathsig_wrapper() -> list[str]:
     return [_setpriv, "--pdeathsig", "KILL", "--"] if _setpriv else []
 
 
-def _child_setup_factory(parent_pid: int):
+def _child_setup_factory(parent_pid: int, cpus: list[int] | None = None):
     if _libc is None:
         _prctl(0, 0)  # load libc in the parent: the child must not import or load anything
 
@@ -68,6 +68,8 @@ def _child_setup_factory(parent_pid: int):
         _libc.prctl(PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0)
         if os.getppid() != parent_pid:  # the parent died before prctl took effect
             os._exit(137)
+        if cpus is not None:  # binding without taskset
+            os.sched_setaffinity(0, cpus)
 
     return setup
 
@@ -127,7 +129,8 @@ def spawn(spec: ProcessSpec, *, stdin: int | IO | None = None, pass_fds: Iterabl
     log_dir = os.path.dirname(spec.log_path)
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
-    wrapper = _pdeathsig_wrapper()
+    # A child bound in-process (no taskset) needs the slower preexec path; others exec setpriv.
+    wrapper = _pdeathsig_wrapper() if spec.in_child_cpus is None else []
     with open(spec.log_path, "wb") as log:
         popen = subprocess.Popen(
             [*wrapper, *spec.command],
@@ -138,7 +141,7 @@ def spawn(spec: ProcessSpec, *, stdin: int | IO | None = None, pass_fds: Iterabl
             close_fds=True,
             pass_fds=tuple(pass_fds),
             start_new_session=bool(wrapper),
-            preexec_fn=None if wrapper else _child_setup_factory(os.getpid()),
+            preexec_fn=None if wrapper else _child_setup_factory(os.getpid(), spec.in_child_cpus),
         )
     child = Child(spec=spec, popen=popen, started=time.time())
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -164,7 +165,10 @@ def test_rank_table_and_bind_file_env(tmp_path):
     bind = tmp_path / "bind.json"
     bind.write_text(json.dumps({"bind_config": {"bind_cpu_mode": "none", "bind_memory_mode": "none"}}))
     spec = parse_bind_value(str(bind), "bind_numa")
-    plan = build_plan(cfg(rank_table_file="/rt.json", bind_numa=spec), facts())
+    from pytest_msrun.binding.topology import Topology
+
+    vm = Topology.load(str(Path(__file__).resolve().parents[1] / "fixtures" / "vm_1node_2cpu.json"))
+    plan = build_plan(cfg(rank_table_file="/rt.json", bind_numa=spec), facts(topology=vm))
     for p in plan.processes:
         assert p.env["RANK_TABLE_FILE"] == "/rt.json"
         assert p.env["MSRUN_BIND_FILE"] == str(bind) and len(p.env["MSRUN_BIND_FILE_HASH"]) == 64

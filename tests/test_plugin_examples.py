@@ -99,6 +99,7 @@ TABLE = [
         {"passed": 1, "skipped": 1},
         [r"needs 64 devices; this machine has 3 \(cuda: 0,1,2\)"],
     ),
+    ("binding", [], {"passed": 2}, []),
     (
         "collect_error_in_rank",
         [],

@@ -77,7 +77,9 @@ class Controller:
 
     def pytest_report_header(self, config: pytest.Config) -> str | None:
         if getattr(config.option, "usepdb", False):
-            return "msrun: --pdb cannot enter ranks in other processes; add --msrun-inprocess to debug marked tests here"
+            return (
+                "msrun: --pdb cannot enter ranks in other processes; add --msrun-inprocess to debug marked tests here"
+            )
         return None
 
     @pytest.hookimpl(tryfirst=True)

@@ -1,0 +1,84 @@
+"""Which physical accelerator each local worker drives, from the visible-device variables.
+
+``CUDA_VISIBLE_DEVICES`` may list indices, ``GPU-<uuid>`` prefixes or MIG ids;
+``ASCEND_RT_VISIBLE_DEVICES`` lists npu-smi logical ids. Devices are matched by index or UUID
+in the user's order (msrun sorted the Ascend list and ignored the CUDA one, spec §7 item 27).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pytest_msrun.binding.topology import Device, Topology
+
+VISIBLE_VARS = {"cuda": "CUDA_VISIBLE_DEVICES", "ascend": "ASCEND_RT_VISIBLE_DEVICES"}
+
+
+class VisibleDevicesError(ValueError):
+    """A visible-device variable names a device this machine does not have."""
+
+
+@dataclass
+class WorkerDevice:
+    """Local worker ``local_index`` and the device it drives (``device`` None when unknown)."""
+
+    local_index: int
+    physical_id: int | None
+    device: Device | None
+
+
+def _variable(topology: Topology | None, env: Mapping[str, str]) -> str | None:
+    kind = topology.device_kind if topology is not None else None
+    if kind:
+        return VISIBLE_VARS[kind]
+    for var in ("ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"):
+        if var in env:
+            return var
+    return None
+
+
+def worker_devices(
+    topology: Topology | None, env: Mapping[str, str], count: int, logical: bool = False
+) -> list[WorkerDevice]:
+    """Device of each of ``count`` local workers. ``logical``: dry run - worker i is device i."""
+    devices = topology.devices if topology is not None else []
+    if logical:
+        return [WorkerDevice(i, i, None) for i in range(count)]
+    var = _variable(topology, env)
+    tokens: list[str] | None = None
+    if var and var in env:
+        text = env[var].strip()
+        tokens = [t.strip() for t in text.split(",")] if text else []
+        if any(not t for t in tokens):
+            raise VisibleDevicesError(f"{var}={env[var]!r} has an empty item")
+    out = []
+    for i in range(count):
+        if tokens is None:
+            dev = next((d for d in devices if d.index == i), None)
+            out.append(WorkerDevice(i, i if (dev is not None or not devices) else None, dev))
+            continue
+        if i >= len(tokens):
+            out.append(WorkerDevice(i, None, None))  # more workers than visible devices
+            continue
+        tok = tokens[i]
+        if tok.isdigit():
+            idx = int(tok)
+            dev = next((d for d in devices if d.index == idx), None)
+            if devices and dev is None:
+                raise VisibleDevicesError(
+                    f"{var}={env[var]!r}: device {idx} does not exist here (devices: "
+                    f"{', '.join(str(d.index) for d in devices)})"
+                )
+            out.append(WorkerDevice(i, idx, dev))
+        elif tok.startswith("GPU-") and var == "CUDA_VISIBLE_DEVICES":
+            matches = [d for d in devices if d.uuid and d.uuid.startswith(tok)]
+            if devices and len(matches) != 1:
+                raise VisibleDevicesError(f"CUDA_VISIBLE_DEVICES item {tok!r} matches {len(matches)} GPUs by UUID")
+            dev = matches[0] if matches else None
+            out.append(WorkerDevice(i, dev.index if dev else None, dev))
+        elif tok.startswith("MIG-") and var == "CUDA_VISIBLE_DEVICES":
+            out.append(WorkerDevice(i, None, None))  # a MIG slice: its parent GPU is not known here
+        else:
+            raise VisibleDevicesError(f"{var} item {tok!r} is neither a device index nor a GPU UUID")
+    return out
