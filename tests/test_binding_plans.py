@@ -403,3 +403,188 @@ def test_epyc_one_node_per_gpu():
     p = plan("epyc_2s_nps4_8numa", 8, core="True", numa="True")
     assert prefixes(p)[0] == "numactl --membind 0 --physcpubind 0-15,128-143"
     assert prefixes(p)[7] == "numactl --membind 7 --physcpubind 112-127,240-255"
+
+
+# ----------------------------------------------------------------------------- custom dict + JSON on every fixture
+CUSTOM = {
+    # fixture: (local workers, env, --bind_core dict, expected worker prefixes, expected scheduler prefix)
+    "vm_1node_2cpu": (
+        2,
+        {},
+        '{"device0": ["1"], "device1": ["0"], "scheduler": ["0-1"]}',
+        ["taskset -c 1", "taskset -c 0"],
+        "taskset -c 0-1",
+    ),
+    "dgx_8gpu_2numa": (
+        2,
+        {"CUDA_VISIBLE_DEVICES": "5,2"},
+        '{"device2": ["52-63"], "device5": ["0-11"]}',
+        ["taskset -c 0-11", "taskset -c 52-63"],
+        "",
+    ),
+    "lstopo_2pkg_48core_8gpu": (
+        2,
+        {},
+        '{"device1": ["24", "30-31"], "device0": ["0,2,4"]}',
+        ["taskset -c 0,2,4", "taskset -c 24,30-31"],
+        "",
+    ),
+    "ascend_910b_8npu": (
+        2,
+        {"ASCEND_RT_VISIBLE_DEVICES": "4,5"},
+        '{"device5": ["72-95"], "device4": ["48-71"]}',
+        ["taskset -c 48-71", "taskset -c 72-95"],
+        "",
+    ),
+    "container_cgroup_v2": (
+        2,
+        {},
+        '{"device0": ["8-11"], "device1": ["40-43"], "scheduler": ["15"]}',
+        ["taskset -c 8-11", "taskset -c 40-43"],
+        "taskset -c 15",
+    ),
+    "smt_1node_16cpu_2gpu": (
+        2,
+        {},
+        '{"device0": ["0", "8"], "device1": ["1-2"]}',
+        ["taskset -c 0,8", "taskset -c 1-2"],
+        "",
+    ),
+    "epyc_2s_nps4_8numa": (
+        2,
+        {"CUDA_VISIBLE_DEVICES": "7,3"},
+        '{"device3": ["48-63"], "device7": ["112-127"]}',
+        ["taskset -c 112-127", "taskset -c 48-63"],
+        "",
+    ),
+}
+
+UNIFIED = {
+    # fixture: (local workers, env, bind file, expected worker prefixes, expected scheduler prefix)
+    "vm_1node_2cpu": (
+        2,
+        {},
+        {
+            "bind_config": {"bind_cpu_mode": "cpu", "bind_memory_mode": "numa"},
+            "bind_cpu": {"device0": {"main": "0"}, "device1": {"main": "1"}},
+            "bind_memory": {"device0": 0, "scheduler": 0},
+        },
+        ["numactl --membind 0 --physcpubind 0", "taskset -c 1"],
+        "numactl --membind 0",
+    ),
+    "dgx_8gpu_2numa": (
+        2,
+        {"CUDA_VISIBLE_DEVICES": "3,4"},
+        {
+            "bind_config": {"bind_cpu_mode": "numa", "bind_memory_mode": "numa"},
+            "bind_cpu": {"device3": 0, "device4": 1},
+            "bind_memory": {"device3": 0, "device4": 1},
+        },
+        ["numactl --membind 0 --cpunodebind 0", "numactl --membind 1 --cpunodebind 1"],
+        "",
+    ),
+    "lstopo_2pkg_48core_8gpu": (
+        2,
+        {},
+        {
+            "bind_config": {"bind_cpu_mode": "cpu"},
+            "bind_cpu": {"device_0": {"main": "0-5"}, "device_1": {"main": "6-11"}, "scheduler": {"main": "47"}},
+        },
+        ["taskset -c 0-5", "taskset -c 6-11"],
+        "taskset -c 47",
+    ),
+    "ascend_910b_8npu": (
+        2,
+        {"ASCEND_RT_VISIBLE_DEVICES": "0,1"},
+        {
+            "bind_config": {"bind_cpu_mode": "cpu", "bind_memory_mode": "numa", "actor_thread_fix_bind": True},
+            "bind_cpu": {
+                "device0": {"main": "144-151", "runtime": "152-156"},
+                "device1": {"main": "168-175", "runtime": "176-180"},
+            },
+            "bind_memory": {"device0": 3, "device1": 3},
+        },
+        ["numactl --membind 3 --physcpubind 144-151", "numactl --membind 3 --physcpubind 168-175"],
+        "",
+    ),
+    "container_cgroup_v2": (
+        1,
+        {},
+        {"bind_config": {"bind_cpu_mode": "none", "bind_memory_mode": "numa"}, "bind_memory": {"device0": 0}},
+        ["numactl --membind 0"],
+        "",
+    ),
+    "smt_1node_16cpu_2gpu": (
+        2,
+        {},
+        {"bind_config": {"bind_cpu_mode": "numa"}, "bind_cpu": {"device0": 0}},
+        ["numactl --cpunodebind 0", ""],
+        "",
+    ),
+    "epyc_2s_nps4_8numa": (
+        2,
+        {},
+        {
+            "bind_config": {"bind_cpu_mode": "numa", "bind_memory_mode": "numa"},
+            "bind_cpu": {"device0": "0-1", "device1": "2"},
+            "bind_memory": {"device0": "0-1", "device1": 2, "scheduler": 7},
+        },
+        ["numactl --membind 0-1 --cpunodebind 0-1", "numactl --membind 2 --cpunodebind 2"],
+        "numactl --membind 7",
+    ),
+}
+
+
+@pytest.mark.parametrize("fixture", sorted(CUSTOM))
+def test_custom_dict_on_every_fixture(fixture):
+    local, env, core, workers, sched = CUSTOM[fixture]
+    p = plan(fixture, local, core=core, env=env)
+    assert prefixes(p) == workers
+    assert sched_prefix(p) == sched
+
+
+@pytest.mark.parametrize("fixture", sorted(UNIFIED))
+def test_bind_file_on_every_fixture(tmp_path, fixture):
+    local, env, data, workers, sched = UNIFIED[fixture]
+    path = tmp_path / "bind.json"
+    path.write_text(json.dumps(data))
+    p = plan(fixture, local, numa=str(path), env=env)
+    assert prefixes(p) == workers
+    assert sched_prefix(p) == sched
+    if fixture == "epyc_2s_nps4_8numa":
+        assert p.workers[0].cpus == list(range(0, 32)) + list(range(128, 160))
+        assert p.workers[0].mems == [0, 1]
+
+
+@pytest.mark.parametrize("number", sorted(SEED_EXAMPLES), ids=[f"example{n}" for n in sorted(SEED_EXAMPLES)])
+def test_seed_examples_through_the_cli(tmp_path, number):
+    """The same seven files through ``msrun --print_plan`` with MSRUN_TOPOLOGY (the CLI path)."""
+    import os
+    import subprocess
+
+    data, sched, workers = SEED_EXAMPLES[number]
+    path = tmp_path / f"example{number}.json"
+    path.write_text(json.dumps(data))
+    (tmp_path / "t.py").write_text("")
+    env = {**os.environ, "MSRUN_TOPOLOGY": str(FIXTURES / "epyc_2s_nps4_8numa.json")}
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest_msrun",
+            "--worker_num=2",
+            "--local_worker_num=2",
+            "--scheduler=task",
+            f"--bind_numa={path}",
+            "--print_plan",
+            "t.py",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    got = [" ".join(p["bind_prefix"]) for p in out["processes"]]
+    assert got == [sched, *workers]
