@@ -15,6 +15,7 @@ import selectors
 import signal
 import socket
 import time
+from array import array
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -414,6 +415,9 @@ class Agent:
         if self.status_name is None:
             self.status_name = f"msrun_status_{self.facts.hostname}_{os.getpid()}.json"
 
+        if plan.dry_run:
+            return DryRun(self, plan).run()
+
         for spec in plan.workers:
             if self.signal_received is not None:
                 break
@@ -643,7 +647,7 @@ class Agent:
         self.watchdog.stand_down()
 
     # ------------------------------------------------------------------ status
-    def _write_status(self, state: str, code: int | None) -> None:
+    def _write_status(self, state: str, code: int | None, extra: dict[str, Any] | None = None) -> None:
         if self.status_name is None or (
             self.cfg.multi_node and self.assignment is None and self.facts.scheduler_mode == "builtin"
         ):
@@ -677,7 +681,137 @@ class Agent:
         if plan is not None:
             data["worker_num"] = plan.worker_num
             data["scheduler_mode"] = plan.scheduler_mode
+        data.update(extra or {})
         write_status(self.cfg.log_dir, data, self.status_name)
+
+
+class DryRun:
+    """Runs every selected simulated rank, at most ``--sim_concurrency`` at a time.
+
+    Simulated ranks are independent (no scheduler, no collectives), so a failing rank does not
+    stop the others: the job runs to the end and reports every failed rank. Only what is running
+    is kept in memory, plus one compact record per failure.
+    """
+
+    DETAILED = 100  # failures kept with their reason; beyond that only the rank numbers
+    PROGRESS_SECONDS = 5.0
+
+    def __init__(self, agent: Agent, plan: LaunchPlan) -> None:
+        self.agent = agent
+        self.plan = plan
+        self.total = len(plan.sim_ranks)
+        self.limit = plan.sim_concurrency or len(os.sched_getaffinity(0)) or 1
+        self.finished = 0
+        self.failed_ranks = array("i")
+        self.reasons: list[str] = []
+        self.next_progress = time.monotonic() + self.PROGRESS_SECONDS
+
+    def _reason(self, child: procs.Child) -> str:
+        from pytest_msrun.summary import extract_traceback
+        from pytest_msrun.tail import tail_size
+
+        assert child.returncode is not None
+        how = procs.describe_returncode(child.returncode)
+        tb = extract_traceback(tail_size(child.spec.log_path, 16 * 1024).decode("utf-8", errors="replace"))
+        last = tb.strip().splitlines()[-1].strip() if tb else ""
+        return f"rank {child.spec.rank} ({os.path.basename(child.spec.log_path)}) {how}" + (f": {last}" if last else "")
+
+    def _reap(self, child: procs.Child) -> None:
+        agent = self.agent
+        self.finished += 1
+        if agent.tailer is not None and child.spec.tail:
+            agent.tailer.finish(child.spec.log_path)
+        if child.returncode != 0:
+            console.error(f"Worker process {child.pid} exit with exception. Error code: {child.returncode}.")
+            self.failed_ranks.append(child.spec.rank if child.spec.rank is not None else -1)
+            if len(self.reasons) < self.DETAILED:
+                self.reasons.append(self._reason(child))
+                agent._record_failure(child)
+        agent.children.remove(child)  # memory stays flat however many ranks run
+        now = time.monotonic()
+        if now >= self.next_progress or self.finished == self.total:
+            self.next_progress = now + self.PROGRESS_SECONDS
+            console.out(
+                f"msrun: dry run: {self.finished}/{self.total} simulated ranks finished, "
+                f"{len(self.failed_ranks)} failed"
+            )
+
+    def run(self) -> JobResult:
+        agent, cfg = self.agent, self.agent.cfg
+        if cfg.join and not agent.detached:
+            agent.tailer = LogTailer([])
+        agent._console_done(0)
+        specs = self.plan.dry_run_workers()
+        exhausted, announced, code = False, False, 0
+        while True:
+            while not exhausted and len(agent.children) < self.limit and agent.signal_received is None:
+                spec = next(specs, None)
+                if spec is None:
+                    exhausted = True
+                    break
+                agent._spawn(spec)
+                if agent.tailer is not None and spec.tail:
+                    agent.tailer.add(prefix_for(spec.rank, spec.local_index), spec.log_path)
+            if not announced:
+                announced = True
+                agent._write_status("running", None, self._summary())
+                if cfg.join and not agent.detached:
+                    console.warning("Distributed job is spawned. Waiting all processes to exit...")
+            if agent.signal_received is not None:
+                sig = signal.Signals(agent.signal_received)
+                label = "SIGINT (Ctrl+C)" if sig == signal.SIGINT else sig.name
+                console.warning(f"msrun process received {label}, terminating all workers.")
+                code = 128 + int(sig)
+                break
+            if not agent.children:
+                break
+            for kind, payload in agent._poll_events(1.0):
+                if kind == "exit":
+                    self._reap(payload)
+        state = "terminated" if code else ("failed" if self.failed_ranks else "succeeded")
+        agent._teardown(graceful=not code)
+        agent._finish_console()
+        if self.failed_ranks and not code:
+            first = min(agent.failures, key=lambda f: f.at)
+            code = first.exit_status or 1
+        if self.failed_ranks or code:
+            self._print_summary()
+            where = cfg.log_dir or "."
+            console.error(f"Distributed job exited with exception. Please check logs in directory: {where}.")
+            text = render(agent.failures, [c.spec.label for c in agent.children if c.terminated_by_us], cfg.log_dir)
+            if text:
+                console.err_block(text)
+        else:
+            console.info("All workers successfully exit!")
+            console.out(f"msrun: dry run: all {self.total} simulated rank(s) passed")
+        agent._write_status(state, code, self._summary())
+        return JobResult(code, state, agent.failures)
+
+    def _summary(self) -> dict[str, Any]:
+        from pytest_msrun.cpulist import format_id_list
+
+        return {
+            "dry_run": {
+                "selected": len(self.plan.sim_ranks),
+                "finished": self.finished,
+                "failed": len(self.failed_ranks),
+                "failed_ranks": format_id_list(self.failed_ranks),
+                "failures": self.reasons,
+            }
+        }
+
+    def _print_summary(self) -> None:
+        from pytest_msrun.cpulist import format_id_list
+
+        failed = len(self.failed_ranks)
+        lines = [
+            f"msrun: dry run: {self.finished - failed} of {self.total} simulated rank(s) passed; {failed} failed: "
+            f"{format_id_list(self.failed_ranks)}"
+        ]
+        lines += [f"  {reason}" for reason in self.reasons]
+        if failed > len(self.reasons):
+            lines.append(f"  ... and {failed - len(self.reasons)} more (see their logs)")
+        console.out("\n".join(lines))
 
 
 def subprocess_devnull() -> int:

@@ -65,6 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker_log_name", default="", help="worker log prefix; {ip} and {hostname} are replaced")
     p.add_argument("--tail_worker_log", default="-1", help="ranks whose logs are shown with --join=True (-1 = all)")
     p.add_argument(
+        "--sim_select",
+        default="",
+        help="dry run: the simulated ranks to run (N, A-B, first:K, last:K, sample:K[:SEED]; default all)",
+    )
+    p.add_argument(
+        "--sim_concurrency", type=int, default=0, help="dry run: simulated ranks running at once (0 = CPU count)"
+    )
+    p.add_argument(
         "--scheduler",
         default="auto",
         choices=SCHEDULER_MODES,
@@ -113,6 +121,8 @@ def config_from_args(ns: argparse.Namespace, env: dict[str, str]) -> tuple[Launc
         sim_level=sim_level,
         sim_rank_id=ns.sim_rank_id,
         sim_from_env=sim_from_env,
+        sim_select=ns.sim_select,
+        sim_concurrency=ns.sim_concurrency,
         rank_table_file=ns.rank_table_file,
         worker_log_name=ns.worker_log_name,
         tail_worker_log=ns.tail_worker_log,

@@ -5,8 +5,12 @@ through the control plane; :func:`barrier`, :func:`all_gather_object` and
 :func:`broadcast_object` then synchronise ranks. If a peer dies or leaves, a rank blocked in a
 collective gets :class:`ClusterAborted`/:class:`ClusterError` promptly instead of hanging.
 
-In a dry run (``MS_SIMULATION_LEVEL``) or outside msrun (no ``MS_ROLE``), the group is local:
-collectives complete at once (``all_gather_object`` returns ``world_size`` copies).
+In a dry run (``MS_SIMULATION_LEVEL``) :func:`init` succeeds without a scheduler and ranks and
+sizes come from the environment; simulated ranks run independently (even in separate waves),
+so :func:`barrier` returns at once - the one collective whose meaning survives - while
+:func:`all_gather_object` and :func:`broadcast_object`, whose results would need the other
+ranks, raise :class:`ClusterError`. Outside msrun (no ``MS_ROLE``) the group is a world of one
+and every collective completes locally.
 """
 
 from __future__ import annotations
@@ -53,6 +57,13 @@ class _Group:
         self.lock = threading.Lock()
 
     def collective(self, op: str, data: bytes | None, src: int, timeout: float | None) -> Any:
+        if self.mode == "dryrun" and op != "barrier":
+            name = "all_gather_object" if op == "gather" else "broadcast_object"
+            raise ClusterError(
+                f"{name} is not available in a dry run (MS_SIMULATION_LEVEL): simulated ranks run "
+                "independently and cannot see each other's objects; derive other ranks' values from "
+                "get_rank()/get_group_size() instead"
+            )
         if self.channel is None:
             if op == "gather":
                 return [data] * self.world

@@ -11,10 +11,10 @@ import os
 from dataclasses import dataclass, field
 
 from pytest_msrun.binding.flags import BindSpec
+from pytest_msrun.simselect import SelectionError, select_ranks
 
 SCHEDULER_MODES = ("auto", "builtin", "mindspore", "task")
 SIM_LEVELS = (0, 1, 2, 3)
-SIM_SINGLE_PROCESS_LIMIT = 128
 COMMAND_TASKS = ("python", "python3", "pytest")
 
 
@@ -49,6 +49,8 @@ class LaunchConfig:
     sim_level: int = -1
     sim_rank_id: int = -1
     sim_from_env: bool = False
+    sim_select: str = ""
+    sim_concurrency: int = 0
     rank_table_file: str = ""
     worker_log_name: str = ""
     tail_worker_log: str = "-1"
@@ -135,6 +137,17 @@ def validate(cfg: LaunchConfig) -> list[str]:
             raise ConfigError(
                 "sim_rank_id", f"{cfg.sim_rank_id} is outside 0..{cfg.worker_num - 1} (--worker_num={cfg.worker_num})"
             )
+    if cfg.sim_select:
+        if not cfg.dry_run:
+            raise ConfigError("sim_select", "needs --sim_level (it picks the simulated ranks of a dry run)")
+        if cfg.sim_rank_id != -1:
+            raise ConfigError("sim_select", "and --sim_rank_id both pick ranks; give one of them")
+        try:
+            select_ranks(cfg.sim_select, range(cfg.worker_num))
+        except SelectionError as exc:
+            raise ConfigError("sim_select", str(exc)) from None
+    if cfg.sim_concurrency < 0:
+        raise ConfigError("sim_concurrency", f"{cfg.sim_concurrency} is negative; use 0 (CPU count) or more")
     if cfg.scheduler not in SCHEDULER_MODES:
         raise ConfigError("scheduler", f"invalid choice: {cfg.scheduler!r} (choose from {', '.join(SCHEDULER_MODES)})")
     if cfg.rank_table_file and not os.path.isfile(cfg.rank_table_file):

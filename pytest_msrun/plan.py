@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pytest_msrun import childenv
 from pytest_msrun.binding.strategies import Placement, plan_bindings
 from pytest_msrun.binding.topology import Topology
-from pytest_msrun.config import SIM_SINGLE_PROCESS_LIMIT, LaunchConfig
+from pytest_msrun.config import LaunchConfig
+from pytest_msrun.cpulist import format_id_list
+from pytest_msrun.simselect import select_ranks
+
+SIM_PLAN_PREVIEW = 256  # a dry run's plan lists at most this many processes; the agent builds the rest
 
 # init() never returns in the MS_SCHED role: MindSpore exits the process once every worker left.
 MS_SCHED_STUB = "import sys; from mindspore.communication import init; init(); sys.exit(0)"
@@ -117,6 +121,19 @@ class LaunchPlan:
     infos: list[str] = field(default_factory=list)
     bind_core: Any = False
     bind_numa: Any = False
+    sim_ranks: list[int] = field(default_factory=list)  # a dry run's selected ranks (all, not just the preview)
+    sim_concurrency: int = 0
+    worker_factory: Callable[[int], ProcessSpec] | None = field(default=None, repr=False, compare=False)
+
+    def dry_run_workers(self) -> Iterator[ProcessSpec]:
+        """Every selected simulated rank's spec, built one at a time (memory stays flat)."""
+        assert self.worker_factory is not None
+        if len(self.sim_ranks) == 1 and self.workers and self.workers[0].rank == self.sim_ranks[0]:
+            yield self.workers[0]
+            return
+        first = self.sim_ranks[0] - self.workers[0].local_index if self.workers else 0
+        for rank in self.sim_ranks:
+            yield self.worker_factory(rank - first)
 
     @property
     def workers(self) -> list[ProcessSpec]:
@@ -127,7 +144,15 @@ class LaunchPlan:
         return next((p for p in self.processes if p.role == "scheduler"), None)
 
     def to_json(self) -> dict[str, Any]:
-        out = asdict(self)
+        factory, self.worker_factory = self.worker_factory, None
+        try:
+            out = asdict(self)
+        finally:
+            self.worker_factory = factory
+        out.pop("worker_factory", None)
+        if len(self.sim_ranks) > SIM_PLAN_PREVIEW:
+            out["sim_ranks"] = format_id_list(self.sim_ranks)
+            out["sim_plan_preview"] = f"processes shows the first {SIM_PLAN_PREVIEW} of {len(self.sim_ranks)} ranks"
         for proc in out["processes"]:
             proc.pop("env")
             proc["exported"] = {k: v for k, v in proc["exported"].items() if k not in childenv.INTERNAL_VARS}
@@ -178,17 +203,10 @@ def build_plan(
 
     local = cfg.local_worker_num
     single_rank: int | None = None
-    if dry:
-        if cfg.sim_rank_id != -1:
-            infos.append(f"Simulation rank id is set to {cfg.sim_rank_id}, will dryrun a single process.")
-            warnings.append(f"In dryrun case, RANK_ID is assigned to {cfg.sim_rank_id}.")
-            local, single_rank = 1, cfg.sim_rank_id
-        elif local > SIM_SINGLE_PROCESS_LIMIT:
-            warnings.append(
-                "In dryrun case, local worker num is set to larger than 128. To avoid a system clash, "
-                "local worker num is set to 1."
-            )
-            local, single_rank = 1, 0
+    if dry and cfg.sim_rank_id != -1:
+        infos.append(f"Simulation rank id is set to {cfg.sim_rank_id}, will dryrun a single process.")
+        warnings.append(f"In dryrun case, RANK_ID is assigned to {cfg.sim_rank_id}.")
+        local, single_rank = 1, cfg.sim_rank_id
 
     # Rank of each local worker, when known before start.
     multi = cfg.multi_node and single_rank is None
@@ -273,7 +291,8 @@ def build_plan(
 
     tail_list = cfg.tail_ranks()
     log_base = _log_base(cfg, facts)
-    for i in range(local):
+
+    def make_worker(i: int) -> ProcessSpec:
         rank = None if offset is None else offset + i
         exported = dict(common)
         if not dry:
@@ -292,36 +311,23 @@ def build_plan(
                 dist_port=None if dry else effective_dist_port(facts.master_port, facts.dist_port),
             )
         )
-        if single_rank is not None:
-            suffix = 0
-        else:
-            suffix = i if rank is None else rank
-        tail = cfg.join and (tail_list is None or (rank is not None and rank in tail_list))
-        if cfg.join and not tail:
-            infos.append(
-                f"The '--tail_worker_log' is:{cfg.tail_worker_log}, which doesn't contain this worker {rank}. So this "
-                f"worker {rank}'s log will not be output to console. Reset '--tail_worker_log', if you want to "
-                "output this worker's log to console."
-            )
-        if rank is None and not ranks_pending:
-            warnings.append(
-                "Rank ids will be assigned automatically, please use 'grep -rn 'rank id:' command to check each "
-                "worker log's rank id."
-            )
-        processes.append(
-            ProcessSpec(
-                name=f"worker_{suffix}",
-                role="worker",
-                local_index=i,
-                rank=rank,
-                argv=list(facts.task_argv),
-                env={**base, **exported},
-                exported=exported,
-                log_path=_join(cfg.log_dir, f"{log_base}_{suffix}.log"),
-                tail=tail,
-            )
+        suffix = 0 if single_rank is not None else (i if rank is None else rank)
+        spec = ProcessSpec(
+            name=f"worker_{suffix}",
+            role="worker",
+            local_index=i,
+            rank=rank,
+            argv=list(facts.task_argv),
+            env={**base, **exported},
+            exported=exported,
+            log_path=_join(cfg.log_dir, f"{log_base}_{suffix}.log"),
+            tail=cfg.join and (tail_list is None or (rank is not None and rank in tail_list)),
         )
+        if binding is not None:
+            spec.place(binding.workers[i])
+        return spec
 
+    binding = None
     if cfg.bind_core.enabled or cfg.bind_numa.enabled:
         if facts.topology is None:
             raise ValueError("binding needs the node's topology in NodeFacts")
@@ -330,12 +336,39 @@ def build_plan(
         )
         if binding is not None:
             warnings.extend(binding.warnings)
-            workers = [p for p in processes if p.role == "worker"]
-            for spec, placement in zip(workers, binding.workers):
-                spec.place(placement)
             for spec in processes:
                 if spec.role == "scheduler":
                     spec.place(binding.scheduler)
+
+    sim_ranks: list[int] = []
+    if dry:
+        first = offset if offset is not None else 0
+        if single_rank is not None:
+            sim_ranks = [single_rank]
+        else:
+            sim_ranks = select_ranks(cfg.sim_select, range(first, first + local))
+        locals_ = [0] if single_rank is not None else [r - first for r in sim_ranks]
+        processes.extend(make_worker(i) for i in locals_[:SIM_PLAN_PREVIEW])
+        if len(sim_ranks) > 1:
+            infos.append(
+                f"Dry run of {len(sim_ranks)} simulated rank(s), "
+                f"at most {cfg.sim_concurrency or 'CPU count'} at a time."
+            )
+    else:
+        for i in range(local):
+            processes.append(make_worker(i))
+            rank = processes[-1].rank
+            if cfg.join and not processes[-1].tail:
+                infos.append(
+                    f"The '--tail_worker_log' is:{cfg.tail_worker_log}, which doesn't contain this worker {rank}. So "
+                    f"this worker {rank}'s log will not be output to console. Reset '--tail_worker_log', if you want "
+                    "to output this worker's log to console."
+                )
+            if rank is None and not ranks_pending:
+                warnings.append(
+                    "Rank ids will be assigned automatically, please use 'grep -rn 'rank id:' command to check "
+                    "each worker log's rank id."
+                )
 
     return LaunchPlan(
         job_id=facts.job_id,
@@ -358,4 +391,7 @@ def build_plan(
         infos=infos,
         bind_core=cfg.bind_core.to_json(),
         bind_numa=cfg.bind_numa.to_json(),
+        sim_ranks=sim_ranks,
+        sim_concurrency=cfg.sim_concurrency,
+        worker_factory=make_worker,
     )

@@ -52,25 +52,43 @@ class LogTailer:
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()
 
+    def _emit(self, chunks: list[bytes]) -> None:
+        if chunks:
+            try:
+                sys.stdout.flush()
+                self.out.write(b"".join(chunks))
+                self.out.flush()
+            except (OSError, ValueError):
+                pass
+
     def _pump(self, final: bool) -> None:
         with self.lock:
             chunks: list[bytes] = []
             for tailed in self.files:
                 chunks.extend(tailed.read_lines(final))
-            if chunks:
-                try:
-                    sys.stdout.flush()
-                    self.out.write(b"".join(chunks))
-                    self.out.flush()
-                except (OSError, ValueError):
-                    pass
+            self._emit(chunks)
+
+    def add(self, prefix: str, path: str) -> None:
+        """Start tailing another file (one process of a job that starts processes over time)."""
+        with self.lock:
+            self.files.append(_Tailed(prefix, path))
+        if self.thread is None:
+            self.start()
+
+    def finish(self, path: str) -> None:
+        """Copy the rest of ``path`` now and stop tailing it (its process exited)."""
+        with self.lock:
+            for tailed in [t for t in self.files if t.path == path]:
+                self._emit(tailed.read_lines(final=True))
+                tailed.close()
+                self.files.remove(tailed)
 
     def _run(self) -> None:
         while not self.stop_event.wait(self.interval):
             self._pump(final=False)
 
     def start(self) -> None:
-        if self.files:
+        if self.thread is None:
             self.thread = threading.Thread(target=self._run, name="msrun-tail", daemon=True)
             self.thread.start()
 

@@ -146,7 +146,13 @@ def test_dry_run_and_standalone_groups(msrun, monkeypatch):
         cluster.init()
         assert cluster.is_dryrun()
         cluster.barrier()
-        out = cluster.all_gather_object(cluster.get_rank())
+        errors = []
+        for call in (lambda: cluster.all_gather_object(1), lambda: cluster.broadcast_object(1, src=0)):
+            try:
+                call()
+            except cluster.ClusterError as exc:
+                errors.append(str(exc))
+        out = [cluster.get_rank(), cluster.get_group_size(), errors]
         with open(os.path.join(os.environ["DUMP_DIR"], f"dry_{cluster.get_rank()}.json"), "w") as fh:
             json.dump(out, fh)
     """,
@@ -155,7 +161,10 @@ def test_dry_run_and_standalone_groups(msrun, monkeypatch):
         ["--worker_num=2", "--local_worker_num=2", "--sim_level=0", "--join=True", "--log_dir=logs", "dry.py"]
     )
     assert job.returncode == 0, job.stderr
-    assert json.loads((msrun.dump / "dry_1.json").read_text()) == [1, 1]
+    rank, size, errors = json.loads((msrun.dump / "dry_1.json").read_text())
+    assert (rank, size) == (1, 2) and len(errors) == 2
+    assert errors[0].startswith("all_gather_object is not available in a dry run")
+    assert errors[1].startswith("broadcast_object is not available in a dry run")
 
     for name in ("MS_ROLE", "RANK_ID", "RANK_SIZE", "MS_SIMULATION_LEVEL"):
         monkeypatch.delenv(name, raising=False)

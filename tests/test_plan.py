@@ -135,11 +135,36 @@ def test_dry_run_single_rank():
     assert "In dryrun case, RANK_ID is assigned to 5." in plan.warnings
 
 
-def test_dry_run_over_128_local_workers_is_one_process():
-    plan = build_plan(cfg(worker_num=1024, local_worker_num=256, sim_level=0), facts())
-    assert len(plan.workers) == 1 and plan.workers[0].env["RANK_ID"] == "0"
-    assert plan.workers[0].env["RANK_SIZE"] == "1024"
-    assert any("larger than 128" in t for t in plan.warnings)
+def test_dry_run_runs_every_rank_not_one_when_over_128():
+    plan = build_plan(cfg(worker_num=4096, local_worker_num=4096, sim_level=0), facts())
+    assert plan.sim_ranks == list(range(4096))
+    assert len(plan.workers) == 256, "the plan previews 256; the agent builds the rest one at a time"
+    specs = plan.dry_run_workers()
+    first = next(specs)
+    assert first.rank == 0 and first.env["RANK_ID"] == "0" and first.env["RANK_SIZE"] == "4096"
+    last = list(specs)[-1]
+    assert last.rank == 4095 and last.env["DEVICE_ID"] == "4095" and last.log_path == "worker_4095.log"
+    data = json.loads(plan.dumps())
+    assert data["sim_ranks"] == "0-4095" and len(data["processes"]) == 256
+
+
+def test_dry_run_selection():
+    plan = build_plan(
+        cfg(worker_num=1024, local_worker_num=1024, sim_level=1, sim_select="first:2,last:1,500-501"), facts()
+    )
+    assert plan.sim_ranks == [0, 1, 500, 501, 1023]
+    assert [w.rank for w in plan.dry_run_workers()] == [0, 1, 500, 501, 1023]
+    assert [w.env["DEVICE_ID"] for w in plan.workers] == ["0", "1", "500", "501", "1023"]
+    two_nodes = build_plan(
+        cfg(worker_num=8, local_worker_num=4, node_rank=1, sim_level=0, sim_select="sample:2:7"),
+        facts(scheduler_mode="task"),
+    )
+    assert all(4 <= r < 8 for r in two_nodes.sim_ranks) and len(two_nodes.sim_ranks) == 2
+    again = build_plan(
+        cfg(worker_num=8, local_worker_num=4, node_rank=1, sim_level=0, sim_select="sample:2:7"),
+        facts(scheduler_mode="task"),
+    )
+    assert again.sim_ranks == two_nodes.sim_ranks, "a sample is reproducible"
 
 
 def test_dry_run_from_env_keeps_rank_size():

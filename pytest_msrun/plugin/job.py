@@ -22,6 +22,7 @@ from typing import IO
 
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, SHARED_TMP_ENV, stacks_path
+from pytest_msrun.simselect import select_ranks
 from pytest_msrun.status import STATUS_FILE
 
 STACK_WAIT = 2.0
@@ -96,8 +97,8 @@ class TestJob:
         spec = self.spec
         if spec.sim_level is not None and spec.sim_rank_id is not None:
             return [spec.sim_rank_id]
-        if spec.sim_level is not None and spec.local > 128:
-            return [0]
+        if spec.sim_level is not None:
+            return select_ranks(spec.sim_ranks, range(spec.worker_num))
         return list(range(spec.worker_num))
 
     def commands(self, cluster_time_out: int) -> list[list[str]]:
@@ -128,6 +129,8 @@ class TestJob:
                 cmd.append(f"--sim_level={spec.sim_level}")
             if spec.sim_rank_id is not None:
                 cmd.append(f"--sim_rank_id={spec.sim_rank_id}")
+            if spec.sim_ranks:
+                cmd.append(f"--sim_select={spec.sim_ranks}")
             cmd += [sys.executable, "-m", "pytest", *self.rank_args, self.nodeid]
             out.append(cmd)
         return out

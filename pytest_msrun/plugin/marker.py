@@ -9,6 +9,7 @@ import pytest
 
 from pytest_msrun.binding.flags import BindFlagError, parse_bind_value
 from pytest_msrun.config import SCHEDULER_MODES, SIM_LEVELS
+from pytest_msrun.simselect import SelectionError, select_ranks
 
 MARKER = "msrun"
 PARAM = "_msrun_worker_num"
@@ -20,13 +21,14 @@ KNOWN = (
     "bind_numa",
     "sim_level",
     "sim_rank_id",
+    "sim_ranks",
     "scheduler",
     "env",
     "devices",
 )
 MARKER_HELP = (
     "msrun(worker_num=2, local_worker_num=None, timeout=None, bind_core=False, bind_numa=False, "
-    "sim_level=None, sim_rank_id=None, scheduler='auto', env=None, devices=0): run the test as a "
+    "sim_level=None, sim_rank_id=None, sim_ranks=None, scheduler='auto', env=None, devices=0): run the test as a "
     "multi-rank msrun job (worker_num=[2, 4] parametrizes)"
 )
 
@@ -46,6 +48,7 @@ class MsrunSpec:
     bind_numa: str = "False"
     sim_level: int | None = None
     sim_rank_id: int | None = None
+    sim_ranks: str = ""
     scheduler: str = "auto"
     env: dict[str, str] = field(default_factory=dict)
     devices: int = 0
@@ -55,7 +58,11 @@ class MsrunSpec:
         return self.local_worker_num or self.worker_num
 
     def node_sizes(self) -> list[int]:
-        """Workers per msrun invocation (several invocations = a multi-node job on loopback)."""
+        """Workers per msrun invocation (several invocations = a multi-node job on loopback).
+
+        A dry run is one invocation: simulated ranks need no nodes, only a selection."""
+        if self.sim_level is not None:
+            return [self.worker_num]
         sizes, left = [], self.worker_num
         while left > 0:
             sizes.append(min(self.local, left))
@@ -141,6 +148,20 @@ def spec_for(item: pytest.Item) -> MsrunSpec | None:
         if spec.sim_level is None or isinstance(rid, bool) or not isinstance(rid, int) or not 0 <= rid < worker_num:
             raise MarkerError(f"{where}: msrun(sim_rank_id=...) needs sim_level and 0 <= id < worker_num")
         spec.sim_rank_id = rid
+    if kwargs.get("sim_ranks") is not None:
+        sel = kwargs["sim_ranks"]
+        if isinstance(sel, (list, tuple, range)):
+            sel = ",".join(str(int(r)) for r in sel)
+        if spec.sim_level is None or spec.sim_rank_id is not None or not isinstance(sel, str):
+            raise MarkerError(
+                f"{where}: msrun(sim_ranks=...) needs sim_level, excludes sim_rank_id, and is a selection "
+                "such as 'first:8,last:8,sample:16' or a list of ranks"
+            )
+        try:
+            select_ranks(sel, range(worker_num))
+        except SelectionError as exc:
+            raise MarkerError(f"{where}: msrun(sim_ranks={sel!r}): {exc}") from None
+        spec.sim_ranks = sel
     scheduler = kwargs.get("scheduler", "auto")
     if scheduler not in SCHEDULER_MODES:
         raise MarkerError(f"{where}: msrun(scheduler={scheduler!r}) is not one of {SCHEDULER_MODES}")

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from _pytest._code.code import ReprFileLocation, TerminalRepr
 
+from pytest_msrun.cpulist import format_id_list
 from pytest_msrun.plugin.job import JobRun, RankStatus
 from pytest_msrun.plugin.records import read_records, records_path
 from pytest_msrun.procs import describe_returncode
@@ -24,6 +25,11 @@ from pytest_msrun.summary import extract_traceback
 from pytest_msrun.tail import tail_size
 
 PHASES = ("setup", "call", "teardown")
+MAX_RANK_SECTIONS = 8  # per-rank sections shown in a report; big dry runs list the rest compactly
+
+
+def _ranks_text(ranks) -> str:
+    return format_id_list(ranks).replace(",", ", ")
 
 
 @dataclass
@@ -248,8 +254,13 @@ class Merger:
         return self._outcome(phase, present)
 
     def _sections(self, present: dict[int, pytest.TestReport]) -> list[tuple[str, str]]:
+        """Every rank's captured output - for big jobs only the failing ranks' and the first few."""
         out = []
-        for rank in sorted(present):
+        keep = sorted(present)
+        if len(keep) > MAX_RANK_SECTIONS:
+            failing = [r for r in keep if present[r].failed]
+            keep = sorted(set(failing[:MAX_RANK_SECTIONS]) | set(keep[:MAX_RANK_SECTIONS]))
+        for rank in keep:
             for title, content in present[rank].sections:
                 out.append((f"{title} [rank {rank}]", content))
         return out
@@ -303,7 +314,7 @@ class Merger:
             first = failures[0]
             others = [f.rank for f in failures[1:]]
             headline = f"[rank {first.rank}] failed first" + (
-                f"; also failed on ranks {', '.join(map(str, others))}" if others else ""
+                f"; also failed on ranks {_ranks_text(others)}" if others else ""
             )
             if self.run.timed_out:
                 headline += f" (the job timed out after {self.run.timeout:g} s)"
@@ -317,23 +328,29 @@ class Merger:
             else:
                 root = first.text
                 crash = self._crash_location(first.summary)
-            for other in failures[1:]:
+            for other in failures[1 : 1 + MAX_RANK_SECTIONS]:
                 if self.style == "all":
                     sections.append((f"rank {other.rank}", other.longrepr_text()))
                 else:
                     sections.append((f"rank {other.rank}", other.summary))
+        if len(failures) > 1 + MAX_RANK_SECTIONS:
+            sections.append(("more failing ranks", _ranks_text(f.rank for f in failures[1 + MAX_RANK_SECTIONS :])))
         if collateral:
             sections.append(
-                (
-                    "terminated by msrun",
-                    "ranks " + ", ".join(map(str, sorted(collateral))) + " were stopped after the first failure",
-                )
+                ("terminated by msrun", f"ranks {_ranks_text(collateral)} were stopped after the first failure")
             )
         if self.run.stacks:
             for rank in sorted(self.run.stacks):
                 if not any(f.rank == rank and f.report is None for f in failures):  # not shown yet
                     sections.append((f"stack of rank {rank} at the timeout", self.run.stacks[rank]))
-        logs = "\n".join(f"rank {r}: {self.status(r).log or '?'}" for r in self.ranks)
+        shown = [f.rank for f in failures[: 1 + MAX_RANK_SECTIONS]] or self.ranks[:MAX_RANK_SECTIONS]
+        if len(self.ranks) <= MAX_RANK_SECTIONS:
+            shown = self.ranks
+        logs = "\n".join(
+            f"rank {r}: {self.status(r).log or os.path.join(self.log_dir, f'worker_{r}.log')}" for r in shown
+        )
+        if len(self.ranks) > len(shown):
+            logs += f"\n(every rank: {self.log_dir}/worker_<rank>.log)"
         sections.append(("msrun logs", f"{logs}\nmsrun: {', '.join(self.run.msrun_logs)}"))
         sections.append(("reproduce", self.reproduce))
         longrepr = MergedLongrepr(headline, root, sections, crash)
