@@ -140,6 +140,7 @@ class Merger:
         self.reproduce = reproduce
         self.log_dir = log_dir
         self.died_in: dict[int, str] = {}
+        self.deferred: list[int] = []  # ranks stopped by msrun, reported with the phase that failed
 
     # ------------------------------------------------------------------ facts per rank
     def status(self, rank: int) -> RankStatus:
@@ -247,11 +248,32 @@ class Merger:
                 why = f"timed out after {self.run.timeout:g} s"
             failures.append(self._synthetic(rank, phase, why))
             self.died_in[rank] = phase
+        if collateral and not failures and not self.run.timed_out:
+            if self._failed_elsewhere(collateral):
+                # Stopped because another rank failed in a later phase: say so there.
+                self.deferred.extend(collateral)
+                collateral = []
+            else:  # nothing else explains why msrun stopped them: their stop is the failure
+                failures = [self._synthetic(r, phase, "was stopped by msrun") for r in collateral]
+                collateral = []
         if not present and not failures and not collateral:
             return None
         if failures or collateral:
+            collateral, self.deferred = collateral + self.deferred, []
             return self._failed(phase, failures, collateral, present)
         return self._outcome(phase, present)
+
+    def _failed_elsewhere(self, stopped: list[int]) -> bool:
+        """Whether some rank other than ``stopped`` failed (a failed report, or a bad exit)."""
+        for rank in self.ranks:
+            if rank in stopped:
+                continue
+            if any(rep.failed for rep in self.records[rank].reports.values()):
+                return True
+            status = self.status(rank)
+            if status.returncode not in (None, 0) and not status.terminated_by_msrun:
+                return True
+        return False
 
     def _sections(self, present: dict[int, pytest.TestReport]) -> list[tuple[str, str]]:
         """Every rank's captured output - for big jobs only the failing ranks' and the first few."""
