@@ -129,12 +129,17 @@ def test_last_failed_and_k_and_durations(pytester, tracked):
 
 
 def test_report_style_all_shows_every_failing_rank(pytester, tracked):
+    # The ranks meet before failing, so both failures are recorded before msrun stops anyone.
     pytester.makepyfile(
         test_all="""
+        import time
         import pytest
 
         @pytest.mark.msrun(worker_num=3)
-        def test_two_fail(rank):
+        def test_two_fail(rank, world_size, msrun_tmp_path):
+            (msrun_tmp_path / f"ready{rank}").touch()
+            while len(list(msrun_tmp_path.glob("ready*"))) < world_size:
+                time.sleep(0.01)
             assert rank == 0, f"rank {rank} disagrees"
     """
     )
