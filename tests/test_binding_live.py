@@ -401,3 +401,85 @@ def test_numa_wrap_binds_by_local_rank(tmp_path):
         [sys.executable, "-m", "pytest_msrun.binding.numa_wrap", "true"], env=missing, capture_output=True, text=True
     )
     assert proc.returncode == 2 and "LOCAL_RANK is not set" in proc.stderr
+
+
+class FakeNvml:
+    """What pynvml returns on a 2-GPU machine, for the NVML discovery path."""
+
+    class _Pci:
+        def __init__(self, bus: bytes) -> None:
+            self.busId = bus
+
+    def __init__(self) -> None:
+        self.inited = False
+
+    def nvmlInit(self) -> None:
+        self.inited = True
+
+    def nvmlShutdown(self) -> None:
+        self.inited = False
+
+    def nvmlDeviceGetCount(self) -> int:
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        return i
+
+    def nvmlDeviceGetPciInfo(self, h: int):
+        return self._Pci([b"00000000:18:00.0", b"00000000:9A:00.0"][h])
+
+    def nvmlDeviceGetUUID(self, h: int) -> str:
+        return f"GPU-fake-{h}"
+
+    def nvmlDeviceGetName(self, h: int) -> bytes:
+        return b"Fake GPU"
+
+    def nvmlDeviceGetCpuAffinity(self, h: int, words: int) -> list[int]:
+        # GPU0: CPUs 0-3 and 64; GPU1: CPUs 4-7 (64-bit words, lowest first)
+        return [[0b1111, 0b1], [0b11110000, 0]][h][:words] + [0] * max(0, words - 2)
+
+    def nvmlDeviceGetNumaNodeId(self, h: int) -> int:
+        raise RuntimeError("NVML too old for NUMA ids")
+
+
+def test_nvml_discovery_parses_bus_ids_masks_and_sysfs_nodes(tmp_path):
+    from pytest_msrun.binding.discover import nvidia_devices
+
+    for bus, node in (("0000:18:00.0", "0"), ("0000:9a:00.0", "1")):
+        d = tmp_path / "sys/bus/pci/devices" / bus
+        d.mkdir(parents=True)
+        (d / "numa_node").write_text(node + "\n")
+    fake = FakeNvml()
+    devs = nvidia_devices(root=str(tmp_path), nvml=lambda: fake)
+    assert [(d.index, d.pci_bus_id, d.uuid, d.name, d.numa_node) for d in devs] == [
+        (0, "0000:18:00.0", "GPU-fake-0", "Fake GPU", 0),
+        (1, "0000:9a:00.0", "GPU-fake-1", "Fake GPU", 1),
+    ]
+    words = max(1, -(-(os.cpu_count() or 64) // 64))
+    expected0 = [0, 1, 2, 3] + ([64] if words > 1 else [])
+    assert devs[0].cpu_affinity == expected0 and devs[1].cpu_affinity == [4, 5, 6, 7]
+    assert not fake.inited, "NVML is shut down again"
+
+
+def test_nvidia_sysfs_fallback_without_nvml(tmp_path):
+    from pytest_msrun.binding.discover import nvidia_devices
+
+    entries = {
+        "0000:3b:00.0": ("0x10de", "0x030200", "0", "0-15"),  # 3D controller, NVIDIA
+        "0000:00:02.0": ("0x8086", "0x030000", "0", "0-31"),  # Intel graphics: not ours
+        "0000:af:00.0": ("0x10de", "0x030200", "1", "16-31"),
+    }
+    for bdf, (vendor, cls, node, cpus) in entries.items():
+        d = tmp_path / "sys/bus/pci/devices" / bdf
+        d.mkdir(parents=True)
+        for name, text in (("vendor", vendor), ("class", cls), ("numa_node", node), ("local_cpulist", cpus)):
+            (d / name).write_text(text + "\n")
+
+    def broken():
+        raise ImportError("no pynvml / no driver")
+
+    devs = nvidia_devices(root=str(tmp_path), nvml=broken)
+    assert [(d.index, d.pci_bus_id, d.numa_node, d.cpu_affinity[-1]) for d in devs] == [
+        (0, "0000:3b:00.0", 0, 15),
+        (1, "0000:af:00.0", 1, 31),
+    ]
