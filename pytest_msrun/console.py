@@ -10,7 +10,6 @@ import os
 import shlex
 import sys
 import threading
-import time
 from datetime import datetime
 
 LEVELS = {"DEBUG": 0, "INFO": 1, "WARNING": 2, "ERROR": 3}
@@ -83,7 +82,3 @@ def start_worker_line(rank: int | None, log_path: str, argv: list[str]) -> str:
         f"Start worker process with rank id:{rank}, log file:{log_path}. "
         f"Environment variable [RANK_ID={rank}] is exported. Execute command: {command_text(argv)}"
     )
-
-
-def clock() -> str:
-    return time.strftime("%H:%M:%S")

@@ -57,11 +57,6 @@ def extract_traceback(text: str) -> str:
     return "\n".join(out)
 
 
-def log_tail(path: str, n: int = TAIL_LINES) -> str:
-    text = tail_size(path).decode("utf-8", errors="replace")
-    return "\n".join(text.splitlines()[-n:])
-
-
 def _indent(text: str, pad: str = "    ") -> str:
     return "\n".join(pad + line for line in text.splitlines())
 

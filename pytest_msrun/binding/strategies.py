@@ -245,7 +245,7 @@ class Planner:
                     )
         workers = []
         for i in range(self.n):
-            place = self._compose(core_parts[i], node_parts[i], auto_numa=auto_nodes is not None, worker=True)
+            place = self._compose(core_parts[i], node_parts[i], auto_numa=auto_nodes is not None)
             if env_lists[i] is not None and place.bound and (self.core.kind == "auto" or self.numa.kind == "auto"):
                 place.env["MSRUN_CPU_LIST"] = env_lists[i]
             place.device = self._device_label(i)
@@ -262,7 +262,7 @@ class Planner:
                 if self.numa.kind == "dict"
                 else (None, None)
             )
-            sched = self._compose(core, node, auto_numa=False, worker=False)
+            sched = self._compose(core, node, auto_numa=False)
         return BindingPlan(workers, sched, self.warnings)
 
     def _device_label(self, i: int) -> str:
@@ -276,7 +276,6 @@ class Planner:
         core: tuple[str | None, list[int] | None],
         node: tuple[str | None, list[int] | None],
         auto_numa: bool,
-        worker: bool,
     ) -> Placement:
         c_text, c_ids = core
         n_text, n_ids = node

@@ -8,7 +8,6 @@ then stops msrun, whose teardown leaves nothing behind.
 
 from __future__ import annotations
 
-import json
 import os
 import shlex
 import signal
@@ -23,7 +22,7 @@ from typing import IO
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, SHARED_TMP_ENV, stacks_path
 from pytest_msrun.simselect import select_ranks
-from pytest_msrun.status import STATUS_FILE
+from pytest_msrun.status import STATUS_FILE, read_status
 
 STACK_WAIT = 2.0
 
@@ -220,17 +219,15 @@ class TestJob:
         return run
 
     # ---------------------------------------------------------------- helpers
-    def _status_files(self, nodes: int) -> list[Path]:
-        if nodes == 1:
-            return [self.log_dir / STATUS_FILE]
-        return [self.log_dir / f"msrun_status_node{i}.json" for i in range(nodes)]
+    @staticmethod
+    def _status_names(nodes: int) -> list[str]:
+        return [STATUS_FILE] if nodes == 1 else [f"msrun_status_node{i}.json" for i in range(nodes)]
 
     def _rank_statuses(self, nodes: int) -> dict[int, RankStatus]:
         out: dict[int, RankStatus] = {}
-        for path in self._status_files(nodes):
-            try:
-                data = json.loads(path.read_text())
-            except (OSError, ValueError):
+        for name in self._status_names(nodes):
+            data = read_status(str(self.log_dir), name)
+            if data is None:
                 continue
             for proc in data.get("processes", []):
                 if proc.get("role") != "worker" or proc.get("rank") is None:
