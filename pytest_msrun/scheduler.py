@@ -397,8 +397,9 @@ class Scheduler:
             return
         coll.parts[rank] = data
         if self.rank_gone:
-            gone = ", ".join(f"rank {r} ({why})" for r, why in sorted(self.rank_gone.items()))
-            self.rank_error(f"{op} #{seq} cannot complete: {gone} left the job", [seq])
+            # Worded as when the rank leaves during a collective, whichever happens first.
+            gone = ", ".join(f"rank {r} left the job ({why})" for r, why in sorted(self.rank_gone.items()))
+            self.rank_error(f"{op} #{seq} cannot complete: {gone}", [seq])
             return
         if len(coll.parts) < self.worker_num:
             return
