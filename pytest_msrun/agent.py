@@ -14,6 +14,7 @@ import os
 import selectors
 import signal
 import socket
+import subprocess
 import time
 from array import array
 from dataclasses import dataclass, field, replace
@@ -23,7 +24,7 @@ from pytest_msrun import console, procs, wire
 from pytest_msrun.config import LaunchConfig
 from pytest_msrun.netaddr import format_hostport, free_port, listen_socket, port_is_free
 from pytest_msrun.plan import LaunchPlan, NodeFacts, ProcessSpec, RankAssignment, build_plan, effective_dist_port
-from pytest_msrun.status import STATUS_FILE, write_status
+from pytest_msrun.status import STATUS_FILE, node_status_file, write_status
 from pytest_msrun.summary import Failure, failure_of, render
 from pytest_msrun.tail import LogTailer, prefix_for
 
@@ -146,7 +147,7 @@ class Agent:
         self.status_name: str | None = STATUS_FILE
         if cfg.multi_node:
             # Nodes may share a log directory: one status file per node, named once known.
-            self.status_name = f"msrun_status_node{cfg.node_rank}.json" if cfg.node_rank >= 0 else None
+            self.status_name = node_status_file(cfg.node_rank) if cfg.node_rank >= 0 else None
         self.started = time.time()
 
     # ------------------------------------------------------------------ signals
@@ -243,10 +244,10 @@ class Agent:
     def _spawn(self, spec: ProcessSpec, pass_fds: tuple[int, ...] = ()) -> procs.Child:
         if spec.role == "scheduler":
             console.out(console.start_scheduler_line(spec.log_path, spec.command))
-            stdin: Any = subprocess_devnull()
+            stdin: Any = subprocess.DEVNULL
         else:
             console.out(console.start_worker_line(spec.rank, spec.log_path, spec.command))
-            stdin = subprocess_devnull() if self.detached else None
+            stdin = subprocess.DEVNULL if self.detached else None
         child = procs.spawn(spec, stdin=stdin, pass_fds=pass_fds)
         self.watchdog.guard(child.pid)
         self.children.append(child)
@@ -254,8 +255,7 @@ class Agent:
             self.sel.register(child.pidfd, selectors.EVENT_READ, child)
         else:
             self.use_pidfd = False
-            if child.reap():  # exited before we could watch it
-                pass
+            child.reap()  # it may have exited before SIGCHLD could be watched for
         return child
 
     def _make_log_dir(self) -> None:
@@ -406,12 +406,12 @@ class Agent:
             if plan.ranks_pending:
                 assert self.assignment is not None
                 plan = build_plan(cfg, self.facts, hosts_scheduler=plan.hosts_scheduler, assignment=self.assignment)
-                sched_child = next((c for c in self.children if c.spec.role == "scheduler"), None)
+                sched_child = self._scheduler_child()
                 self.plan = plan
                 if sched_child is not None:
                     sched_child.spec = plan.scheduler or sched_child.spec
-            if self.assignment is not None and (self.assignment.node_count or 1) > 1:
-                self.status_name = f"msrun_status_node{self.assignment.node_index}.json"
+            if self._several_nodes:
+                self.status_name = node_status_file(self.assignment.node_index)
         if self.status_name is None:
             self.status_name = f"msrun_status_{self.facts.hostname}_{os.getpid()}.json"
 
@@ -432,8 +432,7 @@ class Agent:
                 self.tailer = LogTailer(tailed)
                 self.tailer.start()
         self._console_done(0)
-        result = self._supervise()
-        return result
+        return self._supervise()
 
     def _report_bindings(self) -> None:
         """Read back what the kernel applied to every process, warn on any mismatch, print the table."""
@@ -451,12 +450,35 @@ class Agent:
         source = getattr(topo, "source", "live")
         console.out(report_table(rows, f"msrun: bindings on {self.facts.hostname} (topology: {source})"))
 
+    def _announce_signal(self) -> int:
+        """msrun's message for the signal it got; returns the exit status it implies."""
+        assert self.signal_received is not None
+        sig = signal.Signals(self.signal_received)
+        label = "SIGINT (Ctrl+C)" if sig == signal.SIGINT else sig.name
+        console.warning(f"msrun process received {label}, terminating all workers.")
+        return 128 + int(sig)
+
+    def _report_failure(self) -> None:
+        """msrun's closing error line, then the root-cause summary (stderr)."""
+        console.error(
+            f"Distributed job exited with exception. Please check logs in directory: {self.cfg.log_dir or '.'}."
+        )
+        terminated = [c.spec.label for c in self.children if c.terminated_by_us]
+        text = render(self.failures, terminated, self.cfg.log_dir)
+        if text:
+            console.err_block(text)
+
     def _console_done(self, code: int) -> None:
         if self.on_console_done is not None:
             callback, self.on_console_done = self.on_console_done, None
             callback(code)
 
     # ------------------------------------------------------------------ supervision
+    @property
+    def _several_nodes(self) -> bool:
+        """Whether the control plane put this node in a job of more than one node."""
+        return self.assignment is not None and (self.assignment.node_count or 1) > 1
+
     def _workers(self) -> list[procs.Child]:
         return [c for c in self.children if c.spec.role == "worker"]
 
@@ -472,7 +494,7 @@ class Agent:
                 child.ended or time.time(),
                 child.spec.log_path,
                 child.pid,
-                self.facts.hostname if (self.assignment and (self.assignment.node_count or 1) > 1) else "",
+                self.facts.hostname if self._several_nodes else "",
             )
         )
 
@@ -482,10 +504,7 @@ class Agent:
         while True:
             workers = self._workers()
             if self.signal_received is not None:
-                sig = signal.Signals(self.signal_received)
-                label = "SIGINT (Ctrl+C)" if sig == signal.SIGINT else sig.name
-                console.warning(f"msrun process received {label}, terminating all workers.")
-                code, reason = 128 + int(sig), "signal"
+                code, reason = self._announce_signal(), "signal"
                 break
             if workers and all(c.returncode == 0 for c in workers):
                 if not self.sent_done:
@@ -557,13 +576,7 @@ class Agent:
         self._teardown(graceful=False)
         self._finish_console()
         state = "terminated" if reason == "signal" else "failed"
-        console.error(
-            f"Distributed job exited with exception. Please check logs in directory: {self.cfg.log_dir or '.'}."
-        )
-        terminated = [c.spec.label for c in self.children if c.terminated_by_us]
-        text = render(self.failures, terminated, self.cfg.log_dir)
-        if text:
-            console.err_block(text)
+        self._report_failure()
         self._write_status(state, code)
         self._close_link()
         return JobResult(code, state, self.failures)
@@ -609,12 +622,7 @@ class Agent:
         live = [c for c in self.children if c.alive]
         if live and not graceful:
             sched = self._scheduler_child()
-            workers_first = (
-                sched is not None
-                and sched.alive
-                and self.sent_failed
-                and (self.assignment is not None and (self.assignment.node_count or 1) > 1)
-            )
+            workers_first = sched is not None and sched.alive and self.sent_failed and self._several_nodes
             for child in live:
                 if workers_first and child is sched:
                     continue
@@ -707,12 +715,11 @@ class DryRun:
         self.next_progress = time.monotonic() + self.PROGRESS_SECONDS
 
     def _reason(self, child: procs.Child) -> str:
-        from pytest_msrun.summary import extract_traceback
-        from pytest_msrun.tail import tail_size
+        from pytest_msrun.summary import extract_traceback, log_text
 
         assert child.returncode is not None
         how = procs.describe_returncode(child.returncode)
-        tb = extract_traceback(tail_size(child.spec.log_path, 16 * 1024).decode("utf-8", errors="replace"))
+        tb = extract_traceback(log_text(child.spec.log_path, 16 * 1024))
         last = tb.strip().splitlines()[-1].strip() if tb else ""
         return f"rank {child.spec.rank} ({os.path.basename(child.spec.log_path)}) {how}" + (f": {last}" if last else "")
 
@@ -758,10 +765,7 @@ class DryRun:
                 if cfg.join and not agent.detached:
                     console.warning("Distributed job is spawned. Waiting all processes to exit...")
             if agent.signal_received is not None:
-                sig = signal.Signals(agent.signal_received)
-                label = "SIGINT (Ctrl+C)" if sig == signal.SIGINT else sig.name
-                console.warning(f"msrun process received {label}, terminating all workers.")
-                code = 128 + int(sig)
+                code = agent._announce_signal()
                 break
             if not agent.children:
                 break
@@ -776,11 +780,7 @@ class DryRun:
             code = first.exit_status or 1
         if self.failed_ranks or code:
             self._print_summary()
-            where = cfg.log_dir or "."
-            console.error(f"Distributed job exited with exception. Please check logs in directory: {where}.")
-            text = render(agent.failures, [c.spec.label for c in agent.children if c.terminated_by_us], cfg.log_dir)
-            if text:
-                console.err_block(text)
+            agent._report_failure()
         else:
             console.info("All workers successfully exit!")
             console.out(f"msrun: dry run: all {self.total} simulated rank(s) passed")
@@ -812,9 +812,3 @@ class DryRun:
         if failed > len(self.reasons):
             lines.append(f"  ... and {failed - len(self.reasons)} more (see their logs)")
         console.out("\n".join(lines))
-
-
-def subprocess_devnull() -> int:
-    import subprocess
-
-    return subprocess.DEVNULL

@@ -123,17 +123,12 @@ class LaunchPlan:
     bind_numa: Any = False
     sim_ranks: list[int] = field(default_factory=list)  # a dry run's selected ranks (all, not just the preview)
     sim_concurrency: int = 0
-    worker_factory: Callable[[int], ProcessSpec] | None = field(default=None, repr=False, compare=False)
+    worker_factory: Callable[[int], ProcessSpec] | None = field(default=None, repr=False, compare=False)  # by rank
 
     def dry_run_workers(self) -> Iterator[ProcessSpec]:
         """Every selected simulated rank's spec, built one at a time (memory stays flat)."""
         assert self.worker_factory is not None
-        if len(self.sim_ranks) == 1 and self.workers and self.workers[0].rank == self.sim_ranks[0]:
-            yield self.workers[0]
-            return
-        first = self.sim_ranks[0] - self.workers[0].local_index if self.workers else 0
-        for rank in self.sim_ranks:
-            yield self.worker_factory(rank - first)
+        return map(self.worker_factory, self.sim_ranks)
 
     @property
     def workers(self) -> list[ProcessSpec]:
@@ -341,14 +336,15 @@ def build_plan(
                     spec.place(binding.scheduler)
 
     sim_ranks: list[int] = []
+    dry_worker: Callable[[int], ProcessSpec] | None = None
     if dry:
-        first = offset if offset is not None else 0
-        if single_rank is not None:
-            sim_ranks = [single_rank]
-        else:
-            sim_ranks = select_ranks(cfg.sim_select, range(first, first + local))
-        locals_ = [0] if single_rank is not None else [r - first for r in sim_ranks]
-        processes.extend(make_worker(i) for i in locals_[:SIM_PLAN_PREVIEW])
+        first = offset if offset is not None else 0  # a single simulated rank is its own offset
+
+        def dry_worker(rank: int) -> ProcessSpec:
+            return make_worker(rank - first)
+
+        sim_ranks = select_ranks(cfg.sim_select, range(first, first + local))
+        processes.extend(dry_worker(r) for r in sim_ranks[:SIM_PLAN_PREVIEW])
         if len(sim_ranks) > 1:
             infos.append(
                 f"Dry run of {len(sim_ranks)} simulated rank(s), "
@@ -393,5 +389,5 @@ def build_plan(
         bind_numa=cfg.bind_numa.to_json(),
         sim_ranks=sim_ranks,
         sim_concurrency=cfg.sim_concurrency,
-        worker_factory=make_worker,
+        worker_factory=dry_worker,
     )

@@ -14,6 +14,11 @@ from typing import Any
 STATUS_FILE = "msrun_status.json"
 
 
+def node_status_file(node_index: int) -> str:
+    """The status file of one node of a multi-node job (nodes may share a log directory)."""
+    return f"msrun_status_node{node_index}.json"
+
+
 def status_path(log_dir: str, name: str = STATUS_FILE) -> str:
     return os.path.join(log_dir or ".", name)
 

@@ -36,6 +36,11 @@ def failure_of(label: str, returncode: int, at: float, log_path: str, pid: int, 
     return Failure(label, describe_returncode(returncode), status, at, log_path, pid, host)
 
 
+def log_text(path: str, max_bytes: int = 64 * 1024) -> str:
+    """The last ``max_bytes`` of a log, decoded leniently ("" if unreadable)."""
+    return tail_size(path, max_bytes).decode("utf-8", errors="replace")
+
+
 def extract_traceback(text: str) -> str:
     """The last Python traceback (or fatal-error dump) in ``text``, or ``""``."""
     lines = text.splitlines()
@@ -70,19 +75,17 @@ def render(failures: list[Failure], terminated: list[str], log_dir: str) -> str:
     parts = ["msrun: the job failed. Root cause (first observed failure):", f"  {root.headline()}"]
     if root.log_path:
         parts.append(f"  log: {os.path.abspath(root.log_path)}")
-        text = tail_size(root.log_path).decode("utf-8", errors="replace")
+        text = log_text(root.log_path)
         tb = extract_traceback(text)
         if tb:
             parts.append("  traceback:")
             parts.append(_indent(tb))
         tail = "\n".join(text.splitlines()[-TAIL_LINES:])
-        if tb and tail.strip() == tb.strip():
-            pass
-        elif tail.strip():
+        if not tail.strip():
+            parts.append("  (its log is empty)")
+        elif tail.strip() != tb.strip():  # a log that is just the traceback is shown once
             parts.append(f"  last {min(TAIL_LINES, len(tail.splitlines()))} lines of its log:")
             parts.append(_indent(tail))
-        else:
-            parts.append("  (its log is empty)")
     for other in ordered[1:]:
         parts.append(f"  also failed: {other.headline()}")
     if terminated:

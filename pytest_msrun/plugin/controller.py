@@ -34,14 +34,14 @@ def rank_args(config: pytest.Config) -> list[str]:
         args.append(f"--import-mode={opt.importmode}")
     if getattr(opt, "confcutdir", None):
         args.append(f"--confcutdir={opt.confcutdir}")
-    if getattr(opt, "noconftest", False):
-        args.append("--noconftest")
-    if getattr(opt, "runxfail", False):
-        args.append("--runxfail")
-    if getattr(opt, "strict_markers", False):
-        args.append("--strict-markers")
-    if getattr(opt, "showlocals", False):
-        args.append("--showlocals")
+    for attr, flag in (
+        ("noconftest", "--noconftest"),
+        ("runxfail", "--runxfail"),
+        ("strict_markers", "--strict-markers"),
+        ("showlocals", "--showlocals"),
+    ):
+        if getattr(opt, attr, False):
+            args.append(flag)
     tbstyle = getattr(opt, "tbstyle", "auto")
     if tbstyle and tbstyle != "auto":
         args.append(f"--tb={tbstyle}")

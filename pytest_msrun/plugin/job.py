@@ -22,7 +22,7 @@ from typing import IO
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, SHARED_TMP_ENV, stacks_path
 from pytest_msrun.simselect import select_ranks
-from pytest_msrun.status import STATUS_FILE, read_status
+from pytest_msrun.status import STATUS_FILE, node_status_file, read_status
 
 STACK_WAIT = 2.0
 
@@ -221,7 +221,7 @@ class TestJob:
     # ---------------------------------------------------------------- helpers
     @staticmethod
     def _status_names(nodes: int) -> list[str]:
-        return [STATUS_FILE] if nodes == 1 else [f"msrun_status_node{i}.json" for i in range(nodes)]
+        return [STATUS_FILE] if nodes == 1 else [node_status_file(i) for i in range(nodes)]
 
     def _rank_statuses(self, nodes: int) -> dict[int, RankStatus]:
         out: dict[int, RankStatus] = {}

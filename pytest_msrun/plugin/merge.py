@@ -21,8 +21,7 @@ from pytest_msrun.cpulist import format_id_list
 from pytest_msrun.plugin.job import JobRun, RankStatus
 from pytest_msrun.plugin.records import read_records, records_path
 from pytest_msrun.procs import describe_returncode
-from pytest_msrun.summary import extract_traceback
-from pytest_msrun.tail import tail_size
+from pytest_msrun.summary import extract_traceback, log_text
 
 PHASES = ("setup", "call", "teardown")
 MAX_RANK_SECTIONS = 8  # per-rank sections shown in a report; big dry runs list the rest compactly
@@ -161,7 +160,7 @@ class Merger:
         """The rank's fatal-error dump or last traceback, then the end of its log."""
         status = self.status(rank)
         path = status.log or os.path.join(self.log_dir, f"worker_{rank}.log")
-        text = tail_size(path).decode("utf-8", errors="replace")
+        text = log_text(path)
         parts = []
         tb = extract_traceback(text)
         if tb:
