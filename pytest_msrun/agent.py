@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 from pytest_msrun import console, procs, wire
-from pytest_msrun.config import LaunchConfig
+from pytest_msrun.config import CONTROL_PLANE_MODES, LaunchConfig
 from pytest_msrun.netaddr import format_hostport, free_port, listen_socket, port_is_free
 from pytest_msrun.plan import LaunchPlan, NodeFacts, ProcessSpec, RankAssignment, build_plan, effective_dist_port
 from pytest_msrun.status import STATUS_FILE, node_status_file, write_status
@@ -68,7 +68,7 @@ def prepare(cfg: LaunchConfig, facts: NodeFacts) -> Prepared:
     hosts = facts.address_is_local and not cfg.dry_run
     port, dist = facts.master_port, facts.dist_port
     listener: socket.socket | None = None
-    if hosts and facts.scheduler_mode == "builtin":
+    if hosts and facts.scheduler_mode in CONTROL_PLANE_MODES:
         try:
             listener = listen_socket(facts.master_ip, port)
             port = int(listener.getsockname()[1])
@@ -393,7 +393,7 @@ class Agent:
             if listener is not None:
                 listener.close()
 
-        if plan.scheduler_mode == "builtin":
+        if plan.scheduler_mode in CONTROL_PLANE_MODES:
             deadline = time.monotonic() + (cfg.cluster_time_out if cfg.cluster_time_out >= 0 else 10**9)
             err = self._register(plan, deadline)
             if err is None and plan.ranks_pending:
@@ -524,6 +524,10 @@ class Agent:
                 if kind == "exit":
                     child: procs.Child = payload
                     rc = child.returncode
+                    if child.spec.role == "worker" and child.spec.rank is not None and rc is not None:
+                        # Peers blocked in init() or a collective must not wait for a rank that is gone.
+                        how = procs.describe_returncode(rc)
+                        self._link_send({"t": "exit", "rank": child.spec.rank, "how": how})
                     if child.spec.role == "worker" and rc != 0:
                         console.error(f"Worker process {child.pid} exit with exception. Error code: {rc}.")
                         self._record_failure(child)
@@ -657,7 +661,7 @@ class Agent:
     # ------------------------------------------------------------------ status
     def _write_status(self, state: str, code: int | None, extra: dict[str, Any] | None = None) -> None:
         if self.status_name is None or (
-            self.cfg.multi_node and self.assignment is None and self.facts.scheduler_mode == "builtin"
+            self.cfg.multi_node and self.assignment is None and self.facts.scheduler_mode in CONTROL_PLANE_MODES
         ):
             return  # a node that never joined the job writes nothing into a shared log directory
         plan = self.plan

@@ -13,7 +13,7 @@ from pytest_msrun.binding.strategies import BindingError
 from pytest_msrun.config import SCHEDULER_MODES, ConfigError, LaunchConfig, parse_join, validate
 from pytest_msrun.netaddr import AddressError, is_local_address, resolve_master_addr, source_ip_towards
 from pytest_msrun.plan import NodeFacts, build_plan
-from pytest_msrun.taskcmd import mindspore_importable, task_argv, task_python
+from pytest_msrun.taskcmd import task_argv, task_python
 
 
 def _join_type(value: str) -> bool:
@@ -193,11 +193,7 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str]) -> NodeFacts:
     argv = task_argv(cfg.task_script, cfg.task_script_args)
     python = task_python(argv)
     topology, tools = binding_facts(cfg, env)
-    mode = cfg.scheduler
-    if cfg.dry_run:
-        mode = "none"
-    elif mode == "auto":
-        mode = "mindspore" if mindspore_importable(python) else "builtin"
+    mode = "none" if cfg.dry_run else cfg.scheduler
     return NodeFacts(
         master_ip=master_ip,
         address_is_local=is_local_address(master_ip),

@@ -154,10 +154,11 @@ def init(timeout: float | None = None) -> None:
         if role != "MS_WORKER":
             raise ClusterError(f"init() is for workers; this process has MS_ROLE={role}")
         mode = env.get("MSRUN_SCHEDULER", "")
-        if mode != "builtin":
+        if mode not in ("auto", "builtin", "mindspore"):
             raise ClusterError(
-                f"pytest_msrun.cluster needs msrun's builtin scheduler, but this job runs --scheduler={mode or '?'}; "
-                "use mindspore.communication there, or launch with msrun --scheduler=builtin"
+                "pytest_msrun.cluster needs msrun's builtin control plane, but this job runs "
+                f"--scheduler={mode or '?'} (the task itself is the scheduler); "
+                "launch with msrun --scheduler=auto, builtin or mindspore"
             )
         if "RANK_ID" not in env:
             raise ClusterError("RANK_ID is not set: this worker's rank is unknown")

@@ -14,6 +14,9 @@ from pytest_msrun.binding.flags import BindSpec
 from pytest_msrun.simselect import SelectionError, select_ranks
 
 SCHEDULER_MODES = ("auto", "builtin", "mindspore", "task")
+# Modes whose scheduler process is the builtin control plane (auto and mindspore add a MindSpore
+# scheduler behind it: on demand, or from the start).
+CONTROL_PLANE_MODES = ("auto", "builtin", "mindspore")
 SIM_LEVELS = (0, 1, 2, 3)
 COMMAND_TASKS = ("python", "python3", "pytest")
 

@@ -15,14 +15,11 @@ from typing import Any
 from pytest_msrun import childenv
 from pytest_msrun.binding.strategies import Placement, plan_bindings
 from pytest_msrun.binding.topology import Topology
-from pytest_msrun.config import LaunchConfig
+from pytest_msrun.config import CONTROL_PLANE_MODES, LaunchConfig
 from pytest_msrun.cpulist import format_id_list
 from pytest_msrun.simselect import select_ranks
 
 SIM_PLAN_PREVIEW = 256  # a dry run's plan lists at most this many processes; the agent builds the rest
-
-# init() never returns in the MS_SCHED role: MindSpore exits the process once every worker left.
-MS_SCHED_STUB = "import sys; from mindspore.communication import init; init(); sys.exit(0)"
 
 
 @dataclass
@@ -36,7 +33,7 @@ class NodeFacts:
     task_argv: list[str]
     task_python: str
     python: str
-    scheduler_mode: str  # resolved: builtin | mindspore | task
+    scheduler_mode: str  # auto | builtin | mindspore | task
     job_id: str
     job_token: str
     master_port: int
@@ -102,7 +99,7 @@ class LaunchPlan:
     """Every process of this node's share of the job, plus what the agent needs to run it."""
 
     job_id: str
-    scheduler_mode: str  # builtin | mindspore | task | none (dry run)
+    scheduler_mode: str  # auto | builtin | mindspore | task | none (dry run)
     master_ip: str
     master_port: int
     dist_port: int
@@ -192,6 +189,7 @@ def build_plan(
     infos: list[str] = []
     dry = cfg.dry_run
     mode = "none" if dry else facts.scheduler_mode
+    control_plane = mode in CONTROL_PLANE_MODES
     if hosts_scheduler is None:
         hosts_scheduler = facts.address_is_local
     hosts_scheduler = hosts_scheduler and not dry
@@ -213,7 +211,7 @@ def build_plan(
     elif multi:
         if assignment is not None:
             offset, node_index, node_count = assignment.rank_offset, assignment.node_index, assignment.node_count
-        elif mode == "builtin":
+        elif control_plane:
             offset = node_index = node_count = None
         elif cfg.node_rank >= 0:
             offset, node_index, node_count = cfg.node_rank * local, cfg.node_rank, None
@@ -230,7 +228,7 @@ def build_plan(
                 "of each process will be assigned after cluster is successfully built.\nYou can access 'RANK_ID' "
                 "environment variable after calling 'mindspore.communication.init()'"
             )
-    ranks_pending = multi and offset is None and mode == "builtin"
+    ranks_pending = multi and offset is None and control_plane
 
     rank_size = str(cfg.worker_num)
     if cfg.sim_from_env and facts.base_env.get("RANK_SIZE"):
@@ -240,7 +238,7 @@ def build_plan(
         worker_num=cfg.worker_num,
         rank_size=rank_size,
         job_id=facts.job_id,
-        job_token=facts.job_token if mode == "builtin" else "",
+        job_token=facts.job_token if control_plane else "",
         scheduler_mode=mode,
         log_dir=cfg.log_dir,
         rank_table_file=cfg.rank_table_file,
@@ -256,14 +254,15 @@ def build_plan(
     processes: list[ProcessSpec] = []
     if hosts_scheduler:
         sched_env: dict[str, str] = {}
-        if mode == "builtin":
+        if control_plane:
             # -S: the control plane needs the standard library and this package only, so skip
             # site-packages processing (.pth files) - it is on the launch's critical path.
             argv = [facts.python, "-S", "-m", "pytest_msrun.scheduler"]
             if facts.package_root:
                 sched_env["PYTHONPATH"] = os.pathsep.join(filter(None, [facts.package_root, base.get("PYTHONPATH")]))
-        elif mode == "mindspore":
-            argv = [facts.task_python, "-c", MS_SCHED_STUB]
+                sched_env["MSRUN_ORIG_PYTHONPATH"] = base.get("PYTHONPATH", "")
+            if mode != "builtin":  # the MindSpore scheduler it may start runs with the task's interpreter
+                sched_env["MSRUN_TASK_PYTHON"] = facts.task_python
         else:
             argv = list(facts.task_argv)
         exported = {

@@ -7,11 +7,18 @@ One single-threaded event loop serves two kinds of authenticated clients:
   ``RANK_ID``. Agents heartbeat and report failures, which are broadcast so every node tears
   down at once.
 * **ranks** (``pytest_msrun.cluster.init()`` in a worker) join, then run collectives
-  (barrier, all-gather, broadcast) relayed here as opaque bytes; a rank that leaves or fails
-  turns every blocked collective into an error instead of a hang.
+  (barrier, all-gather, broadcast) relayed here as opaque bytes; a rank that leaves, fails, or
+  whose process exits (agents report every worker exit) turns every blocked ``init()`` or
+  collective into an error instead of a hang.
+* **observers** (the pytest controller on a timeout) read the control plane's state: who joined,
+  who entered which collective, who left.
 
-A client that sends garbage, an oversized frame, a wrong token, or nothing at all is dropped;
-the job goes on. Exit status: 0 when every agent reported success, 1 otherwise.
+A connection that opens with MindSpore's RPC magic is a MindSpore worker calling
+``mindspore.communication.init()``: with ``--scheduler=auto`` or ``mindspore`` it is relayed to a
+MindSpore scheduler this process starts (:mod:`pytest_msrun.msbridge`); with ``builtin`` the job
+fails at once, naming the flag that fixes it. Any other client that sends garbage, an oversized
+frame, a wrong token, or nothing at all is dropped; the job goes on. Exit status: 0 when every
+agent reported success, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ if TYPE_CHECKING:
 
 AUTH_TIMEOUT = float(os.environ.get("MSRUN_AUTH_TIMEOUT", "5"))
 COLLECTIVE_OPS = ("barrier", "gather", "bcast")
+MINDSPORE_MAGIC = b"RPC"  # the first bytes of every MindSpore RPC message (see msbridge)
+CLIENT_KINDS = ("agent", "rank", "observer")  # authenticated clients of our own protocol
 
 
 def log(msg: str) -> None:
@@ -44,16 +53,21 @@ def log(msg: str) -> None:
 class Conn:
     """One client connection and its buffers."""
 
-    __slots__ = ("sock", "peer", "frames", "out", "kind", "opened", "last_seen", "closing")
+    __slots__ = ("sock", "peer", "frames", "out", "kind", "opened", "last_seen", "closing", "head", "pair", "pending")
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
         self.peer = peer
         self.frames = wire.FrameBuffer()
         self.out = bytearray()
-        self.kind = ""  # "" until authenticated, then "agent" or "rank"
+        # "" until authenticated, then "agent", "rank" or "observer"; relayed MindSpore
+        # connections are "foreign" (the client) and "upstream" (to the MindSpore scheduler).
+        self.kind = ""
         self.opened = self.last_seen = time.monotonic()
         self.closing = False
+        self.head: bytes | None = b""  # first bytes until we know whose protocol this is, then None
+        self.pair: Conn | None = None  # the other end of a relayed connection
+        self.pending = bytearray()  # relayed bytes waiting for the other end to connect
 
 
 class AgentInfo:
@@ -118,9 +132,14 @@ class Scheduler:
         topo_timeout: float,
         node_timeout: float,
         job_id: str = "",
+        mode: str = "builtin",
+        env: dict[str, str] | None = None,
     ) -> None:
         self.listener = listener
         self.job_id = job_id
+        self.mode = mode  # builtin | auto | mindspore: whether MindSpore clients are served
+        self.env = env if env is not None else dict(os.environ)
+        self.bridge: Any = None  # msbridge.MindSporeBridge, created when first needed
         self.worker_num = worker_num
         self.token = token
         self.topo_timeout = topo_timeout
@@ -135,6 +154,9 @@ class Scheduler:
         self.ranks: dict[int, Conn] = {}
         self.rank_of_conn: dict[int, int] = {}
         self.rank_gone: dict[int, str] = {}
+        self.joined: set[int] = set()  # every rank that ever joined the group
+        self.exit_how: dict[int, str] = {}  # rank -> how its process ended (reported by its agent)
+        self.rank_last: dict[int, str] = {}  # rank -> the last collective it entered ("barrier #3")
         self.ready_sent = False
         self.collectives: dict[int, Collective] = {}
         self.exit_code: int | None = None
@@ -186,6 +208,8 @@ class Scheduler:
             return
         if conn.kind == "":
             log(f"dropped client {conn.peer}: {why}")
+        if conn.kind in ("foreign", "upstream"):
+            self._unpair(conn)
         agent = self.agent_by_conn.pop(fd, None)
         rank = self.rank_of_conn.pop(fd, None)
         self._close(conn)
@@ -285,6 +309,11 @@ class Scheduler:
             if self.state == "running" and all(a.done for a in self.agents):
                 self.finish(0)
             return
+        if kind == "exit":
+            rank, how = msg.get("rank"), msg.get("how")
+            if _is_int(rank, 0, self.worker_num - 1) and isinstance(how, str):
+                self.rank_exited(rank, how[:200])
+            return
         if kind == "failed":
             reason = msg.get("reason")
             if not isinstance(reason, str):
@@ -308,7 +337,7 @@ class Scheduler:
         log(f"aborting the job: {reason}")
         self.abort_msg = {"t": "abort", "reason": reason, "code": code}
         for conn in list(self.conns.values()):
-            if conn.kind:
+            if conn.kind in CLIENT_KINDS:
                 self.send(conn, self.abort_msg)
         self.finish(1)
 
@@ -331,7 +360,12 @@ class Scheduler:
         if self.abort_msg is not None:
             self.send(conn, self.abort_msg)
             return
+        never = self.never_joined_gone()
+        if never and not self.ready_sent:
+            self.send(conn, {"t": "error", "seq": -1, "reason": never})
+            return
         conn.kind = "rank"
+        self.joined.add(rank)
         conn.frames.limit = self.limit
         self.ranks[rank] = conn
         self.rank_of_conn[conn.sock.fileno()] = rank
@@ -354,8 +388,28 @@ class Scheduler:
                 if peer is not None:
                     self.send(peer, {"t": "error", "seq": seq, "reason": reason})
 
+    def never_joined_gone(self) -> str:
+        """Why the group can never form (a rank's process ended before it joined), or ""."""
+        gone = sorted(r for r in self.rank_gone if r not in self.joined)
+        return "; ".join(f"rank {r} {self.rank_gone[r]}" for r in gone)
+
+    def rank_exited(self, rank: int, how: str) -> None:
+        """A worker's process ended (its agent saw it): nobody may wait for it any more."""
+        self.exit_how[rank] = how
+        if rank in self.ranks or rank in self.rank_gone:
+            return  # joined and connected: its connection closes too; or it already left
+        why = f"exited without joining the group: its process {how}"
+        self.rank_gone[rank] = why
+        if not self.ready_sent:
+            for peer in self.ranks.values():
+                self.send(peer, {"t": "error", "seq": -1, "reason": f"rank {rank} {why}"})
+        if self.collectives:
+            self.rank_error(f"rank {rank} left the job ({why})")
+
     def rank_left(self, rank: int, why: str) -> None:
         self.ranks.pop(rank, None)
+        if rank in self.exit_how:
+            why = f"its process {self.exit_how[rank]}"
         self.rank_gone[rank] = why
         if not self.ready_sent:
             for peer in self.ranks.values():
@@ -396,6 +450,7 @@ class Scheduler:
             )
             return
         coll.parts[rank] = data
+        self.rank_last[rank] = f"{op} #{seq}"
         if self.rank_gone:
             # Worded as when the rank leaves during a collective, whichever happens first.
             gone = ", ".join(f"rank {r} left the job ({why})" for r, why in sorted(self.rank_gone.items()))
@@ -415,12 +470,88 @@ class Scheduler:
             if peer is not None:
                 self.send(peer, reply)
 
+    # ---------- observers ----------
+    def state(self) -> dict[str, Any]:
+        """What the control plane knows about the ranks: joined, in which collective, gone."""
+        return {
+            "t": "state",
+            "world": self.worker_num,
+            "ready": self.ready_sent,
+            "joined": sorted(self.joined),
+            "connected": sorted(self.ranks),
+            "gone": {str(r): why for r, why in sorted(self.rank_gone.items())},
+            "exited": {str(r): how for r, how in sorted(self.exit_how.items())},
+            "last": {str(r): what for r, what in sorted(self.rank_last.items())},
+            "collectives": [
+                {"seq": seq, "op": c.op, "src": c.src, "ranks": sorted(c.parts)}
+                for seq, c in sorted(self.collectives.items())
+            ],
+        }
+
+    # ---------- MindSpore clients ----------
+    def on_foreign(self, conn: Conn) -> None:
+        """A MindSpore worker connected: relay it to a MindSpore scheduler, or fail the job at once."""
+        if self.mode not in ("auto", "mindspore"):
+            reason = (
+                f"a MindSpore process ({conn.peer}) called mindspore.communication.init() against the builtin "
+                "scheduler, which cannot serve it; run msrun with --scheduler=mindspore "
+                "(or --scheduler=auto, the default, which starts a MindSpore scheduler when one is needed)"
+            )
+            self.drop(conn, "MindSpore client refused")
+            self.abort(reason, None)
+            return
+        conn.pending += conn.head or b""
+        conn.head = None
+        self._bridge().adopt(conn)
+        self.bridge.connect_waiting(self._pair)
+
+    def _bridge(self) -> Any:
+        if self.bridge is None:
+            from pytest_msrun.msbridge import MindSporeBridge
+
+            self.bridge = MindSporeBridge(self.env, log)
+        return self.bridge
+
+    def _pair(self, client: Conn, sock: socket.socket) -> None:
+        sock.setblocking(False)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        up = Conn(sock, "MindSpore scheduler")
+        up.kind, up.head = "upstream", None
+        up.pair, client.pair = client, up
+        self.conns[sock.fileno()] = up
+        self.sel.register(sock, selectors.EVENT_READ, up)
+        up.out += client.pending
+        client.pending = bytearray()
+        self._flush(up)
+
+    def relay(self, conn: Conn, data: bytes) -> None:
+        other = conn.pair
+        target = other.out if other is not None else conn.pending
+        target += data
+        if len(target) > 64 * 1024 * 1024:
+            self.drop(conn, "relayed MindSpore traffic backed up")
+            return
+        if other is not None:
+            self._flush(other)
+
+    def _unpair(self, conn: Conn) -> None:
+        other, conn.pair = conn.pair, None
+        if self.bridge is not None and conn in self.bridge.waiting:
+            self.bridge.waiting.remove(conn)
+        if other is not None:
+            other.pair = None
+            other.closing = True  # send what it still has, then close
+            self._flush(other)
+
     # ---------- dispatch ----------
     def on_message(self, conn: Conn, msg: dict[str, Any]) -> None:
         conn.last_seen = time.monotonic()
         fd = conn.sock.fileno()
         if conn.kind == "":
-            if msg["t"] != "hello" or msg.get("kind") not in ("agent", "rank"):
+            if msg["t"] != "hello" or msg.get("kind") not in CLIENT_KINDS:
                 self.drop(conn, "first message is not a hello")
                 return
             if not wire.token_ok(msg.get("token"), self.token):
@@ -428,8 +559,16 @@ class Scheduler:
                 return
             if msg["kind"] == "agent":
                 self.on_agent_hello(conn, msg)
-            else:
+            elif msg["kind"] == "rank":
                 self.on_rank_hello(conn, msg)
+            else:
+                conn.kind = "observer"
+            return
+        if conn.kind == "observer":
+            if msg["t"] == "state":
+                self.send(conn, self.state())
+            else:
+                self.drop(conn, f"unexpected observer message {msg['t']!r}")
             return
         if conn.kind == "agent":
             agent = self.agent_by_conn.get(fd)
@@ -451,6 +590,17 @@ class Scheduler:
         if not data:
             self.drop(conn, "connection closed")
             return
+        if conn.kind in ("foreign", "upstream"):
+            self.relay(conn, data)
+            return
+        if conn.head is not None:  # whose protocol is this? (MindSpore's, or ours)
+            conn.head += data
+            if conn.head.startswith(MINDSPORE_MAGIC):
+                self.on_foreign(conn)
+                return
+            if MINDSPORE_MAGIC.startswith(conn.head):
+                return  # too short to tell yet
+            data, conn.head = conn.head, None
         try:
             msgs = conn.frames.feed(data)
         except wire.ProtocolError as exc:
@@ -480,6 +630,10 @@ class Scheduler:
 
     def check_timers(self) -> None:
         now = time.monotonic()
+        if self.bridge is not None:
+            failure = self.bridge.failure()
+            if failure is not None and self.state != "ended":
+                self.abort(failure, None)
         for conn in list(self.conns.values()):
             if conn.kind == "" and not conn.closing and now - conn.opened > AUTH_TIMEOUT:
                 self.drop(conn, f"no hello within {AUTH_TIMEOUT:g} s")
@@ -511,9 +665,14 @@ class Scheduler:
         self.sel.register(wake_r, selectors.EVENT_READ, "signal")
         self.listener.setblocking(False)
         self.sel.register(self.listener, selectors.EVENT_READ, None)
-        log(f"listening on {self.listener.getsockname()[:2]} for {self.worker_num} ranks")
+        log(f"listening on {self.listener.getsockname()[:2]} for {self.worker_num} ranks ({self.mode} mode)")
+        if self.mode == "mindspore":
+            self._bridge().start()
         while self.exit_code is None:
-            for key, events in self.sel.select(timeout=0.25):
+            busy = self.bridge is not None and self.bridge.busy
+            if busy:
+                self.bridge.connect_waiting(self._pair)
+            for key, events in self.sel.select(timeout=0.02 if busy else 0.25):
                 if key.data == "signal":
                     try:
                         os.read(wake_r, 64)
@@ -534,6 +693,8 @@ class Scheduler:
                 self.abort(f"the scheduler was stopped by {signal.Signals(self.terminated_by).name}", None)
             self.check_timers()
         self.drain(1.0)
+        if self.bridge is not None:
+            self.bridge.stop()
         return self.exit_code
 
     def drain(self, seconds: float) -> None:
@@ -572,6 +733,8 @@ def main() -> int:
         topo_timeout=topo,
         node_timeout=node_timeout,
         job_id=env.get("MSRUN_JOB_ID", ""),
+        mode=env.get("MSRUN_SCHEDULER", "builtin"),
+        env=env,
     )
     return sched.run()
 

@@ -54,24 +54,3 @@ def task_python(argv: list[str]) -> str:
         found = shutil.which(head)
         return (_shebang_python(found) if found else None) or sys.executable
     return sys.executable
-
-
-def mindspore_importable(python: str) -> bool:
-    """Whether ``python`` can import MindSpore, without importing it here."""
-    if os.path.abspath(python) == os.path.abspath(sys.executable):
-        # What importlib.util.find_spec does for a top-level name, without importing it.
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            try:
-                if find is not None and find("mindspore", None) is not None:
-                    return True
-            except (ImportError, ValueError, TypeError):
-                continue
-        return False
-    import subprocess
-
-    probe = "import importlib.util,sys;sys.exit(0 if importlib.util.find_spec('mindspore') else 1)"
-    try:
-        return subprocess.run([python, "-c", probe], timeout=30, capture_output=True).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return False

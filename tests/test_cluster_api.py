@@ -115,6 +115,40 @@ def test_barrier_error_without_teardown(msrun):
     assert "rank 1 left the job" in text
 
 
+EXITS_BEFORE_JOINING = """
+import os, sys, time
+from pytest_msrun import cluster
+rank = int(os.environ["RANK_ID"])
+if rank == 1:
+    print("rank 1 returns without joining", flush=True)
+    sys.exit(0)
+if rank == 2:
+    time.sleep(1.0)  # joins after rank 1 is already gone
+t0 = time.monotonic()
+try:
+    cluster.init(timeout=60)
+except cluster.ClusterError as exc:
+    with open(os.path.join(os.environ["DUMP_DIR"], f"init_{rank}.txt"), "w") as fh:
+        fh.write(f"{time.monotonic() - t0:.3f} {exc}")
+    time.sleep(2.0 if rank == 0 else 0)  # let rank 2 arrive late before the job ends
+    sys.exit(4)
+sys.exit(9)
+"""
+
+
+def test_init_fails_at_once_when_a_rank_exited_without_joining(msrun):
+    """Rank 1 exits 0 before init(): peers waiting in init() (or arriving later) are told at once."""
+    msrun.script("early_exit.py", EXITS_BEFORE_JOINING)
+    t0 = time.monotonic()
+    job = msrun.run(job_args(3, "--scheduler=builtin", "--cluster_time_out=60", "early_exit.py"))
+    assert time.monotonic() - t0 < 20
+    assert job.returncode == 4, job.stdout + job.stderr
+    for rank in (0, 2):
+        elapsed, text = (msrun.dump / f"init_{rank}.txt").read_text().split(" ", 1)
+        assert float(elapsed) < 5.0, text
+        assert "rank 1 exited without joining the group: its process exited with code 0" in text
+
+
 def test_collective_mismatch_is_an_error(msrun):
     msrun.script(
         "mismatch.py",
@@ -186,7 +220,7 @@ def test_collective_before_init_raises(monkeypatch):
 def test_non_builtin_scheduler_is_named(monkeypatch):
     cluster.finalize()
     monkeypatch.setenv("MS_ROLE", "MS_WORKER")
-    monkeypatch.setenv("MSRUN_SCHEDULER", "mindspore")
+    monkeypatch.setenv("MSRUN_SCHEDULER", "task")
     monkeypatch.setenv("RANK_ID", "0")
-    with pytest.raises(cluster.ClusterError, match="builtin scheduler"):
+    with pytest.raises(cluster.ClusterError, match="--scheduler=task"):
         cluster.init()

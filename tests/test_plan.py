@@ -96,7 +96,7 @@ def test_non_master_node_has_no_scheduler():
     assert plan.scheduler is None and len(plan.workers) == 4
 
 
-@pytest.mark.parametrize("mode", ["mindspore", "task"])
+@pytest.mark.parametrize("mode", ["task"])
 def test_msrun_rank_formula_without_builtin(mode):
     plan = build_plan(cfg(worker_num=8, local_worker_num=4, node_rank=1), facts(scheduler_mode=mode))
     assert [w.rank for w in plan.workers] == [4, 5, 6, 7]
@@ -110,9 +110,21 @@ def test_msrun_rank_formula_without_builtin(mode):
 def test_task_and_mindspore_scheduler_commands():
     task = build_plan(cfg(), facts(scheduler_mode="task"))
     assert task.scheduler.argv == [PY, "net.py"]
-    ms = build_plan(cfg(), facts(scheduler_mode="mindspore"))
-    assert ms.scheduler.argv[:2] == [PY, "-c"] and "mindspore.communication" in ms.scheduler.argv[2]
-    assert "MSRUN_JOB_TOKEN" not in ms.workers[0].env
+    assert "MSRUN_JOB_TOKEN" not in task.workers[0].env
+    for mode in ("auto", "builtin", "mindspore"):
+        # The builtin control plane in every mode but task; auto and mindspore add a MindSpore
+        # scheduler behind it, run with the task's interpreter.
+        plan = build_plan(cfg(), facts(scheduler_mode=mode))
+        assert plan.scheduler.argv[-2:] == ["-m", "pytest_msrun.scheduler"]
+        assert plan.scheduler.env["MSRUN_SCHEDULER"] == mode
+        assert plan.scheduler.env.get("MSRUN_TASK_PYTHON") == (None if mode == "builtin" else PY)
+        assert "MSRUN_JOB_TOKEN" in plan.workers[0].env
+
+
+@pytest.mark.parametrize("mode", ["auto", "mindspore"])
+def test_control_plane_modes_assign_ranks_before_start(mode):
+    pending = build_plan(cfg(worker_num=8, local_worker_num=4), facts(scheduler_mode=mode))
+    assert pending.ranks_pending
 
 
 def test_dry_run_env():

@@ -38,7 +38,6 @@ def test_cluster_demo_two_nodes(msrun):
 
 @pytest.mark.torch
 def test_torch_gloo_all_reduce(msrun):
-    pytest.importorskip("torch")
     job = msrun.run(
         job_args(2, str(SAMPLES / "torch_allreduce.py")),
         timeout=120,
@@ -50,7 +49,6 @@ def test_torch_gloo_all_reduce(msrun):
 
 @pytest.mark.mindspore
 def test_mindspore_net_sample(msrun):
-    pytest.importorskip("mindspore")
     job = msrun.run(
         job_args(2, "--scheduler=mindspore", str(SAMPLES / "net.py")),
         env={"SAMPLES": "256"},
@@ -71,7 +69,6 @@ def test_shell_scripts_are_valid_bash():
 
 @pytest.mark.mindspore
 def test_mindspore_failure_is_torn_down_at_once(msrun):
-    pytest.importorskip("mindspore")
     msrun.script(
         "ms_fail.py",
         """

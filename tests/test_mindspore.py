@@ -1,0 +1,64 @@
+"""Real MindSpore 2.10 next to this msrun: scheduler modes, jobs that use MindSpore and jobs that do not.
+
+MindSpore jobs are slow to start (seconds of import per process), so each test here runs one job.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import job_args
+
+pytestmark = pytest.mark.mindspore
+
+PLAIN = """
+import os
+print("plain task on rank", os.environ["RANK_ID"], flush=True)
+"""
+
+MS_INIT = """
+import os, sys
+import mindspore as ms
+from mindspore.communication import get_group_size, get_rank, init
+ms.set_device("CPU")
+init()
+print(f"mindspore rank {get_rank()}/{get_group_size()}", flush=True)
+if os.environ.get("ALSO_CLUSTER"):
+    from pytest_msrun import cluster
+    cluster.init()
+    print("cluster gather", cluster.all_gather_object(get_rank()), flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["auto", "mindspore"])
+def test_task_without_mindspore_init_ends_with_its_workers(msrun, mode):
+    """MindSpore is importable, the task never calls init(): the job ends when its workers do."""
+    msrun.script("plain.py", PLAIN)
+    t0 = time.monotonic()
+    job = msrun.run(job_args(2, f"--scheduler={mode}", "--cluster_time_out=60", "plain.py"), timeout=90)
+    elapsed = time.monotonic() - t0
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert "[rank 1] plain task on rank 1" in job.stdout
+    assert elapsed < 20, f"msrun waited {elapsed:.1f} s for a scheduler nobody used"
+
+
+def test_auto_serves_mindspore_and_the_cluster_api_in_one_job(msrun):
+    msrun.script("ms_init.py", MS_INIT)
+    job = msrun.run(job_args(2, "ms_init.py"), env={"ALSO_CLUSTER": "1"}, timeout=240)
+    assert job.returncode == 0, job.stdout + job.stderr + job.log("scheduler.log")[-3000:]
+    for rank in (0, 1):
+        assert f"mindspore rank {rank}/2" in job.log(f"worker_{rank}.log")
+        assert "cluster gather [0, 1]" in job.log(f"worker_{rank}.log")
+    assert "MindSpore scheduler" in job.log("scheduler.log")
+
+
+def test_builtin_scheduler_names_the_fix_for_a_mindspore_client_at_once(msrun):
+    msrun.script("ms_init.py", MS_INIT)
+    t0 = time.monotonic()
+    job = msrun.run(job_args(2, "--scheduler=builtin", "--cluster_time_out=120", "ms_init.py"), timeout=240)
+    elapsed = time.monotonic() - t0
+    assert job.returncode != 0
+    assert "--scheduler=mindspore" in job.stderr, job.stderr
+    assert "MindSpore" in job.log("scheduler.log")
+    assert elapsed < 60, f"failed only after {elapsed:.0f} s"
