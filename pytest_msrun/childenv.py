@@ -37,9 +37,20 @@ OWNED_VARS = (
     "MSRUN_SCHEDULER",
     "MSRUN_LOG_DIR",
     "MSRUN_LISTEN_FD",
+    "MSRUN_PLUGIN_ROLE",
+    "MSRUN_TASK_PYTHON",
+    "MSRUN_ORIG_PYTHONPATH",
 )
 # Internal variables that are not part of msrun's interface and never shown as "exported".
-INTERNAL_VARS = frozenset({"MSRUN_JOB_TOKEN", "MSRUN_LISTEN_FD"})
+INTERNAL_VARS = frozenset(
+    {"MSRUN_JOB_TOKEN", "MSRUN_LISTEN_FD", "MSRUN_PLUGIN_ROLE", "MSRUN_TASK_PYTHON", "MSRUN_ORIG_PYTHONPATH"}
+)
+# What a dry-run worker gets from the launcher, as MindSpore's msrun exports it (plus the
+# variables every child of this launcher gets: PYTHONUNBUFFERED and the MSRUN_* ones).
+DRY_RUN_VARS = ("MS_SIMULATION_LEVEL", "MS_WORKER_NUM", "RANK_SIZE", "RANK_ID", "DEVICE_ID", "MS_NODE_ID")
+# The role variable this launcher sets for the pytest plugin in each child (and nobody else sets):
+# a pytest process is one of this launcher's ranks only when it finds "worker" here.
+PLUGIN_ROLE_VAR = "MSRUN_PLUGIN_ROLE"
 
 
 def inherited(base: Mapping[str, str], keep: tuple[str, ...] = ()) -> dict[str, str]:
@@ -82,6 +93,17 @@ def common_vars(
     if bind_file:
         out["MSRUN_BIND_FILE"] = bind_file
         out["MSRUN_BIND_FILE_HASH"] = bind_file_hash
+    return out
+
+
+def dry_run_rank_vars(*, local_index: int, rank: int | None, node_id: int | None) -> dict[str, str]:
+    """A simulated worker's rank variables, exactly msrun's: no local or torch-style sizes, because
+    MindSpore reads ``LOCAL_RANK``/``LOCAL_RANK_SIZE`` before ``init()`` and msrun never sets them."""
+    out = {"DEVICE_ID": str(local_index)}
+    if rank is not None:
+        out["RANK_ID"] = str(rank)
+    if node_id is not None:
+        out["MS_NODE_ID"] = str(node_id)
     return out
 
 

@@ -34,55 +34,89 @@ def _bind_type(flag: str):
     return parse
 
 
+_UNSET = object()  # the default of every flag in the parser: tells given flags from defaults
+
+# msrun's defaults (and this launcher's extensions'), applied after parsing.
+DEFAULTS: dict[str, object] = {
+    "worker_num": 8,
+    "local_worker_num": 8,
+    "master_addr": "127.0.0.1",
+    "master_port": 8118,
+    "node_rank": -1,
+    "log_dir": "",
+    "join": False,
+    "cluster_time_out": 600,
+    "bind_core": BindSpec(),
+    "bind_numa": BindSpec(),
+    "sim_level": None,
+    "sim_rank_id": -1,
+    "rank_table_file": "",
+    "worker_log_name": "",
+    "tail_worker_log": "-1",
+    "sim_select": "",
+    "sim_concurrency": 0,
+    "scheduler": "auto",
+    "dist_port": -1,
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="msrun",
         description="Start a distributed job: one scheduler plus N workers per node (MindSpore msrun compatible).",
     )
-    p.add_argument("--worker_num", type=int, default=8, help="total number of workers (ranks) in the job")
-    p.add_argument("--local_worker_num", type=int, default=8, help="workers started on this node")
-    p.add_argument("--master_addr", default="127.0.0.1", help="scheduler address: IPv4, [IPv6] or host name")
-    p.add_argument("--master_port", type=int, default=8118, help="scheduler port (0 = pick a free one, single node)")
-    p.add_argument("--node_rank", type=int, default=-1, help="this node's index (-1 = assign automatically)")
-    p.add_argument("--log_dir", default="", help="directory for scheduler.log and worker_<rank>.log (default: cwd)")
+    p.add_argument("--worker_num", type=int, default=_UNSET, help="total number of workers (ranks) (default 8)")
+    p.add_argument("--local_worker_num", type=int, default=_UNSET, help="workers started on this node (default 8)")
+    p.add_argument(
+        "--master_addr", default=_UNSET, help="scheduler address: IPv4, [IPv6] or host name (default 127.0.0.1)"
+    )
+    p.add_argument(
+        "--master_port", type=int, default=_UNSET, help="scheduler port (default 8118; 0 = a free one, single node)"
+    )
+    p.add_argument("--node_rank", type=int, default=_UNSET, help="this node's index (default -1: assign automatically)")
+    p.add_argument("--log_dir", default=_UNSET, help="directory for scheduler.log and worker_<rank>.log (default: cwd)")
     p.add_argument(
         "--join",
         type=_join_type,
-        default=False,
+        default=_UNSET,
         metavar="{True,False}",
         help="wait for the job, tail logs and return its exit status (default False: detach)",
     )
     p.add_argument(
-        "--cluster_time_out", type=int, default=600, help="seconds to wait for every node (negative: forever)"
+        "--cluster_time_out",
+        type=int,
+        default=_UNSET,
+        help="seconds to wait for every node (default 600; negative: forever)",
     )
-    p.add_argument("--bind_core", type=_bind_type("bind_core"), default=BindSpec(), help="True, False or a JSON dict")
+    p.add_argument("--bind_core", type=_bind_type("bind_core"), default=_UNSET, help="True, False or a JSON dict")
     p.add_argument(
-        "--bind_numa", type=_bind_type("bind_numa"), default=BindSpec(), help="True, False, a JSON dict or a JSON file"
+        "--bind_numa", type=_bind_type("bind_numa"), default=_UNSET, help="True, False, a JSON dict or a JSON file"
     )
-    p.add_argument("--sim_level", type=int, default=None, choices=[0, 1, 2, 3], help="dry-run simulation level")
-    p.add_argument("--sim_rank_id", type=int, default=-1, help="dry-run a single rank with this id")
-    p.add_argument("--rank_table_file", default="", help="rank table file (exported as RANK_TABLE_FILE)")
-    p.add_argument("--worker_log_name", default="", help="worker log prefix; {ip} and {hostname} are replaced")
-    p.add_argument("--tail_worker_log", default="-1", help="ranks whose logs are shown with --join=True (-1 = all)")
+    p.add_argument("--sim_level", type=int, default=_UNSET, choices=[0, 1, 2, 3], help="dry-run simulation level")
+    p.add_argument("--sim_rank_id", type=int, default=_UNSET, help="dry-run a single rank with this id")
+    p.add_argument("--rank_table_file", default=_UNSET, help="rank table file (exported as RANK_TABLE_FILE)")
+    p.add_argument("--worker_log_name", default=_UNSET, help="worker log prefix; {ip} and {hostname} are replaced")
+    p.add_argument("--tail_worker_log", default=_UNSET, help="ranks whose logs are shown with --join=True (-1 = all)")
     p.add_argument(
         "--sim_select",
-        default="",
+        default=_UNSET,
         help="dry run: the simulated ranks to run (N, A-B, first:K, last:K, sample:K[:SEED]; default all)",
     )
     p.add_argument(
-        "--sim_concurrency", type=int, default=0, help="dry run: simulated ranks running at once (0 = CPU count)"
+        "--sim_concurrency", type=int, default=_UNSET, help="dry run: simulated ranks running at once (0 = CPU count)"
     )
     p.add_argument(
         "--scheduler",
-        default="auto",
+        default=_UNSET,
         choices=SCHEDULER_MODES,
-        help="scheduler process: builtin control plane, a MindSpore scheduler, the task itself, or auto",
+        help="the scheduler process: the builtin control plane (auto: plus a MindSpore scheduler when a MindSpore "
+        "worker connects; mindspore: from the start), or the task itself (task, as MindSpore's msrun)",
     )
     p.add_argument("--print_plan", action="store_true", help="print the launch plan as JSON and start nothing")
     p.add_argument(
         "--dist_port",
         type=int,
-        default=-1,
+        default=_UNSET,
         help="port exported as MASTER_PORT for torch env:// (default master_port+1)",
     )
     p.add_argument("task_script", help="a .py script, python, python3, pytest, or another command")
@@ -90,8 +124,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def apply_defaults(ns: argparse.Namespace) -> frozenset[str]:
+    """Fill in the defaults of flags not given; return the names of those that were given."""
+    given = frozenset(name for name in DEFAULTS if getattr(ns, name, _UNSET) is not _UNSET)
+    for name, default in DEFAULTS.items():
+        if name not in given:
+            setattr(ns, name, default)
+    return given
+
+
 def config_from_args(ns: argparse.Namespace, env: dict[str, str]) -> tuple[LaunchConfig, list[str]]:
     notes: list[str] = []
+    given = apply_defaults(ns)
     sim_level, sim_from_env = ns.sim_level, False
     if sim_level is None:
         sim_level = -1
@@ -129,6 +173,7 @@ def config_from_args(ns: argparse.Namespace, env: dict[str, str]) -> tuple[Launc
         scheduler=ns.scheduler,
         print_plan=ns.print_plan,
         dist_port=ns.dist_port,
+        given=given,
     )
     return cfg, notes
 
@@ -162,6 +207,9 @@ def binding_facts(cfg: LaunchConfig, env: dict[str, str]) -> tuple[object, dict[
             f"cannot read the topology snapshot in MSRUN_TOPOLOGY: {exc}",
         ) from None
     tools = {name: shutil.which(name, path=env.get("PATH")) for name in ("taskset", "numactl")}
+    if cfg.print_plan and getattr(topology, "source", "live") != "live":
+        # A plan for the recorded machine, started nowhere: its commands are that machine's.
+        tools = {name: path or name for name, path in tools.items()}
     return topology, tools
 
 
@@ -190,7 +238,7 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str]) -> NodeFacts:
         master_ip = resolve_master_addr(cfg.master_addr)
     except AddressError as exc:
         raise ConfigError("master_addr", f"{exc}; give an IP address or a resolvable host name") from None
-    argv = task_argv(cfg.task_script, cfg.task_script_args)
+    argv = task_argv(cfg.task_script, cfg.task_script_args, must_exist=not cfg.print_plan)
     python = task_python(argv)
     topology, tools = binding_facts(cfg, env)
     mode = "none" if cfg.dry_run else cfg.scheduler

@@ -61,6 +61,8 @@ class LaunchConfig:
     scheduler: str = "auto"
     print_plan: bool = False
     dist_port: int = -1
+    # the flags given on the command line (the others hold their defaults); None: all given
+    given: frozenset[str] | None = None
 
     @property
     def dry_run(self) -> bool:
@@ -69,6 +71,10 @@ class LaunchConfig:
     @property
     def multi_node(self) -> bool:
         return self.local_worker_num < self.worker_num
+
+    def was_given(self, flag: str) -> bool:
+        """Whether ``--flag`` was given (a config built in code counts every flag as given)."""
+        return self.given is None or flag in self.given
 
     def tail_ranks(self) -> list[int] | None:
         """Ranks whose logs are tailed; ``None`` = every local worker."""
@@ -108,10 +114,17 @@ def validate(cfg: LaunchConfig) -> list[str]:
     if cfg.local_worker_num <= 0:
         raise ConfigError("local_worker_num", f"must be at least 1, got {cfg.local_worker_num}")
     if cfg.local_worker_num > cfg.worker_num:
+        if not cfg.was_given("local_worker_num"):
+            raise ConfigError(
+                "local_worker_num",
+                f"{cfg.local_worker_num} (the default) exceeds --worker_num={cfg.worker_num}; pass "
+                f"--local_worker_num={cfg.worker_num} to run every worker on this node (or fewer per node for a "
+                "multi-node job)",
+            )
         raise ConfigError(
             "local_worker_num",
-            f"{cfg.local_worker_num} exceeds --worker_num={cfg.worker_num}; "
-            "a node cannot run more workers than the whole job",
+            f"{cfg.local_worker_num} exceeds --worker_num={cfg.worker_num}: a node cannot run more workers than the "
+            f"whole job; pass --local_worker_num={cfg.worker_num} or raise --worker_num",
         )
     if not 0 <= cfg.master_port <= 65535:
         raise ConfigError("master_port", f"{cfg.master_port} is not a TCP port (0-65535; 0 = pick a free port)")
@@ -175,7 +188,7 @@ def validate(cfg: LaunchConfig) -> list[str]:
             raise ConfigError("log_dir", f"{probe!r} exists and is not a directory")
         if not os.access(probe, os.W_OK | os.X_OK):
             raise ConfigError("log_dir", f"{probe!r} is not writable")
-    if cfg.task_script.endswith(".py") and not os.path.isfile(cfg.task_script):
+    if cfg.task_script.endswith(".py") and not cfg.print_plan and not os.path.isfile(cfg.task_script):
         raise ConfigError("", f"task_script {cfg.task_script!r} not found (cwd {os.getcwd()})")
     if cfg.bind_core.kind == "unified":
         raise ConfigError("bind_core", "the unified JSON format belongs to --bind_numa")

@@ -269,6 +269,7 @@ def build_plan(
             **common,
             **childenv.cluster_vars("MS_SCHED", facts.master_ip, facts.master_port, cfg.cluster_time_out),
             "RANK_ID": "0",
+            childenv.PLUGIN_ROLE_VAR: "scheduler",
         }
         processes.append(
             ProcessSpec(
@@ -289,22 +290,26 @@ def build_plan(
     def make_worker(i: int) -> ProcessSpec:
         rank = None if offset is None else offset + i
         exported = dict(common)
-        if not dry:
+        if dry:
+            node_id = rank if single_rank is None else None  # msrun sets no MS_NODE_ID for --sim_rank_id
+            exported.update(childenv.dry_run_rank_vars(local_index=i, rank=rank, node_id=node_id))
+        else:
             exported.update(
                 childenv.cluster_vars("MS_WORKER", facts.master_ip, facts.master_port, cfg.cluster_time_out)
             )
-        exported.update(
-            childenv.rank_vars(
-                local_index=i,
-                rank=rank,
-                world_size=cfg.worker_num,
-                local_world_size=local,
-                node_index=node_index,
-                node_count=node_count,
-                master_ip=None if dry else facts.master_ip,
-                dist_port=None if dry else effective_dist_port(facts.master_port, facts.dist_port),
+            exported.update(
+                childenv.rank_vars(
+                    local_index=i,
+                    rank=rank,
+                    world_size=cfg.worker_num,
+                    local_world_size=local,
+                    node_index=node_index,
+                    node_count=node_count,
+                    master_ip=facts.master_ip,
+                    dist_port=effective_dist_port(facts.master_port, facts.dist_port),
+                )
             )
-        )
+        exported[childenv.PLUGIN_ROLE_VAR] = "worker"
         suffix = 0 if single_rank is not None else (i if rank is None else rank)
         spec = ProcessSpec(
             name=f"worker_{suffix}",
@@ -354,7 +359,7 @@ def build_plan(
             processes.append(make_worker(i))
             rank = processes[-1].rank
             if cfg.join and not processes[-1].tail:
-                infos.append(
+                warnings.append(
                     f"The '--tail_worker_log' is:{cfg.tail_worker_log}, which doesn't contain this worker {rank}. So "
                     f"this worker {rank}'s log will not be output to console. Reset '--tail_worker_log', if you want "
                     "to output this worker's log to console."

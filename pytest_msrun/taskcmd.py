@@ -9,7 +9,7 @@ import sys
 from pytest_msrun.config import COMMAND_TASKS, ConfigError
 
 
-def task_argv(script: str, args: list[str], python: str = sys.executable) -> list[str]:
+def task_argv(script: str, args: list[str], python: str = sys.executable, *, must_exist: bool = True) -> list[str]:
     """The argv every worker runs.
 
     ``python``/``python3``/``pytest`` run as commands; a ``.py`` file runs with ``python``
@@ -26,6 +26,8 @@ def task_argv(script: str, args: list[str], python: str = sys.executable) -> lis
         return [python, script, *args]
     if shutil.which(script):
         return [script, *args]
+    if not must_exist:  # --print_plan: show the command for a script that is not here
+        return [python, script, *args]
     raise ConfigError("", f"task_script {script!r} is neither a file nor a command on PATH")
 
 

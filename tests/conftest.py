@@ -23,24 +23,32 @@ MARK = "MSRUN_TEST_MARK"
 pytest_plugins = ["pytester"]
 collect_ignore = ["examples"]  # example test files for pytester runs, not tests of their own
 
-# Framework tiers: a test marked ``torch`` or ``mindspore`` skips with the reason where the framework
-# is missing (a user's machine), and fails instead when MSRUN_TEST_REQUIRE names the tier (CI).
-TIERS = {"torch": "torch", "mindspore": "mindspore"}
-INSTALL = {"torch": "pip install torch==2.13.0", "mindspore": 'pip install mindspore==2.10.0 "numpy<2"'}
+# Tiers: a test marked ``torch``, ``mindspore`` or ``numactl`` skips with the reason where that
+# framework or tool is missing (a user's machine), and fails instead when MSRUN_TEST_REQUIRE names
+# the tier (CI sets MSRUN_TEST_REQUIRE=torch,mindspore,numactl).
+TIERS = {
+    "torch": ("module", "torch", "pip install torch==2.13.0"),
+    "mindspore": ("module", "mindspore", 'pip install mindspore==2.10.0 "numpy<2"'),
+    "numactl": ("command", "numactl", "apt-get install numactl"),
+}
 
 
-def _importable(module: str) -> bool:
+def _present(kind: str, name: str) -> bool:
+    if kind == "command":
+        import shutil
+
+        return shutil.which(name) is not None
     import importlib.util
 
-    return importlib.util.find_spec(module) is not None
+    return importlib.util.find_spec(name) is not None
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     required = {t.strip() for t in os.environ.get("MSRUN_TEST_REQUIRE", "").split(",") if t.strip()}
-    for tier, module in TIERS.items():
-        if item.get_closest_marker(tier) is None or _importable(module):
+    for tier, (kind, name, install) in TIERS.items():
+        if item.get_closest_marker(tier) is None or _present(kind, name):
             continue
-        reason = f"{module} is not installed ({INSTALL[tier]})"
+        reason = f"{name} is not installed ({install})"
         if tier in required:
             pytest.fail(f"MSRUN_TEST_REQUIRE={tier}: {reason}", pytrace=False)
         pytest.skip(reason)

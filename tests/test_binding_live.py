@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,9 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import REPO, job_args, wait_running
+
+from pytest_msrun.binding.discover import discover
+from pytest_msrun.cpulist import format_id_list
 
 FIXTURES = REPO / "fixtures"
 REPORT = """
@@ -26,59 +28,87 @@ print("started", flush=True)
 time.sleep(float(os.environ.get("SLEEP", "0")))
 """
 
-needs_two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 allowed CPUs")
-needs_numactl = pytest.mark.skipif(shutil.which("numactl") is None, reason="numactl is not installed")
+# Every expectation below is derived from the machine the tests run on (its allowed CPUs, physical
+# cores and NUMA nodes, read by live discovery), never from the machine they were written on.
+HERE = discover(devices=False)
+ALLOWED = sorted(os.sched_getaffinity(0))
+CORES = HERE.allowed_cores()
+NODE = HERE.usable_nodes()[0] if HERE.usable_nodes() else 0  # the node --bind_numa=True picks first
+
+needs_two_cores = pytest.mark.skipif(len(CORES) < 2, reason="needs 2 allowed physical cores")
+needs_numactl = pytest.mark.numactl
 
 
 def _recs(msrun, n):
     return [json.loads((msrun.dump / f"bind_{r}.json").read_text()) for r in range(n)]
 
 
-@needs_two_cpus
+def _assert_fair_whole_core_shares(cpu_sets: list[list[int]]) -> None:
+    """Disjoint, allowed, whole physical cores, every allowed core used, shares within one core."""
+    core_of = {cpu: tuple(core) for core in CORES for cpu in core}
+    shares = []
+    for cpus in cpu_sets:
+        assert cpus and set(cpus) <= set(ALLOWED)
+        cores = {core_of[c] for c in cpus}
+        assert {c for core in cores for c in core} == set(cpus), "SMT siblings stay together"
+        shares.append(len(cores))
+    flat = [c for cpus in cpu_sets for c in cpus]
+    assert len(flat) == len(set(flat)), "no CPU is shared"
+    assert sum(shares) == len(CORES) and max(shares) - min(shares) <= 1
+
+
+@needs_two_cores
 def test_bind_core_auto_runs_where_the_plan_says(msrun):
     msrun.script("report.py", REPORT)
     job = msrun.run(job_args(2, "--bind_core=True", "report.py"))
     assert job.returncode == 0, job.stderr
     recs = _recs(msrun, 2)
-    assert [r["cpus"] for r in recs] == [[0], [1]]
-    assert [r["cpu_list"] for r in recs] == ["[0]", "[1]"]
-    assert "Execute command: taskset -c 0 " in job.stdout and "Execute command: taskset -c 1 " in job.stdout
+    _assert_fair_whole_core_shares([r["cpus"] for r in recs])
+    assert [r["cpu_list"] for r in recs] == [str(r["cpus"]) for r in recs]
+    for rec in recs:
+        assert f"Execute command: taskset -c {format_id_list(rec['cpus'])} " in job.stdout
     table = job.stdout[job.stdout.index("msrun: bindings") :]
     assert "rank 0" in table and "taskset" in table
     assert "Binding of" not in job.stderr, "the kernel must agree with the plan"
 
 
-@needs_two_cpus
+@needs_two_cores
 def test_bind_core_dict_and_scheduler(msrun):
+    a, b = ALLOWED[0], ALLOWED[1]
     msrun.script("report.py", REPORT)
     popen = msrun.start(
-        job_args(2, '--bind_core={"device1": ["0"], "scheduler": ["1"], "device0": ["1"]}', "report.py"),
+        job_args(
+            2,
+            "--bind_core=" + json.dumps({"device1": [str(a)], "scheduler": [str(b)], "device0": [str(b)]}),
+            "report.py",
+        ),
         env={"SLEEP": "1"},
     )
     status = wait_running(msrun.cwd / "logs", 2)
     sched = next(p for p in status["processes"] if p["role"] == "scheduler")
-    assert psutil.Process(sched["pid"]).cpu_affinity() == [1]
+    assert psutil.Process(sched["pid"]).cpu_affinity() == [b]
     job = msrun.finish(popen)
     assert job.returncode == 0, job.stderr
-    assert [r["cpus"] for r in _recs(msrun, 2)] == [[1], [0]]
+    assert [r["cpus"] for r in _recs(msrun, 2)] == [[b], [a]]
     assert [r["cpu_list"] for r in _recs(msrun, 2)] == [None, None], "MSRUN_CPU_LIST is for automatic binding only"
 
 
 @needs_numactl
-def test_numactl_binds_memory_node_0(msrun):
+def test_numactl_binds_memory_to_the_first_usable_node(msrun):
     msrun.script("report.py", REPORT)
     job = msrun.run(job_args(1, "--bind_numa=True", "report.py"))
     assert job.returncode == 0, job.stderr
     (rec,) = _recs(msrun, 1)
-    assert rec["policy"] == "bind:0"
-    assert rec["cpus"] == sorted(os.sched_getaffinity(0))
-    assert "numactl --membind 0 --cpunodebind 0" in job.stdout
-    assert "bind:0" in job.stdout[job.stdout.index("msrun: bindings") :]
+    assert rec["policy"] == f"bind:{NODE}"
+    assert rec["cpus"] == HERE.node_allowed_cpus(NODE)
+    assert f"numactl --membind {NODE} --cpunodebind {NODE}" in job.stdout
+    assert f"bind:{NODE}" in job.stdout[job.stdout.index("msrun: bindings") :]
 
 
 @needs_numactl
-@needs_two_cpus
+@needs_two_cores
 def test_numactl_with_cores_and_bind_file(msrun, tmp_path):
+    a, b = ALLOWED[0], ALLOWED[1]
     msrun.script("report.py", REPORT)
     bind = tmp_path / "bind.json"
     bind.write_text(
@@ -86,26 +116,26 @@ def test_numactl_with_cores_and_bind_file(msrun, tmp_path):
             {
                 "bind_config": {"bind_cpu_mode": "cpu", "bind_memory_mode": "numa", "actor_thread_fix_bind": True},
                 "bind_cpu": {
-                    "device0": {"main": "1", "runtime": "0"},
-                    "device_1": {"main": "0"},
-                    "scheduler": {"main": "0"},
+                    "device0": {"main": str(b), "runtime": str(a)},
+                    "device_1": {"main": str(a)},
+                    "scheduler": {"main": str(a)},
                 },
-                "bind_memory": {"device0": 0},
+                "bind_memory": {"device0": NODE},
             }
         )
     )
     job = msrun.run(job_args(2, f"--bind_numa={bind}", "report.py"))
     assert job.returncode == 0, job.stderr
     recs = _recs(msrun, 2)
-    assert recs[0]["cpus"] == [1] and recs[0]["policy"] == "bind:0"
-    assert recs[1]["cpus"] == [0] and recs[1]["policy"] == "default"
+    assert recs[0]["cpus"] == [b] and recs[0]["policy"] == f"bind:{NODE}"
+    assert recs[1]["cpus"] == [a] and recs[1]["policy"] == "default"
     assert all(r["bind_file"] == str(bind) for r in recs)
-    assert "numactl --membind 0 --physcpubind 1 " in job.stdout and "taskset -c 0 " in job.stdout
+    assert f"numactl --membind {NODE} --physcpubind {b} " in job.stdout and f"taskset -c {a} " in job.stdout
 
 
-def _path_without(*tools: str) -> str:
-    """A PATH holding every command of the current one except ``tools``."""
-    keep = Path(os.environ.get("TMPDIR", "/tmp")) / f"msrun-path-{os.getpid()}"
+def _path_without(tmp_path: Path, *tools: str) -> str:
+    """A PATH (a directory in ``tmp_path``) holding every command of the current one except ``tools``."""
+    keep = tmp_path / f"path-without-{'-'.join(tools)}"
     keep.mkdir(exist_ok=True)
     for entry in os.environ["PATH"].split(os.pathsep):
         if not os.path.isdir(entry):
@@ -121,19 +151,21 @@ def _path_without(*tools: str) -> str:
     return str(keep)
 
 
-@needs_two_cpus
-def test_without_taskset_children_bind_themselves(msrun):
+@needs_two_cores
+def test_without_taskset_children_bind_themselves(msrun, tmp_path):
     msrun.script("report.py", REPORT)
-    job = msrun.run(job_args(2, "--bind_core=True", "report.py"), env={"PATH": _path_without("taskset", "numactl")})
+    path = _path_without(tmp_path, "taskset", "numactl")
+    job = msrun.run(job_args(2, "--bind_core=True", "report.py"), env={"PATH": path})
     assert job.returncode == 0, job.stderr
     assert "taskset was not found on PATH" in job.stderr
-    assert [r["cpus"] for r in _recs(msrun, 2)] == [[0], [1]]
+    _assert_fair_whole_core_shares([r["cpus"] for r in _recs(msrun, 2)])
     assert "sched_setaffinity" in job.stdout
 
 
-def test_without_numactl_memory_binding_is_refused_before_start(msrun):
+def test_without_numactl_memory_binding_is_refused_before_start(msrun, tmp_path):
     msrun.script("report.py", REPORT)
-    job = msrun.run(job_args(1, '--bind_numa={"device0": ["0"]}', "report.py"), env={"PATH": _path_without("numactl")})
+    path = _path_without(tmp_path, "numactl")
+    job = msrun.run(job_args(1, f'--bind_numa={{"device0": ["{NODE}"]}}', "report.py"), env={"PATH": path})
     assert job.returncode == 2
     assert "argument --bind_numa: memory binding needs numactl" in job.stderr
     assert not list(msrun.dump.iterdir()) and not (msrun.cwd / "logs").exists()
@@ -330,9 +362,10 @@ def test_live_snapshot_round_trips(tmp_path):
 
 
 def _vm_with_gpus(tmp_path) -> Path:
-    """This VM's snapshot plus two GPUs on NUMA node 0 (GPU1 near CPU 1 only), for the helpers."""
-    data = json.loads((FIXTURES / "vm_1node_2cpu.json").read_text())
-    cpus = sorted(os.sched_getaffinity(0))
+    """This machine's live snapshot plus two GPUs on its first usable NUMA node (GPU1 near that node's
+    last allowed CPU only), for the helpers."""
+    data = HERE.to_json()
+    cpus = HERE.node_allowed_cpus(NODE)
     data["devices"] = [
         {
             "kind": "cuda",
@@ -340,7 +373,7 @@ def _vm_with_gpus(tmp_path) -> Path:
             "pci_bus_id": "0000:00:10.0",
             "uuid": "GPU-aaaa",
             "name": "test",
-            "numa_node": 0,
+            "numa_node": NODE,
             "cpu_affinity": ",".join(map(str, cpus)),
         },
         {
@@ -349,7 +382,7 @@ def _vm_with_gpus(tmp_path) -> Path:
             "pci_bus_id": "0000:00:11.0",
             "uuid": "GPU-bbbb",
             "name": "test",
-            "numa_node": 0,
+            "numa_node": NODE,
             "cpu_affinity": str(cpus[-1]),
         },
     ]
@@ -368,7 +401,7 @@ def test_set_numa_affinity_follows_cuda_visible_devices(tmp_path):
     env = {**os.environ, "MSRUN_TOPOLOGY": str(snap), "CUDA_VISIBLE_DEVICES": "GPU-bbbb"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    last = sorted(os.sched_getaffinity(0))[-1]
+    last = HERE.node_allowed_cpus(NODE)[-1]
     assert json.loads(proc.stdout) == [[last], [last]], "logical GPU 0 is physical GPU1 (by UUID)"
 
 
@@ -384,9 +417,9 @@ def test_numa_wrap_binds_by_local_rank(tmp_path):
         text=True,
     )
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "bind:0"
-    assert "Starting local rank 1 (GPU1 0000:00:11.0) on NUMA node 0" in proc.stderr
-    no_numactl = {**env, "PATH": _path_without("numactl")}
+    assert proc.stdout.strip() == f"bind:{NODE}"
+    assert f"Starting local rank 1 (GPU1 0000:00:11.0) on NUMA node {NODE}" in proc.stderr
+    no_numactl = {**env, "PATH": _path_without(tmp_path, "numactl")}
     code = "import os; print(sorted(os.sched_getaffinity(0)))"
     proc = subprocess.run(
         [sys.executable, "-m", "pytest_msrun.binding.numa_wrap", sys.executable, "-c", code],

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import REPO
 
 BAD = [
     (["--worker_num=0"], "--worker_num", "greater than 0"),
     (["--worker_num=x"], "--worker_num", "invalid int value"),
     (["--local_worker_num=0"], "--local_worker_num", "at least 1"),
-    (["--worker_num=2", "--local_worker_num=4"], "--local_worker_num", "exceeds --worker_num=2"),
+    (["--worker_num=2", "--local_worker_num=4"], "--local_worker_num", "pass --local_worker_num=2 or raise"),
+    (["--worker_num=4"], "--local_worker_num", "8 (the default) exceeds --worker_num=4; pass --local_worker_num=4"),
     (["--master_port=70000"], "--master_port", "not a TCP port"),
     (["--master_port=-1"], "--master_port", "not a TCP port"),
     (["--worker_num=4", "--local_worker_num=2", "--master_port=0"], "--master_port", "one node"),
@@ -61,6 +63,18 @@ def test_missing_py_script_is_reported_before_start(msrun):
     job = msrun.run(["--worker_num=1", "--local_worker_num=1", "--join=True", "nope.py"])
     assert job.returncode == 2
     assert "nope.py" in job.stderr and "not found" in job.stderr
+
+
+def test_print_plan_needs_no_task_script_here(msrun):
+    """--print_plan starts nothing, so the script may live on the machine the plan is for."""
+    fixture = REPO / "fixtures" / "dgx_8gpu_2numa.json"
+    job = msrun.run(
+        ["--worker_num=8", "--local_worker_num=8", "--bind_core=True", "--print_plan", "x.py"],
+        env={"MSRUN_TOPOLOGY": str(fixture)},
+    )
+    assert job.returncode == 0, job.stderr
+    plan = json.loads(job.stdout)
+    assert plan["processes"][1]["command"][-1] == "x.py"
 
 
 def test_bad_bind_file_contents(msrun, env_dump, tmp_path):

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pytest_msrun.binding.flags import parse_bind_value
+from pytest_msrun.childenv import DRY_RUN_VARS
 from pytest_msrun.config import LaunchConfig
 from pytest_msrun.plan import NodeFacts, RankAssignment, build_plan
 
@@ -127,14 +128,19 @@ def test_control_plane_modes_assign_ranks_before_start(mode):
     assert pending.ranks_pending
 
 
+OURS = {"PYTHONUNBUFFERED", "MSRUN_JOB_ID", "MSRUN_SCHEDULER", "MSRUN_LOG_DIR"}
+
+
 def test_dry_run_env():
+    """Exactly msrun's dry-run variables (plus PYTHONUNBUFFERED and MSRUN_*): no LOCAL_RANK & co."""
     plan = build_plan(cfg(sim_level=1), facts())
     assert plan.scheduler is None and len(plan.workers) == 4
     for i, w in enumerate(plan.workers):
         env = w.env
         assert env["MS_SIMULATION_LEVEL"] == "1" and env["RANK_ID"] == str(i) and env["DEVICE_ID"] == str(i)
-        assert env["MS_WORKER_NUM"] == "4" and env["RANK_SIZE"] == "4"
-        for gone in ("MS_ROLE", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_TOPO_TIMEOUT", "MASTER_ADDR"):
+        assert env["MS_WORKER_NUM"] == "4" and env["RANK_SIZE"] == "4" and env["MS_NODE_ID"] == str(i)
+        assert set(plan.to_json()["processes"][i]["exported"]) == {*DRY_RUN_VARS, *OURS}
+        for gone in ("MS_ROLE", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_TOPO_TIMEOUT", "MASTER_ADDR", "LOCAL_RANK"):
             assert gone not in env, gone
 
 
@@ -143,7 +149,7 @@ def test_dry_run_single_rank():
     assert len(plan.workers) == 1
     w = plan.workers[0]
     assert w.rank == 5 and w.env["RANK_ID"] == "5" and w.env["DEVICE_ID"] == "0" and w.log_path == "worker_0.log"
-    assert w.env["MS_NODE_ID"] == "5" and w.env["LOCAL_WORLD_SIZE"] == "1"
+    assert "MS_NODE_ID" not in w.env and "LOCAL_WORLD_SIZE" not in w.env  # as msrun: RANK_ID only
     assert "In dryrun case, RANK_ID is assigned to 5." in plan.warnings
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from conftest import job_args
 
 LOUD = """
@@ -36,6 +38,11 @@ def test_tail_selection_by_rank(msrun):
     tailed = {ln.split("]")[0] + "]" for ln in job.stdout.splitlines() if ln.startswith("[rank")}
     assert tailed == {"[rank 1]"}
     assert "line 9 of rank 0" in job.log("worker_0.log")
+    # Shown at msrun's default verbosity, as a warning (the real msrun's logger.warning).
+    for rank in (0, 2):
+        assert re.search(
+            rf"\[WARNING\] .*The '--tail_worker_log' is:1, which doesn't contain this worker {rank}\. ", job.stderr
+        ), job.stderr
 
 
 def test_no_tail_without_join(msrun):

@@ -118,12 +118,27 @@ class Lease:
     devices: list[str]
 
 
+def default_pool_dir() -> str:
+    """``msrun-pool`` in pytest's own per-user temp root (``/tmp/pytest-of-<user>``), which every
+    pytest session of this user shares and pytest already keeps private (mode 0700)."""
+    import getpass
+
+    root = os.environ.get("PYTEST_DEBUG_TEMPROOT") or tempfile.gettempdir()
+    try:
+        user = getpass.getuser()
+    except (ImportError, KeyError, OSError):
+        user = "unknown"
+    base = os.path.join(root, f"pytest-of-{user}")
+    os.makedirs(base, mode=0o700, exist_ok=True)
+    return os.path.join(base, "msrun-pool")
+
+
 class ResourcePool:
     """File-locked leases of ports and devices, shared by every pytest process of this user."""
 
     def __init__(self, directory: str | None = None, port_range: tuple[int, int] | None = None) -> None:
-        self.dir = directory or os.path.join(tempfile.gettempdir(), f"pytest-msrun-{os.getuid()}")
-        os.makedirs(self.dir, exist_ok=True)
+        self.dir = directory or default_pool_dir()
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
         self.state_path = os.path.join(self.dir, "pool.json")
         self.lock = FileLock(os.path.join(self.dir, "pool.lock"))
         self.port_range = port_range or _env_range() or DEFAULT_PORT_RANGE
