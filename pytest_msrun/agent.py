@@ -24,7 +24,7 @@ from pytest_msrun import console, procs, wire
 from pytest_msrun.config import CONTROL_PLANE_MODES, LaunchConfig
 from pytest_msrun.netaddr import format_hostport, free_port, listen_socket, port_is_free
 from pytest_msrun.plan import LaunchPlan, NodeFacts, ProcessSpec, RankAssignment, build_plan, effective_dist_port
-from pytest_msrun.status import STATUS_FILE, node_status_file, write_status
+from pytest_msrun.status import STATUS_FILE, JobStatus, ProcessStatus, node_status_file, write_status
 from pytest_msrun.summary import Failure, failure_of, render
 from pytest_msrun.tail import LogTailer, prefix_for
 
@@ -149,6 +149,8 @@ class Agent:
             # Nodes may share a log directory: one status file per node, named once known.
             self.status_name = node_status_file(cfg.node_rank) if cfg.node_rank >= 0 else None
         self.started = time.time()
+        self.stop_reason = ""  # why msrun tore the job down (empty: it ended by itself)
+        self.pending_notes: list[dict[str, Any]] = []  # for the control plane once this node is signalled
 
     # ------------------------------------------------------------------ signals
     def _install_signals(self) -> None:
@@ -456,6 +458,7 @@ class Agent:
         sig = signal.Signals(self.signal_received)
         label = "SIGINT (Ctrl+C)" if sig == signal.SIGINT else sig.name
         console.warning(f"msrun process received {label}, terminating all workers.")
+        self.stop_reason = f"msrun received {sig.name}"
         return 128 + int(sig)
 
     def _report_failure(self) -> None:
@@ -518,6 +521,7 @@ class Agent:
             if silent and not self.sent_done:
                 console.error(f"Lost the scheduler: {silent}.")
                 code, reason = EXIT_LAUNCH_ERROR, "lost"
+                self.stop_reason = f"lost the scheduler: {silent}"
                 break
             failed = False
             for kind, payload in self._poll_events(self.hb_interval if self.link is not None else None):
@@ -526,8 +530,13 @@ class Agent:
                     rc = child.returncode
                     if child.spec.role == "worker" and child.spec.rank is not None and rc is not None:
                         # Peers blocked in init() or a collective must not wait for a rank that is gone.
-                        how = procs.describe_returncode(rc)
-                        self._link_send({"t": "exit", "rank": child.spec.rank, "how": how})
+                        # A failing rank is reported after this node's processes were signalled, so
+                        # they are caught where they were, not woken by the news first.
+                        note = {"t": "exit", "rank": child.spec.rank, "how": procs.describe_returncode(rc)}
+                        if rc == 0:
+                            self._link_send(note)
+                        else:
+                            self.pending_notes.append(note)
                     if child.spec.role == "worker" and rc != 0:
                         console.error(f"Worker process {child.pid} exit with exception. Error code: {rc}.")
                         self._record_failure(child)
@@ -542,26 +551,30 @@ class Agent:
                     if err and payload.get("t") == "abort":
                         console.error(err)
                         code, reason = self.remote_code or 1, "abort"
+                        self.stop_reason = err
                         failed = True
                     elif err:
                         console.error(err)
                         code, reason = EXIT_LAUNCH_ERROR, "lost"
+                        self.stop_reason = err
                         failed = True
                 elif kind == "link_closed" and not self.sent_done:
                     sched = self._scheduler_child()
                     if sched is None:
                         console.error(f"Lost the connection to the scheduler ({payload}).")
                         code, reason = EXIT_LAUNCH_ERROR, "lost"
+                        self.stop_reason = f"lost the connection to the scheduler ({payload})"
                         failed = True
             if failed:
                 if self.failures:
                     first = min(self.failures, key=lambda f: f.at)
                     code, reason = first.exit_status or 1, "failure"
+                    self.stop_reason = self.stop_reason or f"{first.label} {first.description}"
                     if any(f.label != "scheduler" for f in self.failures):
                         console.warning("There's worker exits with exception, kill all other workers.")
                     if not self.sent_failed:
                         self.sent_failed = True
-                        self._link_send(
+                        self.pending_notes.append(
                             {
                                 "t": "failed",
                                 "reason": f"{first.label} {first.description}",
@@ -573,29 +586,28 @@ class Agent:
                 break
         if reason == "" and code == 0:
             self._teardown(graceful=True)
-            self._finish_console()
+            self._finish_console("succeeded", 0)
             self._write_status("succeeded", 0)
             self._close_link()
             return JobResult(0, "succeeded")
         self._teardown(graceful=False)
-        self._finish_console()
         state = "terminated" if reason == "signal" else "failed"
+        self._finish_console(state, code)
         self._report_failure()
         self._write_status(state, code)
         self._close_link()
         return JobResult(code, state, self.failures)
 
-    def _finish_console(self) -> None:
+    def _finish_console(self, state: str, code: int) -> None:
+        """Drain the tails, then print what the job's registered reporters have to say."""
         if self.tailer is not None:
             self.tailer.stop()
             self.tailer = None
         if self.cfg.join and not self.detached:
-            from pytest_msrun.results_table import render_table
+            from pytest_msrun.hooks import run_job_end
 
-            ranks = [c.spec.rank for c in self._workers() if c.spec.rank is not None]
-            table = render_table(self.cfg.log_dir, ranks, since=self.started - 1)
-            if table:
-                console.out(table)
+            for text in run_job_end(self.status(state, code)):
+                console.out(text)
 
     # ------------------------------------------------------------------ teardown
     def _wait_children(self, deadline: float) -> None:
@@ -632,6 +644,11 @@ class Agent:
                     continue
                 child.terminated_by_us = True
                 procs.signal_group(child.pid, signal.SIGTERM)
+        if not graceful:
+            for note in self.pending_notes:  # now the other nodes may hear of it
+                self._link_send(note)
+            self.pending_notes.clear()
+        if live and not graceful:
             if workers_first and sched is not None:
                 # Let the control plane broadcast the failure to the other nodes first.
                 self._wait_children(time.monotonic() + min(self.term_grace, 2.0))
@@ -659,42 +676,46 @@ class Agent:
         self.watchdog.stand_down()
 
     # ------------------------------------------------------------------ status
+    def status(self, state: str, code: int | None, extra: dict[str, Any] | None = None) -> JobStatus:
+        """This node's share of the job, as it stands."""
+        plan = self.plan
+        return JobStatus(
+            job_id=self.facts.job_id,
+            state=state,
+            exit_code=code,
+            supervisor_pid=os.getpid(),
+            host=self.facts.hostname,
+            join=self.cfg.join,
+            started=self.started,
+            node_index=self.assignment.node_index if self.assignment else 0,
+            log_dir=self.cfg.log_dir,
+            processes=[
+                ProcessStatus(
+                    name=c.spec.name,
+                    role=c.spec.role,
+                    rank=c.spec.rank,
+                    pid=c.pid,
+                    log=os.path.abspath(c.spec.log_path),
+                    returncode=c.returncode,
+                    started=c.started,
+                    ended=c.ended,
+                    terminated_by_msrun=c.terminated_by_us,
+                )
+                for c in self.children
+            ],
+            failures=[f.__dict__ for f in sorted(self.failures, key=lambda f: f.at)],
+            stop_reason=self.stop_reason,
+            worker_num=plan.worker_num if plan is not None else None,
+            scheduler_mode=plan.scheduler_mode if plan is not None else None,
+            extra=dict(extra or {}),
+        )
+
     def _write_status(self, state: str, code: int | None, extra: dict[str, Any] | None = None) -> None:
         if self.status_name is None or (
             self.cfg.multi_node and self.assignment is None and self.facts.scheduler_mode in CONTROL_PLANE_MODES
         ):
             return  # a node that never joined the job writes nothing into a shared log directory
-        plan = self.plan
-        data = {
-            "job_id": self.facts.job_id,
-            "state": state,
-            "exit_code": code,
-            "supervisor_pid": os.getpid(),
-            "host": self.facts.hostname,
-            "join": self.cfg.join,
-            "started": self.started,
-            "node_index": self.assignment.node_index if self.assignment else 0,
-            "processes": [
-                {
-                    "name": c.spec.name,
-                    "role": c.spec.role,
-                    "rank": c.spec.rank,
-                    "pid": c.pid,
-                    "log": os.path.abspath(c.spec.log_path),
-                    "returncode": c.returncode,
-                    "started": c.started,
-                    "ended": c.ended,
-                    "terminated_by_msrun": c.terminated_by_us,
-                }
-                for c in self.children
-            ],
-            "failures": [f.__dict__ for f in sorted(self.failures, key=lambda f: f.at)],
-        }
-        if plan is not None:
-            data["worker_num"] = plan.worker_num
-            data["scheduler_mode"] = plan.scheduler_mode
-        data.update(extra or {})
-        write_status(self.cfg.log_dir, data, self.status_name)
+        write_status(self.cfg.log_dir, self.status(state, code, extra), self.status_name)
 
 
 class DryRun:
@@ -778,7 +799,7 @@ class DryRun:
                     self._reap(payload)
         state = "terminated" if code else ("failed" if self.failed_ranks else "succeeded")
         agent._teardown(graceful=not code)
-        agent._finish_console()
+        agent._finish_console(state, code)
         if self.failed_ranks and not code:
             first = min(agent.failures, key=lambda f: f.at)
             code = first.exit_status or 1

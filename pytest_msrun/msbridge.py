@@ -149,6 +149,11 @@ class MindSporeBridge:
         self.waiting = still
 
     @property
+    def serving(self) -> bool:
+        """Whether a MindSpore scheduler is running (MindSpore workers are in this job)."""
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
     def busy(self) -> bool:
         """True while clients wait for the MindSpore scheduler to listen (poll faster then)."""
         return bool(self.waiting)

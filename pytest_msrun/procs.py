@@ -46,8 +46,8 @@ def become_subreaper() -> bool:
 _setpriv: str | None | bool = False
 
 
-def _pdeathsig_wrapper() -> list[str]:
-    """``setpriv --pdeathsig KILL --`` when util-linux's setpriv is installed.
+def _pdeathsig_wrapper(sig: str = "KILL") -> list[str]:
+    """``setpriv --pdeathsig <sig> --`` when util-linux's setpriv is installed.
 
     Setting the parent-death signal through a tiny exec'd helper keeps ``subprocess`` on its
     fast vfork path; without setpriv a ``preexec_fn`` does the same, more slowly.
@@ -55,7 +55,30 @@ def _pdeathsig_wrapper() -> list[str]:
     global _setpriv
     if _setpriv is False:
         _setpriv = shutil.which("setpriv")
-    return [_setpriv, "--pdeathsig", "KILL", "--"] if _setpriv else []
+    return [_setpriv, "--pdeathsig", sig, "--"] if _setpriv else []
+
+
+def with_parent_death_signal(argv: list[str], sig: signal.Signals = signal.SIGTERM) -> tuple[list[str], object]:
+    """``argv`` and a ``preexec_fn`` (or None) so the child gets ``sig`` when this thread's process dies.
+
+    Used for processes that clean up after themselves on ``sig`` (msrun tears its job down on
+    SIGTERM): whatever way their parent ends, ``kill -9`` included, they are told.
+    """
+    wrapper = _pdeathsig_wrapper(sig.name[3:])
+    if wrapper:
+        return [*wrapper, *argv], None
+    if _libc is None:
+        _prctl(0, 0)
+    parent = os.getpid()
+    signum = int(sig)
+
+    def setup() -> None:  # runs in the forked child, before exec
+        assert _libc is not None
+        _libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
+        if os.getppid() != parent:
+            os._exit(128 + signum)
+
+    return list(argv), setup
 
 
 def _child_setup_factory(parent_pid: int, cpus: list[int] | None = None):

@@ -9,9 +9,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
-from pytest_msrun.plugin.env import CONTROLLER, RANK, SCHEDULER, role
+from pytest_msrun.plugin import env as roles
 from pytest_msrun.plugin.fixtures import local_rank, msrun, msrun_tmp_path, rank, world_size
 from pytest_msrun.plugin.marker import MARKER_HELP, PARAM, MarkerError, worker_nums
 
@@ -55,19 +57,54 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("msrun_devices", "devices jobs may use (see --msrun-devices)", default="auto")
 
 
+LOG_CAPTURE = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Parser, args: list[str]):
+    """In a rank of this project's msrun, capture through the rank's log instead of temporary files.
+
+    pytest's fd/sys capture keeps a test's output in memory or unlinked files until the phase
+    ends, so a rank that crashes loses it. A rank's stdout and stderr are already its log file:
+    tests write there directly and each phase's part of the log becomes its captured output.
+    """
+    ns = early_config.known_args_namespace
+    use = (
+        roles.detect(os.environ) == roles.RANK and getattr(ns, "capture", "fd") in ("fd", "sys") and _stdout_is_a_file()
+    )
+    early_config.stash[LOG_CAPTURE] = use
+    if use:
+        ns.capture = "no"
+    yield
+
+
+def _stdout_is_a_file() -> bool:
+    import stat
+
+    try:
+        return stat.S_ISREG(os.fstat(1).st_mode) and stat.S_ISREG(os.fstat(2).st_mode)
+    except OSError:
+        return False
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_HELP)
-    where = role()
-    if where == RANK:
+    where = roles.claim()
+    if where in (roles.RANK, roles.FOREIGN):
         from pytest_msrun.plugin.rank import RankPlugin
 
-        config.pluginmanager.register(RankPlugin(config), "msrun-rank")
-    elif where == SCHEDULER:
+        plugin = RankPlugin(config, records=where == roles.RANK, log_capture=config.stash.get(LOG_CAPTURE, False))
+        config.pluginmanager.register(plugin, "msrun-rank")
+    elif where == roles.SCHEDULER:
         from pytest_msrun.plugin.rank import SchedulerRolePlugin
 
         config.pluginmanager.register(SchedulerRolePlugin(), "msrun-scheduler-role")
-    elif where == CONTROLLER and not config.getoption("msrun_inprocess") and not _collect_only(config):
+    elif config.getoption("msrun_inprocess"):
+        from pytest_msrun.plugin.inprocess import InProcessPlugin
+
+        config.pluginmanager.register(InProcessPlugin(), "msrun-inprocess")
+    elif not _collect_only(config):
         from pytest_msrun.plugin.controller import Controller
 
         config.pluginmanager.register(Controller(config), "msrun-controller")

@@ -471,7 +471,7 @@ class Scheduler:
                 self.send(peer, reply)
 
     # ---------- observers ----------
-    def state(self) -> dict[str, Any]:
+    def snapshot(self) -> dict[str, Any]:
         """What the control plane knows about the ranks: joined, in which collective, gone."""
         return {
             "t": "state",
@@ -566,7 +566,7 @@ class Scheduler:
             return
         if conn.kind == "observer":
             if msg["t"] == "state":
-                self.send(conn, self.state())
+                self.send(conn, self.snapshot())
             else:
                 self.drop(conn, f"unexpected observer message {msg['t']!r}")
             return
@@ -609,7 +609,11 @@ class Scheduler:
         for msg in msgs:
             if conn.sock.fileno() < 0 or conn.closing:
                 break
-            self.on_message(conn, msg)
+            try:
+                self.on_message(conn, msg)
+            except Exception as exc:  # a message we failed to handle costs its sender, not the job
+                log(f"error handling a {msg.get('t')!r} message from {conn.peer}: {exc!r}")
+                self.drop(conn, "message could not be handled")
 
     def accept(self) -> None:
         while True:
@@ -636,7 +640,12 @@ class Scheduler:
                 self.abort(failure, None)
         for conn in list(self.conns.values()):
             if conn.kind == "" and not conn.closing and now - conn.opened > AUTH_TIMEOUT:
-                self.drop(conn, f"no hello within {AUTH_TIMEOUT:g} s")
+                if not conn.head and self.bridge is not None and self.bridge.serving:
+                    # MindSpore clients open connections they use later (its scheduler never
+                    # speaks first); ours send their hello at once. Relay the silent one.
+                    self.on_foreign(conn)
+                else:
+                    self.drop(conn, f"no hello within {AUTH_TIMEOUT:g} s")
             elif conn.kind == "agent" and self.node_timeout > 0 and now - conn.last_seen > self.node_timeout:
                 self.drop(conn, f"no heartbeat for {self.node_timeout:g} s")
         if self.state == "registering" and self.topo_timeout >= 0 and now - self.started > self.topo_timeout:

@@ -1,7 +1,8 @@
-"""The job status file ``<log_dir>/msrun_status.json``: PIDs, ranks, state, exit code.
+"""The job status file ``<log_dir>/msrun_status.json``: PIDs, ranks, state, exit code, why it stopped.
 
 Written when the job starts and again when it ends (atomically), for ``--join=True`` and for
-the detached supervisor of ``--join=False`` alike.
+the detached supervisor of ``--join=False`` alike. :class:`JobStatus` is the one typed form of
+it: the launcher writes it, job-end reporters receive it, the pytest plugin reads it back.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 STATUS_FILE = "msrun_status.json"
@@ -23,12 +25,79 @@ def status_path(log_dir: str, name: str = STATUS_FILE) -> str:
     return os.path.join(log_dir or ".", name)
 
 
-def write_status(log_dir: str, data: dict[str, Any], name: str = STATUS_FILE) -> None:
+@dataclass
+class ProcessStatus:
+    """One process of the job on this node."""
+
+    name: str
+    role: str  # scheduler | worker
+    rank: int | None
+    pid: int
+    log: str
+    returncode: int | None = None  # None while it runs; negative: killed by that signal
+    started: float = 0.0
+    ended: float | None = None
+    terminated_by_msrun: bool = False
+
+
+@dataclass
+class JobStatus:
+    """This node's share of a job, as the launcher saw it."""
+
+    job_id: str
+    state: str  # running | succeeded | failed | terminated | error
+    exit_code: int | None
+    supervisor_pid: int
+    host: str
+    join: bool
+    started: float
+    node_index: int
+    log_dir: str = ""
+    processes: list[ProcessStatus] = field(default_factory=list)
+    failures: list[dict[str, Any]] = field(default_factory=list)
+    stop_reason: str = ""  # why msrun tore the job down ("" when it ended by itself)
+    worker_num: int | None = None
+    scheduler_mode: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # e.g. a dry run's summary
+
+    @property
+    def workers(self) -> list[ProcessStatus]:
+        return [p for p in self.processes if p.role == "worker"]
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        extra = data.pop("extra")
+        data.update(extra)
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> JobStatus:
+        known = {f for f in cls.__dataclass_fields__ if f not in ("processes", "extra")}
+        procs = [
+            ProcessStatus(**{k: v for k, v in p.items() if k in ProcessStatus.__dataclass_fields__})
+            for p in data.get("processes", [])
+            if isinstance(p, dict)
+        ]
+        extra = {k: v for k, v in data.items() if k not in known and k not in ("processes", "updated")}
+        base = {k: data.get(k) for k in known if k in data}
+        base.setdefault("job_id", "")
+        base.setdefault("state", "unknown")
+        base.setdefault("exit_code", None)
+        base.setdefault("supervisor_pid", 0)
+        base.setdefault("host", "")
+        base.setdefault("join", False)
+        base.setdefault("started", 0.0)
+        base.setdefault("node_index", 0)
+        base["stop_reason"] = base.get("stop_reason") or ""
+        return cls(processes=procs, extra=extra, **base)
+
+
+def write_status(log_dir: str, status: JobStatus, name: str = STATUS_FILE) -> None:
     path = status_path(log_dir, name)
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump({**data, "updated": time.time()}, fh, indent=2)
+            json.dump({**status.to_json(), "updated": time.time()}, fh, indent=2)
             fh.write("\n")
         os.replace(tmp, path)
     except OSError:
@@ -38,9 +107,10 @@ def write_status(log_dir: str, data: dict[str, Any], name: str = STATUS_FILE) ->
             pass
 
 
-def read_status(log_dir: str, name: str = STATUS_FILE) -> dict[str, Any] | None:
+def read_status(log_dir: str, name: str = STATUS_FILE) -> JobStatus | None:
     try:
         with open(status_path(log_dir, name), encoding="utf-8") as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
+            data = json.load(fh)
+        return JobStatus.from_json(data) if isinstance(data, dict) else None
+    except (OSError, ValueError, TypeError):
         return None

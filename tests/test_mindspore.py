@@ -62,3 +62,16 @@ def test_builtin_scheduler_names_the_fix_for_a_mindspore_client_at_once(msrun):
     assert "--scheduler=mindspore" in job.stderr, job.stderr
     assert "MindSpore" in job.log("scheduler.log")
     assert elapsed < 60, f"failed only after {elapsed:.0f} s"
+
+
+def test_mindspore_keeps_its_msrun_and_ours_is_pmsrun():
+    """Both installed in one environment: `msrun` is MindSpore's launcher, `pmsrun` is ours."""
+    import subprocess
+    import sysconfig
+    from pathlib import Path
+
+    bindir = Path(sysconfig.get_path("scripts"))
+    theirs = (bindir / "msrun").read_text()
+    assert "mindspore.parallel.cluster.run" in theirs
+    ours = subprocess.run([str(bindir / "pmsrun"), "--help"], capture_output=True, text=True)
+    assert ours.returncode == 0 and "--scheduler" in ours.stdout

@@ -93,12 +93,121 @@ def test_inprocess_mode_runs_in_this_process(pytester, tracked):
         @pytest.mark.msrun(worker_num=4)
         def test_debuggable(rank, world_size, msrun):
             assert (rank, world_size) == (0, 1) and "MS_ROLE" not in os.environ
+            # the variables of a one-rank world
+            env = {k: os.environ.get(k) for k in ("RANK_ID", "RANK_SIZE", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                  "LOCAL_WORLD_SIZE", "DEVICE_ID", "MS_NODE_ID", "MASTER_ADDR")}
+            assert env == {"RANK_ID": "0", "RANK_SIZE": "1", "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
+                           "LOCAL_WORLD_SIZE": "1", "DEVICE_ID": "0", "MS_NODE_ID": "0", "MASTER_ADDR": "127.0.0.1"}
+            assert int(os.environ["MASTER_PORT"]) > 0
             assert msrun.all_gather("x") == ["x"]
             msrun.barrier()
+
+        def test_plain_afterwards():
+            assert "RANK_ID" not in os.environ and "MASTER_PORT" not in os.environ
     """
     )
-    result = pytester.runpytest_subprocess("--msrun-inprocess")
-    result.assert_outcomes(passed=1)
+    result = pytester.runpytest_subprocess("--msrun-inprocess", "-p", "no:randomly")
+    result.assert_outcomes(passed=2)
+
+
+def test_inside_another_launchers_job_marked_tests_run_in_place(pytester, tracked, monkeypatch):
+    """MindSpore's own msrun (MS_ROLE, RANK_ID) started this pytest: it is not one of our ranks."""
+    pytester.makepyfile(
+        test_foreign="""
+        import pytest
+
+        @pytest.mark.msrun(worker_num=2)
+        def test_two(rank, world_size):
+            assert (rank, world_size) == (1, 2)
+
+        @pytest.mark.msrun(worker_num=4)
+        def test_four():
+            pass
+    """
+    )
+    for name, value in {"MS_ROLE": "MS_WORKER", "RANK_ID": "1", "RANK_SIZE": "2", "MSRUN_JOB_ID": "stale"}.items():
+        monkeypatch.setenv(name, value)
+    result = pytester.runpytest_subprocess("-rs", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*needs a job of 4 ranks*this job has 2*"])
+    assert not list(pytester.path.rglob("pytest_rank*")), "another launcher's rank writes no records"
+    assert not list(pytester.path.rglob("msrun_hooks"))
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGHUP", "SIGKILL"])
+def test_controller_ended_by_a_signal_leaves_nothing(pytester, tracked, how):
+    """CI cancellation, timeout(1), Kubernetes: a signal to pytest's group (or kill -9 of pytest)."""
+    pytester.makepyfile(
+        test_hang="""
+        import time
+        import pytest
+
+        @pytest.mark.msrun(worker_num=2)
+        def test_long(rank):
+            print("started", flush=True)
+            time.sleep(60)
+    """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
+        cwd=pytester.path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        wait_for(lambda: len(_ranks_of(proc.pid)) == 2, timeout=30)
+        sig = getattr(signal, how)
+        if sig == signal.SIGKILL:
+            os.kill(proc.pid, sig)
+        else:
+            os.killpg(proc.pid, sig)
+        proc.wait(timeout=30)
+        t0 = time.monotonic()
+        left = wait_gone(tracked, timeout=10)
+        assert not left, [p.cmdline() for p in left]
+        assert time.monotonic() - t0 < 3, "every process of the job is gone within a second or two"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _ranks_of(pid: int) -> list[psutil.Process]:
+    try:
+        procs = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return []
+    return [p for p in procs if _is_rank(p)]
+
+
+def _is_rank(p: psutil.Process) -> bool:
+    try:
+        cmd = p.cmdline()
+    except psutil.Error:
+        return False
+    return "test_hang.py" in " ".join(cmd) and "pytest_msrun" not in cmd and "-S" not in cmd
+
+
+def test_timeout_report_names_the_timeout_not_a_failure(pytester, tracked):
+    pytester.makepyfile(
+        test_to="""
+        import time
+        import pytest
+
+        @pytest.mark.msrun(worker_num=2, timeout=2)
+        def test_slow(rank):
+            time.sleep(60)
+    """
+    )
+    result = pytester.runpytest_subprocess("--junitxml=out.xml")
+    result.assert_outcomes(failed=1)
+    text = result.stdout.str()
+    assert "msrun job timed out after 2 s" in text
+    assert "after another process failed" not in text
+    assert "timeout -s TERM 2 pmsrun --worker_num=2" in text, "the reproduce command times out the same way"
+    (case,) = ET.parse(pytester.path / "out.xml").getroot().iter("testcase")
+    assert float(case.get("time")) >= 2.0, "launch and job time are the test's duration"
 
 
 def test_last_failed_and_k_and_durations(pytester, tracked):

@@ -33,7 +33,9 @@ TABLE = [
             r"rank 1 left no record during the call phase and killed by SIGSEGV \(exit status 139\)",
             r"Fatal Python error: Segmentation fault",
             r"terminated by msrun",
-            r"ranks 0 were stopped",
+            r"ranks 0 were stopped after the first failure \(rank 1 killed by SIGSEGV",
+            # what the crashed rank wrote is in the report (and in its log: checked below)
+            r"Captured stdout call \[rank 1\] -+\nrank 1 wrote this just before it crashed",
         ],
     ),
     ("os_exit_zero", [], {"failed": 1}, [r"rank 1 left no record during the call phase and exited with code 0"]),
@@ -67,6 +69,22 @@ TABLE = [
             r"stack of rank 0 at the timeout",
             r"stack of rank 1 at the timeout",
             r"in wait_forever_here",
+            r"ranks 0-1 \(2\): wait_forever_here\(\) at test_hang.py:8 <- test_hangs\(\) at test_hang.py:13",
+            r"no rank joined the group",
+        ],
+    ),
+    (
+        "hang_collective",
+        ["--durations=0", "-vv"],
+        {"failed": 1},
+        [
+            r"ranks 0-2 \(3\): barrier\(\) at test_hang_collective.py:16 <- test_stuck\(\)\n",
+            r"rank 3: compute\(\) at test_hang_collective.py:8 <- test_stuck\(\) at test_hang_collective.py:15",
+            r"ranks 0-2 \(3\) entered barrier #2; not there: 3",
+            r"rank 3: last collective barrier #1, none pending",
+            # the job's time is the test's: launch in setup, the wait in call
+            r"(?m)^(?!0\.0)\d+\.\d\ds setup .*test_stuck",
+            r"(?m)^(?:[4-9]|\d\d)\.\d\ds call .*test_stuck",
         ],
     ),
     ("fixture_error", [], {"errors": 1}, [r"\[rank 1\] failed first", r"RuntimeError: no device for rank 1"]),
@@ -125,3 +143,6 @@ def test_example(pytester: pytest.Pytester, monkeypatch, example, args, outcomes
         assert re.search(pattern, text), f"{pattern!r} not in output:\n{text}"
     left = wait_gone(mark)
     assert not left, f"leftover processes: {[p.cmdline() for p in left]}"
+    if example == "segfault":
+        (log,) = pytester.path.glob("**/logs/worker_1.log")
+        assert "rank 1 wrote this just before it crashed" in log.read_text()

@@ -48,7 +48,7 @@ def test_suite_in_a_job_passes_with_one_table(msrun):
     assert re.search(r"suite/test_suite.py::test_needs_four\s+skipped\s+skipped", table)
     assert re.search(r"test_sizes\[worker_num=2\]\s+passed\s+passed", table)
     assert re.search(r"test_sizes\[worker_num=4\]\s+skipped\s+skipped", table)
-    assert "5 of 5 test(s) failed on no rank" in table
+    assert "msrun: 5 test(s): 3 passed, 2 skipped" in table
     skip_reason = "needs a job of 4 ranks (msrun --worker_num=4); this job has 2"
     assert skip_reason in job.log("worker_0.log") and skip_reason in job.log("worker_1.log")
     for rank in (0, 1):
@@ -67,8 +67,119 @@ def test_suite_fails_when_one_rank_fails_one_test(msrun):
     )
     job = msrun.run(job_args(2, "--scheduler=builtin", "pytest", "-q", "-p", "no:cacheprovider", "suite"))
     assert job.returncode == 1, job.stdout + job.stderr
-    assert re.search(r"test_bad_on_rank_1\s+passed\s+failed", job.stdout)
-    assert "FAILED suite/test_suite.py::test_bad_on_rank_1 on rank(s) 1" in job.stdout
+    assert re.search(r"test_bad_on_rank_1\s+passed\s+failed\s+failed", job.stdout)
+    assert "FAILED suite/test_suite.py::test_bad_on_rank_1 on rank(s) 1: rank 1: assert 1 != 1" in job.stdout
+    assert "msrun: 6 test(s): 3 passed, 1 failed, 2 skipped" in job.stdout
+
+
+CRASH = """
+import ctypes, os, time
+
+import pytest
+
+def test_first(rank):
+    assert rank in (0, 1)
+
+def test_crash_on_rank_1(rank):
+    print(f"rank {rank} is about to do something risky", flush=True)
+    if rank == 1:
+        ctypes.string_at(0)
+    time.sleep(60)
+
+def test_after(rank):
+    assert True
+
+def test_last(rank):
+    assert True
+"""
+
+
+def test_suite_blames_the_test_a_rank_crashed_in(msrun):
+    """Rank 1 segfaults inside a test: that test failed on rank 1 with the signal; nothing is 'passed'."""
+    (msrun.cwd / "suite").mkdir()
+    (msrun.cwd / "suite" / "test_crash.py").write_text(CRASH)
+    job = msrun.run(job_args(2, "pytest", "-q", "-p", "no:cacheprovider", "suite"))
+    assert job.returncode == 139, job.stdout + job.stderr
+    out = job.stdout
+    assert re.search(r"test_first\s+passed\s+passed\s+passed", out)
+    assert re.search(r"test_crash_on_rank_1\s+stopped\s+crashed \(SIGSEGV\)\s+failed", out), out
+    assert re.search(r"test_after\s+not run\s+not run\s+not run", out), out
+    assert (
+        "FAILED suite/test_crash.py::test_crash_on_rank_1 on rank(s) 1: rank 1 left no record during the call "
+        "phase and killed by SIGSEGV (exit status 139)" in out
+    )
+    assert "msrun: 4 test(s): 1 passed, 1 failed, 2 not run" in out
+    assert "failed on no rank" not in out
+    # what the crashed rank printed before it died is in its log (and its pytest wrote no summary)
+    assert "rank 1 is about to do something risky" in job.log("worker_1.log")
+    assert "Fatal Python error: Segmentation fault" in job.log("worker_1.log")
+
+
+MIXED = """
+import pytest
+
+def test_skips_on_one_rank(rank):
+    if rank == 1:
+        pytest.skip("no device on rank 1")
+
+@pytest.mark.xfail(strict=True, reason="known bug on rank 1")
+def test_strict_xfail_fails_on_rank_1_only(rank):
+    assert rank != 1
+"""
+
+
+def test_suite_judges_like_the_plugin(msrun, pytester):
+    """A skip on one rank only fails; a strict xfail failing on one rank is XFAIL - in both modes."""
+    (msrun.cwd / "suite").mkdir()
+    (msrun.cwd / "suite" / "test_mixed.py").write_text(MIXED)
+    job = msrun.run(job_args(2, "pytest", "-q", "-p", "no:cacheprovider", "suite"))
+    out = job.stdout
+    assert job.returncode == 1, out + job.stderr  # pytest's own exit: rank 0's strict XPASS failed its session
+    assert re.search(r"test_skips_on_one_rank\s+passed\s+skipped\s+failed", out), out
+    assert "skipped on ranks 1 (Skipped: no device on rank 1) but ran on ranks 0" in out
+    assert re.search(r"test_strict_xfail_fails_on_rank_1_only\s+xpassed\(strict\)\s+xfailed\s+xfailed", out), out
+    # plugin mode, the same file: the same verdicts
+    pytester.makepyfile(test_mixed=MIXED.replace("def test_", "@pytest.mark.msrun(worker_num=2)\ndef test_"))
+    result = pytester.runpytest_subprocess("-rxXf", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1, xfailed=1)
+    result.stdout.fnmatch_lines(["*skipped on ranks 1 (Skipped: no device on rank 1) but ran on ranks 0*"])
+
+
+TIMEOUT = """
+import os, time
+
+import pytest
+
+def compute():
+    while True:
+        time.sleep(0.1)
+
+@pytest.mark.msrun(worker_num=2, timeout=3)
+def test_hangs(rank, msrun):
+    msrun.barrier()
+    if rank == 0:
+        compute()
+    msrun.barrier()
+
+def test_after_the_hang():
+    pass
+"""
+
+
+def test_suite_applies_the_marker_timeout_and_says_who_is_stuck_where(msrun):
+    (msrun.cwd / "suite").mkdir()
+    (msrun.cwd / "suite" / "test_t.py").write_text(TIMEOUT)
+    job = msrun.run(job_args(2, "pytest", "-q", "-p", "no:cacheprovider", "suite"), timeout=60)
+    out = job.stdout
+    assert job.returncode == 124, out + job.stderr
+    # both ranks run out of time (rank 1 may be stopped first): each is caught where it was
+    assert re.search(r"test_hangs\s+timeout\s+(timeout|stopped)\s+failed", out), out
+    failed = r"FAILED suite/test_t.py::test_hangs on rank\(s\) 0(, 1)?: rank \d timed out after 3 s in the call"
+    assert re.search(failed, out), out
+    assert re.search(r"rank 0: compute\(\) at test_t.py:8 <- test_hangs\(\) at test_t.py:14", out), out
+    assert re.search(r"rank 1: barrier\(\) at test_t.py:15 <- test_hangs\(\)", out), out
+    assert "rank 1 entered barrier #2; not there: 0" in out
+    assert "timed out after 3 s on rank 0" in job.log("worker_0.log")
 
 
 def test_task_scheduler_runs_no_test(msrun):

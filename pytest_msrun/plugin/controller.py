@@ -7,11 +7,9 @@ import re
 import pytest
 
 from pytest_msrun.plugin.job import TestJob
-from pytest_msrun.plugin.marker import MARKER, MarkerError, spec_for
-from pytest_msrun.plugin.merge import Merger, load_records
+from pytest_msrun.plugin.marker import MARKER, MarkerError, default_timeout, spec_for
+from pytest_msrun.plugin.merge import Merger, load_logs
 from pytest_msrun.plugin.pool import DeviceShortage, ResourcePool, inventory
-
-DEFAULT_TIMEOUT = 300.0
 
 
 def rank_args(config: pytest.Config) -> list[str]:
@@ -66,7 +64,7 @@ class Controller:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.style = config.getoption("msrun_report") or config.getini("msrun_report") or "first"
-        self.timeout = float(config.getoption("msrun_timeout") or config.getini("msrun_timeout") or DEFAULT_TIMEOUT)
+        self.timeout = default_timeout(config)
         devices = config.getoption("msrun_devices") or config.getini("msrun_devices") or "auto"
         try:
             self.inventory = inventory(devices)
@@ -142,17 +140,10 @@ class Controller:
         )
         run = job.run(self._timeout(spec))
         ranks = job.expected_ranks()
-        records = load_records(self.config, str(job.report_dir), ranks, item.nodeid)
-        reproduce = self._reproduce(run, spec)
-        merger = Merger(item, run, records, ranks, self.style, reproduce, str(job.log_dir))
+        logs = load_logs(str(job.report_dir), ranks)
+        reproduce = run.reproduce(str(self.config.invocation_params.dir))
+        merger = Merger(item, run, logs, ranks, self.style, reproduce, str(job.log_dir))
         return merger.merged_reports()
-
-    def _reproduce(self, run, spec) -> str:
-        text = run.reproduce(str(self.config.invocation_params.dir))
-        if len(spec.node_sizes()) == 1:
-            text = re.sub(r" --master_port=\d+", " --master_port=0", text)
-            text = re.sub(r" --dist_port=\d+", "", text)
-        return text
 
     def _static_skip(self, item: pytest.Item) -> str | None:
         """A skip/skipif mark that already applies here: no job is started for it."""

@@ -1,23 +1,61 @@
-"""Where this pytest process runs: a controller, a rank inside an msrun job, or the scheduler."""
+"""Where this pytest process runs, decided once at start-up.
+
+* ``rank`` - a worker this project's msrun started (it sets ``MSRUN_PLUGIN_ROLE=worker`` for the
+  plugin and nobody else does); ``scheduler`` - its scheduler (``--scheduler=task``).
+* ``foreign`` - a process of another launcher's job (MindSpore's own msrun, torchrun, mpirun):
+  marked tests run in place with that job's ranks, and nothing is written.
+* ``controller`` - everything else: marked tests become jobs.
+
+The role variable is removed from this process's environment once read, so a pytest started
+from inside a rank (``pytester.runpytest_subprocess``, say) is a controller again.
+"""
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 
-CONTROLLER, RANK, SCHEDULER = "controller", "rank", "scheduler"
+from pytest_msrun.childenv import PLUGIN_ROLE_VAR
+
+CONTROLLER, RANK, SCHEDULER, FOREIGN = "controller", "rank", "scheduler", "foreign"
+
+# Another launcher's job: a variable it sets, then (rank, world size) variables in preference order.
+FOREIGN_LAUNCHERS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
+    ("MS_ROLE", ("RANK_ID",), ("RANK_SIZE", "MS_WORKER_NUM")),  # MindSpore's msrun
+    ("MS_SIMULATION_LEVEL", ("RANK_ID",), ("RANK_SIZE",)),  # MindSpore's msrun, dry run
+    ("TORCHELASTIC_RUN_ID", ("RANK",), ("WORLD_SIZE",)),  # torchrun
+    ("OMPI_COMM_WORLD_SIZE", ("OMPI_COMM_WORLD_RANK",), ("OMPI_COMM_WORLD_SIZE",)),  # Open MPI
+    ("PMI_SIZE", ("PMI_RANK",), ("PMI_SIZE",)),  # MPICH, Intel MPI
+)
+
+_claimed: str | None = None
 
 
-def role(env: Mapping[str, str] | None = None) -> str:
-    """``scheduler`` for ``MS_ROLE=MS_SCHED``; ``rank`` inside any msrun job (ours or MindSpore's,
-    dry runs included); else ``controller``."""
-    env = os.environ if env is None else env
-    ms_role = env.get("MS_ROLE", "")
-    if ms_role == "MS_SCHED":
+def detect(env: Mapping[str, str]) -> str:
+    """The role ``env`` describes (without claiming it)."""
+    ours = env.get(PLUGIN_ROLE_VAR, "")
+    if ours == "scheduler":
         return SCHEDULER
-    if ms_role == "MS_WORKER" or env.get("MSRUN_JOB_ID") or env.get("MS_SIMULATION_LEVEL", "").strip():
+    if ours == "worker":
         return RANK
+    if any(env.get(marker, "").strip() for marker, _, _ in FOREIGN_LAUNCHERS):
+        return FOREIGN
     return CONTROLLER
+
+
+def claim(env: MutableMapping[str, str] | None = None) -> str:
+    """Decide this process's role once (at pytest start-up) and consume the launcher's variable."""
+    global _claimed
+    env = os.environ if env is None else env
+    if _claimed is None:
+        _claimed = detect(env)
+    env.pop(PLUGIN_ROLE_VAR, None)
+    return _claimed
+
+
+def role() -> str:
+    """This process's role (claimed at start-up; detected now if the plugin never started)."""
+    return _claimed if _claimed is not None else detect(os.environ)
 
 
 def env_int(name: str, default: int, env: Mapping[str, str] | None = None) -> int:
@@ -28,17 +66,44 @@ def env_int(name: str, default: int, env: Mapping[str, str] | None = None) -> in
         return default
 
 
+def _first_int(names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        if os.environ.get(name, "").strip():
+            return env_int(name, default)
+    return default
+
+
+def _foreign_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    for marker, ranks, worlds in FOREIGN_LAUNCHERS:
+        if os.environ.get(marker, "").strip():
+            return ranks, worlds
+    return ("RANK_ID",), ("RANK_SIZE",)
+
+
+def in_job() -> bool:
+    """Whether this process is a rank of a job (ours or another launcher's)."""
+    return role() in (RANK, FOREIGN)
+
+
 def current_rank() -> int:
-    return env_int("RANK_ID", env_int("RANK", 0)) if role() == RANK else 0
+    if role() == RANK:
+        return env_int("RANK_ID", env_int("RANK", 0))
+    if role() == FOREIGN:
+        return _first_int(_foreign_names()[0], 0)
+    return 0
 
 
 def current_world() -> int:
-    return env_int("RANK_SIZE", env_int("WORLD_SIZE", 1)) if role() == RANK else 1
+    if role() == RANK:
+        return env_int("RANK_SIZE", env_int("WORLD_SIZE", 1))
+    if role() == FOREIGN:
+        return _first_int(_foreign_names()[1], 1)
+    return 1
 
 
 def current_local_rank() -> int:
-    return env_int("LOCAL_RANK", env_int("DEVICE_ID", 0)) if role() == RANK else 0
+    return env_int("LOCAL_RANK", env_int("DEVICE_ID", 0)) if in_job() else 0
 
 
 def current_local_world() -> int:
-    return env_int("LOCAL_WORLD_SIZE", env_int("LOCAL_RANK_SIZE", 1)) if role() == RANK else 1
+    return env_int("LOCAL_WORLD_SIZE", env_int("LOCAL_RANK_SIZE", 1)) if in_job() else 1

@@ -1,9 +1,11 @@
-"""One marked test's job: the msrun invocations, the timeout, every rank's status and stacks.
+"""One marked test's job: the msrun invocations, the timeout, every rank's end and stacks.
 
-The controller drives the engine through its command line - the same ``msrun`` a user would
-type, which is also the command printed to reproduce a failure. Each invocation runs in its
-own session; a timeout first asks every rank for its Python stacks (SIGUSR1 -> faulthandler),
-then stops msrun, whose teardown leaves nothing behind.
+The controller drives the engine through its command line - the same msrun a user would type,
+which is also the command printed to reproduce a failure. Each invocation runs in its own
+session with a parent-death signal, so however the controller ends (Ctrl+C, SIGTERM, SIGHUP,
+``kill -9``) msrun tears its job down. A timeout first asks the control plane who is where and
+every rank for its Python stacks (SIGUSR1 -> faulthandler), then stops msrun, whose teardown
+leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -17,47 +19,41 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
+from pytest_msrun.observer import query_state
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, SHARED_TMP_ENV, stacks_path
+from pytest_msrun.plugin.verdict import RankEnd
+from pytest_msrun.procs import with_parent_death_signal
 from pytest_msrun.simselect import select_ranks
 from pytest_msrun.status import STATUS_FILE, node_status_file, read_status
 
 STACK_WAIT = 2.0
-
-
-@dataclass
-class RankStatus:
-    """What msrun's status file says about one rank's process."""
-
-    rank: int
-    pid: int | None = None
-    returncode: int | None = None
-    ended: float | None = None
-    log: str = ""
-    terminated_by_msrun: bool = False
+CLI = "pmsrun"  # how a user types this project's msrun
 
 
 @dataclass
 class JobRun:
     """The outcome of a test's job, before merging reports."""
 
-    commands: list[list[str]]
+    reproduce_lines: list[str]
     exit_codes: list[int | None]
     timed_out: bool
     timeout: float
     started: float
     ended: float
-    ranks: dict[int, RankStatus] = field(default_factory=dict)
+    ranks: dict[int, RankEnd] = field(default_factory=dict)
     stacks: dict[int, str] = field(default_factory=dict)
+    state: dict[str, Any] | None = None  # the control plane's view at the timeout
     msrun_logs: list[str] = field(default_factory=list)
     launch_error: str = ""
 
     def reproduce(self, cwd: str) -> str:
         lines = [f"cd {shlex.quote(cwd)}"]
-        lines += [shlex.join(["msrun", *cmd[3:]]) + (" &" if len(self.commands) > 1 else "") for cmd in self.commands]
-        if len(self.commands) > 1:
+        several = len(self.reproduce_lines) > 1
+        lines += [line + (" &" if several else "") for line in self.reproduce_lines]
+        if several:
             lines.append("wait")
         return "\n".join(lines)
 
@@ -89,6 +85,7 @@ class TestJob:
         self.extra_env = extra_env
         self.live_output = live_output
         self.basetemp = job_dir / "basetemp"
+        self.token = os.urandom(16).hex()
         for d in (self.log_dir, self.report_dir, self.shared_dir, self.basetemp):
             d.mkdir(parents=True, exist_ok=True)
 
@@ -100,39 +97,56 @@ class TestJob:
             return select_ranks(spec.sim_ranks, range(spec.worker_num))
         return list(range(spec.worker_num))
 
-    def commands(self, cluster_time_out: int) -> list[list[str]]:
+    def flags(self, node: int, size: int, cluster_time_out: int, *, for_user: bool = False) -> list[str]:
+        """One invocation's msrun flags. ``for_user``: the ones a person re-running it needs."""
         spec = self.spec
-        sizes = spec.node_sizes()
-        out = []
-        for node, size in enumerate(sizes):
-            cmd = [
-                sys.executable,
-                "-m",
-                "pytest_msrun",
-                f"--worker_num={spec.worker_num}",
-                f"--local_worker_num={size}",
-                f"--master_port={self.ports[0]}",
-                f"--dist_port={self.ports[1]}",
-                "--join=True",
-                f"--log_dir={self.log_dir}",
-                f"--cluster_time_out={cluster_time_out}",
-                f"--scheduler={spec.scheduler}",
-            ]
-            if len(sizes) > 1:
-                cmd.append(f"--node_rank={node}")
-            if spec.bind_core != "False":
-                cmd.append(f"--bind_core={spec.bind_core}")
-            if spec.bind_numa != "False":
-                cmd.append(f"--bind_numa={spec.bind_numa}")
-            if spec.sim_level is not None:
-                cmd.append(f"--sim_level={spec.sim_level}")
-            if spec.sim_rank_id is not None:
-                cmd.append(f"--sim_rank_id={spec.sim_rank_id}")
-            if spec.sim_ranks:
-                cmd.append(f"--sim_select={spec.sim_ranks}")
-            cmd += [sys.executable, "-m", "pytest", *self.rank_args, self.nodeid]
-            out.append(cmd)
+        several = len(spec.node_sizes()) > 1
+        out = [f"--worker_num={spec.worker_num}", f"--local_worker_num={size}"]
+        if for_user and not several:
+            out.append("--master_port=0")  # any free port
+        else:
+            out.append(f"--master_port={self.ports[0]}")
+            if not for_user:
+                out.append(f"--dist_port={self.ports[1]}")
+        out += ["--join=True", f"--log_dir={self.log_dir}", f"--cluster_time_out={cluster_time_out}"]
+        out.append(f"--scheduler={spec.scheduler}")
+        if several:
+            out.append(f"--node_rank={node}")
+        if spec.bind_core != "False":
+            out.append(f"--bind_core={spec.bind_core}")
+        if spec.bind_numa != "False":
+            out.append(f"--bind_numa={spec.bind_numa}")
+        if spec.sim_level is not None:
+            out.append(f"--sim_level={spec.sim_level}")
+        if spec.sim_rank_id is not None:
+            out.append(f"--sim_rank_id={spec.sim_rank_id}")
+        if spec.sim_ranks:
+            out.append(f"--sim_select={spec.sim_ranks}")
         return out
+
+    def task(self) -> list[str]:
+        return [sys.executable, "-m", "pytest", *self.rank_args, self.nodeid]
+
+    def commands(self, cluster_time_out: int) -> list[list[str]]:
+        return [
+            [sys.executable, "-m", "pytest_msrun", *self.flags(node, size, cluster_time_out), *self.task()]
+            for node, size in enumerate(self.spec.node_sizes())
+        ]
+
+    def reproduce_lines(self, cluster_time_out: int, timeout: float) -> list[str]:
+        """What a user types to run the same job with the same time limit (``timeout`` sends SIGTERM,
+        which msrun answers by tearing the job down)."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted({**self.spec.env, **self.extra_env}.items()))
+        prefix = (env + " ") if env else ""
+        return [
+            prefix
+            + shlex.join(
+                ["timeout", "-s", "TERM", f"{timeout:g}", CLI, *self.flags(node, size, cluster_time_out, for_user=True)]
+            )
+            + " "
+            + shlex.join(self.task())
+            for node, size in enumerate(self.spec.node_sizes())
+        ]
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -141,7 +155,7 @@ class TestJob:
         env[REPORT_DIR_ENV] = str(self.report_dir)
         env[SHARED_TMP_ENV] = str(self.shared_dir)
         env[BASETEMP_ENV] = str(self.basetemp)
-        env["MSRUN_JOB_TOKEN"] = os.urandom(16).hex()
+        env["MSRUN_JOB_TOKEN"] = self.token
         env.pop("PYTEST_ADDOPTS", None)
         for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURRENT_TEST"):
             env.pop(name, None)
@@ -155,39 +169,16 @@ class TestJob:
         procs: list[subprocess.Popen] = []
         logs: list[str] = []
         pumps: list[threading.Thread] = []
-        for node, cmd in enumerate(commands):
-            log_path = str(self.job_dir / (f"msrun_node{node}.log" if len(commands) > 1 else "msrun.log"))
-            logs.append(log_path)
-            log_fh = open(log_path, "wb")  # noqa: SIM115 - handed to the child, closed below
-            try:
-                if self.live_output:
-                    popen = subprocess.Popen(
-                        cmd,
-                        env=env,
-                        stdout=subprocess.PIPE,
-                        stderr=log_fh,
-                        start_new_session=True,
-                        stdin=subprocess.DEVNULL,
-                    )
-                    pump = threading.Thread(target=_pump_rank_lines, args=(popen.stdout, log_fh), daemon=True)
-                    pump.start()
-                    pumps.append(pump)
-                else:
-                    popen = subprocess.Popen(
-                        cmd,
-                        env=env,
-                        stdout=log_fh,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,
-                        stdin=subprocess.DEVNULL,
-                    )
-            finally:
-                if not self.live_output:
-                    log_fh.close()
-            procs.append(popen)
-        deadline = time.monotonic() + timeout
-        timed_out = False
         try:
+            for node, cmd in enumerate(commands):
+                log_path = str(self.job_dir / (f"msrun_node{node}.log" if len(commands) > 1 else "msrun.log"))
+                logs.append(log_path)
+                popen, pump = self._start(cmd, env, log_path)
+                procs.append(popen)
+                if pump is not None:
+                    pumps.append(pump)
+            deadline = time.monotonic() + timeout
+            timed_out = False
             for popen in procs:
                 try:
                     popen.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -198,76 +189,101 @@ class TestJob:
             self._stop(procs)
             raise
         stacks: dict[int, str] = {}
+        state = None
         if timed_out:
+            state = query_state("127.0.0.1", self.ports[0], self.token) if self._has_control_plane() else None
             stacks = self._collect_stacks(len(commands))
             self._stop(procs)
         for pump in pumps:
             pump.join(timeout=5)
         run = JobRun(
-            commands=commands,
+            reproduce_lines=self.reproduce_lines(cluster_time_out, timeout),
             exit_codes=[p.returncode for p in procs],
             timed_out=timed_out,
             timeout=timeout,
             started=started,
             ended=time.time(),
             stacks=stacks,
+            state=state,
             msrun_logs=logs,
         )
-        run.ranks = self._rank_statuses(len(commands))
+        run.ranks = self.rank_ends(len(commands))
         if not timed_out and any(code == 2 for code in run.exit_codes):
             run.launch_error = "\n".join(Path(p).read_text(errors="replace") for p in logs).strip()
         return run
+
+    def _has_control_plane(self) -> bool:
+        return self.spec.sim_level is None and self.spec.scheduler != "task"
+
+    def _start(self, cmd: list[str], env: dict[str, str], log_path: str) -> tuple[subprocess.Popen, Any]:
+        """Start one msrun in its own session; it gets SIGTERM (and tears down) if this process dies."""
+        argv, preexec = with_parent_death_signal(cmd, signal.SIGTERM)
+        log_fh = open(log_path, "wb")  # noqa: SIM115 - handed to the child (and the pump), closed below
+        pump = None
+        try:
+            popen = subprocess.Popen(
+                argv,
+                env=env,
+                stdout=subprocess.PIPE if self.live_output else log_fh,
+                stderr=log_fh if self.live_output else subprocess.STDOUT,
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=preexec,  # type: ignore[arg-type]
+            )
+            if self.live_output:
+                pump = threading.Thread(target=_pump_rank_lines, args=(popen.stdout, log_fh), daemon=True)
+                pump.start()
+        finally:
+            if not self.live_output:
+                log_fh.close()
+        return popen, pump
 
     # ---------------------------------------------------------------- helpers
     @staticmethod
     def _status_names(nodes: int) -> list[str]:
         return [STATUS_FILE] if nodes == 1 else [node_status_file(i) for i in range(nodes)]
 
-    def _rank_statuses(self, nodes: int) -> dict[int, RankStatus]:
-        out: dict[int, RankStatus] = {}
+    def rank_ends(self, nodes: int) -> dict[int, RankEnd]:
+        """How each rank's process ended, from msrun's status file(s)."""
+        out: dict[int, RankEnd] = {}
         for name in self._status_names(nodes):
-            data = read_status(str(self.log_dir), name)
-            if data is None:
+            status = read_status(str(self.log_dir), name)
+            if status is None:
                 continue
-            for proc in data.get("processes", []):
-                if proc.get("role") != "worker" or proc.get("rank") is None:
+            for proc in status.workers:
+                if proc.rank is None:
                     continue
-                rank = int(proc["rank"])
-                out[rank] = RankStatus(
-                    rank=rank,
-                    pid=proc.get("pid"),
-                    returncode=proc.get("returncode"),
-                    ended=proc.get("ended"),
-                    log=proc.get("log", ""),
-                    terminated_by_msrun=bool(proc.get("terminated_by_msrun")),
+                out[proc.rank] = RankEnd(
+                    returncode=proc.returncode,
+                    ended=proc.ended,
+                    pid=proc.pid,
+                    log=proc.log,
+                    terminated_by_msrun=proc.terminated_by_msrun,
+                    stop_reason=status.stop_reason,
                 )
         return out
 
     def _collect_stacks(self, nodes: int) -> dict[int, str]:
         """Ask every live rank for its Python stacks and wait briefly for them."""
-        ranks = self._rank_statuses(nodes)
         asked = []
-        for status in ranks.values():
-            if status.pid and status.returncode is None:
+        for rank, end in self.rank_ends(nodes).items():
+            if end.pid and end.returncode is None:
                 try:
-                    os.kill(status.pid, signal.SIGUSR1)
-                    asked.append(status.rank)
+                    os.kill(end.pid, signal.SIGUSR1)
+                    asked.append(rank)
                 except (ProcessLookupError, PermissionError):
                     pass
         deadline = time.monotonic() + STACK_WAIT
         stacks: dict[int, str] = {}
         while time.monotonic() < deadline:
             for rank in asked:
-                try:
-                    text = Path(stacks_path(str(self.report_dir), rank)).read_text(errors="replace")
-                except OSError:
-                    text = ""
+                text = _read(stacks_path(str(self.report_dir), rank))
                 if text.strip():
                     stacks[rank] = text
             if len(stacks) == len(asked):
                 time.sleep(0.05)  # let the last writer finish its dump
                 for rank in asked:
-                    stacks[rank] = Path(stacks_path(str(self.report_dir), rank)).read_text(errors="replace")
+                    stacks[rank] = _read(stacks_path(str(self.report_dir), rank))
                 break
             time.sleep(0.05)
         return stacks
@@ -290,6 +306,13 @@ class TestJob:
                 except (ProcessLookupError, PermissionError):
                     pass
                 popen.wait()
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
 
 
 def _pump_rank_lines(stream: IO[bytes], log_fh: IO[bytes]) -> None:

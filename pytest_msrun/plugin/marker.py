@@ -12,6 +12,7 @@ from pytest_msrun.config import SCHEDULER_MODES, SIM_LEVELS
 from pytest_msrun.simselect import SelectionError, select_ranks
 
 MARKER = "msrun"
+DEFAULT_TIMEOUT = 300.0
 PARAM = "_msrun_worker_num"
 KNOWN = (
     "worker_num",
@@ -177,3 +178,8 @@ def spec_for(item: pytest.Item) -> MsrunSpec | None:
         raise MarkerError(f"{where}: msrun(devices=...) must be a device count (or True = one per rank)")
     spec.devices = devices
     return spec
+
+
+def default_timeout(config: pytest.Config) -> float:
+    """A marked test's timeout when its marker gives none: --msrun-timeout, else ini msrun_timeout (300 s)."""
+    return float(config.getoption("msrun_timeout") or config.getini("msrun_timeout") or DEFAULT_TIMEOUT)

@@ -1,74 +1,33 @@
-"""Fold every rank's records into one pytest report per phase.
+"""Fold every rank's records into one pytest report per phase (the rule is :mod:`.verdict`'s).
 
-Rules: a phase failed if any rank failed it (first failure by time first, the others listed);
-a rank that left no record for a phase it should have reached failed it, explained by its exit
-status or signal and its log tail, never a pass; skipped only if every rank skipped (a mix of
-skip and run is a failure that says so); xfail/xpass follow pytest: any rank failing as expected
-makes the test XFAIL, all ranks passing makes it XPASS (strict xpass already fails in the rank).
+This module only presents the verdict: the first failure's own traceback under a headline that
+names its rank, the other failing and stopped ranks, every rank's captured output (a crashed
+rank's from its log), log paths, a grouped hang diagnosis on a timeout, and the command that
+reproduces the job. Phase durations add up to the job's wall time, launch included.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 from _pytest._code.code import ReprFileLocation, TerminalRepr
 
-from pytest_msrun.cpulist import format_id_list
-from pytest_msrun.plugin.job import JobRun, RankStatus
-from pytest_msrun.plugin.records import read_records, records_path
-from pytest_msrun.procs import describe_returncode
+from pytest_msrun.plugin.hang import diagnosis
+from pytest_msrun.plugin.job import JobRun
+from pytest_msrun.plugin.rank import read_log
+from pytest_msrun.plugin.records import RankLog, load_rank_log, records_path
+from pytest_msrun.plugin.verdict import Judge, PhaseVerdict, RankEnd, RankIssue, TestVerdict, ranks_text
 from pytest_msrun.summary import extract_traceback, log_text
 
-PHASES = ("setup", "call", "teardown")
 MAX_RANK_SECTIONS = 8  # per-rank sections shown in a report; big dry runs list the rest compactly
 
 
-def _ranks_text(ranks) -> str:
-    return format_id_list(ranks).replace(",", ", ")
-
-
-@dataclass
-class RankRecords:
-    """What one rank reported."""
-
-    rank: int
-    reports: dict[str, pytest.TestReport] = field(default_factory=dict)
-    stamps: dict[str, float] = field(default_factory=dict)
-    collect_errors: list[pytest.CollectReport] = field(default_factory=list)
-    started: bool = False
-    finished: bool = False
-    exitstatus: int | None = None
-
-
-def load_records(config: pytest.Config, report_dir: str, ranks: list[int], nodeid: str) -> dict[int, RankRecords]:
-    out: dict[int, RankRecords] = {}
-    for rank in ranks:
-        rec = RankRecords(rank)
-        for record in read_records(records_path(report_dir, rank)):
-            kind = record["kind"]
-            if kind == "start":
-                rec.started = True
-            elif kind == "finish":
-                rec.finished = True
-                rec.exitstatus = record.get("exitstatus")
-            elif kind in ("report", "collect"):
-                try:
-                    report = config.hook.pytest_report_from_serializable(config=config, data=record["data"])
-                except Exception:  # a record this pytest cannot read counts as missing
-                    continue
-                if report is None:
-                    continue
-                if kind == "collect":
-                    rec.collect_errors.append(report)
-                elif isinstance(report, pytest.TestReport) and report.nodeid == nodeid:
-                    rec.reports[report.when] = report
-                    rec.stamps[report.when] = float(record.get("ts", 0.0))
-        out[rank] = rec
-    return out
+def load_logs(report_dir: str, ranks: list[int]) -> dict[int, RankLog]:
+    return {rank: load_rank_log(records_path(report_dir, rank), rank) for rank in ranks}
 
 
 class MergedLongrepr(TerminalRepr):
@@ -94,30 +53,6 @@ class MergedLongrepr(TerminalRepr):
                 tw.line(line)
 
 
-@dataclass
-class RankFailure:
-    """A rank's failure in one phase: its own report, or one made from its exit and log."""
-
-    rank: int
-    at: float
-    report: pytest.TestReport | None = None
-    text: str = ""
-    summary: str = ""
-
-    def longrepr_text(self) -> str:
-        if self.report is not None:
-            return self.report.longreprtext
-        return self.text
-
-
-def _crash_message(report: pytest.TestReport) -> str:
-    crash = getattr(report.longrepr, "reprcrash", None)
-    if crash is not None:
-        return str(crash.message).splitlines()[0] if crash.message else "failed"
-    text = report.longreprtext.strip().splitlines()
-    return text[-1] if text else "failed"
-
-
 class Merger:
     """Builds the merged reports for one item from its job run and rank records."""
 
@@ -125,41 +60,54 @@ class Merger:
         self,
         item: pytest.Item,
         run: JobRun,
-        records: dict[int, RankRecords],
+        logs: dict[int, RankLog],
         ranks: list[int],
         style: str,
         reproduce: str,
         log_dir: str,
     ) -> None:
         self.item = item
+        self.config = item.config
         self.run = run
-        self.records = records
+        self.logs = logs
         self.ranks = ranks
         self.style = style
         self.reproduce = reproduce
         self.log_dir = log_dir
-        self.died_in: dict[int, str] = {}
-        self.deferred: list[int] = []  # ranks stopped by msrun, reported with the phase that failed
+        self.capture = getattr(self.config.option, "capture", "fd") != "no"
+        self._reports: dict[int, pytest.TestReport | None] = {}
+        self.judge = Judge(
+            item.nodeid,
+            ranks,
+            logs,
+            run.ranks,
+            scope="job",
+            timed_out=run.timed_out,
+            timeout=run.timeout,
+            job_ended=run.ended,
+        )
 
     # ------------------------------------------------------------------ facts per rank
-    def status(self, rank: int) -> RankStatus:
-        return self.run.ranks.get(rank) or RankStatus(rank)
+    def end(self, rank: int) -> RankEnd:
+        return self.run.ranks.get(rank) or RankEnd()
 
-    def _exit_text(self, rank: int) -> str:
-        status = self.status(rank)
-        if status.returncode is None:
-            if self.run.timed_out:
-                return "was still running at the timeout"
-            return "never started" if status.pid is None else "has no recorded exit status"
-        how = describe_returncode(status.returncode)
-        if status.terminated_by_msrun:
-            how += " (terminated by msrun after another process failed)"
-        return how
+    def log_path(self, rank: int) -> str:
+        return self.end(rank).log or self.logs[rank].log or os.path.join(self.log_dir, f"worker_{rank}.log")
+
+    def _report(self, data: dict[str, Any]) -> pytest.TestReport | None:
+        """The TestReport of a record (converted once: pytest's conversion changes the dict)."""
+        key = id(data)
+        if key not in self._reports:
+            try:
+                report = self.config.hook.pytest_report_from_serializable(config=self.config, data=copy.deepcopy(data))
+            except Exception:  # a record this pytest cannot read counts as missing
+                report = None
+            self._reports[key] = report if isinstance(report, pytest.TestReport) else None
+        return self._reports[key]
 
     def _log_excerpt(self, rank: int) -> str:
         """The rank's fatal-error dump or last traceback, then the end of its log."""
-        status = self.status(rank)
-        path = status.log or os.path.join(self.log_dir, f"worker_{rank}.log")
+        path = self.log_path(rank)
         text = log_text(path)
         parts = []
         tb = extract_traceback(text)
@@ -173,130 +121,107 @@ class Merger:
             parts.append(f"last lines of {path}:\n{tail}")
         return "\n".join(parts)
 
-    def _synthetic(self, rank: int, phase: str, why: str) -> RankFailure:
-        rec = self.records[rank]
-        if rec.collect_errors:
-            text = "\n".join(r.longreprtext for r in rec.collect_errors)
-            summary = f"rank {rank}: collection failed"
-            return RankFailure(rank, self._time_of(rank), text=f"{summary}\n{text}", summary=summary)
-        summary = f"rank {rank} {why} during the {phase} phase and {self._exit_text(rank)}"
-        text = summary + "\n" + self._log_excerpt(rank)
-        if rank in self.run.stacks:
-            text += f"\nstack of rank {rank} at the timeout:\n{self.run.stacks[rank]}"
-        return RankFailure(rank, self._time_of(rank), text=text, summary=summary)
+    def _issue_text(self, issue: RankIssue) -> str:
+        if issue.report is not None:
+            report = self._report(issue.report)
+            return report.longreprtext if report is not None else issue.summary
+        log = self.logs[issue.rank]
+        if log.collect_errors:
+            texts = []
+            for data in log.collect_errors:
+                report = self.config.hook.pytest_report_from_serializable(config=self.config, data=copy.deepcopy(data))
+                texts.append(getattr(report, "longreprtext", ""))
+            return f"rank {issue.rank}: collection failed\n" + "\n".join(texts)
+        text = issue.summary + "\n" + self._log_excerpt(issue.rank)
+        if issue.rank in self.run.stacks:
+            text += f"\nstack of rank {issue.rank} at the timeout:\n{self.run.stacks[issue.rank]}"
+        return text
 
-    def _time_of(self, rank: int) -> float:
-        ended = self.status(rank).ended
-        return float(ended) if ended else self.run.ended
+    def _issue_summary(self, issue: RankIssue) -> str:
+        if issue.report is None and self.logs[issue.rank].collect_errors:
+            return f"rank {issue.rank}: collection failed"
+        return issue.summary
 
-    def _collateral(self, rank: int) -> bool:
-        return self.status(rank).terminated_by_msrun and not self.run.timed_out
+    def _died_output(self, rank: int, phase: str) -> str:
+        """What a rank that left no report wrote during ``phase`` (from its log)."""
+        start = self.logs[rank].test(self.item.nodeid).started.get(phase)
+        if start is None or start.offset is None:
+            return ""
+        return read_log(self.log_path(rank), start.offset)
 
     # ------------------------------------------------------------------ merging
-    def expected(self, rank: int, phase: str) -> bool:
-        """Whether ``rank`` should have reported ``phase`` (given its earlier phases)."""
-        if rank in self.died_in:
-            return False
-        reports = self.records[rank].reports
-        if phase == "setup":
-            return True
-        if phase == "call":
-            setup = reports.get("setup")
-            return setup is not None and setup.passed
-        return "setup" in reports
-
     def merged_reports(self) -> list[pytest.TestReport]:
-        out = []
         if self.run.launch_error:
             return [self._launch_failure()]
-        for phase in PHASES:
-            if phase == "call" and out and not out[0].passed:
-                continue  # setup failed or skipped: pytest runs no call phase
-            report = self.merge_phase(phase)
-            if report is not None:
-                out.append(report)
+        verdict = self.judge.verdict()
+        windows = self._windows(verdict)
+        return [self._phase_report(p, windows[p.phase]) for p in verdict.phases]
+
+    def _windows(self, verdict: TestVerdict) -> dict[str, tuple[float, float]]:
+        """Each merged phase's (start, stop): from the job's start to the last rank leaving the
+        phase; the last phase ends when the job ended - so durations include launch and shutdown."""
+        out: dict[str, tuple[float, float]] = {}
+        begin = self.run.started
+        for i, phase in enumerate(verdict.phases):
+            stops = [float(rep.get("stop", 0.0)) for rep in phase.present.values() if rep.get("stop")]
+            missing = any(issue.report is None for issue in phase.issues) or bool(phase.stopped)
+            last = i == len(verdict.phases) - 1
+            end = self.run.ended if (last or missing or not stops) else max(stops)
+            end = max(end, begin)
+            out[phase.phase] = (begin, end)
+            begin = end
         return out
 
-    def merge_phase(self, phase: str) -> pytest.TestReport | None:
-        failures: list[RankFailure] = []
-        collateral: list[int] = []
-        present: dict[int, pytest.TestReport] = {}
-        for rank in self.ranks:
-            rec = self.records[rank]
-            report = rec.reports.get(phase)
-            if report is not None:
-                present[rank] = report
-                if report.failed:
-                    failures.append(
-                        RankFailure(
-                            rank,
-                            rec.stamps.get(phase, 0.0),
-                            report=report,
-                            summary=f"rank {rank}: {_crash_message(report)}",
-                        )
-                    )
-                continue
-            if not self.expected(rank, phase):
-                continue
-            if self._collateral(rank):
-                collateral.append(rank)
-                self.died_in[rank] = phase
-                continue
-            why = "left no record" if not rec.finished else f"ended its pytest session (exit status {rec.exitstatus})"
-            if self.run.timed_out:
-                why = f"timed out after {self.run.timeout:g} s"
-            failures.append(self._synthetic(rank, phase, why))
-            self.died_in[rank] = phase
-        if collateral and not failures and not self.run.timed_out:
-            if self._failed_elsewhere(collateral):
-                # Stopped because another rank failed in a later phase: say so there.
-                self.deferred.extend(collateral)
-                collateral = []
-            else:  # nothing else explains why msrun stopped them: their stop is the failure
-                failures = [self._synthetic(r, phase, "was stopped by msrun") for r in collateral]
-                collateral = []
-        if not present and not failures and not collateral:
-            return None
-        if failures or collateral:
-            collateral, self.deferred = collateral + self.deferred, []
-            return self._failed(phase, failures, collateral, present)
-        return self._outcome(phase, present)
+    def _phase_report(self, phase: PhaseVerdict, window: tuple[float, float]) -> pytest.TestReport:
+        present = {r: rep for r, d in phase.present.items() if (rep := self._report(d)) is not None}
+        if phase.outcome == "failed":
+            return self._failed(phase, present, window)
+        if phase.wasxfail is not None and phase.outcome == "skipped":
+            first = min(
+                (r for r, rep in present.items() if rep.skipped and hasattr(rep, "wasxfail")),
+                key=lambda r: self.logs[r].test(self.item.nodeid).stamps.get(phase.phase, 0.0),
+            )
+            return self._make(phase.phase, "skipped", present[first].longrepr, present, window, wasxfail=phase.wasxfail)
+        if phase.wasxfail is not None:
+            return self._make(phase.phase, "passed", None, present, window, wasxfail=phase.wasxfail)
+        if phase.outcome == "skipped":
+            first = present[min(present)]
+            return self._make(phase.phase, "skipped", first.longrepr, present, window)
+        return self._make(phase.phase, "passed", None, present, window)
 
-    def _failed_elsewhere(self, stopped: list[int]) -> bool:
-        """Whether some rank other than ``stopped`` failed (a failed report, or a bad exit)."""
-        for rank in self.ranks:
-            if rank in stopped:
-                continue
-            if any(rep.failed for rep in self.records[rank].reports.values()):
-                return True
-            status = self.status(rank)
-            if status.returncode not in (None, 0) and not status.terminated_by_msrun:
-                return True
-        return False
-
-    def _sections(self, present: dict[int, pytest.TestReport]) -> list[tuple[str, str]]:
+    def _sections(self, phase: str, present: dict[int, pytest.TestReport], died: list[int]) -> list[tuple[str, str]]:
         """Every rank's captured output - for big jobs only the failing ranks' and the first few."""
         out = []
-        keep = sorted(present)
+        keep = sorted(set(present) | set(died))
         if len(keep) > MAX_RANK_SECTIONS:
-            failing = [r for r in keep if present[r].failed]
+            failing = [r for r in keep if r in died or present[r].failed]
             keep = sorted(set(failing[:MAX_RANK_SECTIONS]) | set(keep[:MAX_RANK_SECTIONS]))
         for rank in keep:
-            for title, content in present[rank].sections:
-                out.append((f"{title} [rank {rank}]", content))
+            if rank in present:
+                for title, content in present[rank].sections:
+                    out.append((f"{title} [rank {rank}]", content))
+            elif self.capture:
+                text = self._died_output(rank, phase)
+                if text:
+                    out.append((f"Captured stdout {phase} [rank {rank}]", text))
         return out
 
-    def _report(
-        self, phase: str, outcome: str, longrepr: Any, present: dict[int, pytest.TestReport], **extra: Any
+    def _make(
+        self,
+        phase: str,
+        outcome: str,
+        longrepr: Any,
+        present: dict[int, pytest.TestReport],
+        window: tuple[float, float],
+        died: list[int] | None = None,
+        **extra: Any,
     ) -> pytest.TestReport:
         if isinstance(longrepr, list):  # a skip location (path, lineno, reason) that went through JSON
             longrepr = tuple(longrepr)
-        durations = [r.duration for r in present.values()]
         props: list[tuple[str, object]] = []
         for rank in sorted(present):
             props.extend(present[rank].user_properties)
-        starts = [getattr(r, "start", 0.0) for r in present.values() if getattr(r, "start", 0.0)]
-        stops = [getattr(r, "stop", 0.0) for r in present.values() if getattr(r, "stop", 0.0)]
+        start, stop = window
         return pytest.TestReport(
             nodeid=self.item.nodeid,
             location=self.item.location,
@@ -304,10 +229,10 @@ class Merger:
             outcome=outcome,  # type: ignore[arg-type]
             longrepr=longrepr,
             when=phase,  # type: ignore[arg-type]
-            sections=self._sections(present),
-            duration=max(durations) if durations else 0.0,
-            start=min(starts) if starts else self.run.started,
-            stop=max(stops) if stops else self.run.ended,
+            sections=self._sections(phase, present, died or []),
+            duration=stop - start,
+            start=start,
+            stop=stop,
             user_properties=props,
             **extra,
         )
@@ -318,92 +243,86 @@ class Merger:
         return ReprFileLocation(path=path, lineno=lineno, message=message)
 
     def _failed(
-        self, phase: str, failures: list[RankFailure], collateral: list[int], present: dict[int, pytest.TestReport]
+        self, phase: PhaseVerdict, present: dict[int, pytest.TestReport], window: tuple[float, float]
     ) -> pytest.TestReport:
         sections: list[tuple[str, str]] = []
-        reported = [f for f in failures if f.report is not None]
-        if self.run.timed_out and not reported:
-            stuck = sorted(f.rank for f in failures)
-            headline = (
-                f"msrun job timed out after {self.run.timeout:g} s in the {phase} phase "
-                f"(ranks {', '.join(map(str, stuck))} had not finished); every rank's stack follows"
+        issues = phase.issues
+        died = [i.rank for i in issues if i.report is None]
+        if phase.message:  # a rule's own failure (a mix of skip and run)
+            longrepr = MergedLongrepr(
+                phase.message, None, [("reproduce", self.reproduce)], self._crash_location(phase.message)
             )
-            root: Any = "\n\n".join(f.text for f in sorted(failures, key=lambda f: f.rank))
+            return self._make(phase.phase, "failed", longrepr, present, window)
+        reported = [i for i in issues if i.report is not None]
+        if self.run.timed_out and not reported:
+            stuck = sorted(i.rank for i in issues)
+            headline = (
+                f"msrun job timed out after {self.run.timeout:g} s in the {phase.phase} phase "
+                f"(ranks {ranks_text(stuck)} had not finished); where each rank was, then every rank's stack"
+            )
+            root: Any = self._hang_text(stuck)
             crash = self._crash_location(f"msrun job timed out after {self.run.timeout:g} s")
+            shown_stacks: set[int] = set()
+            for issue in issues[:MAX_RANK_SECTIONS]:
+                sections.append((f"rank {issue.rank}", self._issue_text(issue)))
+                shown_stacks.add(issue.rank)
         else:
-            failures.sort(key=lambda f: f.at)
-            first = failures[0]
-            others = [f.rank for f in failures[1:]]
+            first = issues[0]
+            others = [i.rank for i in issues[1:]]
             headline = f"[rank {first.rank}] failed first" + (
-                f"; also failed on ranks {_ranks_text(others)}" if others else ""
+                f"; also failed on ranks {ranks_text(others)}" if others else ""
             )
             if self.run.timed_out:
                 headline += f" (the job timed out after {self.run.timeout:g} s)"
-            if first.report is not None:
-                root = first.report.longrepr
+            first_report = self._report(first.report) if first.report is not None else None
+            if first_report is not None:
+                root = first_report.longrepr
                 base = getattr(root, "reprcrash", None)
-                message = f"[rank {first.rank}] {base.message if base is not None else _crash_message(first.report)}"
+                reason = base.message if base is not None else first.summary.split(": ", 1)[-1]
+                message = f"[rank {first.rank}] {reason}"
                 crash = (
                     dataclasses.replace(base, message=message) if base is not None else self._crash_location(message)
                 )
             else:
-                root = first.text
-                crash = self._crash_location(first.summary)
-            for other in failures[1 : 1 + MAX_RANK_SECTIONS]:
-                if self.style == "all":
-                    sections.append((f"rank {other.rank}", other.longrepr_text()))
-                else:
-                    sections.append((f"rank {other.rank}", other.summary))
-        if len(failures) > 1 + MAX_RANK_SECTIONS:
-            sections.append(("more failing ranks", _ranks_text(f.rank for f in failures[1 + MAX_RANK_SECTIONS :])))
-        if collateral:
+                root = self._issue_text(first)
+                crash = self._crash_location(self._issue_summary(first))
+            shown_stacks = {first.rank}
+            for other in issues[1 : 1 + MAX_RANK_SECTIONS]:
+                text = self._issue_text(other) if self.style == "all" else self._issue_summary(other)
+                sections.append((f"rank {other.rank}", text))
+                shown_stacks.add(other.rank)
+        if len(issues) > 1 + MAX_RANK_SECTIONS:
+            sections.append(("more failing ranks", ranks_text(i.rank for i in issues[1 + MAX_RANK_SECTIONS :])))
+        if phase.stopped:
+            why = self.end(phase.stopped[0]).stop_reason
             sections.append(
-                ("terminated by msrun", f"ranks {_ranks_text(collateral)} were stopped after the first failure")
+                (
+                    "terminated by msrun",
+                    f"ranks {ranks_text(phase.stopped)} were stopped after the first failure"
+                    + (f" ({why})" if why else ""),
+                )
             )
-        if self.run.stacks:
-            for rank in sorted(self.run.stacks):
-                if not any(f.rank == rank and f.report is None for f in failures):  # not shown yet
-                    sections.append((f"stack of rank {rank} at the timeout", self.run.stacks[rank]))
-        shown = [f.rank for f in failures[: 1 + MAX_RANK_SECTIONS]] or self.ranks[:MAX_RANK_SECTIONS]
+        for rank in sorted(self.run.stacks):
+            if rank not in shown_stacks:
+                sections.append((f"stack of rank {rank} at the timeout", self.run.stacks[rank]))
+        shown = [i.rank for i in issues[: 1 + MAX_RANK_SECTIONS]] or self.ranks[:MAX_RANK_SECTIONS]
         if len(self.ranks) <= MAX_RANK_SECTIONS:
             shown = self.ranks
-        logs = "\n".join(
-            f"rank {r}: {self.status(r).log or os.path.join(self.log_dir, f'worker_{r}.log')}" for r in shown
-        )
+        logs = "\n".join(f"rank {r}: {self.log_path(r)}" for r in shown)
         if len(self.ranks) > len(shown):
             logs += f"\n(every rank: {self.log_dir}/worker_<rank>.log)"
         sections.append(("msrun logs", f"{logs}\nmsrun: {', '.join(self.run.msrun_logs)}"))
         sections.append(("reproduce", self.reproduce))
         longrepr = MergedLongrepr(headline, root, sections, crash)
-        return self._report(phase, "failed", longrepr, present)
+        return self._make(phase.phase, "failed", longrepr, present, window, died=died)
 
-    def _outcome(self, phase: str, present: dict[int, pytest.TestReport]) -> pytest.TestReport:
-        xfailed = [r for r, rep in present.items() if rep.skipped and hasattr(rep, "wasxfail")]
-        skipped = [r for r, rep in present.items() if rep.skipped and not hasattr(rep, "wasxfail")]
-        xpassed = [r for r, rep in present.items() if rep.passed and hasattr(rep, "wasxfail")]
-        ran = [r for r in present if r not in skipped]
-        if skipped and ran:
-            reason = present[skipped[0]].longrepr
-            text = reason[2] if isinstance(reason, (tuple, list)) and len(reason) == 3 else str(reason)
-            message = (
-                f"skipped on ranks {', '.join(map(str, sorted(skipped)))} ({text}) but ran on ranks "
-                f"{', '.join(map(str, sorted(ran)))}: a test must skip on every rank or on none"
-            )
-            longrepr = MergedLongrepr(message, None, [("reproduce", self.reproduce)], self._crash_location(message))
-            return self._report(phase, "failed", longrepr, present)
-        if xfailed:
-            first = present[min(xfailed, key=lambda r: self.records[r].stamps.get(phase, 0.0))]
-            return self._report(phase, "skipped", first.longrepr, present, wasxfail=first.wasxfail)
-        if xpassed:
-            first = present[xpassed[0]]
-            return self._report(phase, "passed", None, present, wasxfail=first.wasxfail)
-        if skipped:
-            first = present[skipped[0]]
-            return self._report(phase, "skipped", first.longrepr, present)
-        return self._report(phase, "passed", None, present)
+    def _hang_text(self, stuck: list[int]) -> str:
+        main_threads = {r: self.logs[r].main_thread for r in self.ranks}
+        no_stack = {r: self.end(r).describe(True) for r in self.ranks if r not in self.run.stacks}
+        return diagnosis(self.run.stacks, main_threads, self.ranks, self.run.state, no_stack)
 
     def _launch_failure(self) -> pytest.TestReport:
         message = "msrun could not start the job"
         text = self.run.launch_error
         longrepr = MergedLongrepr(message, text, [("reproduce", self.reproduce)], self._crash_location(message))
-        return self._report("setup", "failed", longrepr, {})
+        return self._make("setup", "failed", longrepr, {}, (self.run.started, self.run.ended))

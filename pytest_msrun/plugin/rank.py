@@ -1,9 +1,14 @@
-"""pytest inside an msrun job (every rank runs it): records, inline marked tests, per-rank outputs.
+"""pytest inside a job (every rank runs it): records, output, marked tests in place, timeouts.
 
-Launched by the controller, a rank runs one node id and streams its reports to the directory
-in ``MSRUN_PYTEST_REPORT_DIR``. Launched by a user (``msrun pytest tests/``), every rank runs
-the suite; a marked test runs when the job has its ``worker_num`` ranks and is skipped with the
-reason otherwise, and the records go to the job's log directory, for msrun's summary table.
+Started by the controller, a rank runs one node id and streams its records to the directory in
+``MSRUN_PYTEST_REPORT_DIR``. Started by a user (``msrun pytest tests/``), every rank runs the
+suite; a marked test runs when the job has its ``worker_num`` ranks (else it is skipped with the
+reason) and within its timeout, and the records go to the job's log directory for msrun's table.
+
+Output: a rank's stdout and stderr are its msrun log file. Instead of capturing into temporary
+files (lost when a rank segfaults), tests write straight to that log and each phase's part of it
+becomes the report's captured output - so whatever a rank wrote before it died is in its log and
+in the report.
 """
 
 from __future__ import annotations
@@ -11,31 +16,80 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
-from typing import IO
+import stat
+import sys
+import threading
+import time
+from collections.abc import Generator
+from typing import IO, Any
 
 import pytest
 
-from pytest_msrun.plugin.env import env_int
-from pytest_msrun.plugin.marker import MARKER, MarkerError, spec_for
+from pytest_msrun.plugin.env import current_rank, current_world
+from pytest_msrun.plugin.marker import MARKER, MarkerError, default_timeout, spec_for
 from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, RecordWriter, records_path, stacks_path
+
+TIMEOUT_EXIT = 124  # a rank that ran out of time ends with timeout(1)'s status
+MAX_SECTION = 1 << 20
+
+
+def log_file() -> str | None:
+    """The rank's log (its stdout), when stdout is a regular file."""
+    try:
+        if stat.S_ISREG(os.fstat(1).st_mode):
+            return os.readlink("/proc/self/fd/1")
+    except OSError:
+        pass
+    return None
+
+
+def log_offset() -> int | None:
+    try:
+        return os.lseek(1, 0, os.SEEK_CUR)
+    except OSError:
+        return None
+
+
+def read_log(path: str, start: int, end: int | None = None) -> str:
+    """``path`` from byte ``start`` to ``end`` (at most 1 MiB, the end kept), decoded leniently."""
+    try:
+        with open(path, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            stop = size if end is None else min(end, size)
+            begin = max(start, stop - MAX_SECTION)
+            fh.seek(begin)
+            data = fh.read(max(0, stop - begin))
+    except OSError:
+        return ""
+    text = data.decode("utf-8", errors="replace")
+    return (f"[... {begin - start} bytes cut ...]\n" + text) if begin > start else text
 
 
 class RankPlugin:
-    """Registered in every rank's pytest session."""
+    """Registered in the pytest session of every rank (``records``: this project's jobs only)."""
 
-    def __init__(self, config: pytest.Config) -> None:
+    def __init__(self, config: pytest.Config, *, records: bool = True, log_capture: bool = False) -> None:
         env = os.environ
         self.config = config
-        self.rank = env_int("RANK_ID", env_int("RANK", 0))
-        self.world = env_int("RANK_SIZE", env_int("WORLD_SIZE", 1))
+        self.rank = current_rank()
+        self.world = current_world()
         self.controlled = bool(env.get(REPORT_DIR_ENV))
+        self.log = log_file() if log_capture else None  # capture through the log
+        self.phase_offset: int | None = None
+        self.current: tuple[str, str] | None = None  # (nodeid, phase) running now
+        self.timer: threading.Timer | None = None
+        self.writer: RecordWriter | None = None
+        self.stacks: IO[str] | None = None
+        self.default_timeout = 0.0
+        if not records:
+            return
         directory = env.get(REPORT_DIR_ENV) or os.path.abspath(env.get("MSRUN_LOG_DIR") or ".")
         self.writer = RecordWriter(records_path(directory, self.rank), self.rank, self.world)
-        self.stacks: IO[str] | None = None
-        if hasattr(signal, "SIGUSR1"):
-            # The controller sends SIGUSR1 on a timeout: every thread's stack lands in this file.
-            self.stacks = open(stacks_path(directory, self.rank), "w")  # noqa: SIM115
-            faulthandler.register(signal.SIGUSR1, file=self.stacks, all_threads=True)
+        # Every thread's stack lands in this file on SIGUSR1 (the controller's timeout) and on
+        # SIGTERM (msrun tearing the job down), which then still ends the process.
+        self.stacks = open(stacks_path(directory, self.rank), "w")  # noqa: SIM115 - lives as long as the session
+        faulthandler.register(signal.SIGUSR1, file=self.stacks, all_threads=True)
+        faulthandler.register(signal.SIGTERM, file=self.stacks, all_threads=True, chain=True)
         basetemp = env.get(BASETEMP_ENV)
         if basetemp:
             config.option.basetemp = os.path.join(basetemp, f"rank{self.rank}")
@@ -43,9 +97,26 @@ class RankPlugin:
         if xmlpath and not self.controlled:
             base, ext = os.path.splitext(xmlpath)
             config.option.xmlpath = f"{base}.rank{self.rank}{ext or '.xml'}"
+        if not self.controlled:
+            self.default_timeout = default_timeout(config)
+            # msrun prints one table of every test on every rank when the job ends.
+            from pytest_msrun.hooks import register
 
+            register(directory, "pytest", "pytest_msrun.plugin.suite:job_report")
+
+    def _write(self, kind: str, **fields: Any) -> None:
+        if self.writer is not None:
+            self.writer.write(kind, **fields)
+
+    # ---------------------------------------------------------------- session
     def pytest_sessionstart(self, session: pytest.Session) -> None:
-        self.writer.write("start", pid=os.getpid(), args=list(self.config.invocation_params.args))
+        self._write(
+            "start",
+            pid=os.getpid(),
+            args=list(self.config.invocation_params.args),
+            log=log_file() or "",
+            main_thread=threading.main_thread().ident,
+        )
 
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         for item in items:
@@ -63,24 +134,113 @@ class RankPlugin:
                     )
                 )
 
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self._write("collected", nodeids=[item.nodeid for item in session.items])
+
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
             data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
-            self.writer.write("collect", data=data)
+            self._write("collect", data=data)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
-        self.writer.write("report", data=data)
+        self._write("report", data=data)
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
-        self.writer.write("finish", exitstatus=int(exitstatus))
+        self._write("finish", exitstatus=int(exitstatus))
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
-        if self.stacks is not None and hasattr(signal, "SIGUSR1"):
+        self._disarm()
+        if self.stacks is not None:
             faulthandler.unregister(signal.SIGUSR1)
+            faulthandler.unregister(signal.SIGTERM)
             self.stacks.close()
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()
+
+    # ---------------------------------------------------------------- phases
+    def _phase(self, item: pytest.Item, when: str) -> Generator[None, None, None]:
+        self.current = (item.nodeid, when)
+        start = log_offset()
+        self._write("phase", nodeid=item.nodeid, when=when, offset=start)
+        try:
+            yield
+        finally:
+            self.current = None
+            if self.log is not None and start is not None:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                text = read_log(self.log, start, log_offset())
+                if text:
+                    # stdout and stderr are one file in a rank: its output, in order
+                    item.add_report_section(when, "stdout", text)
+
+    @pytest.hookimpl(hookwrapper=True, tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
+        self._arm(item)
+        yield from self._phase(item, "setup")
+
+    @pytest.hookimpl(hookwrapper=True, tryfirst=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Generator[None, None, None]:
+        yield from self._phase(item, "call")
+
+    @pytest.hookimpl(hookwrapper=True, tryfirst=True)
+    def pytest_runtest_teardown(self, item: pytest.Item) -> Generator[None, None, None]:
+        try:
+            yield from self._phase(item, "teardown")
+        finally:
+            self._disarm()
+
+    # ---------------------------------------------------------------- timeouts (suite mode)
+    def _arm(self, item: pytest.Item) -> None:
+        """A marked test run in place gets its marker's timeout (else --msrun-timeout / ini)."""
+        if self.controlled or self.writer is None or item.get_closest_marker(MARKER) is None:
+            return
+        try:
+            spec = spec_for(item)
+        except MarkerError:
+            return
+        seconds = (spec.timeout if spec is not None else None) or self.default_timeout
+        if not seconds:
+            return
+        self.timer = threading.Timer(seconds, self._timed_out, args=(item.nodeid, seconds))
+        self.timer.daemon = True
+        self.timer.start()
+        # A backstop that needs no Python: if the main thread never lets the timer run, dump and exit.
+        faulthandler.dump_traceback_later(seconds + 30, exit=True, file=self.stacks or sys.stderr)
+
+    def _disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+            faulthandler.cancel_dump_traceback_later()
+
+    def _timed_out(self, nodeid: str, seconds: float) -> None:
+        """Record where this rank was and what the control plane knew, then end the rank."""
+        from pytest_msrun.observer import query_from_env
+
+        when = self.current[1] if self.current and self.current[0] == nodeid else "setup"
+        stack = ""
+        if self.stacks is not None:
+            self.stacks.flush()
+            start = os.lseek(self.stacks.fileno(), 0, os.SEEK_END)
+            faulthandler.dump_traceback(self.stacks, all_threads=True)
+            self.stacks.flush()
+            stack = read_log(self.stacks.name, start)
+        state = query_from_env(dict(os.environ))
+        self._write("timeout", nodeid=nodeid, when=when, timeout=seconds, state=state, stack=stack)
+        try:
+            sys.stderr.write(
+                f"\nmsrun: {nodeid} timed out after {seconds:g} s on rank {self.rank} in its {when} phase; "
+                f"this rank ends with exit status {TIMEOUT_EXIT}\n"
+            )
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+        os._exit(TIMEOUT_EXIT)
 
 
 class SchedulerRolePlugin:

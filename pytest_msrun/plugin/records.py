@@ -1,22 +1,33 @@
 """Per-rank result records: one JSON object per line, appended and flushed as they happen.
 
-A rank (re)creates its file, writes ``start``, then one ``report`` per test phase (pytest's own serializable report)
-and per failed collection, then ``finish``. A rank that dies mid-test leaves every completed
-phase on disk, and the reader tolerates a torn last line. Importing this module does not
-import pytest (the ``msrun`` launcher reads these files too).
+A rank (re)creates its file and writes, in order:
+
+* ``start`` (pid, its log file, its main thread's id),
+* ``collected`` (the node ids it is going to run) and ``collect`` per failed collection,
+* per test phase a ``phase`` record when the phase *begins* (with the rank log's offset) and a
+  ``report`` when it ends (pytest's own serializable report),
+* ``timeout`` when a marked test ran out of time inside the job (suite mode),
+* ``finish`` with pytest's exit status.
+
+So a rank that dies inside a test leaves the phase it was in on disk: that test failed on that
+rank, and its output is the log from that offset on. The reader tolerates a torn last line.
+Importing this module does not import pytest.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import IO, Any
 
 REPORT_DIR_ENV = "MSRUN_PYTEST_REPORT_DIR"
 SHARED_TMP_ENV = "MSRUN_PYTEST_SHARED_TMP"
 BASETEMP_ENV = "MSRUN_PYTEST_BASETEMP"
+PHASES = ("setup", "call", "teardown")
 
 
 def records_path(directory: str, rank: int) -> str:
@@ -35,11 +46,14 @@ class RecordWriter:
         self.fh: IO[str] = open(path, "w", encoding="utf-8")  # noqa: SIM115 - lives as long as the session
         self.rank = rank
         self.world = world
+        self.lock = threading.Lock()  # a timeout is recorded from a timer thread
 
     def write(self, kind: str, **fields: Any) -> None:
         record = {"kind": kind, "rank": self.rank, "world": self.world, "ts": time.time(), **fields}
-        self.fh.write(json.dumps(record, default=str) + "\n")
-        self.fh.flush()
+        line = json.dumps(record, default=str) + "\n"
+        with self.lock:
+            self.fh.write(line)
+            self.fh.flush()
 
     def close(self) -> None:
         self.fh.close()
@@ -60,3 +74,77 @@ def read_records(path: str) -> Iterator[dict[str, Any]]:
                     yield record
     except OSError:
         return
+
+
+@dataclass
+class PhaseStart:
+    ts: float
+    offset: int | None  # where the rank's log stood when the phase began
+
+
+@dataclass
+class RankTest:
+    """What one rank recorded for one test."""
+
+    nodeid: str
+    started: dict[str, PhaseStart] = field(default_factory=dict)
+    reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # when -> serialized TestReport
+    stamps: dict[str, float] = field(default_factory=dict)
+    timeout: dict[str, Any] | None = None
+
+
+@dataclass
+class RankLog:
+    """One rank's record file, read back."""
+
+    rank: int
+    started: bool = False
+    pid: int | None = None
+    log: str = ""
+    main_thread: int | None = None
+    collected: list[str] | None = None
+    collect_errors: list[dict[str, Any]] = field(default_factory=list)
+    tests: dict[str, RankTest] = field(default_factory=dict)  # in the order the rank ran them
+    finished: bool = False
+    exitstatus: int | None = None
+    start_ts: float = 0.0
+
+    def test(self, nodeid: str) -> RankTest:
+        return self.tests.get(nodeid) or RankTest(nodeid)
+
+    @property
+    def last_test(self) -> str | None:
+        return next(reversed(self.tests), None) if self.tests else None
+
+
+def load_rank_log(path: str, rank: int) -> RankLog:
+    out = RankLog(rank)
+    for record in read_records(path):
+        kind = record["kind"]
+        if kind == "start":
+            out.started = True
+            out.pid = record.get("pid")
+            out.log = str(record.get("log") or "")
+            out.main_thread = record.get("main_thread")
+            out.start_ts = float(record.get("ts", 0.0))
+        elif kind == "collected":
+            out.collected = [str(n) for n in record.get("nodeids", [])]
+        elif kind == "collect":
+            out.collect_errors.append(record.get("data", {}))
+        elif kind == "phase":
+            test = out.tests.setdefault(str(record.get("nodeid")), RankTest(str(record.get("nodeid"))))
+            test.started[str(record.get("when"))] = PhaseStart(float(record.get("ts", 0.0)), record.get("offset"))
+        elif kind == "report":
+            data = record.get("data", {})
+            nodeid = str(data.get("nodeid", ""))
+            test = out.tests.setdefault(nodeid, RankTest(nodeid))
+            when = str(data.get("when", "call"))
+            test.reports[when] = data
+            test.stamps[when] = float(record.get("ts", 0.0))
+        elif kind == "timeout":
+            nodeid = str(record.get("nodeid"))
+            out.tests.setdefault(nodeid, RankTest(nodeid)).timeout = record
+        elif kind == "finish":
+            out.finished = True
+            out.exitstatus = record.get("exitstatus")
+    return out

@@ -1,0 +1,69 @@
+"""Job-end reporters: a neutral extension point between the launcher and what runs inside a job.
+
+Any process of a job may ask msrun to run a reporter when the job ends, by registering
+``module:function`` under a name in ``<log_dir>/msrun_hooks/`` (:func:`register`). After a
+``--join=True`` job, msrun calls each registered function with the job's :class:`JobStatus` and
+prints what it returns - so, for example, ``msrun pytest tests/`` ends with one table of every
+test on every rank, while msrun itself knows nothing about pytest. Listing the directory is
+the whole cost for jobs that register nothing. Only files owned by msrun's own user count.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+
+from pytest_msrun.status import JobStatus
+
+HOOK_DIR = "msrun_hooks"
+
+
+def register(log_dir: str, name: str, target: str) -> None:
+    """Ask msrun to call ``target`` (``module:function``) with the job's status when the job ends."""
+    directory = os.path.join(log_dir or ".", HOOK_DIR)
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, name)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(target + "\n")
+    os.replace(tmp, path)
+
+
+def registered(log_dir: str) -> list[tuple[str, str]]:
+    """``(name, target)`` of every reporter registered in ``log_dir`` by this user's processes."""
+    directory = os.path.join(log_dir or ".", HOOK_DIR)
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        if name.endswith(".tmp"):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path).st_uid != os.getuid():
+                continue
+            with open(path, encoding="utf-8") as fh:
+                target = fh.read().strip()
+        except OSError:
+            continue
+        if target.count(":") == 1:
+            out.append((name, target))
+    return out
+
+
+def run_job_end(status: JobStatus) -> list[str]:
+    """Call every registered reporter; return their texts (a broken reporter says so, in one line)."""
+    texts = []
+    for name, target in registered(status.log_dir):
+        module, _, func = target.partition(":")
+        try:
+            reporter: Callable[[JobStatus], str | None] = getattr(importlib.import_module(module), func)
+            text = reporter(status)
+        except Exception as exc:  # a reporter never breaks the launcher
+            text = f"msrun: job-end reporter {name!r} ({target}) failed: {exc!r}"
+        if text:
+            texts.append(text)
+    return texts

@@ -1,0 +1,41 @@
+"""Read the builtin control plane's state from outside the job (an authenticated observer).
+
+The state says which ranks joined the group, which collective each rank entered last, which
+collectives are waiting for whom, and which ranks left or whose process exited - what a hang
+diagnosis needs besides the ranks' stacks.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from pytest_msrun import wire
+
+
+def query_state(host: str, port: int, token: str, timeout: float = 2.0) -> dict[str, Any] | None:
+    """The scheduler's state, or None when it cannot be reached in ``timeout`` seconds."""
+    try:
+        channel = wire.Channel.connect(host, port, timeout=timeout)
+    except OSError:
+        return None
+    try:
+        channel.send({"t": "hello", "kind": "observer", "token": token})
+        channel.send({"t": "state"})
+        reply = channel.recv(timeout)
+    except (OSError, socket.timeout, wire.ProtocolError):
+        return None
+    finally:
+        channel.close()
+    return reply if reply.get("t") == "state" else None
+
+
+def query_from_env(env: dict[str, str], timeout: float = 2.0) -> dict[str, Any] | None:
+    """The state of the job this process belongs to (its ``MS_SCHED_*`` and token variables)."""
+    if env.get("MSRUN_SCHEDULER") not in ("auto", "builtin", "mindspore"):
+        return None
+    try:
+        host, port = env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"])
+    except (KeyError, ValueError):
+        return None
+    return query_state(host, port, env.get("MSRUN_JOB_TOKEN", ""), timeout)

@@ -1,0 +1,167 @@
+"""Hang diagnosis: who is stuck where, at one glance.
+
+On a timeout every rank's Python stacks are dumped (faulthandler). Ranks are grouped by the
+stack of their main thread, reduced to the frames that matter - the innermost frame of user
+code and the collective it is in, then its callers up to the test harness::
+
+    ranks 0-6 (7): barrier() at test_x.py:12 <- test_x() at test_x.py:30
+    rank 7: compute() at model.py:40 <- test_x() at test_x.py:28
+
+and the control plane adds what it knows: which ranks entered which collective, which never
+joined, which had exited. No pytest import.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sysconfig
+from typing import Any
+
+from pytest_msrun.cpulist import format_id_list
+
+_THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
+_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"])
+# Where a rank waits on its peers: these frames name the collective; user code calls them.
+_COLLECTIVE_FILES = (os.path.join(_PACKAGE, "cluster.py"), os.path.join(_PACKAGE, "plugin", "fixtures.py"))
+_HARNESS = ("_pytest", "pluggy", os.sep + "pytest" + os.sep)
+_INTERNAL = (os.path.join(_PACKAGE, "wire.py"), os.path.join(_PACKAGE, "plugin"))
+MAX_CALLERS = 2
+
+Frame = tuple[str, int, str]  # file, line, function
+
+
+def threads(dump: str) -> dict[int, list[Frame]]:
+    """Thread id -> frames (innermost first) from a faulthandler dump (the last dump wins)."""
+    out: dict[int, list[Frame]] = {}
+    current: list[Frame] | None = None
+    for line in dump.splitlines():
+        head = _THREAD.match(line)
+        if head:
+            current = []
+            out[int(head.group(2), 16)] = current
+            continue
+        frame = _FRAME.match(line)
+        if frame and current is not None:
+            current.append((frame.group(1), int(frame.group(2)), frame.group(3).strip()))
+    return out
+
+
+def main_stack(dump: str, main_thread: int | None) -> list[Frame]:
+    """The main thread's frames; without its id, the thread that got the signal (listed last)."""
+    found = threads(dump)
+    if main_thread is not None and main_thread in found:
+        return found[main_thread]
+    return list(found.values())[-1] if found else []
+
+
+def _is_harness(path: str) -> bool:
+    return any(part in path for part in _HARNESS)
+
+
+def _is_internal(path: str) -> bool:
+    ap = os.path.abspath(path)
+    if ap.startswith(_STDLIB) and "site-packages" not in ap:
+        return True
+    return any(ap == p or ap.startswith(p + os.sep) for p in (*_COLLECTIVE_FILES, *_INTERNAL))
+
+
+def _where(frame: Frame, name: str | None = None) -> str:
+    path, line, func = frame
+    return f"{name or func}() at {os.path.basename(path)}:{line}"
+
+
+def signature(frames: list[Frame]) -> str:
+    """``barrier() at test_x.py:12 <- test_x() at test_x.py:30``: where this stack is stuck."""
+    api: str | None = None
+    user: list[Frame] = []
+    for frame in frames:
+        path = frame[0]
+        if _is_harness(path):
+            break
+        if _is_internal(path):
+            if not user and os.path.abspath(path) in _COLLECTIVE_FILES:
+                api = frame[2]  # the outermost collective frame above user code wins
+            continue
+        user.append(frame)
+    if not user:
+        return _where(frames[0]) if frames else "no Python frame"
+    parts = [_where(user[0], api)]
+    if api is not None:
+        parts.append(f"{user[0][2]}()")  # the function that called the collective
+    parts += [_where(f) for f in user[1 : 1 + MAX_CALLERS]]
+    return " <- ".join(parts)
+
+
+def _ranks_label(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return f"ranks {format_id_list(ranks)} ({len(ranks)})"
+
+
+def group_lines(stacks: dict[int, list[Frame]], missing: dict[int, str] | None = None) -> list[str]:
+    """One line per distinct stack, ranks grouped; ranks without a stack say why."""
+    groups: dict[str, list[int]] = {}
+    for rank, frames in sorted(stacks.items()):
+        groups.setdefault(signature(frames), []).append(rank)
+    lines = [f"{_ranks_label(ranks)}: {sig}" for sig, ranks in sorted(groups.items(), key=lambda kv: kv[1][0])]
+    by_reason: dict[str, list[int]] = {}
+    for rank, why in sorted((missing or {}).items()):
+        by_reason.setdefault(why, []).append(rank)
+    lines += [f"{_ranks_label(ranks)}: no stack ({why})" for why, ranks in by_reason.items()]
+    return lines
+
+
+def state_lines(state: dict[str, Any] | None) -> list[str]:
+    """What the control plane knew when the test timed out."""
+    if state is None:
+        return []
+    world = int(state.get("world", 0))
+    out: list[str] = []
+    for coll in state.get("collectives", []):
+        inside = [int(r) for r in coll.get("ranks", [])]
+        waiting_for = [r for r in range(world) if r not in inside]
+        op = {"gather": "all_gather", "bcast": "broadcast"}.get(coll.get("op"), coll.get("op"))
+        out.append(
+            f"{_ranks_label(inside)} entered {op} #{coll.get('seq')}; not there: "
+            f"{format_id_list(waiting_for) if waiting_for else 'none'}"
+        )
+    joined = {int(r) for r in state.get("joined", [])}
+    exited = {int(r): how for r, how in state.get("exited", {}).items()}
+    never = [r for r in range(world) if r not in joined and r not in exited]
+    if joined and never:
+        out.append(f"never joined the group (cluster.init()): {format_id_list(never)}")
+    elif not joined:
+        out.append("no rank joined the group (cluster.init()): a hang outside the control plane's collectives")
+    last = state.get("last", {})
+    in_coll = {int(r) for c in state.get("collectives", []) for r in c.get("ranks", [])}
+    outside = {int(r): what for r, what in last.items() if int(r) not in in_coll}
+    by_last: dict[str, list[int]] = {}
+    for rank, what in sorted(outside.items()):
+        by_last.setdefault(what, []).append(rank)
+    out += [f"{_ranks_label(ranks)}: last collective {what}, none pending" for what, ranks in by_last.items()]
+    by_exit: dict[str, list[int]] = {}
+    for rank, how in sorted(exited.items()):
+        by_exit.setdefault(how, []).append(rank)
+    out += [f"{_ranks_label(ranks)}: process {how}" for how, ranks in by_exit.items()]
+    return out
+
+
+def diagnosis(
+    dumps: dict[int, str],
+    main_threads: dict[int, int | None],
+    ranks: list[int],
+    state: dict[str, Any] | None,
+    no_stack: dict[int, str] | None = None,
+) -> str:
+    """The text shown on a timeout: grouped stacks, then the control plane's view."""
+    stacks = {r: main_stack(dumps[r], main_threads.get(r)) for r in ranks if dumps.get(r, "").strip()}
+    stacks = {r: f for r, f in stacks.items() if f}
+    missing = {r: (no_stack or {}).get(r, "no dump") for r in ranks if r not in stacks}
+    lines = ["where each rank was:"] + ["  " + line for line in group_lines(stacks, missing)]
+    extra = state_lines(state)
+    if extra:
+        lines += ["control plane:"] + ["  " + line for line in extra]
+    return "\n".join(lines)

@@ -1,0 +1,57 @@
+"""``--msrun-inprocess``: marked tests run in the pytest process, as rank 0 of a one-rank world.
+
+For ``--pdb`` and debuggers. During a marked test the process has the variables a one-rank msrun
+job gives its worker (``RANK_ID=0``, ``RANK_SIZE=1``, ``LOCAL_RANK=0``, ``WORLD_SIZE=1``, a free
+``MASTER_PORT`` for torch ``env://``, ...) - but no scheduler, so ``pytest_msrun.cluster`` forms a
+local group of one; afterwards the environment is restored exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator
+
+import pytest
+
+from pytest_msrun import childenv
+from pytest_msrun.netaddr import free_port
+from pytest_msrun.plugin.marker import MARKER
+
+
+def one_rank_env() -> dict[str, str]:
+    env = {"RANK_SIZE": "1", "MS_WORKER_NUM": "1", "PYTHONUNBUFFERED": "1"}
+    env.update(
+        childenv.rank_vars(
+            local_index=0,
+            rank=0,
+            world_size=1,
+            local_world_size=1,
+            node_index=0,
+            node_count=1,
+            master_ip="127.0.0.1",
+            dist_port=free_port("127.0.0.1"),
+        )
+    )
+    return env
+
+
+class InProcessPlugin:
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
+        if item.get_closest_marker(MARKER) is None:
+            yield
+            return
+        env = one_rank_env()
+        saved = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+    def pytest_report_header(self, config: pytest.Config) -> str:
+        return "msrun: --msrun-inprocess: marked tests run here as rank 0 of a one-rank world"

@@ -1,0 +1,135 @@
+"""``msrun pytest tests/``: after the job, one table of every test on every rank.
+
+Each rank's pytest registers this reporter with msrun (:mod:`pytest_msrun.hooks`) and writes its
+records into the job's log directory; when the job ends msrun calls :func:`job_report` with the
+job's status. Verdicts come from :mod:`.verdict` - the rule plugin mode uses - fed with how every
+rank's process ended: a rank that died inside a test failed that test (with its signal or exit
+status), a rank msrun stopped is shown as stopped, a test a rank never began did not run there.
+A test that ran out of time is shown with where every rank was.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from pytest_msrun.plugin.hang import diagnosis
+from pytest_msrun.plugin.records import RankLog, load_rank_log, records_path, stacks_path
+from pytest_msrun.plugin.verdict import RankEnd, TestVerdict, judge, ranks_text
+from pytest_msrun.status import JobStatus
+
+REPORTER = "pytest_msrun.plugin.suite:job_report"
+FAILING = ("failed", "error")
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+    except OSError:
+        return ""
+
+
+def job_report(status: JobStatus) -> str | None:
+    """The table for this node's ranks, or None when no rank of this job ran pytest."""
+    directory = os.path.abspath(status.log_dir or ".")
+    logs: dict[int, RankLog] = {}
+    ends: dict[int, RankEnd] = {}
+    for proc in status.workers:
+        if proc.rank is None:
+            continue
+        log = load_rank_log(records_path(directory, proc.rank), proc.rank)
+        if not log.started or log.start_ts < status.started - 1:
+            continue  # no pytest in this rank, or records of an earlier job
+        logs[proc.rank] = log
+        ends[proc.rank] = RankEnd(
+            returncode=proc.returncode,
+            ended=proc.ended,
+            pid=proc.pid,
+            log=proc.log,
+            terminated_by_msrun=proc.terminated_by_msrun,
+            stop_reason=status.stop_reason,
+        )
+    if not logs:
+        return None
+    return render(directory, logs, ends)
+
+
+def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> str:
+    ranks = sorted(logs)
+    order: list[str] = []
+    for rank in ranks:
+        for nodeid in [*(logs[rank].collected or []), *logs[rank].tests]:
+            if nodeid not in order:
+                order.append(nodeid)
+    now = time.time()
+    verdicts = [judge(nodeid, ranks, logs, ends, scope="suite", job_ended=now) for nodeid in order]
+    collect_errors = {r: len(logs[r].collect_errors) for r in ranks if logs[r].collect_errors}
+
+    rows = [("test", *(f"rank {r}" for r in ranks), "verdict")]
+    if collect_errors:
+        rows.append(("<collection>", *("error" if r in collect_errors else "ok" for r in ranks), "error"))
+    for v in verdicts:
+        rows.append((v.nodeid, *(v.cells[r] for r in ranks), v.outcome))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [f"msrun: pytest results of {len(ranks)} rank(s) (records in {directory})"]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+    for v in verdicts:
+        lines += _explain(v, directory, logs, ends)
+    for rank, count in collect_errors.items():
+        lines.append(f"ERROR collecting on rank {rank}: {count} collection error(s), see its log")
+    unfinished = [r for r in ranks if not logs[r].finished]
+    for rank in unfinished:
+        end = ends.get(rank) or RankEnd()
+        where = logs[rank].last_test
+        lines.append(
+            f"rank {rank}: its pytest session did not finish - it {end.describe(False)}"
+            + (f" in {where}" if where else "")
+        )
+    lines.append(_totals(verdicts))
+    return "\n".join(lines)
+
+
+def _explain(v: TestVerdict, directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> list[str]:
+    if v.outcome not in FAILING and v.outcome != "incomplete":
+        return []
+    if v.outcome == "incomplete":
+        why = []
+        if v.not_run:
+            why.append(f"not run on ranks {ranks_text(v.not_run)}")
+        stopped = [r for r, cell in v.cells.items() if cell == "stopped"]
+        if stopped:
+            reason = (ends.get(stopped[0]) or RankEnd()).stop_reason
+            why.append(f"stopped by msrun on ranks {ranks_text(stopped)}" + (f" ({reason})" if reason else ""))
+        return [f"INCOMPLETE {v.nodeid}: {'; '.join(why)}"]
+    first = v.first_issue
+    failing = v.failing_ranks
+    head = f"FAILED {v.nodeid} on rank(s) {ranks_text(failing)}"
+    out = [head + (f": {first.summary}" if first is not None else "")]
+    for phase in v.phases:
+        if phase.message:
+            out.append(f"  {phase.message}")
+    timed = [r for r in logs if logs[r].test(v.nodeid).timeout is not None]
+    if timed:
+        record = logs[timed[0]].test(v.nodeid).timeout or {}
+        # a rank that timed out recorded its stack then; the others dumped theirs when msrun stopped them
+        dumps = {
+            r: (logs[r].test(v.nodeid).timeout or {}).get("stack") or _read(stacks_path(directory, r)) for r in logs
+        }
+        threads = {r: logs[r].main_thread for r in logs}
+        here = [r for r in logs if logs[r].test(v.nodeid).started]
+        no_stack = {r: (ends.get(r) or RankEnd()).describe(False) for r in here}
+        text = diagnosis(dumps, threads, sorted(here), record.get("state"), no_stack)
+        out += ["  " + line for line in text.splitlines()]
+    return out
+
+
+def _totals(verdicts: list[TestVerdict]) -> str:
+    counts: dict[str, int] = {}
+    for v in verdicts:
+        counts[v.outcome] = counts.get(v.outcome, 0) + 1
+    order = ("passed", "failed", "error", "incomplete", "not run", "skipped", "xfailed", "xpassed")
+    parts = [f"{counts[k]} {k}" for k in order if counts.get(k)]
+    parts += [f"{n} {k}" for k, n in counts.items() if k not in order]
+    return f"msrun: {len(verdicts)} test(s): " + (", ".join(parts) if parts else "none ran")
