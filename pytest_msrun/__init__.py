@@ -6,4 +6,4 @@ so nothing heavy (pytest, psutil, NVML) is loaded on the launch path.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

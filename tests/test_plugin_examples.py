@@ -40,6 +40,16 @@ TABLE = [
     ),
     ("os_exit_zero", [], {"failed": 1}, [r"rank 1 left no record during the call phase and exited with code 0"]),
     (
+        "early_return",
+        [],
+        {"failed": 1},
+        [
+            r"\[rank 0\] failed first",
+            r"ClusterError: init\(\) failed on rank 0: rank 1 exited without joining the group: its process exited "
+            r"with code 0",
+        ],
+    ),
+    (
         "skips",
         ["-rs"],
         {"skipped": 2, "failed": 1},

@@ -81,6 +81,8 @@ class RankPlugin:
         self.writer: RecordWriter | None = None
         self.stacks: IO[str] | None = None
         self.default_timeout = 0.0
+        # MindSpore's own msrun runs the task (this pytest) as its scheduler too: not a rank
+        self.scheduler_of_another_job = not records and env.get("MS_ROLE") == "MS_SCHED"
         if not records:
             return
         directory = env.get(REPORT_DIR_ENV) or os.path.abspath(env.get("MSRUN_LOG_DIR") or ".")
@@ -126,7 +128,10 @@ class RankPlugin:
                 spec = spec_for(item)
             except MarkerError:
                 continue  # reported when the test runs
-            if spec is not None and spec.worker_num != self.world:
+            if self.scheduler_of_another_job:
+                reason = "this process is the scheduler (MS_ROLE=MS_SCHED) of another launcher's job"
+                item.add_marker(pytest.mark.skip(reason=reason))
+            elif spec is not None and spec.worker_num != self.world:
                 item.add_marker(
                     pytest.mark.skip(
                         reason=f"needs a job of {spec.worker_num} ranks (msrun --worker_num={spec.worker_num}); "
