@@ -9,6 +9,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+# The torch-style variables workers get beside msrun's (so torch.distributed env:// works).
+TORCH_STYLE_VARS = (
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "LOCAL_RANK_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 # Variables msrun (ours or MindSpore's) sets; all removed from the inherited environment.
 OWNED_VARS = (
     "MS_ROLE",
@@ -23,15 +35,7 @@ OWNED_VARS = (
     "MSRUN_CPU_LIST",
     "MSRUN_BIND_FILE",
     "MSRUN_BIND_FILE_HASH",
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "LOCAL_RANK_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
+    *TORCH_STYLE_VARS,
     "MSRUN_JOB_TOKEN",
     "MSRUN_JOB_ID",
     "MSRUN_SCHEDULER",

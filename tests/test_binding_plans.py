@@ -566,7 +566,12 @@ def test_seed_examples_through_the_cli(tmp_path, number):
     path = tmp_path / f"example{number}.json"
     path.write_text(json.dumps(data))
     (tmp_path / "t.py").write_text("")
-    env = {**os.environ, "MSRUN_TOPOLOGY": str(FIXTURES / "epyc_2s_nps4_8numa.json")}
+    # A plan for a recorded machine needs none of this host's binding tools.
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    for tool in ("python", "python3"):
+        (bare / tool).symlink_to(sys.executable)
+    env = {**os.environ, "MSRUN_TOPOLOGY": str(FIXTURES / "epyc_2s_nps4_8numa.json"), "PATH": str(bare)}
     proc = subprocess.run(
         [
             sys.executable,

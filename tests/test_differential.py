@@ -18,20 +18,12 @@ from pathlib import Path
 import pytest
 from conftest import ENV_DUMP, MARK, REPO, free_port, wait_gone
 
+from pytest_msrun.childenv import TORCH_STYLE_VARS
+
 pytestmark = pytest.mark.mindspore
 
 BIN = Path(sysconfig.get_path("scripts"))
-TORCH_STYLE = {
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "LOCAL_RANK_SIZE",
-    "GROUP_RANK",
-    "GROUP_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-}
+TORCH_STYLE = set(TORCH_STYLE_VARS)
 OURS = {"PYTHONUNBUFFERED", "MSRUN_JOB_ID", "MSRUN_SCHEDULER", "MSRUN_LOG_DIR", "MSRUN_PLUGIN_ROLE", "MSRUN_JOB_TOKEN"}
 MINDSPORE_IMPORT = {
     "OMP_NUM_THREADS",

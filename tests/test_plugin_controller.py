@@ -24,6 +24,17 @@ def test_marked(i, rank, msrun):
 """
 
 
+HANGS = """
+import time
+import pytest
+
+@pytest.mark.msrun(worker_num=2)
+def test_long(rank):
+    print("started", flush=True)
+    time.sleep(60)
+"""
+
+
 @pytest.fixture
 def tracked(monkeypatch, request):
     mark = f"controller-{request.node.name}"
@@ -137,17 +148,7 @@ def test_inside_another_launchers_job_marked_tests_run_in_place(pytester, tracke
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGHUP", "SIGKILL"])
 def test_controller_ended_by_a_signal_leaves_nothing(pytester, tracked, how):
     """CI cancellation, timeout(1), Kubernetes: a signal to pytest's group (or kill -9 of pytest)."""
-    pytester.makepyfile(
-        test_hang="""
-        import time
-        import pytest
-
-        @pytest.mark.msrun(worker_num=2)
-        def test_long(rank):
-            print("started", flush=True)
-            time.sleep(60)
-    """
-    )
+    pytester.makepyfile(test_hang=HANGS)
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
         cwd=pytester.path,
@@ -322,17 +323,7 @@ def test_devices_are_disjoint_across_xdist_workers(pytester, tracked):
 
 
 def test_ctrl_c_of_the_controller_leaves_nothing(pytester, tracked):
-    pytester.makepyfile(
-        test_hang="""
-        import time
-        import pytest
-
-        @pytest.mark.msrun(worker_num=2)
-        def test_long(rank):
-            print("started", flush=True)
-            time.sleep(60)
-    """
-    )
+    pytester.makepyfile(test_hang=HANGS)
     # A terminal's Ctrl+C: SIGINT to the foreground process group. (xdist workers ignore SIGINT,
     # and children inherit that, so restore the default for the pytest under test.)
     proc = subprocess.Popen(

@@ -253,14 +253,7 @@ class TestJob:
             for proc in status.workers:
                 if proc.rank is None:
                     continue
-                out[proc.rank] = RankEnd(
-                    returncode=proc.returncode,
-                    ended=proc.ended,
-                    pid=proc.pid,
-                    log=proc.log,
-                    terminated_by_msrun=proc.terminated_by_msrun,
-                    stop_reason=status.stop_reason,
-                )
+                out[proc.rank] = RankEnd.of(proc, status.stop_reason)
         return out
 
     def _collect_stacks(self, nodes: int) -> dict[int, str]:

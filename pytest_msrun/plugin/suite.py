@@ -42,14 +42,7 @@ def job_report(status: JobStatus) -> str | None:
         if not log.started or log.start_ts < status.started - 1:
             continue  # no pytest in this rank, or records of an earlier job
         logs[proc.rank] = log
-        ends[proc.rank] = RankEnd(
-            returncode=proc.returncode,
-            ended=proc.ended,
-            pid=proc.pid,
-            log=proc.log,
-            terminated_by_msrun=proc.terminated_by_msrun,
-            stop_reason=status.stop_reason,
-        )
+        ends[proc.rank] = RankEnd.of(proc, status.stop_reason)
     if not logs:
         return None
     return render(directory, logs, ends)

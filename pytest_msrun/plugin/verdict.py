@@ -24,6 +24,7 @@ from typing import Any
 
 from pytest_msrun.plugin.records import PHASES, RankLog, RankTest
 from pytest_msrun.procs import describe_returncode
+from pytest_msrun.status import ProcessStatus
 
 STRICT_XPASS = "[XPASS(strict)]"
 
@@ -38,6 +39,18 @@ class RankEnd:
     log: str = ""
     terminated_by_msrun: bool = False
     stop_reason: str = ""  # why msrun stopped the job ("rank 1 exited with code 3", "msrun received SIGTERM")
+
+    @classmethod
+    def of(cls, proc: ProcessStatus, stop_reason: str) -> RankEnd:
+        """From msrun's status of the rank's process and why msrun stopped the job."""
+        return cls(
+            returncode=proc.returncode,
+            ended=proc.ended,
+            pid=proc.pid,
+            log=proc.log,
+            terminated_by_msrun=proc.terminated_by_msrun,
+            stop_reason=stop_reason,
+        )
 
     def describe(self, timed_out: bool) -> str:
         if self.returncode is None:
