@@ -1,8 +1,8 @@
-"""``python -m pytest_msrun`` is the ``msrun`` command."""
+"""``python -m pytest_msrun`` is the ``pmsrun`` command (this project's msrun)."""
 
 from __future__ import annotations
 
-from pytest_msrun.cli import main
+from pytest_msrun.entry import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

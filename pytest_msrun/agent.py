@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from pytest_msrun import console, procs, wire
 from pytest_msrun.config import CONTROL_PLANE_MODES, LaunchConfig
+from pytest_msrun.containment import JobGuard
 from pytest_msrun.netaddr import format_hostport, free_port, listen_socket, port_is_free
 from pytest_msrun.plan import LaunchPlan, NodeFacts, ProcessSpec, RankAssignment, build_plan, effective_dist_port
 from pytest_msrun.status import STATUS_FILE, JobStatus, ProcessStatus, node_status_file, write_status
@@ -118,14 +119,17 @@ class Agent:
         *,
         detached: bool = False,
         on_console_done: Callable[[int], None] | None = None,
+        guard: JobGuard | None = None,
     ) -> None:
         self.cfg = cfg
         self.facts = facts
+        # The watchdog and the job's cgroup: nothing the job starts outlives it (see containment).
+        self.guard = guard if guard is not None else JobGuard(facts.job_id, dict(os.environ))
         self.detached = detached
         self.on_console_done = on_console_done
         self.sel = selectors.DefaultSelector()
         self.children: list[procs.Child] = []
-        self.watchdog = procs.Watchdog()
+        self.watchdog = self.guard.watchdog
         self.plan: LaunchPlan | None = None
         self.link: wire.Channel | None = None
         self.link_last_seen = time.monotonic()
@@ -244,6 +248,7 @@ class Agent:
 
     # ------------------------------------------------------------------ spawning
     def _spawn(self, spec: ProcessSpec, pass_fds: tuple[int, ...] = ()) -> procs.Child:
+        self.guard.ready()  # every process starts inside the job's cgroup
         if spec.role == "scheduler":
             console.out(console.start_scheduler_line(spec.log_path, spec.command))
             stdin: Any = subprocess.DEVNULL
@@ -336,6 +341,7 @@ class Agent:
             job_id = msg.get("job_id")
             if isinstance(job_id, str) and job_id:
                 self.facts = replace(self.facts, job_id=job_id[:64])
+                self.watchdog.job(self.facts.job_id)  # the workers will carry the job's id
             return None
         if kind == "refused":
             return f"the scheduler refused this node: {msg.get('reason')}"
@@ -378,7 +384,6 @@ class Agent:
             console.warning(text)
         for text in plan.infos:
             console.info(text)
-        self.watchdog.start()
         self._make_log_dir()
 
         listener = prepared.listener
@@ -665,6 +670,7 @@ class Agent:
             procs.signal_group(child.pid, signal.SIGKILL)
         exclude = [p for p in (self.watchdog.pid,) if p]
         hit = procs.sweep_descendants(exclude=exclude)
+        hit += [p for p in self.guard.kill_members() if p not in hit]  # whatever left our process tree
         if hit:
             if graceful:
                 console.warning(f"Killed {len(hit)} leftover process(es) started by the job: {hit}.")
@@ -673,7 +679,7 @@ class Agent:
                 procs.reap_orphans(exclude=exclude)
                 time.sleep(0.005)
         procs.reap_orphans(exclude=exclude)
-        self.watchdog.stand_down()
+        self.guard.release()
 
     # ------------------------------------------------------------------ status
     def status(self, state: str, code: int | None, extra: dict[str, Any] | None = None) -> JobStatus:
@@ -705,6 +711,7 @@ class Agent:
             ],
             failures=[f.__dict__ for f in sorted(self.failures, key=lambda f: f.at)],
             stop_reason=self.stop_reason,
+            containment=self.guard.describe(),
             worker_num=plan.worker_num if plan is not None else None,
             scheduler_mode=plan.scheduler_mode if plan is not None else None,
             extra=dict(extra or {}),

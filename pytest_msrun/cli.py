@@ -11,6 +11,7 @@ from pytest_msrun import console
 from pytest_msrun.binding.flags import BindFlagError, BindSpec, parse_bind_value
 from pytest_msrun.binding.strategies import BindingError
 from pytest_msrun.config import SCHEDULER_MODES, ConfigError, LaunchConfig, parse_join, validate
+from pytest_msrun.containment import JobGuard
 from pytest_msrun.netaddr import AddressError, is_local_address, resolve_master_addr, source_ip_towards
 from pytest_msrun.plan import NodeFacts, build_plan
 from pytest_msrun.taskcmd import task_argv, task_python
@@ -233,7 +234,7 @@ def probe_numactl(plan_processes: list, topology: object) -> None:
         )
 
 
-def gather_facts(cfg: LaunchConfig, env: dict[str, str]) -> NodeFacts:
+def gather_facts(cfg: LaunchConfig, env: dict[str, str], job_id: str) -> NodeFacts:
     try:
         master_ip = resolve_master_addr(cfg.master_addr)
     except AddressError as exc:
@@ -251,7 +252,7 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str]) -> NodeFacts:
         task_python=python,
         python=sys.executable,
         scheduler_mode=mode,
-        job_id=os.urandom(8).hex(),
+        job_id=job_id,
         job_token=job_token(cfg, master_ip, env),
         master_port=cfg.master_port,
         dist_port=cfg.dist_port,
@@ -262,27 +263,38 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str]) -> NodeFacts:
     )
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    ns = parser.parse_args(argv)
+def main(argv: list[str] | None = None, guard: JobGuard | None = None, job_id: str = "") -> int:
+    """msrun. ``guard``: the job's watchdog and cgroup, started before this module was imported
+    (see :mod:`pytest_msrun.entry`); started here when not."""
+    job_id = job_id or os.urandom(8).hex()
     env = dict(os.environ)
     try:
-        cfg, notes = config_from_args(ns, env)
-        for text in validate(cfg) + notes:
-            console.warning(text)
-        facts = gather_facts(cfg, env)
-        plan = build_plan(cfg, facts)  # every binding check happens here, before anything starts
-        if not cfg.print_plan:
-            probe_numactl(plan.processes, facts.topology)
-    except (ConfigError, BindingError) as exc:
-        parser.error(str(exc) if isinstance(exc, ConfigError) else f"argument --{exc.flag}: {exc}")
-    if cfg.print_plan:
-        sys.stdout.write(plan.dumps() + "\n")
-        return 0
-    if not cfg.join:
-        from pytest_msrun.detach import launch_detached
+        parser = build_parser()
+        ns = parser.parse_args(argv)
+        if guard is None and not ns.print_plan:
+            guard = JobGuard(job_id, env)
+        try:
+            cfg, notes = config_from_args(ns, env)
+            for text in validate(cfg) + notes:
+                console.warning(text)
+            facts = gather_facts(cfg, env, job_id)
+            plan = build_plan(cfg, facts)  # every binding check happens here, before anything starts
+            if not cfg.print_plan:
+                probe_numactl(plan.processes, facts.topology)
+        except (ConfigError, BindingError) as exc:
+            parser.error(str(exc) if isinstance(exc, ConfigError) else f"argument --{exc.flag}: {exc}")
+        if cfg.print_plan:
+            sys.stdout.write(plan.dumps() + "\n")
+            return 0
+        if guard is None:  # the entry point guessed "not a launch" wrongly
+            guard = JobGuard(job_id, env)
+        if not cfg.join:
+            from pytest_msrun.detach import launch_detached
 
-        return launch_detached(cfg, facts)
-    from pytest_msrun.agent import Agent
+            return launch_detached(cfg, facts, guard)
+        from pytest_msrun.agent import Agent
 
-    return Agent(cfg, facts).run()
+        return Agent(cfg, facts, guard=guard).run()
+    finally:
+        if guard is not None:
+            guard.release()  # idempotent: the agent has already released it after its teardown

@@ -13,24 +13,29 @@ import os
 import sys
 
 from pytest_msrun.config import LaunchConfig
+from pytest_msrun.containment import JobGuard
 from pytest_msrun.plan import NodeFacts
 
 SUPERVISOR_LOG = "msrun_supervisor.log"
 
 
-def launch_detached(cfg: LaunchConfig, facts: NodeFacts) -> int:
+def launch_detached(cfg: LaunchConfig, facts: NodeFacts, guard: JobGuard) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
+    guard.ready()  # inside the job's cgroup before forking: the supervisor and its job start there
     read_fd, write_fd = os.pipe()
+    launcher = os.getpid()
     pid = os.fork()
     if pid == 0:  # the supervisor
+        guard.spare.add(launcher)  # it leaves the job's cgroup, but may not have yet
         os.close(read_fd)
         code = 1
         try:
             os.setsid()
-            code = _supervise(cfg, facts, write_fd)
+            code = _supervise(cfg, facts, write_fd, guard)
         finally:
             os._exit(code)
+    guard.hand_off()
     os.close(write_fd)
     data = b""
     while True:
@@ -47,7 +52,7 @@ def launch_detached(cfg: LaunchConfig, facts: NodeFacts) -> int:
         return 1
 
 
-def _supervise(cfg: LaunchConfig, facts: NodeFacts, write_fd: int) -> int:
+def _supervise(cfg: LaunchConfig, facts: NodeFacts, write_fd: int, guard: JobGuard) -> int:
     from pytest_msrun.agent import Agent
 
     def console_done(code: int) -> None:
@@ -70,4 +75,4 @@ def _supervise(cfg: LaunchConfig, facts: NodeFacts, write_fd: int) -> int:
         os.close(fd)
         os.close(null)
 
-    return Agent(cfg, facts, detached=True, on_console_done=console_done).run()
+    return Agent(cfg, facts, detached=True, on_console_done=console_done, guard=guard).run()

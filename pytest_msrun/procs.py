@@ -2,8 +2,8 @@
 
 Every child runs in its own session (so a tty stays readable for ``pdb``, as with msrun) and
 gets ``PR_SET_PDEATHSIG=SIGKILL``. The launcher is a child subreaper, so descendants orphaned
-by a dying child are re-parented to it and swept. A tiny ``sh`` watchdog in its own session
-holds a pipe to the launcher; if the launcher is SIGKILLed it kills every job process group.
+by a dying child are re-parented to it and swept. What survives a SIGKILLed launcher is the
+business of :mod:`pytest_msrun.containment` (the job's cgroup and its watchdog).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import IO
 
 from pytest_msrun.plan import ProcessSpec
@@ -237,67 +237,3 @@ def sweep_descendants(exclude: Iterable[int] = ()) -> list[int]:
         except (ProcessLookupError, PermissionError):
             pass
     return hit
-
-
-_WATCHDOG = r"""
-trap '' INT TERM HUP QUIT
-groups=""
-while IFS= read -r line; do
-  case "$line" in
-    done) exit 0 ;;
-    *) groups="$groups -$line" ;;
-  esac
-done
-[ -n "$groups" ] && kill -s KILL -- $groups 2>/dev/null
-exit 0
-"""
-
-
-@dataclass
-class Watchdog:
-    """``sh`` that kills the job's process groups if this launcher dies without saying ``done``."""
-
-    popen: subprocess.Popen | None = None
-    groups: list[int] = field(default_factory=list)
-
-    def start(self) -> None:
-        try:
-            self.popen = subprocess.Popen(
-                ["/bin/sh", "-c", _WATCHDOG],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                close_fds=True,
-                start_new_session=True,
-            )
-        except OSError:
-            self.popen = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.popen.pid if self.popen else None
-
-    def guard(self, pgid: int) -> None:
-        self.groups.append(pgid)
-        if self.popen and self.popen.stdin:
-            try:
-                self.popen.stdin.write(f"{pgid}\n".encode())
-                self.popen.stdin.flush()
-            except (BrokenPipeError, OSError):
-                pass
-
-    def stand_down(self) -> None:
-        """The launcher cleaned up itself: let the watchdog exit without killing anything."""
-        if not self.popen:
-            return
-        try:
-            if self.popen.stdin:
-                self.popen.stdin.write(b"done\n")
-                self.popen.stdin.close()
-        except (BrokenPipeError, OSError):
-            pass
-        try:
-            self.popen.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait()

@@ -81,6 +81,9 @@ def test_first(rank):
     assert rank in (0, 1)
 
 def test_crash_on_rank_1(rank):
+    from pytest_msrun import cluster
+    cluster.init()
+    cluster.barrier()  # both ranks are in this test before rank 1 crashes
     print(f"rank {rank} is about to do something risky", flush=True)
     if rank == 1:
         ctypes.string_at(0)

@@ -1,0 +1,392 @@
+"""A job is a unit the kernel can kill: every process it starts lives in the job's own cgroup.
+
+At start-up msrun creates ``msrun-<job id>`` below its own cgroup and moves itself in (once, on a
+background thread: the first migration into a cgroup waits for an RCU grace period, ~15 ms, which
+then overlaps msrun's own planning). Everything it starts afterwards - and everything those start:
+new sessions, new process groups, double-forked daemons - is inside. msrun never moves again (a
+later move would cost that grace period on the failure path): at teardown it SIGKILLs every other
+member of the cgroup's subtree until none is left. Its watchdog, started before msrun moved in,
+stays outside; if msrun is SIGKILLed it kills the job with one write, and once msrun is gone it
+removes the empty cgroup:
+
+* cgroup v2 (``/sys/fs/cgroup``, or ``/sys/fs/cgroup/unified`` on hybrid hosts): ``cgroup.kill``
+  (Linux >= 5.14), else freeze (``cgroup.freeze``), SIGKILL every member, thaw;
+* cgroup v1: the ``freezer`` hierarchy: freeze, SIGKILL every task, thaw.
+
+Where no cgroup is writable (a container without cgroup delegation, no root), the fallback does
+not depend on process groups either: every child inherits ``MSRUN_JOB_ID``, and the watchdog
+kills every process whose environment carries this job's id, repeating until none is left. What
+that misses - a process that clears its environment, or another user's - is stated in the README.
+``MSRUN_CGROUP`` picks: ``auto`` (default: v2, else v1 freezer, else the sweep), ``v2``,
+``freezer``, or ``off`` (the sweep only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+
+CGROUP_ENV = "MSRUN_CGROUP"
+
+
+def _mounts() -> dict[str, str]:
+    """fstype/option -> mount point: ``cgroup2`` and the v1 ``freezer`` hierarchy."""
+    out: dict[str, str] = {}
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8") as fh:
+            for line in fh:
+                fields = line.split()
+                if " - " not in line:
+                    continue
+                post = line.split(" - ", 1)[1].split()
+                fstype = post[0]
+                mount = fields[4]
+                if fstype == "cgroup2":
+                    out.setdefault("cgroup2", mount)
+                elif fstype == "cgroup" and len(post) > 2 and "freezer" in post[2].split(","):
+                    out.setdefault("freezer", mount)
+    except OSError:
+        pass
+    return out
+
+
+def _own_paths() -> dict[str, str]:
+    """Hierarchy (``""`` for v2, else the v1 controllers) -> this process's cgroup path."""
+    out: dict[str, str] = {}
+    try:
+        with open("/proc/self/cgroup", encoding="utf-8") as fh:
+            for line in fh:
+                parts = line.rstrip("\n").split(":", 2)
+                if len(parts) == 3:
+                    out[parts[1]] = parts[2]
+    except OSError:
+        pass
+    return out
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w", encoding="ascii") as fh:
+        fh.write(text)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="ascii") as fh:
+            return fh.read()
+    except OSError:
+        return ""
+
+
+@dataclass
+class JobCgroup:
+    """The job's cgroup: ``kind`` is ``v2`` or ``freezer`` (v1)."""
+
+    kind: str
+    path: str
+    home: str  # the cgroup msrun returns to after starting processes
+
+    @property
+    def procs_file(self) -> str:
+        return os.path.join(self.path, "cgroup.procs")
+
+    def describe(self) -> str:
+        return f"cgroup {'v2' if self.kind == 'v2' else 'v1 freezer'} {self.path}"
+
+    def members(self) -> list[int]:
+        """Every process in the job's cgroup and its sub-cgroups (nested msrun jobs)."""
+        out: list[int] = []
+        for root, _dirs, _files in os.walk(self.path):
+            out.extend(int(p) for p in _read(os.path.join(root, "cgroup.procs")).split())
+        return out
+
+    def leave(self) -> None:
+        """Move this process back to where it came from (it is not part of the job)."""
+        with contextlib.suppress(OSError):
+            _write(os.path.join(self.home, "cgroup.procs"), "0")
+
+    def kill_others(self, spare: set[int] | None = None, rounds: int = 200) -> list[int]:
+        """SIGKILL every member but this process (and ``spare``) until none is left; the pids hit."""
+        keep = {os.getpid(), *(spare or ())}
+        hit: list[int] = []
+        for _ in range(rounds):
+            others = [p for p in self.members() if p not in keep]
+            if not others:
+                break
+            for pid in others:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+                    hit.append(pid)
+            time.sleep(0.001)
+        return hit
+
+    def watchdog_lines(self) -> list[str]:
+        """What the watchdog needs to kill this job and remove the cgroup (see Watchdog)."""
+        kill = "kill" if self.kind == "v2" and os.path.exists(os.path.join(self.path, "cgroup.kill")) else "freeze"
+        return [f"cgroup {self.kind} {kill} {self.path}"]
+
+
+def create(job_id: str, env: dict[str, str] | None = None) -> JobCgroup | None:
+    """Create the job's cgroup below this process's own and move this process into it.
+
+    None where no cgroup can be created or entered (no cgroup filesystem, no delegation, not
+    root, or ``MSRUN_CGROUP=off``).
+    """
+    env = os.environ if env is None else env
+    want = env.get(CGROUP_ENV, "auto").strip().lower()
+    if want in ("off", "0", "no", "false"):
+        return None
+    mounts, own = _mounts(), _own_paths()
+    name = f"msrun-{job_id}"
+    candidates = []
+    if "cgroup2" in mounts and "" in own:
+        candidates.append(("v2", mounts["cgroup2"], own[""]))
+    if "freezer" in mounts:
+        path = next((p for ctl, p in own.items() if "freezer" in ctl.split(",")), None)
+        if path is not None:
+            candidates.append(("freezer", mounts["freezer"], path))
+    for kind, mount, own_path in candidates:
+        if want in ("v2", "freezer") and kind != want:
+            continue
+        home = os.path.join(mount, own_path.lstrip("/"))
+        path = os.path.join(home, name)
+        try:
+            os.mkdir(path)
+        except OSError:
+            continue
+        job = JobCgroup(kind, path, home)
+        try:
+            _write(job.procs_file, "0")  # this process (and so all it forks from now on) moves in
+        except OSError:
+            job.remove(0)
+            continue
+        return job
+    return None
+
+
+class Entering:
+    """``create`` on a background thread, so the migration overlaps msrun's own start-up."""
+
+    def __init__(self, job_id: str, env: dict[str, str] | None = None) -> None:
+        import threading
+
+        self.result: JobCgroup | None = None
+        self.thread = threading.Thread(target=self._run, args=(job_id, env), name="msrun-cgroup", daemon=True)
+        self.thread.start()
+
+    def _run(self, job_id: str, env: dict[str, str] | None) -> None:
+        try:
+            self.result = create(job_id, env)
+        except Exception:  # never fatal: the job then runs with the environment sweep
+            self.result = None
+
+    def wait(self) -> JobCgroup | None:
+        """The job's cgroup once this process is inside it (call before starting any process)."""
+        self.thread.join()
+        return self.result
+
+
+def processes_with_job_id(job_id: str, exclude: set[int]) -> list[int]:
+    """PIDs whose environment carries ``MSRUN_JOB_ID=<job_id>`` (readable ones: this user's)."""
+    needle = f"MSRUN_JOB_ID={job_id}\0".encode()
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in exclude:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as fh:
+                data = b"\0" + fh.read()
+        except OSError:
+            continue
+        if b"\0" + needle in data:
+            out.append(int(name))
+    return out
+
+
+def sweep_job(job_id: str, exclude: set[int], rounds: int = 20) -> list[int]:
+    """SIGKILL every process carrying this job's id until none is left; returns the pids hit."""
+    hit: list[int] = []
+    for _ in range(rounds):
+        pids = processes_with_job_id(job_id, exclude)
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                hit.append(pid)
+        time.sleep(0.005)
+    return hit
+
+
+_WATCHDOG = r"""
+trap '' INT TERM HUP QUIT
+groups="" jobs="" cg="" cgkind="" cgmode="" finished=""
+while IFS= read -r line; do
+  case "$line" in
+    done) finished=1 ;;
+    "job "*) jobs="$jobs ${line#job }" ;;
+    "cgroup "*) set -- $line; cgkind=$2; cgmode=$3; cg=$4 ;;
+    *) groups="$groups -$line" ;;
+  esac
+done
+if [ -z "$finished" ]; then
+  [ -n "$groups" ] && kill -s KILL -- $groups 2>/dev/null
+  if [ -n "$cg" ]; then
+    if [ "$cgmode" = kill ]; then
+      echo 1 > "$cg/cgroup.kill" 2>/dev/null
+    else
+      if [ "$cgkind" = v2 ]; then echo 1 > "$cg/cgroup.freeze"; else echo FROZEN > "$cg/freezer.state"; fi 2>/dev/null
+      n=0
+      while [ $n -lt 50 ]; do
+        left=$(cat "$cg/cgroup.procs" 2>/dev/null)
+        [ -z "$left" ] && break
+        kill -s KILL $left 2>/dev/null
+        n=$((n+1))
+      done
+      if [ "$cgkind" = v2 ]; then echo 0 > "$cg/cgroup.freeze"; else echo THAWED > "$cg/freezer.state"; fi 2>/dev/null
+    fi
+  fi
+  for job in $jobs; do
+    n=0
+    while [ $n -lt 20 ]; do
+      hits=$(grep -lsa -- "MSRUN_JOB_ID=$job" /proc/[0-9]*/environ 2>/dev/null)
+      [ -z "$hits" ] && break
+      for f in $hits; do
+        p=${f#/proc/}; p=${p%/environ}
+        [ "$p" != "$$" ] && kill -s KILL "$p" 2>/dev/null
+      done
+      n=$((n+1))
+    done
+  done
+fi
+if [ -n "$cg" ]; then
+  n=0
+  while [ -d "$cg" ] && ! rmdir "$cg" 2>/dev/null && [ $n -lt 500 ]; do sleep 0.02; n=$((n+1)); done
+fi
+exit 0
+"""
+
+
+@dataclass
+class Watchdog:
+    """``sh`` that kills the whole job if this launcher dies without saying ``done``.
+
+    It is told the job's process groups, its id(s) (every child inherits ``MSRUN_JOB_ID``) and its
+    cgroup. If the launcher is SIGKILLed, it kills the groups, then the cgroup in one write (or
+    freezes it and kills every member), then every process carrying the job's id; in any case it
+    removes the job's cgroup once it is empty (after the launcher, which lives in it, is gone).
+    """
+
+    popen: subprocess.Popen | None = None
+    groups: list[int] = field(default_factory=list)
+
+    def start(self) -> None:
+        try:
+            self.popen = subprocess.Popen(
+                ["/bin/sh", "-c", _WATCHDOG],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                close_fds=True,
+                start_new_session=True,
+            )
+        except OSError:
+            self.popen = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    def _tell(self, line: str) -> None:
+        if self.popen and self.popen.stdin:
+            try:
+                self.popen.stdin.write(f"{line}\n".encode())
+                self.popen.stdin.flush()
+            except (BrokenPipeError, OSError, ValueError):
+                pass
+
+    def guard(self, pgid: int) -> None:
+        self.groups.append(pgid)
+        self._tell(str(pgid))
+
+    def job(self, job_id: str) -> None:
+        """Processes whose environment carries ``MSRUN_JOB_ID=job_id`` belong to the job."""
+        self._tell(f"job {job_id}")
+
+    def cgroup(self, lines: list[str]) -> None:
+        for line in lines:
+            self._tell(line)
+
+    def let_go(self) -> None:
+        """Close this process's end of the pipe without a word (another process holds it too)."""
+        if self.popen and self.popen.stdin:
+            try:
+                self.popen.stdin.close()
+            except OSError:
+                pass
+            self.popen.returncode = 0
+
+    def stand_down(self) -> None:
+        """The launcher cleaned up itself: the watchdog kills nothing, removes the empty cgroup
+        once the launcher is gone, and exits (it is not waited for: that happens after we exit)."""
+        if not self.popen:
+            return
+        self._tell("done")
+        try:
+            if self.popen.stdin:
+                self.popen.stdin.close()
+        except (BrokenPipeError, OSError):
+            pass
+        self.popen.returncode = 0  # not ours to reap any more; keep Popen's finaliser quiet
+
+
+class JobGuard:
+    """What makes sure a job never outlives msrun: the watchdog (started first, so it stays
+    outside the job's cgroup) and the job's cgroup, which msrun enters in the background."""
+
+    def __init__(self, job_id: str, env: dict[str, str]) -> None:
+        self.job_id = job_id
+        self.watchdog = Watchdog()
+        self.watchdog.start()
+        self.watchdog.job(job_id)
+        self.entering: Entering | None = Entering(job_id, env)
+        self.cgroup: JobCgroup | None = None
+        self.handed_off = False  # another process (the detached supervisor) owns the job now
+        self.spare: set[int] = set()  # not part of the job although in its cgroup (the launcher)
+
+    def ready(self) -> JobCgroup | None:
+        """Wait until this process is inside the job's cgroup (before starting any process)."""
+        if self.entering is not None:
+            self.cgroup = self.entering.wait()
+            self.entering = None
+            if self.cgroup is not None:
+                self.watchdog.cgroup(self.cgroup.watchdog_lines())
+        return self.cgroup
+
+    def describe(self) -> str:
+        if self.cgroup is not None:
+            return self.cgroup.describe()
+        return f"no writable cgroup: processes carrying MSRUN_JOB_ID={self.job_id} are swept"
+
+    def hand_off(self) -> None:
+        """In the process that forked the detached supervisor: the supervisor owns the job (and the
+        watchdog's pipe) now; this process lets go without telling the watchdog anything."""
+        self.handed_off = True
+        self.watchdog.let_go()
+        if self.cgroup is not None:
+            self.cgroup.leave()
+
+    def kill_members(self) -> list[int]:
+        """SIGKILL every other process in the job's cgroup (msrun lives there; the watchdog not)."""
+        return self.cgroup.kill_others(self.spare) if self.cgroup is not None else []
+
+    def release(self) -> None:
+        """msrun is done (the job is over, or never started): nothing to kill; the watchdog
+        removes the cgroup once msrun has exited."""
+        if self.handed_off:
+            return
+        self.ready()
+        self.watchdog.stand_down()

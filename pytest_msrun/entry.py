@@ -1,0 +1,48 @@
+"""``pmsrun`` / ``python -m pytest_msrun``: start the job's guard before anything else.
+
+The job's watchdog and cgroup come first (:mod:`pytest_msrun.containment`, standard library
+only): moving into a new cgroup waits for an RCU grace period, which then overlaps importing
+and planning instead of delaying the first process. A quick look at the arguments decides
+whether this is a launch at all (not ``--help`` or ``--print_plan``); when unsure it is, and the
+guard is simply released on the way out.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# Options that take no value (the rest take one, as "--flag value" or "--flag=value").
+_NO_VALUE = ("--print_plan", "--help")
+
+
+def _launches(argv: list[str]) -> bool:
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "-h":
+            return False
+        if not arg.startswith("-") or arg == "-":
+            return True  # the task script: what follows is the task's
+        name = arg.split("=", 1)[0]
+        if len(name) > 2 and any(flag.startswith(name) for flag in _NO_VALUE):
+            return False  # --print_plan or --help (argparse accepts unambiguous prefixes)
+        i += 1 if "=" in arg else 2
+    return False  # no task script: a usage error
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    guard = None
+    job_id = os.urandom(8).hex()
+    if _launches(args):
+        from pytest_msrun.containment import JobGuard
+
+        guard = JobGuard(job_id, dict(os.environ))
+    from pytest_msrun.cli import main as cli_main
+
+    return cli_main(args, guard=guard, job_id=job_id)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
