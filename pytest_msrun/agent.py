@@ -32,6 +32,7 @@ from pytest_msrun.tail import LogTailer, prefix_for
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 EXIT_LAUNCH_ERROR = 1
 EXIT_USAGE = 2
+DONE_ACK_WAIT = 5.0  # how long a finished node waits for the control plane to record it
 
 
 def _env_float(name: str, default: float) -> float:
@@ -140,6 +141,8 @@ class Agent:
         self.signal_received: int | None = None
         self.tailer: LogTailer | None = None
         self.sent_done = False
+        self.done_sent_at = 0.0
+        self.done_acked = False
         self.sent_failed = False
         self._wake_r = self._wake_w = -1
         self._old_handlers: dict[int, Any] = {}
@@ -280,7 +283,6 @@ class Agent:
         hello = {
             "t": "hello",
             "kind": "agent",
-            "token": self.facts.job_token,
             "node_rank": self.cfg.node_rank if self.cfg.multi_node else 0,
             "local": plan.local_worker_num,
             "host": self.facts.hostname,
@@ -291,10 +293,14 @@ class Agent:
         last = ""
         while True:
             try:
-                self.link = wire.Channel.connect(host, port, timeout=max(0.2, min(5.0, deadline - time.monotonic())))
-                self.link.send(hello)
+                wait = max(0.2, min(5.0, deadline - time.monotonic()))
+                self.link = wire.Channel.connect(host, port, timeout=wait)
+                self.link.handshake(hello, self.facts.job_token, wait)
                 break
-            except OSError as exc:
+            except wire.AuthError as exc:
+                self._close_link()
+                return f"the scheduler at {format_hostport(host, port)} refused this node: {exc}"
+            except (OSError, wire.ProtocolError) as exc:
                 self._close_link()
                 last = str(exc)
             if time.monotonic() >= deadline:
@@ -342,6 +348,9 @@ class Agent:
             if isinstance(job_id, str) and job_id:
                 self.facts = replace(self.facts, job_id=job_id[:64])
                 self.watchdog.job(self.facts.job_id)  # the workers will carry the job's id
+            return None
+        if kind == "done_ack":
+            self.done_acked = True
             return None
         if kind == "refused":
             return f"the scheduler refused this node: {msg.get('reason')}"
@@ -517,10 +526,14 @@ class Agent:
             if workers and all(c.returncode == 0 for c in workers):
                 if not self.sent_done:
                     self.sent_done = True
+                    self.done_sent_at = time.monotonic()
                     console.info("All workers successfully exit!")
                     self._link_send({"t": "done"})
                 sched = self._scheduler_child()
-                if sched is None or not sched.alive:
+                # Finishing is a handshake: this node closes its link only once the control plane
+                # has recorded its "done", so it can never count as a lost node.
+                acked = self.link is None or self.done_acked or time.monotonic() - self.done_sent_at > DONE_ACK_WAIT
+                if (sched is None or not sched.alive) and acked:
                     break
             silent = self._heartbeat()
             if silent and not self.sent_done:

@@ -10,8 +10,9 @@ import sys
 from pytest_msrun import console
 from pytest_msrun.binding.flags import BindFlagError, BindSpec, parse_bind_value
 from pytest_msrun.binding.strategies import BindingError
-from pytest_msrun.config import SCHEDULER_MODES, ConfigError, LaunchConfig, parse_join, validate
+from pytest_msrun.config import CONTROL_PLANE_MODES, SCHEDULER_MODES, ConfigError, LaunchConfig, parse_join, validate
 from pytest_msrun.containment import JobGuard
+from pytest_msrun.jobtoken import job_token
 from pytest_msrun.netaddr import AddressError, is_local_address, resolve_master_addr, source_ip_towards
 from pytest_msrun.plan import NodeFacts, build_plan
 from pytest_msrun.taskcmd import task_argv, task_python
@@ -179,19 +180,6 @@ def config_from_args(ns: argparse.Namespace, env: dict[str, str]) -> tuple[Launc
     return cfg, notes
 
 
-def job_token(cfg: LaunchConfig, master_ip: str, env: dict[str, str]) -> str:
-    """``MSRUN_JOB_TOKEN`` if set; a random token on one node; else one all nodes derive alike."""
-    given = env.get("MSRUN_JOB_TOKEN", "")
-    if given:
-        return given
-    if not cfg.multi_node:
-        return os.urandom(16).hex()
-    import hashlib
-
-    seed = f"msrun:{master_ip}:{cfg.master_port}:{cfg.worker_num}"
-    return hashlib.sha256(seed.encode()).hexdigest()[:32]
-
-
 def binding_facts(cfg: LaunchConfig, env: dict[str, str]) -> tuple[object, dict[str, str | None]]:
     """Topology (``MSRUN_TOPOLOGY`` snapshot, else live) and tool paths - read only when binding."""
     if not (cfg.bind_core.enabled or cfg.bind_numa.enabled):
@@ -243,6 +231,15 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str], job_id: str) -> NodeFac
     python = task_python(argv)
     topology, tools = binding_facts(cfg, env)
     mode = "none" if cfg.dry_run else cfg.scheduler
+    token = job_token(
+        multi_node=cfg.multi_node,
+        master_ip=master_ip,
+        master_port=cfg.master_port,
+        worker_num=cfg.worker_num,
+        env=env,
+    )
+    if token.warning and mode in CONTROL_PLANE_MODES:
+        console.warning(token.warning)
     return NodeFacts(
         master_ip=master_ip,
         address_is_local=is_local_address(master_ip),
@@ -253,7 +250,8 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str], job_id: str) -> NodeFac
         python=sys.executable,
         scheduler_mode=mode,
         job_id=job_id,
-        job_token=job_token(cfg, master_ip, env),
+        job_token=token.token,
+        token_source=token.source,
         master_port=cfg.master_port,
         dist_port=cfg.dist_port,
         base_env=env,

@@ -167,9 +167,15 @@ def init(timeout: float | None = None) -> None:
             timeout = None if topo < 0 else float(topo)
         deadline = time.monotonic() + (timeout if timeout is not None else 10**9)
         channel = _connect(env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"]), deadline)
-        channel.send(
-            {"t": "hello", "kind": "rank", "token": env.get("MSRUN_JOB_TOKEN", ""), "rank": rank, "world": world}
-        )
+        try:
+            channel.handshake(
+                {"t": "hello", "kind": "rank", "rank": rank, "world": world},
+                env.get("MSRUN_JOB_TOKEN", ""),
+                max(0.1, deadline - time.monotonic()),
+            )
+        except (OSError, socket.timeout, wire.ProtocolError) as exc:
+            channel.close()
+            raise ClusterError(f"init() failed on rank {rank}: {exc}") from None
         while True:
             try:
                 reply = channel.recv(max(0.0, deadline - time.monotonic()))

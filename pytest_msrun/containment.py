@@ -123,6 +123,20 @@ class JobCgroup:
             time.sleep(0.001)
         return hit
 
+    def remove(self, timeout: float = 5.0) -> bool:
+        """Remove the (emptied) cgroup; False if it still had members after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                os.rmdir(self.path)
+                return True
+            except FileNotFoundError:
+                return True
+            except OSError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.005)
+
     def watchdog_lines(self) -> list[str]:
         """What the watchdog needs to kill this job and remove the cgroup (see Watchdog)."""
         kill = "kill" if self.kind == "v2" and os.path.exists(os.path.join(self.path, "cgroup.kill")) else "freeze"
@@ -187,38 +201,6 @@ class Entering:
         """The job's cgroup once this process is inside it (call before starting any process)."""
         self.thread.join()
         return self.result
-
-
-def processes_with_job_id(job_id: str, exclude: set[int]) -> list[int]:
-    """PIDs whose environment carries ``MSRUN_JOB_ID=<job_id>`` (readable ones: this user's)."""
-    needle = f"MSRUN_JOB_ID={job_id}\0".encode()
-    out = []
-    for name in os.listdir("/proc"):
-        if not name.isdigit() or int(name) in exclude:
-            continue
-        try:
-            with open(f"/proc/{name}/environ", "rb") as fh:
-                data = b"\0" + fh.read()
-        except OSError:
-            continue
-        if b"\0" + needle in data:
-            out.append(int(name))
-    return out
-
-
-def sweep_job(job_id: str, exclude: set[int], rounds: int = 20) -> list[int]:
-    """SIGKILL every process carrying this job's id until none is left; returns the pids hit."""
-    hit: list[int] = []
-    for _ in range(rounds):
-        pids = processes_with_job_id(job_id, exclude)
-        if not pids:
-            break
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-                hit.append(pid)
-        time.sleep(0.005)
-    return hit
 
 
 _WATCHDOG = r"""

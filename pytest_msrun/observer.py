@@ -20,7 +20,7 @@ def query_state(host: str, port: int, token: str, timeout: float = 2.0) -> dict[
     except OSError:
         return None
     try:
-        channel.send({"t": "hello", "kind": "observer", "token": token})
+        channel.handshake({"t": "hello", "kind": "observer"}, token, timeout)
         channel.send({"t": "state"})
         reply = channel.recv(timeout)
     except (OSError, socket.timeout, wire.ProtocolError):

@@ -39,6 +39,7 @@ class NodeFacts:
     master_port: int
     dist_port: int
     base_env: Mapping[str, str] = field(default_factory=dict)
+    token_source: str = ""  # where the job token came from (jobtoken), never the token
     package_root: str = ""  # the directory holding pytest_msrun, for the builtin scheduler
     topology: Topology | None = None  # read only when a binding flag is set
     tools: Mapping[str, str | None] = field(default_factory=dict)  # taskset / numactl paths
@@ -120,6 +121,7 @@ class LaunchPlan:
     bind_numa: Any = False
     sim_ranks: list[int] = field(default_factory=list)  # a dry run's selected ranks (all, not just the preview)
     sim_concurrency: int = 0
+    auth: str = ""  # how the control plane authenticates this job's processes
     worker_factory: Callable[[int], ProcessSpec] | None = field(default=None, repr=False, compare=False)  # by rank
 
     def dry_run_workers(self) -> Iterator[ProcessSpec]:
@@ -393,5 +395,6 @@ def build_plan(
         bind_numa=cfg.bind_numa.to_json(),
         sim_ranks=sim_ranks,
         sim_concurrency=cfg.sim_concurrency,
+        auth=(f"job token: {facts.token_source}" if facts.job_token else "none") if control_plane else "",
         worker_factory=dry_worker,
     )

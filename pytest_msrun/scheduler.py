@@ -53,7 +53,23 @@ def log(msg: str) -> None:
 class Conn:
     """One client connection and its buffers."""
 
-    __slots__ = ("sock", "peer", "frames", "out", "kind", "opened", "last_seen", "closing", "head", "pair", "pending")
+    __slots__ = (
+        "sock",
+        "peer",
+        "frames",
+        "out",
+        "kind",
+        "opened",
+        "last_seen",
+        "closing",
+        "head",
+        "pair",
+        "pending",
+        "hello",
+        "nonce",
+        "broken",
+        "draining",
+    )
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
         self.sock = sock
@@ -68,6 +84,10 @@ class Conn:
         self.head: bytes | None = b""  # first bytes until we know whose protocol this is, then None
         self.pair: Conn | None = None  # the other end of a relayed connection
         self.pending = bytearray()  # relayed bytes waiting for the other end to connect
+        self.hello: dict[str, Any] | None = None  # the hello, until the client proved the token
+        self.nonce = ""  # our challenge to it
+        self.broken = False  # a send failed: it is dropped once what it already sent was handled
+        self.draining = 0.0  # when closing: until then, read and discard (so the close is no RST)
 
 
 class AgentInfo:
@@ -166,7 +186,7 @@ class Scheduler:
 
     # ---------- plumbing ----------
     def send(self, conn: Conn, msg: dict[str, Any]) -> None:
-        if conn.sock.fileno() < 0:
+        if conn.sock.fileno() < 0 or conn.broken:
             return
         conn.out += wire.encode(msg)
         self._flush(conn)
@@ -179,16 +199,25 @@ class Scheduler:
         except (BlockingIOError, InterruptedError):
             pass
         except OSError:
+            # The peer is gone or going; the messages it sent before are still to be handled (a
+            # node's "done" may follow the heartbeat whose reply failed), so its end is decided
+            # by the read side.
             conn.out.clear()
-            self.drop(conn, "send failed")
-            return
+            conn.broken = True
         events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
         try:
             self.sel.modify(conn.sock, events, conn)
         except (KeyError, ValueError):
             pass
-        if conn.closing and not conn.out:
-            self._close(conn)
+        if conn.closing and not conn.out and not conn.draining:
+            # A lingering close: our FIN now, then discard what the peer still sends until it
+            # closes too - closing with unread data would send an RST that can destroy the
+            # message just sent (a refusal, say) before the peer reads it.
+            conn.draining = time.monotonic() + 2.0
+            try:
+                conn.sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                self._close(conn)
 
     def _close(self, conn: Conn) -> None:
         fd = conn.sock.fileno()
@@ -306,6 +335,7 @@ class Scheduler:
         if kind == "done":
             agent.done = True
             log(f"agent done: {agent.describe()}")
+            self.send(agent.conn, {"t": "done_ack"})  # it may close now: it will not count as lost
             if self.state == "running" and all(a.done for a in self.agents):
                 self.finish(0)
             return
@@ -546,23 +576,49 @@ class Scheduler:
             other.closing = True  # send what it still has, then close
             self._flush(other)
 
+    # ---------- authentication ----------
+    def on_unauthenticated(self, conn: Conn, msg: dict[str, Any]) -> None:
+        """hello -> challenge -> auth (see wire): only then is the hello acted upon."""
+        if conn.hello is None:
+            nonce = msg.get("nonce")
+            if msg["t"] != "hello" or msg.get("kind") not in CLIENT_KINDS or not isinstance(nonce, str):
+                self.drop(conn, "first message is not a hello")
+                return
+            conn.hello = msg
+            if not self.token:  # an unauthenticated job (msrun warned loudly when it started)
+                self.on_hello(conn, msg)
+                return
+            conn.nonce = wire.new_nonce()
+            self.send(
+                conn,
+                {
+                    "t": "challenge",
+                    "nonce": conn.nonce,
+                    "proof": wire.proof(self.token, "scheduler", nonce[:64], conn.nonce),
+                },
+            )
+            return
+        hello = conn.hello
+        expected = wire.proof(self.token, str(hello.get("kind")), str(hello.get("nonce"))[:64], conn.nonce)
+        if msg["t"] != "auth" or not wire.token_ok(msg.get("proof"), expected):
+            self.refuse(conn, "bad job token (this client's MSRUN_JOB_TOKEN or secret differs from this job's)")
+            return
+        self.on_hello(conn, hello)
+
+    def on_hello(self, conn: Conn, msg: dict[str, Any]) -> None:
+        if msg["kind"] == "agent":
+            self.on_agent_hello(conn, msg)
+        elif msg["kind"] == "rank":
+            self.on_rank_hello(conn, msg)
+        else:
+            conn.kind = "observer"
+
     # ---------- dispatch ----------
     def on_message(self, conn: Conn, msg: dict[str, Any]) -> None:
         conn.last_seen = time.monotonic()
         fd = conn.sock.fileno()
         if conn.kind == "":
-            if msg["t"] != "hello" or msg.get("kind") not in CLIENT_KINDS:
-                self.drop(conn, "first message is not a hello")
-                return
-            if not wire.token_ok(msg.get("token"), self.token):
-                self.refuse(conn, "bad job token (MSRUN_JOB_TOKEN differs from this job's)")
-                return
-            if msg["kind"] == "agent":
-                self.on_agent_hello(conn, msg)
-            elif msg["kind"] == "rank":
-                self.on_rank_hello(conn, msg)
-            else:
-                conn.kind = "observer"
+            self.on_unauthenticated(conn, msg)
             return
         if conn.kind == "observer":
             if msg["t"] == "state":
@@ -585,7 +641,14 @@ class Scheduler:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
-            self.drop(conn, f"connection error: {exc}")
+            if conn.draining:
+                self._close(conn)
+            else:
+                self.drop(conn, f"connection error: {exc}")
+            return
+        if conn.draining:
+            if not data:
+                self._close(conn)
             return
         if not data:
             self.drop(conn, "connection closed")
@@ -614,6 +677,8 @@ class Scheduler:
             except Exception as exc:  # a message we failed to handle costs its sender, not the job
                 log(f"error handling a {msg.get('t')!r} message from {conn.peer}: {exc!r}")
                 self.drop(conn, "message could not be handled")
+        if conn.broken:  # everything it sent was handled; now it is gone
+            self.drop(conn, "connection closed")
 
     def accept(self) -> None:
         while True:
@@ -634,6 +699,8 @@ class Scheduler:
 
     def check_timers(self) -> None:
         now = time.monotonic()
+        for conn in [c for c in self.conns.values() if c.draining and now > c.draining]:
+            self._close(conn)
         if self.bridge is not None:
             failure = self.bridge.failure()
             if failure is not None and self.state != "ended":

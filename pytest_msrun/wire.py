@@ -3,6 +3,11 @@
 A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON encoding one
 object with a string field ``t`` (the message type). Before a peer has authenticated, frames
 are limited to :data:`HELLO_LIMIT` bytes; afterwards to :func:`message_limit`.
+
+Authentication is a challenge-response over the job's token, which never crosses the wire: the
+client's ``hello`` carries a nonce; the scheduler answers ``challenge`` with its own nonce and
+a proof that it knows the token; the client checks it and answers ``auth`` with its proof. A
+recorded conversation does not let anyone open another connection.
 """
 
 from __future__ import annotations
@@ -83,6 +88,22 @@ def token_ok(given: Any, expected: str) -> bool:
     return isinstance(given, str) and compare_digest(given.encode(), expected.encode())
 
 
+def new_nonce() -> str:
+    return os.urandom(16).hex()
+
+
+def proof(token: str, role: str, client_nonce: str, server_nonce: str) -> str:
+    """HMAC-SHA256 of both nonces under the job's token, bound to who proves it."""
+    import hmac
+
+    msg = "\0".join(("msrun-auth-v1", role, client_nonce, server_nonce)).encode()
+    return hmac.digest(token.encode(), msg, "sha256").hex()
+
+
+class AuthError(ConnectionError):
+    """The other side does not know this job's token (or did not prove it)."""
+
+
 def pack_data(raw: bytes) -> str:
     import base64
 
@@ -117,6 +138,33 @@ class Channel:
 
     def fileno(self) -> int:
         return self.sock.fileno()
+
+    def handshake(self, hello: dict[str, Any], token: str, timeout: float) -> None:
+        """Send ``hello`` and, when the job has a token, answer the scheduler's challenge.
+
+        Raises :class:`AuthError` if the scheduler cannot prove it knows the token (someone else
+        is listening at that address) or refuses ours; ``socket.timeout`` or :class:`PeerClosed`
+        if it does not answer.
+        """
+        nonce = new_nonce()
+        self.send({**hello, "nonce": nonce})
+        if not token:
+            return
+        reply = self.recv(timeout)
+        if reply.get("t") == "refused":
+            raise AuthError(str(reply.get("reason")))
+        server_nonce = reply.get("nonce")
+        if reply.get("t") != "challenge" or not isinstance(server_nonce, str):
+            raise AuthError("the scheduler did not authenticate itself (is it this job's?)")
+        server_ok = token_ok(reply.get("proof"), proof(token, "scheduler", nonce, server_nonce))
+        # Answer even when its proof is wrong, so a scheduler of another job logs the bad token;
+        # our proof is bound to both nonces and is of no use to anyone else.
+        self.send({"t": "auth", "proof": proof(token, str(hello.get("kind")), nonce, server_nonce)})
+        if not server_ok:
+            raise AuthError(
+                "bad job token: the scheduler at this address has a different one (MSRUN_JOB_TOKEN, "
+                "MSRUN_JOB_TOKEN_FILE or the msrun secret differ) - another job, or other secrets"
+            )
 
     def send(self, msg: dict[str, Any]) -> None:
         self.sock.settimeout(None)

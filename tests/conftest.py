@@ -298,3 +298,21 @@ def job_args(workers: int, *rest: str, local: int | None = None, port: int = 0, 
     if join:
         args.append("--join=True")
     return [*args, *rest]
+
+
+# Figures measured by the reliability tier, printed as one table at the end of the session.
+RELIABILITY: list[tuple[str, str, str]] = []
+
+
+def record(scenario: str, result: str, figure: str = "") -> None:
+    RELIABILITY.append((scenario, result, figure))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if not RELIABILITY:
+        return
+    rows = [("scenario", "result", "measured"), *RELIABILITY]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    terminalreporter.section("msrun reliability")
+    for row in rows:
+        terminalreporter.write_line("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())

@@ -63,21 +63,26 @@ def _closed(sock: socket.socket, timeout: float = 3) -> bool:
         return False
 
 
+AGENT = {
+    "t": "hello",
+    "kind": "agent",
+    "node_rank": -1,
+    "local": 1,
+    "host": "h",
+    "ip": "127.0.0.1",
+    "hosts_scheduler": False,
+}
+
+
 def _agent(port: int, token: str = "tok", local: int = 1, node_rank: int = -1) -> wire.Channel:
     ch = wire.Channel.connect("127.0.0.1", port, timeout=5)
-    ch.send(
-        {
-            "t": "hello",
-            "kind": "agent",
-            "token": token,
-            "node_rank": node_rank,
-            "local": local,
-            "host": "h",
-            "ip": "127.0.0.1",
-            "pid": os.getpid(),
-            "hosts_scheduler": False,
-        }
-    )
+    ch.handshake({**AGENT, "pid": os.getpid(), "local": local, "node_rank": node_rank}, token, 5)
+    return ch
+
+
+def _rank(port: int, rank: int, token: str = "tok") -> wire.Channel:
+    ch = wire.Channel.connect("127.0.0.1", port, timeout=5)
+    ch.handshake({"t": "hello", "kind": "rank", "rank": rank, "world": 2}, token, 5)
     return ch
 
 
@@ -93,24 +98,18 @@ def test_hostile_clients_are_dropped_and_the_job_goes_on(scheduler):
     wrongtype = _raw(port)
     wrongtype.sendall(wire.encode({"t": "done"}))
     badtoken = wire.Channel.connect("127.0.0.1", port, timeout=5)
-    badtoken.send(
-        {
-            "t": "hello",
-            "kind": "agent",
-            "token": "nope",
-            "node_rank": -1,
-            "local": 1,
-            "host": "h",
-            "ip": "127.0.0.1",
-            "pid": 1,
-            "hosts_scheduler": False,
-        }
-    )
+    with pytest.raises(wire.AuthError, match="bad job token"):
+        badtoken.handshake({**AGENT, "pid": 1}, "nope", 5)
+    # the old protocol: the token itself in the hello, no answer to the challenge
+    replayed = wire.Channel.connect("127.0.0.1", port, timeout=5)
+    replayed.send({**AGENT, "pid": 1, "token": "tok", "nonce": "n"})
+    assert replayed.recv(5)["t"] == "challenge"
+    replayed.send({"t": "auth", "proof": "0" * 64})
     malformed = wire.Channel.connect("127.0.0.1", port, timeout=5)
-    malformed.send({"t": "hello", "kind": "agent", "token": "tok", "local": "many"})
+    malformed.handshake({"t": "hello", "kind": "agent", "local": "many"}, "tok", 5)
     for sock in (http, notjson, oversized, wrongtype, malformed.sock):
         assert _closed(sock), sock
-    assert badtoken.recv(5)["t"] == "refused"
+    assert badtoken.recv(5)["t"] == "refused" and replayed.recv(5)["t"] == "refused"
     assert _closed(silent, timeout=5), "a silent client is dropped after the auth timeout"
     assert proc.poll() is None, "the scheduler must survive all of that"
 
@@ -135,10 +134,7 @@ def test_oversized_message_from_a_rank_drops_only_that_rank(scheduler):
     port, proc, log = scheduler
     a, b = _agent(port), _agent(port)
     a.recv(5), b.recv(5)
-    r0 = wire.Channel.connect("127.0.0.1", port, timeout=5)
-    r0.send({"t": "hello", "kind": "rank", "token": "tok", "rank": 0, "world": 2})
-    r1 = wire.Channel.connect("127.0.0.1", port, timeout=5)
-    r1.send({"t": "hello", "kind": "rank", "token": "tok", "rank": 1, "world": 2})
+    r0, r1 = _rank(port, 0), _rank(port, 1)
     assert r0.recv(5)["t"] == "ready" and r1.recv(5)["t"] == "ready"
     r0.send({"t": "coll", "op": "barrier", "seq": 1, "src": 0})
     r1.send({"t": "coll", "op": "gather", "seq": 1, "src": 0, "data": "A" * 200000})

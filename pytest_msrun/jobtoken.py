@@ -1,0 +1,108 @@
+"""The job's token: the secret every process of a job proves it knows to the control plane.
+
+Where it comes from, first match wins (msrun's command line is unchanged):
+
+1. ``MSRUN_JOB_TOKEN`` - given by the user, the same on every node;
+2. ``MSRUN_JOB_TOKEN_FILE`` - a file holding a secret (the same file, or copies, on every node);
+3. a job on one node - a random token for this job only;
+4. a job on several nodes - this user's secret, ``$XDG_CONFIG_HOME/msrun/secret``
+   (``~/.config/msrun/secret``, created once with mode 0600 in a 0700 directory; on a cluster the
+   home directory is shared, so every node reads the same file).
+
+From a secret, each job's token is an HMAC of the job's port and size (not its address: nodes may
+name the master differently), so a token seen in one job's environment opens no job on another
+port. The token reaches the job's
+processes only through their environment, which only their user (and root) can read. Where no
+secret is available, the job runs unauthenticated and msrun says so loudly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+TOKEN_ENV = "MSRUN_JOB_TOKEN"
+TOKEN_FILE_ENV = "MSRUN_JOB_TOKEN_FILE"
+
+
+@dataclass
+class JobToken:
+    token: str  # "" = unauthenticated
+    source: str  # where it came from, for the plan and the status (never the secret itself)
+    warning: str = ""
+
+
+def secret_path(env: Mapping[str, str]) -> str:
+    base = env.get("XDG_CONFIG_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".config")
+    return os.path.join(base, "msrun", "secret")
+
+
+def derive(secret: str, *identity: object) -> str:
+    """This job's token from a long-lived secret."""
+    import hmac
+
+    msg = "\0".join(["msrun-job-v1", *map(str, identity)]).encode()
+    return hmac.digest(secret.encode(), msg, "sha256").hex()[:32]
+
+
+def _read_secret(path: str) -> tuple[str, str]:
+    """(secret, problem) from a secret file; refuses files others can read."""
+    try:
+        st = os.stat(path)
+        with open(path, encoding="utf-8") as fh:
+            secret = fh.read().strip()
+    except OSError as exc:
+        return "", f"cannot read {path}: {exc.strerror or exc}"
+    if st.st_uid != os.getuid():
+        return "", f"{path} belongs to another user"
+    if st.st_mode & 0o077:
+        return "", f"{path} is readable by other users (chmod 600 {path})"
+    if len(secret) < 16:
+        return "", f"{path} holds fewer than 16 characters"
+    return secret, ""
+
+
+def user_secret(env: Mapping[str, str]) -> tuple[str, str]:
+    """This user's msrun secret, created (atomically, 0600) on first use; (secret, problem)."""
+    path = secret_path(env)
+    if not os.path.exists(path):
+        try:
+            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(os.urandom(32).hex() + "\n")
+        except FileExistsError:
+            pass  # another node (shared home) or msrun created it just now
+        except OSError as exc:
+            return "", f"cannot create {path}: {exc.strerror or exc}"
+    return _read_secret(path)
+
+
+def job_token(
+    *, multi_node: bool, master_ip: str, master_port: int, worker_num: int, env: Mapping[str, str]
+) -> JobToken:
+    given = env.get(TOKEN_ENV, "")
+    if given:
+        return JobToken(given, TOKEN_ENV)
+    identity = (master_port, worker_num)
+    path = env.get(TOKEN_FILE_ENV, "")
+    if path:
+        secret, problem = _read_secret(path)
+        if secret:
+            return JobToken(derive(secret, *identity), f"{TOKEN_FILE_ENV}={path}")
+        return JobToken("", "none", _unauthenticated(problem, master_ip, master_port))
+    if not multi_node:
+        return JobToken(os.urandom(16).hex(), "random, this job only")
+    secret, problem = user_secret(env)
+    if secret:
+        return JobToken(derive(secret, *identity), f"this user's secret {secret_path(env)}")
+    return JobToken("", "none", _unauthenticated(problem, master_ip, master_port))
+
+
+def _unauthenticated(problem: str, master_ip: str, master_port: int) -> str:
+    return (
+        f"this job runs WITHOUT authentication ({problem}): any process that can reach "
+        f"{master_ip}:{master_port} can join it or abort it. Set {TOKEN_ENV} to the same secret on every "
+        f"node, or {TOKEN_FILE_ENV} to a file only you can read."
+    )
