@@ -166,16 +166,24 @@ def init(timeout: float | None = None) -> None:
             topo = _env_int("MS_TOPO_TIMEOUT", 600, env)
             timeout = None if topo < 0 else float(topo)
         deadline = time.monotonic() + (timeout if timeout is not None else 10**9)
-        channel = _connect(env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"]), deadline)
-        try:
-            channel.handshake(
-                {"t": "hello", "kind": "rank", "rank": rank, "world": world},
-                env.get("MSRUN_JOB_TOKEN", ""),
-                max(0.1, deadline - time.monotonic()),
-            )
-        except (OSError, socket.timeout, wire.ProtocolError) as exc:
-            channel.close()
-            raise ClusterError(f"init() failed on rank {rank}: {exc}") from None
+        while True:
+            channel = _connect(env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"]), deadline)
+            try:
+                channel.handshake(
+                    {"t": "hello", "kind": "rank", "rank": rank, "world": world},
+                    env.get("MSRUN_JOB_TOKEN", ""),
+                    max(0.1, deadline - time.monotonic()),
+                )
+                break
+            except wire.AuthError as exc:
+                channel.close()
+                raise ClusterError(f"init() failed on rank {rank}: {exc}") from None
+            except (OSError, socket.timeout, wire.ProtocolError) as exc:
+                # Dropped before it could authenticate (a flood of other connections): again.
+                channel.close()
+                if time.monotonic() >= deadline:
+                    raise ClusterError(f"init() failed on rank {rank}: {exc}") from None
+                time.sleep(0.05)
         while True:
             try:
                 reply = channel.recv(max(0.0, deadline - time.monotonic()))

@@ -109,3 +109,47 @@ def listen_socket(ip: str, port: int, backlog: int = 512) -> socket.socket:
 
 def format_hostport(ip: str, port: int) -> str:
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+def _proc_net_addr(ip: str, port: int) -> str:
+    """``ip:port`` as /proc/net/tcp{,6} writes it (hex, each 32-bit word in host byte order)."""
+    import struct
+    import sys
+
+    packed = ipaddress.ip_address(ip.split("%", 1)[0]).packed
+    order = "<" if sys.byteorder == "little" else ">"
+    words = struct.unpack(f">{len(packed) // 4}I", packed)
+    text = "".join(f"{struct.unpack(order + 'I', struct.pack('>I', w))[0]:08X}" for w in words)
+    return f"{text}:{port:04X}"
+
+
+def local_peer_uid(sock: socket.socket) -> int | None:
+    """The uid owning the other end of a connection from this host (None: not found or remote)."""
+    try:
+        peer = sock.getpeername()
+        here = sock.getsockname()
+    except OSError:
+        return None
+    candidates = [(peer[0], here[0])]
+    try:
+        mapped = ipaddress.ip_address(peer[0].split("%", 1)[0])
+        if isinstance(mapped, ipaddress.IPv6Address) and mapped.ipv4_mapped is not None:
+            candidates.append((str(mapped.ipv4_mapped), str(ipaddress.ip_address(here[0]).ipv4_mapped or here[0])))
+    except ValueError:
+        pass
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table, encoding="ascii") as fh:
+                lines = fh.readlines()[1:]
+        except OSError:
+            continue
+        for peer_ip, here_ip in candidates:
+            if (":" in peer_ip) != table.endswith("6"):
+                continue
+            want_local = _proc_net_addr(peer_ip, peer[1])
+            want_remote = _proc_net_addr(here_ip, here[1])
+            for line in lines:
+                fields = line.split()
+                if len(fields) > 7 and fields[1] == want_local and fields[2] == want_remote:
+                    return int(fields[7])
+    return None

@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from typing import Any
 
 AUTH_TIMEOUT = float(os.environ.get("MSRUN_AUTH_TIMEOUT", "5"))
+PENDING_FLOOR = 256  # unauthenticated connections kept at most: max(this, 2 x worker_num)
+ACCEPT_PAUSE = 0.1  # out of file descriptors with nothing to shed: stop accepting this long
 COLLECTIVE_OPS = ("barrier", "gather", "bcast")
 MINDSPORE_MAGIC = b"RPC"  # the first bytes of every MindSpore RPC message (see msbridge)
 CLIENT_KINDS = ("agent", "rank", "observer")  # authenticated clients of our own protocol
@@ -93,7 +95,19 @@ class Conn:
 class AgentInfo:
     """A registered node agent."""
 
-    __slots__ = ("conn", "node_rank", "local", "host", "ip", "pid", "hosts_scheduler", "seq", "offset", "done")
+    __slots__ = (
+        "conn",
+        "node_rank",
+        "local",
+        "host",
+        "ip",
+        "pid",
+        "hosts_scheduler",
+        "seq",
+        "offset",
+        "done",
+        "peer_ip",
+    )
 
     def __init__(
         self, conn: Conn, node_rank: int, local: int, host: str, ip: str, pid: int, hosts_scheduler: bool, seq: int
@@ -108,6 +122,10 @@ class AgentInfo:
         self.seq = seq
         self.offset = -1
         self.done = False
+        try:
+            self.peer_ip = str(conn.sock.getpeername()[0])
+        except OSError:
+            self.peer_ip = ""
 
     def describe(self) -> str:
         nr = f"node_rank {self.node_rank}, " if self.node_rank >= 0 else ""
@@ -183,6 +201,12 @@ class Scheduler:
         self.abort_msg: dict[str, Any] | None = None
         self.limit = wire.message_limit()
         self.terminated_by: int | None = None
+        # Connections that have not authenticated yet, oldest first: at most max_pending of them
+        # (a flood sheds the oldest), each holding at most one pre-auth frame, for AUTH_TIMEOUT.
+        self.pending: dict[Conn, None] = {}
+        self.max_pending = max(PENDING_FLOOR, 2 * worker_num)
+        self.accept_paused_until = 0.0
+        self.shed = 0
 
     # ---------- plumbing ----------
     def send(self, conn: Conn, msg: dict[str, Any]) -> None:
@@ -220,6 +244,7 @@ class Scheduler:
                 self._close(conn)
 
     def _close(self, conn: Conn) -> None:
+        self.pending.pop(conn, None)
         fd = conn.sock.fileno()
         if fd < 0:
             return
@@ -230,12 +255,13 @@ class Scheduler:
         self.conns.pop(fd, None)
         conn.sock.close()
 
-    def drop(self, conn: Conn, why: str) -> None:
+    def drop(self, conn: Conn, why: str, quiet: bool = False) -> None:
         """Forget a client (after its pending output, if any, was sent)."""
         fd = conn.sock.fileno()
+        self.pending.pop(conn, None)
         if fd < 0:
             return
-        if conn.kind == "":
+        if conn.kind == "" and not quiet:
             log(f"dropped client {conn.peer}: {why}")
         if conn.kind in ("foreign", "upstream"):
             self._unpair(conn)
@@ -297,6 +323,7 @@ class Scheduler:
         self.seq += 1
         agent = AgentInfo(conn, node_rank, local, host[:256], ip[:64], pid, hosts_sched, self.seq)
         conn.kind = "agent"
+        self.pending.pop(conn, None)
         conn.frames.limit = self.limit
         self.agents.append(agent)
         self.agent_by_conn[conn.sock.fileno()] = agent
@@ -395,6 +422,7 @@ class Scheduler:
             self.send(conn, {"t": "error", "seq": -1, "reason": never})
             return
         conn.kind = "rank"
+        self.pending.pop(conn, None)
         self.joined.add(rank)
         conn.frames.limit = self.limit
         self.ranks[rank] = conn
@@ -519,8 +547,34 @@ class Scheduler:
         }
 
     # ---------- MindSpore clients ----------
+    def foreign_refusal(self, conn: Conn) -> str:
+        """Why a MindSpore-looking client is not one of this job's processes ("" if it may be).
+
+        MindSpore's protocol has no authentication, so it is taken only from this user's processes
+        on this host or from a node of this job; anyone else could otherwise abort a builtin job
+        or talk to the MindSpore scheduler.
+        """
+        from pytest_msrun.netaddr import is_local_address, local_peer_uid
+
+        try:
+            peer_ip = conn.sock.getpeername()[0]
+        except OSError:
+            return "it is gone"
+        if is_local_address(peer_ip.split("%", 1)[0]):
+            uid = local_peer_uid(conn.sock)
+            if uid is None:
+                return "its owner cannot be told"
+            return "" if uid == os.getuid() else f"it belongs to another user (uid {uid})"
+        if peer_ip in {a.peer_ip for a in self.agents}:
+            return ""
+        return f"{peer_ip} is not one of this job's nodes"
+
     def on_foreign(self, conn: Conn) -> None:
         """A MindSpore worker connected: relay it to a MindSpore scheduler, or fail the job at once."""
+        refusal = self.foreign_refusal(conn)
+        if refusal:
+            self.drop(conn, f"MindSpore-protocol client not of this job: {refusal}")
+            return
         if self.mode not in ("auto", "mindspore"):
             reason = (
                 f"a MindSpore process ({conn.peer}) called mindspore.communication.init() against the builtin "
@@ -532,6 +586,7 @@ class Scheduler:
             return
         conn.pending += conn.head or b""
         conn.head = None
+        self.pending.pop(conn, None)
         self._bridge().adopt(conn)
         self.bridge.connect_waiting(self._pair)
 
@@ -612,6 +667,7 @@ class Scheduler:
             self.on_rank_hello(conn, msg)
         else:
             conn.kind = "observer"
+            self.pending.pop(conn, None)
 
     # ---------- dispatch ----------
     def on_message(self, conn: Conn, msg: dict[str, Any]) -> None:
@@ -637,7 +693,7 @@ class Scheduler:
 
     def on_readable(self, conn: Conn) -> None:
         try:
-            data = conn.sock.recv(1 << 20)
+            data = conn.sock.recv(1 << 20 if conn.kind else wire.HELLO_LIMIT + wire.HEADER.size)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
@@ -681,21 +737,54 @@ class Scheduler:
             self.drop(conn, "connection closed")
 
     def accept(self) -> None:
+        import errno
+
         while True:
             try:
                 sock, addr = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
+            except OSError as exc:
+                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    if self.shed_pending("out of file descriptors"):
+                        continue  # one freed: take the waiting connection
+                    self.pause_accepting()  # never spin on a listener we cannot serve
                 return
             sock.setblocking(False)
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
+            if len(self.pending) >= self.max_pending:
+                self.shed_pending(f"more than {self.max_pending} unauthenticated connections")
             conn = Conn(sock, f"{addr[0]}:{addr[1]}")
             self.conns[sock.fileno()] = conn
+            self.pending[conn] = None
             self.sel.register(sock, selectors.EVENT_READ, conn)
+
+    def shed_pending(self, why: str) -> bool:
+        """Drop the oldest unauthenticated connection that has not even sent a whole hello (ours
+        send one at once), else the oldest one waiting to answer our challenge; False if none."""
+        victim = next((c for c in self.pending if c.hello is None), None) or next(iter(self.pending), None)
+        for conn in [victim] if victim is not None else []:
+            self.shed += 1
+            if self.shed in (1, 10, 100, 1000, 10000) or self.shed % 100000 == 0:
+                log(f"shedding unauthenticated connections ({why}): {self.shed} so far")
+            self.drop(conn, why, quiet=True)
+            return True
+        return False
+
+    def pause_accepting(self) -> None:
+        try:
+            self.sel.unregister(self.listener)
+        except (KeyError, ValueError):
+            pass
+        self.accept_paused_until = time.monotonic() + ACCEPT_PAUSE
+
+    def resume_accepting(self) -> None:
+        if self.accept_paused_until and time.monotonic() >= self.accept_paused_until:
+            self.accept_paused_until = 0.0
+            self.sel.register(self.listener, selectors.EVENT_READ, None)
 
     def check_timers(self) -> None:
         now = time.monotonic()
@@ -768,6 +857,7 @@ class Scheduler:
                 # broadcast abort carries the real cause; else tell every client why it ends.
                 self.abort(f"the scheduler was stopped by {signal.Signals(self.terminated_by).name}", None)
             self.check_timers()
+            self.resume_accepting()
         self.drain(1.0)
         if self.bridge is not None:
             self.bridge.stop()
@@ -791,7 +881,20 @@ def _listener_from_env(env: dict[str, str]) -> socket.socket:
     return listen_socket(env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"]))
 
 
+def _more_file_descriptors() -> None:
+    """Raise the soft limit on open files to the hard one: a rank or agent each holds one."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):
+        pass
+
+
 def main() -> int:
+    _more_file_descriptors()
     env = dict(os.environ)
     try:
         worker_num = int(env["MS_WORKER_NUM"])

@@ -28,7 +28,7 @@ except ImportError:  # pragma: no cover
     from hmac import compare_digest
 
 HEADER = struct.Struct(">I")
-HELLO_LIMIT = 64 * 1024
+HELLO_LIMIT = 16 * 1024  # the largest frame a client may send before it authenticated
 DEFAULT_MESSAGE_LIMIT = 64 * 1024 * 1024
 
 

@@ -1,0 +1,238 @@
+"""The control plane cannot be forged or flooded: outsiders neither join nor abort a job.
+
+Part of the reliability tier: each scenario records what it measured.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import resource
+import socket
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import REPO, free_port, job_args, record, wait_for, wait_running
+from test_scheduler_protocol import AGENT, start_scheduler
+
+from pytest_msrun import wire
+
+NOBODY = 65534
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
+
+SLOW = """
+import os, time
+print("started", flush=True)
+from pytest_msrun import cluster
+cluster.init()
+stop = os.environ.get("STOP_FILE", "")
+for i in range(int(os.environ.get("ROUNDS", "20"))):
+    cluster.barrier()  # every round needs every rank: an abort or a lost rank would show here
+    if stop and os.path.exists(stop):
+        break
+    time.sleep(0.05)
+print("finished", flush=True)
+"""
+
+
+@pytest.fixture(autouse=True)
+def private_config(tmp_path, monkeypatch):
+    """Each test's own msrun secret (XDG_CONFIG_HOME), never the user's real one."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+
+
+def _more_fds() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536), hard))
+
+
+def two_nodes(msrun, port: int, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    args = [
+        "--worker_num=2",
+        "--local_worker_num=1",
+        f"--master_port={port}",
+        "--join=True",
+        "--log_dir=logs",
+        "slow.py",
+    ]
+    first = msrun.start(args, env=env)
+    wait_for(lambda: (msrun.cwd / "logs" / "scheduler.log").exists())
+    return [first, msrun.start([*args[:-2], "--log_dir=logs2", "slow.py"], env=env)]
+
+
+def test_the_formerly_public_token_opens_no_job(msrun, tmp_path):
+    """0.1.0 derived a multi-node token from sha256("msrun:<ip>:<port>:<worker_num>"): anyone
+    could compute it, join, and abort the job with an exit code of their choice."""
+    msrun.script("slow.py", SLOW)
+    port = free_port()
+    nodes = two_nodes(msrun, port, env={"ROUNDS": "30", "XDG_CONFIG_HOME": os.environ["XDG_CONFIG_HOME"]})
+    old = hashlib.sha256(f"msrun:127.0.0.1:{port}:2".encode()).hexdigest()[:32]
+    forged = wire.Channel.connect("127.0.0.1", port, timeout=5)
+    with pytest.raises(wire.AuthError):
+        forged.handshake({**AGENT, "pid": 1}, old, 5)
+    assert forged.recv(5)["t"] == "refused"
+    jobs = [msrun.finish(n, timeout=60) for n in nodes]
+    assert [j.returncode for j in jobs] == [0, 0], [j.stderr for j in jobs]
+    secret = tmp_path / "config" / "msrun" / "secret"
+    assert secret.stat().st_mode & 0o777 == 0o600 and secret.parent.stat().st_mode & 0o777 == 0o700
+    record("forged (formerly public) token", "refused, job exit 0", "")
+
+
+def _as_nobody(attack) -> str:
+    """Run ``attack()`` (returning a str) in a forked child that became user nobody."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.close(read_fd)
+            os.setgroups([])
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            os.write(write_fd, attack().encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write_fd)
+    with os.fdopen(read_fd) as fh:
+        out = fh.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, out
+    return out
+
+
+@needs_root
+def test_another_user_can_neither_read_the_token_nor_join_nor_abort(msrun):
+    msrun.script("slow.py", SLOW)
+    port = free_port()
+    nodes = two_nodes(msrun, port, env={"ROUNDS": "60", "XDG_CONFIG_HOME": os.environ["XDG_CONFIG_HOME"]})
+    status = wait_running(msrun.cwd / "logs", 1, "msrun_status_node0.json")
+    rank = next(p["pid"] for p in status["processes"] if p["role"] == "worker")
+    secret = os.environ["XDG_CONFIG_HOME"] + "/msrun/secret"
+
+    def attack() -> str:
+        out = []
+        for what, path in (("environ", f"/proc/{rank}/environ"), ("secret", secret)):
+            try:
+                Path(path).read_bytes()
+                out.append(f"{what}: READ")
+            except OSError:
+                out.append(f"{what}: denied")
+        ch = wire.Channel.connect("127.0.0.1", port, 5)
+        try:
+            ch.handshake({**AGENT, "pid": 1}, "guess", 5)
+            out.append("join: ACCEPTED")
+        except wire.AuthError:
+            out.append("join: refused")
+        s = socket.create_connection(("127.0.0.1", port), 5)  # MindSpore's magic, as if a worker
+        s.sendall(b"RPC0" + b"\0" * 60)
+        try:
+            out.append("magic: dropped" if not s.recv(10) else "magic: answered")
+        except ConnectionResetError:
+            out.append("magic: dropped")
+        return " | ".join(out)
+
+    assert _as_nobody(attack) == "environ: denied | secret: denied | join: refused | magic: dropped"
+    jobs = [msrun.finish(n, timeout=90) for n in nodes]
+    assert [j.returncode for j in jobs] == [0, 0], [j.stderr for j in jobs]
+    assert "belongs to another user" in (msrun.cwd / "logs" / "scheduler.log").read_text()
+    record("another user: read token / join / abort", "denied, job exit 0", "")
+
+
+def test_no_secret_available_is_said_loudly(msrun, tmp_path):
+    (tmp_path / "not-a-dir").write_text("")
+    msrun.script("slow.py", SLOW)
+    port = free_port()
+    nodes = two_nodes(msrun, port, env={"ROUNDS": "2", "XDG_CONFIG_HOME": str(tmp_path / "not-a-dir")})
+    jobs = [msrun.finish(n, timeout=60) for n in nodes]
+    assert [j.returncode for j in jobs] == [0, 0]
+    for job in jobs:
+        assert "[WARNING]" in job.stderr and "this job runs WITHOUT authentication" in job.stderr
+        assert "Set MSRUN_JOB_TOKEN" in job.stderr
+
+
+def test_a_flood_of_half_hellos_leaves_the_job_and_the_scheduler_alone(msrun):
+    """2000 connections, each holding a partial pre-auth frame, during a running job."""
+    _more_fds()
+    msrun.script("slow.py", SLOW)
+    port = free_port()
+    stop = msrun.cwd / "stop"
+    popen = msrun.start(job_args(2, "slow.py", port=port), env={"ROUNDS": "2000", "STOP_FILE": str(stop)})
+    status = wait_running(msrun.cwd / "logs", 2)
+    sched = psutil.Process(next(p["pid"] for p in status["processes"] if p["role"] == "scheduler"))
+    before = sched.memory_info().rss
+    socks = []
+    for _ in range(2000):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(struct.pack(">I", wire.HELLO_LIMIT) + b"x" * (wire.HELLO_LIMIT - 100))
+        socks.append(s)
+    peak = sched.memory_info().rss
+    stop.touch()
+    job = msrun.finish(popen, timeout=120)
+    for s in socks:
+        s.close()
+    assert job.returncode == 0, job.stderr
+    assert "finished" in job.log("worker_0.log") and "finished" in job.log("worker_1.log")
+    grew = (peak - before) / 2**20
+    assert grew < 16, f"the scheduler grew by {grew:.1f} MiB under the flood"
+    record("2000 half-hello connections during a job", "job exit 0", f"scheduler RSS +{grew:.1f} MiB")
+
+
+def test_out_of_file_descriptors_does_not_spin(tmp_path):
+    """The scheduler may hold 128 files; 1000 idle connections later it still serves a node."""
+    _more_fds()
+    port, proc, log = start_scheduler(tmp_path)
+    proc.kill()
+    proc.wait()
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "MS_WORKER_NUM": "1",
+        "MS_SCHED_HOST": "127.0.0.1",
+        "MS_SCHED_PORT": str(port),
+        "MS_TOPO_TIMEOUT": "60",
+        "MSRUN_JOB_TOKEN": "tok",
+    }
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest_msrun.scheduler"],
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            preexec_fn=limit,
+        )
+    try:
+        wait_for(lambda: "listening" in log.read_text())
+        socks = []
+        for _ in range(1000):
+            try:
+                socks.append(socket.create_connection(("127.0.0.1", port), timeout=1))
+            except OSError:
+                break
+        p = psutil.Process(proc.pid)
+        cpu0 = sum(p.cpu_times()[:2])
+        time.sleep(2.0)
+        busy = sum(p.cpu_times()[:2]) - cpu0
+        assert busy < 0.3, f"the scheduler used {busy:.2f} s of CPU in 2 s while out of file descriptors"
+        agent = wire.Channel.connect("127.0.0.1", port, timeout=5)
+        agent.handshake({**AGENT, "pid": 1}, "tok", 5)
+        assert agent.recv(5)["t"] == "assign"
+        for s in socks:
+            s.close()
+        record(
+            f"{len(socks)} idle connections, 128 file descriptors",
+            "a node still registers",
+            f"scheduler CPU {busy / 2 * 100:.0f}%",
+        )
+    finally:
+        proc.kill()
+        proc.wait()
