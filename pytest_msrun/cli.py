@@ -14,7 +14,7 @@ from pytest_msrun.config import CONTROL_PLANE_MODES, SCHEDULER_MODES, ConfigErro
 from pytest_msrun.containment import JobGuard
 from pytest_msrun.jobtoken import job_token
 from pytest_msrun.netaddr import AddressError, is_local_address, resolve_master_addr, source_ip_towards
-from pytest_msrun.plan import NodeFacts, build_plan
+from pytest_msrun.plan import LaunchPlan, NodeFacts, build_plan
 from pytest_msrun.taskcmd import task_argv, task_python
 
 
@@ -261,30 +261,42 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str], job_id: str) -> NodeFac
     )
 
 
+def plan_from_args(
+    argv: list[str] | None, env: dict[str, str], job_id: str
+) -> tuple[LaunchConfig, NodeFacts, LaunchPlan]:
+    """Everything msrun decides before it starts anything: flags, validation, facts, the plan.
+
+    Bad input ends here: one ``msrun: error: argument --flag: ...`` line and ``SystemExit(2)``.
+    """
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    for name in DEFAULTS:
+        if isinstance(getattr(ns, name, None), list):  # argparse turns "--flag=--" into []
+            parser.error(f"argument --{name}: expected one value")
+    try:
+        cfg, notes = config_from_args(ns, env)
+        for text in validate(cfg) + notes:
+            console.warning(text)
+        facts = gather_facts(cfg, env, job_id)
+        plan = build_plan(cfg, facts)  # every binding check happens here, before anything starts
+        if not cfg.print_plan:
+            probe_numactl(plan.processes, facts.topology)
+    except (ConfigError, BindingError) as exc:
+        parser.error(str(exc) if isinstance(exc, ConfigError) else f"argument --{exc.flag}: {exc}")
+    return cfg, facts, plan
+
+
 def main(argv: list[str] | None = None, guard: JobGuard | None = None, job_id: str = "") -> int:
     """msrun. ``guard``: the job's watchdog and cgroup, started before this module was imported
     (see :mod:`pytest_msrun.entry`); started here when not."""
     job_id = job_id or os.urandom(8).hex()
     env = dict(os.environ)
     try:
-        parser = build_parser()
-        ns = parser.parse_args(argv)
-        if guard is None and not ns.print_plan:
-            guard = JobGuard(job_id, env)
-        try:
-            cfg, notes = config_from_args(ns, env)
-            for text in validate(cfg) + notes:
-                console.warning(text)
-            facts = gather_facts(cfg, env, job_id)
-            plan = build_plan(cfg, facts)  # every binding check happens here, before anything starts
-            if not cfg.print_plan:
-                probe_numactl(plan.processes, facts.topology)
-        except (ConfigError, BindingError) as exc:
-            parser.error(str(exc) if isinstance(exc, ConfigError) else f"argument --{exc.flag}: {exc}")
+        cfg, facts, plan = plan_from_args(argv, env, job_id)
         if cfg.print_plan:
             sys.stdout.write(plan.dumps() + "\n")
             return 0
-        if guard is None:  # the entry point guessed "not a launch" wrongly
+        if guard is None:  # the entry point guessed "not a launch" (or was not used)
             guard = JobGuard(job_id, env)
         if not cfg.join:
             from pytest_msrun.detach import launch_detached

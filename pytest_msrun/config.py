@@ -18,6 +18,8 @@ SCHEDULER_MODES = ("auto", "builtin", "mindspore", "task")
 # scheduler behind it: on demand, or from the start).
 CONTROL_PLANE_MODES = ("auto", "builtin", "mindspore")
 SIM_LEVELS = (0, 1, 2, 3)
+MAX_WORKERS = 1 << 20  # more ranks than any job msrun can start (and ranges over them stay small)
+MAX_LOCAL_WORKERS = 1 << 16  # processes one node may start (dry runs run theirs in waves: no limit)
 COMMAND_TASKS = ("python", "python3", "pytest")
 
 
@@ -111,8 +113,16 @@ def validate(cfg: LaunchConfig) -> list[str]:
         raise ConfigError("", "the following arguments are required: task_script")
     if cfg.worker_num <= 0:
         raise ConfigError("worker_num", f"must be greater than 0, got {cfg.worker_num}")
+    if cfg.worker_num > MAX_WORKERS:
+        raise ConfigError("worker_num", f"{cfg.worker_num} is more than msrun can start; use at most {MAX_WORKERS}")
     if cfg.local_worker_num <= 0:
         raise ConfigError("local_worker_num", f"must be at least 1, got {cfg.local_worker_num}")
+    if cfg.local_worker_num > MAX_LOCAL_WORKERS and not cfg.dry_run:
+        raise ConfigError(
+            "local_worker_num",
+            f"{cfg.local_worker_num} processes on one node is more than msrun starts; use at most "
+            f"{MAX_LOCAL_WORKERS} per node (a dry run, --sim_level, runs any number in waves)",
+        )
     if cfg.local_worker_num > cfg.worker_num:
         if not cfg.was_given("local_worker_num"):
             raise ConfigError(

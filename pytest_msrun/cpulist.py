@@ -4,13 +4,19 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+# No CPU, NUMA node or device id reaches this (Linux caps CPUs at 8192 and NUMA nodes at
+# 1024): every range is checked against it before it is expanded.
+MAX_ID = 65535
+
 
 class RangeSyntaxError(ValueError):
     """A range list such as ``0-3,8`` is malformed."""
 
 
-def parse_id_list(text: str, what: str = "CPU") -> list[int]:
-    """``"0-3, 8"`` -> ``[0, 1, 2, 3, 8]`` (sorted, unique). Empty text -> ``[]``."""
+def parse_id_list(text: str, what: str = "CPU", max_id: int = MAX_ID) -> list[int]:
+    """``"0-3, 8"`` -> ``[0, 1, 2, 3, 8]`` (sorted, unique). Empty text -> ``[]``.
+
+    Ids above ``max_id`` cannot exist and are refused before anything is expanded."""
     cleaned = "".join(str(text).split())
     if not cleaned:
         return []
@@ -21,6 +27,8 @@ def parse_id_list(text: str, what: str = "CPU") -> list[int]:
         lo, dash, hi = seg.partition("-")
         if not lo.isdigit() or (dash and not hi.isdigit()):
             raise RangeSyntaxError(f"{what} range segment {seg!r} in {text!r} is not 'N' or 'N-M'")
+        if len(lo) > 6 or len(hi) > 6 or int(lo) > max_id or (dash and int(hi) > max_id):
+            raise RangeSyntaxError(f"{what} id in {seg!r} cannot exist: {what} ids go up to {max_id}")
         start, end = int(lo), int(hi) if dash else int(lo)
         if start > end:
             raise RangeSyntaxError(f"{what} range segment {seg!r} in {text!r}: start exceeds end")

@@ -23,6 +23,16 @@ def task_argv(script: str, args: list[str], python: str = sys.executable, *, mus
     if os.path.isfile(script):
         if os.access(script, os.X_OK):
             return [script if os.sep in script else os.path.join(".", script), *args]
+        interpreter = _shebang(script)
+        if interpreter and not os.path.basename(interpreter[0]).startswith("python"):
+            shown = " ".join(interpreter)
+            raise ConfigError(
+                "",
+                f"task_script {script!r} starts with '#!{shown}' but is not executable, so msrun would run it "
+                f"with Python; make it executable (chmod +x {script}) or name its interpreter "
+                f"(msrun ... {interpreter[-1] if os.path.basename(interpreter[0]) == 'env' else interpreter[0]} "
+                f"{script})",
+            )
         return [python, script, *args]
     if shutil.which(script):
         return [script, *args]
@@ -31,15 +41,20 @@ def task_argv(script: str, args: list[str], python: str = sys.executable, *, mus
     raise ConfigError("", f"task_script {script!r} is neither a file nor a command on PATH")
 
 
-def _shebang_python(path: str) -> str | None:
+def _shebang(path: str) -> list[str]:
+    """The words of a file's ``#!`` line ([] when it has none)."""
     try:
         with open(path, "rb") as fh:
             first = fh.readline(512)
     except OSError:
-        return None
+        return []
     if not first.startswith(b"#!"):
-        return None
-    words = first[2:].decode(errors="replace").split()
+        return []
+    return first[2:].decode(errors="replace").split()
+
+
+def _shebang_python(path: str) -> str | None:
+    words = _shebang(path)
     if not words:
         return None
     if os.path.basename(words[0]) == "env" and len(words) > 1:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO
+from conftest import REPO, free_port
 
 BAD = [
     (["--worker_num=0"], "--worker_num", "greater than 0"),
@@ -37,6 +37,16 @@ BAD = [
     (['--bind_numa={"bind_config": {"bind_cpu_mode": "x"}}'], "--bind_numa", "bind_cpu_mode"),
     (['--bind_core={"bind_config": {}}'], "--bind_core", "belongs to --bind_numa"),
     (["--dist_port=99999"], "--dist_port", "not a TCP port"),
+    # what cannot exist is refused before it is expanded (this one once took 2.4 GB)
+    (['--bind_core={"device0": ["0-99999999999"]}'], "--bind_core", "cannot exist: CPU ids go up to 65535"),
+    (['--bind_numa={"device0": ["70000"]}'], "--bind_numa", "cannot exist"),
+    (["--worker_num=99999999999", "--local_worker_num=1"], "--worker_num", "more than msrun can start"),
+    (
+        ["--worker_num=8", "--local_worker_num=8", "--sim_level=0", "--sim_select=0-99999999999"],
+        "--sim_select",
+        "outside",
+    ),
+    (["--worker_num=2", "--local_worker_num=2", "--tail_worker_log=" + "9" * 5000], "--tail_worker_log", ""),
 ]
 
 
@@ -63,6 +73,35 @@ def test_missing_py_script_is_reported_before_start(msrun):
     job = msrun.run(["--worker_num=1", "--local_worker_num=1", "--join=True", "nope.py"])
     assert job.returncode == 2
     assert "nope.py" in job.stderr and "not found" in job.stderr
+
+
+def test_a_non_executable_shell_script_is_refused_before_start(msrun):
+    """msrun runs a file that is not executable with Python: a #!/bin/sh script would die with a
+    SyntaxError in every rank after the job started."""
+    msrun.script("job.sh", "#!/bin/sh\necho hi\n")
+    job = msrun.run(["--worker_num=1", "--local_worker_num=1", "--join=True", "--log_dir=logs", "job.sh"])
+    assert job.returncode == 2
+    (line,) = [ln for ln in job.stderr.splitlines() if ln.startswith("msrun: error:")]
+    assert "not executable" in line and "chmod +x job.sh" in line and "msrun ... /bin/sh job.sh" in line
+    assert not (msrun.cwd / "logs").exists()
+    (msrun.cwd / "job.sh").chmod(0o755)
+    ok = msrun.run(["--worker_num=1", "--local_worker_num=1", "--join=True", "--log_dir=logs", "job.sh"])
+    assert ok.returncode == 0 and "hi" in ok.log("worker_0.log")
+
+
+def test_two_identical_launches_at_once_one_runs_one_is_refused(msrun):
+    """The port is bound by msrun itself before anything starts (no check-then-bind gap): of two
+    jobs on the same port, one runs and the other exits 2 with nothing created."""
+    msrun.script("x.py", "import time\ntime.sleep(1)\n")
+    for attempt in range(3):
+        args = ["--worker_num=2", "--local_worker_num=2", "--master_port=0", "--join=True", "x.py"]
+        port = free_port()
+        args[2] = f"--master_port={port}"
+        a = msrun.start([*args[:-1], "--dist_port=70000", "--dist_port=-1", f"--log_dir=a{attempt}", "x.py"])
+        b = msrun.start([*args[:-1], "--dist_port=70000", "--dist_port=-1", f"--log_dir=b{attempt}", "x.py"])
+        codes = sorted([msrun.finish(a).returncode, msrun.finish(b).returncode])
+        assert codes == [0, 2], codes
+        assert len([d for d in (f"a{attempt}", f"b{attempt}") if (msrun.cwd / d).exists()]) == 1
 
 
 def test_print_plan_needs_no_task_script_here(msrun):
