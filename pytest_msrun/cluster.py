@@ -200,8 +200,13 @@ def init(timeout: float | None = None) -> None:
                 channel.close()
                 cls = ClusterAborted if kind == "abort" else ClusterError
                 raise cls(f"init() failed on rank {rank}: {reply.get('reason')}")
+        # No finalize() at exit: a process ending with an error must not tell its peers it left
+        # cleanly while it is still shutting down. Its connection must not close during that
+        # shutdown either (the socket object is collected then), or peers hear of it - and may
+        # fail and exit - before msrun sees this process end and names the real first failure:
+        # the descriptor is let go by Python and closed by the kernel when the process exits.
         _group = _Group(rank, world, channel, "cluster")
-        atexit.register(finalize)
+        atexit.register(_keep_connection_until_exit)
 
 
 def _require() -> _Group:
@@ -251,8 +256,17 @@ def broadcast_object(obj: Any = None, src: int = 0, timeout: float | None = None
     return obj if out is None else pickle.loads(out)
 
 
+def _keep_connection_until_exit() -> None:
+    group = _group
+    if group is not None and group.channel is not None:
+        try:
+            group.channel.sock.detach()  # the fd stays open until the process exits
+        except OSError:
+            pass
+
+
 def finalize() -> None:
-    """Leave the group (also run at interpreter exit)."""
+    """Leave the group (peers still in a collective with this rank then get an error)."""
     global _group
     with _init_lock:
         if _group is not None:

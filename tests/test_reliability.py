@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
 import psutil
 import pytest
-from conftest import job_args, read_status, record, wait_for, wait_gone, wait_running
+from conftest import free_port, job_args, read_status, record, wait_for, wait_gone, wait_running
 
 from pytest_msrun import containment
 
@@ -158,3 +159,169 @@ def test_what_escapes_without_a_cgroup(msrun):
     finally:
         for proc in tagged(tag):
             proc.kill()
+
+
+IN_A_COLLECTIVE = """
+import ctypes, os, signal, sys, time
+from pytest_msrun import cluster
+print("started", flush=True)
+cluster.init()
+rank = cluster.get_rank()
+fault = os.environ["FAULT"]
+if fault == "ignores SIGTERM":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+for i in range(int(os.environ.get("ROUNDS", "10000"))):
+    if rank == 1 and i == 20:
+        if fault == "exit 3":
+            sys.exit(3)
+        if fault == "segfault":
+            ctypes.string_at(0)
+        if fault == "SIGKILL":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if fault == "os._exit(0)":
+            os._exit(0)
+        if fault == "ignores SIGTERM":
+            sys.exit(5)
+    try:
+        cluster.barrier()
+    except cluster.ClusterError as exc:
+        print("collective failed:", exc, flush=True)
+        time.sleep(60 if fault == "ignores SIGTERM" else 0)
+        sys.exit(7)
+"""
+FAULTS = {"exit 3": 3, "segfault": 139, "SIGKILL": 137, "os._exit(0)": 7, "ignores SIGTERM": 5}
+
+
+@pytest.mark.parametrize("fault", sorted(FAULTS))
+def test_a_rank_fails_inside_a_collective(msrun, fault):
+    """Rank 1 fails while the others wait in barriers: they are told at once, the job ends with
+    the first failure's status (os._exit(0) is no failure itself: its peers' collective is), and
+    nothing is left - a rank ignoring SIGTERM is killed after the grace period."""
+    msrun.script("coll.py", IN_A_COLLECTIVE)
+    t0 = time.monotonic()
+    job = msrun.run(job_args(4, "coll.py"), env={"FAULT": fault, "MSRUN_TERM_TIMEOUT": "1"}, timeout=60)
+    took = time.monotonic() - t0
+    assert job.returncode == FAULTS[fault], job.stderr
+    assert not wait_gone(msrun.mark)
+    if fault == "os._exit(0)":  # its connection closing or its agent's news, whichever came first
+        assert "collective failed: barrier failed on rank 0: rank 1 left the job (" in job.log("worker_0.log")
+    record(f"rank fails in a collective: {fault}", f"exit {job.returncode}, 0 left", f"job {took:.1f} s")
+
+
+def test_kill_9_of_the_scheduler_ends_the_job(msrun):
+    msrun.script("escapees.py", ESCAPEES)
+    tag = f"sched-{os.getpid()}"
+    popen = msrun.start(job_args(2, "--scheduler=builtin", "escapees.py"), env={"TAG": tag})
+    status = wait_running(msrun.cwd / "logs", 2)
+    sched = next(p["pid"] for p in status["processes"] if p["role"] == "scheduler")
+    t0 = time.monotonic()
+    os.kill(sched, signal.SIGKILL)
+    job = msrun.finish(popen, timeout=30)
+    took = time.monotonic() - t0
+    assert job.returncode == 137, job.stderr
+    assert not wait_none_tagged(tag) and not wait_gone(msrun.mark)
+    record("kill -9 of the scheduler", "exit 137, 0 left", f"{took * 1000:.0f} ms to exit")
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGHUP", "SIGQUIT"])
+def test_every_signal_to_msrun_takes_the_escapees_too(msrun, sig):
+    tag = f"signal-{sig}-{os.getpid()}"
+    msrun.script("escapees.py", ESCAPEES)
+    popen = msrun.start(job_args(2, "escapees.py"), env={"TAG": tag})
+    wait_running(msrun.cwd / "logs", 2)
+    wait_for(lambda: len(tagged(tag)) == 8, timeout=15)
+    popen.send_signal(getattr(signal, sig))
+    job = msrun.finish(popen, timeout=30)
+    expected = 128 + getattr(signal, sig) if sig != "SIGQUIT" else -signal.SIGQUIT
+    assert job.returncode == expected, job.stderr
+    assert not wait_none_tagged(tag, timeout=5) and not wait_gone(msrun.mark)
+    record(f"{sig} to msrun, 8 escapees", "0 left", "")
+
+
+LOUD = """
+import os, sys
+rank = os.environ["RANK_ID"]
+out = sys.stdout.buffer
+for i in range(int(os.environ["LINES"])):
+    out.write(b"line %d of rank %s\\n" % (i, rank.encode()))
+out.write(b"bad utf-8 \\xff\\xfe\\xc3 in rank " + rank.encode() + b"\\n")
+out.write(b"x" * (10 * 1024 * 1024) + b" end of the long line of rank " + rank.encode() + b"\\n")
+out.flush()
+"""
+
+
+def test_output_bursts_lose_no_line(msrun):
+    """200k lines per rank, invalid UTF-8, a 10 MB line: every line of every rank reaches the
+    console, prefixed, in order."""
+    msrun.script("loud.py", LOUD)
+    lines = 200_000
+    proc = subprocess.run(
+        msrun.argv(job_args(2, "loud.py")),
+        cwd=msrun.cwd,
+        env=msrun.env({"LINES": str(lines)}),
+        capture_output=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")
+    out = proc.stdout.split(b"\n")
+    lost = 0
+    for rank in (0, 1):
+        prefix = f"[rank {rank}] ".encode()
+        mine = [ln[len(prefix) :] for ln in out if ln.startswith(prefix)]
+        expected = [b"line %d of rank %d" % (i, rank) for i in range(lines)]
+        assert mine[:lines] == expected
+        assert mine[lines] == b"bad utf-8 \xff\xfe\xc3 in rank %d" % rank
+        assert mine[lines + 1] == b"x" * (10 * 1024 * 1024) + b" end of the long line of rank %d" % rank
+        lost += lines + 2 - len(mine)
+    record(f"output burst: 2 x {lines} lines, invalid UTF-8, a 10 MB line", f"{lost} lines lost", "")
+
+
+def test_64_local_workers(msrun):
+    msrun.script("coll.py", IN_A_COLLECTIVE)
+    t0 = time.monotonic()
+    job = msrun.run(job_args(64, "coll.py"), env={"FAULT": "none", "ROUNDS": "30"}, timeout=300)
+    took = time.monotonic() - t0
+    assert job.returncode == 0, job.stderr
+    assert not wait_gone(msrun.mark)
+    failing = msrun.run(job_args(64, "coll.py"), env={"FAULT": "exit 3", "ROUNDS": "30"}, timeout=300)
+    assert failing.returncode == 3 and not wait_gone(msrun.mark)
+    record("64 local workers: success, then a rank fails", "exit 0, exit 3, 0 left", f"{took:.1f} s")
+
+
+BIG = """
+from pytest_msrun import cluster
+cluster.init()
+cluster.barrier()
+got = cluster.all_gather_object(cluster.get_rank())
+assert got == list(range(cluster.get_group_size()))
+"""
+
+
+def test_512_ranks_on_8_nodes_end_cleanly_under_load(msrun):
+    """8 msrun invocations x 64 workers on loopback: init, barrier, all-gather, and every node
+    ends with 0 - the end of a job is a handshake, not a race between heartbeats and "done"."""
+    msrun.script("big.py", BIG)
+    port = free_port()
+    t0 = time.monotonic()
+    nodes = [
+        msrun.start(
+            [
+                "--worker_num=512",
+                "--local_worker_num=64",
+                f"--master_port={port}",
+                "--join=True",
+                f"--log_dir=n{i}",
+                "--tail_worker_log=0",
+                "big.py",
+            ]
+        )
+        for i in range(8)
+    ]
+    jobs = [msrun.finish(n, timeout=600) for n in nodes]
+    took = time.monotonic() - t0
+    assert [j.returncode for j in jobs] == [0] * 8, [j.stderr[-2000:] for j in jobs if j.returncode]
+    sched = next(p for p in msrun.cwd.glob("n*/scheduler.log"))
+    text = sched.read_text()
+    assert text.count("agent done") == 8 and "lost node" not in text and "aborting" not in text
+    assert not wait_gone(msrun.mark)
+    record("512 ranks on 8 nodes: init, barrier, all-gather", "8 x exit 0, 0 lost nodes", f"{took:.1f} s")
