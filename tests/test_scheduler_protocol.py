@@ -95,6 +95,10 @@ def test_hostile_clients_are_dropped_and_the_job_goes_on(scheduler):
     oversized = _raw(port)
     oversized.sendall(struct.pack(">I", 10**9))
     silent = _raw(port)
+    half_header = _raw(port)
+    half_header.sendall(b"\x00\x00")  # half of a length prefix, then nothing
+    half_body = _raw(port)
+    half_body.sendall(struct.pack(">I", 100) + b'{"t": "hel')  # half a hello, then nothing
     wrongtype = _raw(port)
     wrongtype.sendall(wire.encode({"t": "done"}))
     badtoken = wire.Channel.connect("127.0.0.1", port, timeout=5)
@@ -110,7 +114,8 @@ def test_hostile_clients_are_dropped_and_the_job_goes_on(scheduler):
     for sock in (http, notjson, oversized, wrongtype, malformed.sock):
         assert _closed(sock), sock
     assert badtoken.recv(5)["t"] == "refused" and replayed.recv(5)["t"] == "refused"
-    assert _closed(silent, timeout=5), "a silent client is dropped after the auth timeout"
+    for stalled in (silent, half_header, half_body):
+        assert _closed(stalled, timeout=5), "a silent or stalled client is dropped after the auth timeout"
     assert proc.poll() is None, "the scheduler must survive all of that"
 
     a, b = _agent(port), _agent(port)
