@@ -316,3 +316,15 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.section("msrun reliability")
     for row in rows:
         terminalreporter.write_line("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_config_home(tmp_path_factory):
+    """Multi-node jobs create an msrun secret in XDG_CONFIG_HOME: the session's own, never the user's."""
+    old = os.environ.get("XDG_CONFIG_HOME")
+    os.environ["XDG_CONFIG_HOME"] = str(tmp_path_factory.mktemp("config-home"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CONFIG_HOME", None)
+    else:
+        os.environ["XDG_CONFIG_HOME"] = old
