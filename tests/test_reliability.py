@@ -205,7 +205,8 @@ def test_a_rank_fails_inside_a_collective(msrun, fault):
     assert job.returncode == FAULTS[fault], job.stderr
     assert not wait_gone(msrun.mark)
     if fault == "os._exit(0)":  # its connection closing or its agent's news, whichever came first
-        assert re.search(r"collective failed: barrier failed on rank 0: .*rank 1 left the job \(", job.log("worker_0.log"))
+        said = job.log("worker_0.log")
+        assert re.search(r"collective failed: barrier failed on rank 0: .*rank 1 left the job \(", said), said
     record(f"rank fails in a collective: {fault}", f"exit {job.returncode}, 0 left", f"job {took:.1f} s")
 
 
