@@ -1,6 +1,6 @@
 """``pmsrun`` / ``python -m pytest_msrun``: start the job's guard before anything else.
 
-The job's watchdog and cgroup come first (:mod:`pytest_msrun.containment`, standard library
+The job's watchdog and cgroup come first (:mod:`pytest_msrun.engine.containment`, standard library
 only): moving into a new cgroup waits for an RCU grace period, which then overlaps importing
 and planning instead of delaying the first process. A quick look at the arguments decides
 whether this is a launch at all (not ``--help`` or ``--print_plan``); when unsure it is, and the
@@ -36,10 +36,10 @@ def main(argv: list[str] | None = None) -> int:
     guard = None
     job_id = os.urandom(8).hex()
     if _launches(args):
-        from pytest_msrun.containment import JobGuard
+        from pytest_msrun.engine.containment import JobGuard
 
         guard = JobGuard(job_id, dict(os.environ))
-    from pytest_msrun.cli import main as cli_main
+    from pytest_msrun.engine.cli import main as cli_main
 
     return cli_main(args, guard=guard, job_id=job_id)
 

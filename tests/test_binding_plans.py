@@ -11,8 +11,8 @@ import pytest
 from pytest_msrun.binding.flags import parse_bind_value
 from pytest_msrun.binding.strategies import BindingError
 from pytest_msrun.binding.topology import Topology
-from pytest_msrun.config import LaunchConfig
-from pytest_msrun.plan import NodeFacts, build_plan
+from pytest_msrun.engine.config import LaunchConfig
+from pytest_msrun.engine.plan import NodeFacts, build_plan
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TOOLS = {"taskset": "/usr/bin/taskset", "numactl": "/usr/bin/numactl"}

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from conftest import ENV_DUMP, MARK, REPO, free_port, wait_gone
 
-from pytest_msrun.childenv import TORCH_STYLE_VARS
+from pytest_msrun.engine.childenv import TORCH_STYLE_VARS
 
 pytestmark = pytest.mark.mindspore
 

@@ -17,7 +17,7 @@ from conftest import REPO, record
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pytest_msrun.cli import plan_from_args
+from pytest_msrun.engine.cli import plan_from_args
 
 SNAPSHOT = REPO / "fixtures" / "dgx_8gpu_2numa.json"
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from pytest_msrun.binding.flags import parse_bind_value
-from pytest_msrun.childenv import DRY_RUN_VARS
-from pytest_msrun.config import LaunchConfig
-from pytest_msrun.plan import NodeFacts, RankAssignment, build_plan
+from pytest_msrun.engine.childenv import DRY_RUN_VARS
+from pytest_msrun.engine.config import LaunchConfig
+from pytest_msrun.engine.plan import NodeFacts, RankAssignment, build_plan
 
 PY = sys.executable
 
@@ -46,7 +46,7 @@ def test_single_node_scheduler_and_workers():
     plan = build_plan(cfg(log_dir="msrun_log"), facts())
     assert [p.name for p in plan.processes] == ["scheduler", "worker_0", "worker_1", "worker_2", "worker_3"]
     sched = plan.scheduler
-    assert sched.argv == [PY, "-S", "-m", "pytest_msrun.scheduler"]
+    assert sched.argv == [PY, "-S", "-m", "pytest_msrun.control.scheduler"]
     assert sched.log_path == "msrun_log/scheduler.log"
     for key, value in {
         "MS_ROLE": "MS_SCHED",
@@ -116,7 +116,7 @@ def test_task_and_mindspore_scheduler_commands():
         # The builtin control plane in every mode but task; auto and mindspore add a MindSpore
         # scheduler behind it, run with the task's interpreter.
         plan = build_plan(cfg(), facts(scheduler_mode=mode))
-        assert plan.scheduler.argv[-2:] == ["-m", "pytest_msrun.scheduler"]
+        assert plan.scheduler.argv[-2:] == ["-m", "pytest_msrun.control.scheduler"]
         assert plan.scheduler.env["MSRUN_SCHEDULER"] == mode
         assert plan.scheduler.env.get("MSRUN_TASK_PYTHON") == (None if mode == "builtin" else PY)
         assert "MSRUN_JOB_TOKEN" in plan.workers[0].env

@@ -17,7 +17,7 @@ import psutil
 import pytest
 from conftest import free_port, job_args, read_status, record, wait_for, wait_gone, wait_running
 
-from pytest_msrun import containment
+from pytest_msrun.engine import containment
 
 # A rank that starts every kind of process that leaves its process group, then waits.
 ESCAPEES = """

@@ -12,7 +12,7 @@ import time
 import pytest
 from conftest import REPO, free_port, wait_for
 
-from pytest_msrun import wire
+from pytest_msrun.control import wire
 
 
 def start_scheduler(tmp_path, **extra: str):
@@ -31,7 +31,7 @@ def start_scheduler(tmp_path, **extra: str):
     log = tmp_path / "scheduler.log"
     with open(log, "w") as fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest_msrun.scheduler"], env=env, stdout=fh, stderr=subprocess.STDOUT
+            [sys.executable, "-m", "pytest_msrun.control.scheduler"], env=env, stdout=fh, stderr=subprocess.STDOUT
         )
     wait_for(lambda: "listening" in log.read_text())
     return port, proc, log

@@ -20,7 +20,7 @@ import pytest
 from conftest import REPO, free_port, job_args, record, wait_for, wait_running
 from test_scheduler_protocol import AGENT, start_scheduler
 
-from pytest_msrun import wire
+from pytest_msrun.control import wire
 
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
@@ -204,7 +204,7 @@ def test_out_of_file_descriptors_does_not_spin(tmp_path):
     }
     with open(log, "w") as fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest_msrun.scheduler"],
+            [sys.executable, "-m", "pytest_msrun.control.scheduler"],
             env=env,
             stdout=fh,
             stderr=subprocess.STDOUT,

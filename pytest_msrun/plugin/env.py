@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, MutableMapping
 
-from pytest_msrun.childenv import PLUGIN_ROLE_VAR
+from pytest_msrun.engine.childenv import PLUGIN_ROLE_VAR
 
 CONTROLLER, RANK, SCHEDULER, FOREIGN = "controller", "rank", "scheduler", "foreign"
 

@@ -20,7 +20,7 @@ ENV_PREFIXES = ("MS_", "RANK", "DEVICE_ID", "LOCAL_", "WORLD_SIZE", "GROUP_", "M
 
 @dataclass
 class MsrunContext:
-    """The job as seen from one rank; collectives go through :mod:`pytest_msrun.cluster`."""
+    """The job as seen from one rank; collectives go through :mod:`pytest_msrun.control.cluster`."""
 
     rank: int
     world_size: int

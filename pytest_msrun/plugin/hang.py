@@ -25,9 +25,13 @@ _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"])
 # Where a rank waits on its peers: these frames name the collective; user code calls them.
-_COLLECTIVE_FILES = (os.path.join(_PACKAGE, "cluster.py"), os.path.join(_PACKAGE, "plugin", "fixtures.py"))
+_COLLECTIVE_FILES = (
+    os.path.join(_PACKAGE, "control", "cluster.py"),
+    os.path.join(_PACKAGE, "cluster.py"),
+    os.path.join(_PACKAGE, "plugin", "fixtures.py"),
+)
 _HARNESS = ("_pytest", "pluggy", os.sep + "pytest" + os.sep)
-_INTERNAL = (os.path.join(_PACKAGE, "wire.py"), os.path.join(_PACKAGE, "plugin"))
+_INTERNAL = (os.path.join(_PACKAGE, "control"), os.path.join(_PACKAGE, "plugin"))
 MAX_CALLERS = 2
 
 Frame = tuple[str, int, str]  # file, line, function

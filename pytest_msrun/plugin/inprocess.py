@@ -2,7 +2,7 @@
 
 For ``--pdb`` and debuggers. During a marked test the process has the variables a one-rank msrun
 job gives its worker (``RANK_ID=0``, ``RANK_SIZE=1``, ``LOCAL_RANK=0``, ``WORLD_SIZE=1``, a free
-``MASTER_PORT`` for torch ``env://``, ...) - but no scheduler, so ``pytest_msrun.cluster`` forms a
+``MASTER_PORT`` for torch ``env://``, ...) - but no scheduler, so ``pytest_msrun.control.cluster`` forms a
 local group of one; afterwards the environment is restored exactly.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Generator
 
 import pytest
 
-from pytest_msrun import childenv
+from pytest_msrun.engine import childenv
 from pytest_msrun.netaddr import free_port
 from pytest_msrun.plugin.marker import MARKER
 

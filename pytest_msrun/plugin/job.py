@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from pytest_msrun.observer import query_state
+from pytest_msrun.control.observer import query_state
+from pytest_msrun.engine.procs import with_parent_death_signal
+from pytest_msrun.engine.simselect import select_ranks
+from pytest_msrun.engine.status import STATUS_FILE, node_status_file, read_status
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, SHARED_TMP_ENV, stacks_path
 from pytest_msrun.plugin.verdict import RankEnd
-from pytest_msrun.procs import with_parent_death_signal
-from pytest_msrun.simselect import select_ranks
-from pytest_msrun.status import STATUS_FILE, node_status_file, read_status
 
 STACK_WAIT = 2.0
 CLI = "pmsrun"  # how a user types this project's msrun

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from pytest_msrun.binding.flags import BindFlagError, parse_bind_value
-from pytest_msrun.config import SCHEDULER_MODES, SIM_LEVELS
-from pytest_msrun.simselect import SelectionError, select_ranks
+from pytest_msrun.engine.config import SCHEDULER_MODES, SIM_LEVELS
+from pytest_msrun.engine.simselect import SelectionError, select_ranks
 
 MARKER = "msrun"
 DEFAULT_TIMEOUT = 300.0

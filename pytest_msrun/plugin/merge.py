@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 from _pytest._code.code import ReprFileLocation, TerminalRepr
 
+from pytest_msrun.engine.summary import extract_traceback, log_text
 from pytest_msrun.plugin.hang import diagnosis
 from pytest_msrun.plugin.job import JobRun
 from pytest_msrun.plugin.rank import read_log
 from pytest_msrun.plugin.records import RankLog, load_rank_log, records_path
 from pytest_msrun.plugin.verdict import Judge, PhaseVerdict, RankEnd, RankIssue, TestVerdict, ranks_text
-from pytest_msrun.summary import extract_traceback, log_text
 
 MAX_RANK_SECTIONS = 8  # per-rank sections shown in a report; big dry runs list the rest compactly
 

@@ -102,7 +102,7 @@ class RankPlugin:
         if not self.controlled:
             self.default_timeout = default_timeout(config)
             # msrun prints one table of every test on every rank when the job ends.
-            from pytest_msrun.hooks import register
+            from pytest_msrun.engine.hooks import register
 
             register(directory, "pytest", "pytest_msrun.plugin.suite:job_report")
 
@@ -224,7 +224,7 @@ class RankPlugin:
 
     def _timed_out(self, nodeid: str, seconds: float) -> None:
         """Record where this rank was and what the control plane knew, then end the rank."""
-        from pytest_msrun.observer import query_from_env
+        from pytest_msrun.control.observer import query_from_env
 
         when = self.current[1] if self.current and self.current[0] == nodeid else "setup"
         stack = ""

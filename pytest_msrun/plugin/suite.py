@@ -1,6 +1,6 @@
 """``msrun pytest tests/``: after the job, one table of every test on every rank.
 
-Each rank's pytest registers this reporter with msrun (:mod:`pytest_msrun.hooks`) and writes its
+Each rank's pytest registers this reporter with msrun (:mod:`pytest_msrun.engine.hooks`) and writes its
 records into the job's log directory; when the job ends msrun calls :func:`job_report` with the
 job's status. Verdicts come from :mod:`.verdict` - the rule plugin mode uses - fed with how every
 rank's process ended: a rank that died inside a test failed that test (with its signal or exit
@@ -13,10 +13,10 @@ from __future__ import annotations
 import os
 import time
 
+from pytest_msrun.engine.status import JobStatus
 from pytest_msrun.plugin.hang import diagnosis
 from pytest_msrun.plugin.records import RankLog, load_rank_log, records_path, stacks_path
 from pytest_msrun.plugin.verdict import RankEnd, TestVerdict, judge, ranks_text
-from pytest_msrun.status import JobStatus
 
 REPORTER = "pytest_msrun.plugin.suite:job_report"
 FAILING = ("failed", "error")

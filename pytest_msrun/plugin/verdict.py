@@ -22,9 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pytest_msrun.engine.procs import describe_returncode
+from pytest_msrun.engine.status import ProcessStatus
 from pytest_msrun.plugin.records import PHASES, RankLog, RankTest
-from pytest_msrun.procs import describe_returncode
-from pytest_msrun.status import ProcessStatus
 
 STRICT_XPASS = "[XPASS(strict)]"
 

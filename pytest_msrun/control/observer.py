@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from pytest_msrun import wire
+from pytest_msrun.control import wire
 
 
 def query_state(host: str, port: int, token: str, timeout: float = 2.0) -> dict[str, Any] | None:

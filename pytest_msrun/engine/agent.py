@@ -20,14 +20,15 @@ from array import array
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
-from pytest_msrun import console, procs, wire
-from pytest_msrun.config import CONTROL_PLANE_MODES, LaunchConfig
-from pytest_msrun.containment import JobGuard
+from pytest_msrun.control import wire
+from pytest_msrun.engine import console, procs
+from pytest_msrun.engine.config import CONTROL_PLANE_MODES, LaunchConfig
+from pytest_msrun.engine.containment import JobGuard
+from pytest_msrun.engine.plan import LaunchPlan, NodeFacts, ProcessSpec, RankAssignment, build_plan, effective_dist_port
+from pytest_msrun.engine.status import STATUS_FILE, JobStatus, ProcessStatus, node_status_file, write_status
+from pytest_msrun.engine.summary import Failure, failure_of, render
+from pytest_msrun.engine.tail import LogTailer, prefix_for
 from pytest_msrun.netaddr import format_hostport, free_port, listen_socket, port_is_free
-from pytest_msrun.plan import LaunchPlan, NodeFacts, ProcessSpec, RankAssignment, build_plan, effective_dist_port
-from pytest_msrun.status import STATUS_FILE, JobStatus, ProcessStatus, node_status_file, write_status
-from pytest_msrun.summary import Failure, failure_of, render
-from pytest_msrun.tail import LogTailer, prefix_for
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 EXIT_LAUNCH_ERROR = 1
@@ -622,7 +623,7 @@ class Agent:
             self.tailer.stop()
             self.tailer = None
         if self.cfg.join and not self.detached:
-            from pytest_msrun.hooks import run_job_end
+            from pytest_msrun.engine.hooks import run_job_end
 
             for text in run_job_end(self.status(state, code)):
                 console.out(text)
@@ -760,7 +761,7 @@ class DryRun:
         self.next_progress = time.monotonic() + self.PROGRESS_SECONDS
 
     def _reason(self, child: procs.Child) -> str:
-        from pytest_msrun.summary import extract_traceback, log_text
+        from pytest_msrun.engine.summary import extract_traceback, log_text
 
         assert child.returncode is not None
         how = procs.describe_returncode(child.returncode)

@@ -6,8 +6,8 @@ import os
 import time
 from dataclasses import dataclass
 
-from pytest_msrun.procs import describe_returncode
-from pytest_msrun.tail import tail_size
+from pytest_msrun.engine.procs import describe_returncode
+from pytest_msrun.engine.tail import tail_size
 
 TAIL_LINES = 20
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import os
 import sys
 
-from pytest_msrun.config import LaunchConfig
-from pytest_msrun.containment import JobGuard
-from pytest_msrun.plan import NodeFacts
+from pytest_msrun.engine.config import LaunchConfig
+from pytest_msrun.engine.containment import JobGuard
+from pytest_msrun.engine.plan import NodeFacts
 
 SUPERVISOR_LOG = "msrun_supervisor.log"
 
@@ -53,7 +53,7 @@ def launch_detached(cfg: LaunchConfig, facts: NodeFacts, guard: JobGuard) -> int
 
 
 def _supervise(cfg: LaunchConfig, facts: NodeFacts, write_fd: int, guard: JobGuard) -> int:
-    from pytest_msrun.agent import Agent
+    from pytest_msrun.engine.agent import Agent
 
     def console_done(code: int) -> None:
         sys.stdout.flush()

@@ -1,4 +1,4 @@
-"""The builtin control plane: ``python -m pytest_msrun.scheduler`` (``MS_ROLE=MS_SCHED``).
+"""The builtin control plane: ``python -m pytest_msrun.control.scheduler`` (``MS_ROLE=MS_SCHED``).
 
 One single-threaded event loop serves two kinds of authenticated clients:
 
@@ -6,7 +6,7 @@ One single-threaded event loop serves two kinds of authenticated clients:
   ranks are registered every agent gets its rank offset, so each worker starts with its final
   ``RANK_ID``. Agents heartbeat and report failures, which are broadcast so every node tears
   down at once.
-* **ranks** (``pytest_msrun.cluster.init()`` in a worker) join, then run collectives
+* **ranks** (``pytest_msrun.control.cluster.init()`` in a worker) join, then run collectives
   (barrier, all-gather, broadcast) relayed here as opaque bytes; a rank that leaves, fails, or
   whose process exits (agents report every worker exit) turns every blocked ``init()`` or
   collective into an error instead of a hang.
@@ -15,7 +15,7 @@ One single-threaded event loop serves two kinds of authenticated clients:
 
 A connection that opens with MindSpore's RPC magic is a MindSpore worker calling
 ``mindspore.communication.init()``: with ``--scheduler=auto`` or ``mindspore`` it is relayed to a
-MindSpore scheduler this process starts (:mod:`pytest_msrun.msbridge`); with ``builtin`` the job
+MindSpore scheduler this process starts (:mod:`pytest_msrun.control.msbridge`); with ``builtin`` the job
 fails at once, naming the flag that fixes it. Any other client that sends garbage, an oversized
 frame, a wrong token, or nothing at all is dropped; the job goes on. Exit status: 0 when every
 agent reported success, 1 otherwise.
@@ -30,7 +30,7 @@ import socket
 import sys
 import time
 
-from pytest_msrun import wire
+from pytest_msrun.control import wire
 
 # This module is the scheduler process's whole start-up: it imports no typing, dataclasses,
 # contextlib or hashlib, so the control plane is up while the workers are still starting.
@@ -592,7 +592,7 @@ class Scheduler:
 
     def _bridge(self) -> Any:
         if self.bridge is None:
-            from pytest_msrun.msbridge import MindSporeBridge
+            from pytest_msrun.control.msbridge import MindSporeBridge
 
             self.bridge = MindSporeBridge(self.env, log)
         return self.bridge

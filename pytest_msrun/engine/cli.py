@@ -7,15 +7,26 @@ import os
 import socket
 import sys
 
-from pytest_msrun import console
+import pytest_msrun
 from pytest_msrun.binding.flags import BindFlagError, BindSpec, parse_bind_value
 from pytest_msrun.binding.strategies import BindingError
-from pytest_msrun.config import CONTROL_PLANE_MODES, SCHEDULER_MODES, ConfigError, LaunchConfig, parse_join, validate
-from pytest_msrun.containment import JobGuard
-from pytest_msrun.jobtoken import job_token
+from pytest_msrun.engine import console
+from pytest_msrun.engine.config import (
+    CONTROL_PLANE_MODES,
+    SCHEDULER_MODES,
+    ConfigError,
+    LaunchConfig,
+    parse_join,
+    validate,
+)
+from pytest_msrun.engine.containment import JobGuard
+from pytest_msrun.engine.jobtoken import job_token
+from pytest_msrun.engine.plan import LaunchPlan, NodeFacts, build_plan
+from pytest_msrun.engine.taskcmd import task_argv, task_python
 from pytest_msrun.netaddr import AddressError, is_local_address, resolve_master_addr, source_ip_towards
-from pytest_msrun.plan import LaunchPlan, NodeFacts, build_plan
-from pytest_msrun.taskcmd import task_argv, task_python
+
+# The directory that holds the pytest_msrun package (the scheduler runs with -S, without site).
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(pytest_msrun.__file__)))
 
 
 def _join_type(value: str) -> bool:
@@ -255,7 +266,7 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str], job_id: str) -> NodeFac
         master_port=cfg.master_port,
         dist_port=cfg.dist_port,
         base_env=env,
-        package_root=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        package_root=PACKAGE_ROOT,
         topology=topology,
         tools=tools,
     )
@@ -299,10 +310,10 @@ def main(argv: list[str] | None = None, guard: JobGuard | None = None, job_id: s
         if guard is None:  # the entry point guessed "not a launch" (or was not used)
             guard = JobGuard(job_id, env)
         if not cfg.join:
-            from pytest_msrun.detach import launch_detached
+            from pytest_msrun.engine.detach import launch_detached
 
             return launch_detached(cfg, facts, guard)
-        from pytest_msrun.agent import Agent
+        from pytest_msrun.engine.agent import Agent
 
         return Agent(cfg, facts, guard=guard).run()
     finally:

@@ -3,7 +3,7 @@
 Every child runs in its own session (so a tty stays readable for ``pdb``, as with msrun) and
 gets ``PR_SET_PDEATHSIG=SIGKILL``. The launcher is a child subreaper, so descendants orphaned
 by a dying child are re-parented to it and swept. What survives a SIGKILLed launcher is the
-business of :mod:`pytest_msrun.containment` (the job's cgroup and its watchdog).
+business of :mod:`pytest_msrun.engine.containment` (the job's cgroup and its watchdog).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import IO
 
-from pytest_msrun.plan import ProcessSpec
+from pytest_msrun.engine.plan import ProcessSpec
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36

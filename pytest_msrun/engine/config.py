@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from pytest_msrun.binding.flags import BindSpec
-from pytest_msrun.simselect import SelectionError, select_ranks
+from pytest_msrun.engine.simselect import SelectionError, select_ranks
 
 SCHEDULER_MODES = ("auto", "builtin", "mindspore", "task")
 # Modes whose scheduler process is the builtin control plane (auto and mindspore add a MindSpore

@@ -6,7 +6,7 @@ import os
 import shutil
 import sys
 
-from pytest_msrun.config import COMMAND_TASKS, ConfigError
+from pytest_msrun.engine.config import COMMAND_TASKS, ConfigError
 
 
 def task_argv(script: str, args: list[str], python: str = sys.executable, *, must_exist: bool = True) -> list[str]:

@@ -14,7 +14,7 @@ import importlib
 import os
 from collections.abc import Callable
 
-from pytest_msrun.status import JobStatus
+from pytest_msrun.engine.status import JobStatus
 
 HOOK_DIR = "msrun_hooks"
 

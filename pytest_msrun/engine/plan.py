@@ -12,12 +12,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from pytest_msrun import childenv
 from pytest_msrun.binding.strategies import Placement, plan_bindings
 from pytest_msrun.binding.topology import Topology
-from pytest_msrun.config import CONTROL_PLANE_MODES, LaunchConfig
 from pytest_msrun.cpulist import format_id_list
-from pytest_msrun.simselect import select_ranks
+from pytest_msrun.engine import childenv
+from pytest_msrun.engine.config import CONTROL_PLANE_MODES, LaunchConfig
+from pytest_msrun.engine.simselect import select_ranks
 
 SIM_PLAN_PREVIEW = 256  # a dry run's plan lists at most this many processes; the agent builds the rest
 
@@ -259,7 +259,7 @@ def build_plan(
         if control_plane:
             # -S: the control plane needs the standard library and this package only, so skip
             # site-packages processing (.pth files) - it is on the launch's critical path.
-            argv = [facts.python, "-S", "-m", "pytest_msrun.scheduler"]
+            argv = [facts.python, "-S", "-m", "pytest_msrun.control.scheduler"]
             if facts.package_root:
                 sched_env["PYTHONPATH"] = os.pathsep.join(filter(None, [facts.package_root, base.get("PYTHONPATH")]))
                 sched_env["MSRUN_ORIG_PYTHONPATH"] = base.get("PYTHONPATH", "")

@@ -6,7 +6,7 @@ magic (``RPC``); the builtin scheduler hands each such connection to this bridge
 MindSpore scheduler process (``MS_ROLE=MS_SCHED`` + ``init()``) on a private port of the same
 address and relays bytes both ways. So a job that never calls MindSpore's ``init()`` pays nothing,
 a job that does is served, and the builtin control plane (ranks before start, cross-node aborts,
-:mod:`pytest_msrun.cluster`) keeps working beside it.
+:mod:`pytest_msrun.control.cluster`) keeps working beside it.
 
 The MindSpore scheduler waits for its workers without a topology timeout of its own (the workers
 apply ``MS_TOPO_TIMEOUT``); it is stopped when the job ends, and if it exits with an error while the

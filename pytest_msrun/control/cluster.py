@@ -1,0 +1,290 @@
+"""In-rank API, modelled on ``mindspore.communication``: ``init``, ranks, collectives.
+
+Under ``msrun`` with the builtin scheduler, :func:`init` joins the job's communication group
+through the control plane; :func:`barrier`, :func:`all_gather_object` and
+:func:`broadcast_object` then synchronise ranks. If a peer dies or leaves, a rank blocked in a
+collective gets :class:`ClusterAborted`/:class:`ClusterError` promptly instead of hanging.
+
+In a dry run (``MS_SIMULATION_LEVEL``) :func:`init` succeeds without a scheduler and ranks and
+sizes come from the environment; simulated ranks run independently (even in separate waves),
+so :func:`barrier` returns at once - the one collective whose meaning survives - while
+:func:`all_gather_object` and :func:`broadcast_object`, whose results would need the other
+ranks, raise :class:`ClusterError`. Outside msrun (no ``MS_ROLE``) the group is a world of one
+and every collective completes locally.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import socket
+import threading
+import time
+from typing import Any
+
+from pytest_msrun.control import wire
+
+__all__ = [
+    "ClusterAborted",
+    "ClusterError",
+    "all_gather_object",
+    "barrier",
+    "broadcast_object",
+    "finalize",
+    "get_group_size",
+    "get_local_rank",
+    "get_local_rank_size",
+    "get_rank",
+    "init",
+    "is_dryrun",
+    "is_initialized",
+]
+
+NOT_INITED = (
+    "Distributed Communication has not been inited.You can't invoke this interface yet. "
+    "Please call `init()` method first."
+)
+
+
+class ClusterError(RuntimeError):
+    """A collective or the group itself failed."""
+
+
+class ClusterAborted(ClusterError):
+    """The job is being torn down because another process failed."""
+
+
+def _env_int(name: str, default: int, env: dict[str, str] | None = None) -> int:
+    value = (env if env is not None else os.environ).get(name, "")
+    try:
+        return int(value) if value.strip() else default
+    except ValueError:
+        return default
+
+
+class _Group:
+    def __init__(self, rank: int, world: int, channel: wire.Channel | None, mode: str) -> None:
+        self.rank = rank
+        self.world = world
+        self.channel = channel
+        self.mode = mode  # "cluster" | "dryrun" | "standalone"
+        self.seq = 0
+        self.lock = threading.Lock()
+
+    def collective(self, op: str, data: bytes | None, src: int, timeout: float | None) -> Any:
+        if self.mode == "dryrun" and op != "barrier":
+            name = "all_gather_object" if op == "gather" else "broadcast_object"
+            raise ClusterError(
+                f"{name} is not available in a dry run (MS_SIMULATION_LEVEL): simulated ranks run "
+                "independently and cannot see each other's objects; derive other ranks' values from "
+                "get_rank()/get_group_size() instead"
+            )
+        if self.channel is None:
+            if op == "gather":
+                return [data] * self.world
+            return data
+        with self.lock:
+            self.seq += 1
+            seq = self.seq
+            msg: dict[str, Any] = {"t": "coll", "op": op, "seq": seq, "src": src}
+            if data is not None:
+                msg["data"] = wire.pack_data(data)
+            try:
+                self.channel.send(msg)
+            except OSError as exc:
+                raise ClusterError(f"{op}: lost the scheduler connection ({exc})") from None
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while True:
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    reply = self.channel.recv(remaining)
+                except socket.timeout:
+                    raise ClusterError(f"{op} timed out after {timeout:g} s on rank {self.rank}") from None
+                except (OSError, wire.ProtocolError) as exc:
+                    raise ClusterError(f"{op}: lost the scheduler connection ({exc})") from None
+                kind = reply.get("t")
+                if kind == "abort":
+                    raise ClusterAborted(f"job aborted: {reply.get('reason')}")
+                if kind == "error":
+                    raise ClusterError(f"{op} failed on rank {self.rank}: {reply.get('reason')}")
+                if kind == "coll" and reply.get("seq") == seq:
+                    data_out = reply.get("data")
+                    if op == "gather":
+                        return [wire.unpack_data(d) for d in data_out]
+                    return None if data_out is None else wire.unpack_data(data_out)
+
+    def close(self) -> None:
+        if self.channel is not None:
+            try:
+                self.channel.send({"t": "bye"})
+            except OSError:
+                pass
+            self.channel.close()
+            self.channel = None
+
+
+_group: _Group | None = None
+_init_lock = threading.Lock()
+
+
+def is_dryrun() -> bool:
+    """True inside an ``msrun --sim_level`` dry run."""
+    return bool(os.environ.get("MS_SIMULATION_LEVEL", "").strip())
+
+
+def is_initialized() -> bool:
+    return _group is not None
+
+
+def _connect(host: str, port: int, deadline: float) -> wire.Channel:
+    last: Exception | None = None
+    while True:
+        try:
+            return wire.Channel.connect(host, port, timeout=max(0.1, min(5.0, deadline - time.monotonic())))
+        except OSError as exc:
+            last = exc
+        if time.monotonic() >= deadline:
+            raise ClusterError(f"cannot reach the scheduler at {host}:{port}: {last}")
+        time.sleep(0.05)
+
+
+def init(timeout: float | None = None) -> None:
+    """Join the job's communication group (blocks until every rank joined)."""
+    global _group
+    with _init_lock:
+        if _group is not None:
+            return
+        env = dict(os.environ)
+        world = _env_int("RANK_SIZE", 1, env)
+        rank = _env_int("RANK_ID", 0, env)
+        if is_dryrun():
+            _group = _Group(rank, world, None, "dryrun")
+            return
+        role = env.get("MS_ROLE", "")
+        if not role:
+            if world > 1:
+                raise ClusterError(f"RANK_SIZE={world} but this process was not started by msrun (no MS_ROLE)")
+            _group = _Group(rank, world, None, "standalone")
+            return
+        if role != "MS_WORKER":
+            raise ClusterError(f"init() is for workers; this process has MS_ROLE={role}")
+        mode = env.get("MSRUN_SCHEDULER", "")
+        if mode not in ("auto", "builtin", "mindspore"):
+            raise ClusterError(
+                "pytest_msrun.control.cluster needs msrun's builtin control plane, but this job runs "
+                f"--scheduler={mode or '?'} (the task itself is the scheduler); "
+                "launch with msrun --scheduler=auto, builtin or mindspore"
+            )
+        if "RANK_ID" not in env:
+            raise ClusterError("RANK_ID is not set: this worker's rank is unknown")
+        if timeout is None:
+            topo = _env_int("MS_TOPO_TIMEOUT", 600, env)
+            timeout = None if topo < 0 else float(topo)
+        deadline = time.monotonic() + (timeout if timeout is not None else 10**9)
+        while True:
+            channel = _connect(env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"]), deadline)
+            try:
+                channel.handshake(
+                    {"t": "hello", "kind": "rank", "rank": rank, "world": world},
+                    env.get("MSRUN_JOB_TOKEN", ""),
+                    max(0.1, deadline - time.monotonic()),
+                )
+                break
+            except wire.AuthError as exc:
+                channel.close()
+                raise ClusterError(f"init() failed on rank {rank}: {exc}") from None
+            except (OSError, socket.timeout, wire.ProtocolError) as exc:
+                # Dropped before it could authenticate (a flood of other connections): again.
+                channel.close()
+                if time.monotonic() >= deadline:
+                    raise ClusterError(f"init() failed on rank {rank}: {exc}") from None
+                time.sleep(0.05)
+        while True:
+            try:
+                reply = channel.recv(max(0.0, deadline - time.monotonic()))
+            except socket.timeout:
+                channel.close()
+                raise ClusterError(f"init() timed out after {timeout:g} s waiting for all {world} ranks") from None
+            except (OSError, wire.ProtocolError) as exc:
+                channel.close()
+                raise ClusterError(f"init(): lost the scheduler connection ({exc})") from None
+            kind = reply.get("t")
+            if kind == "ready":
+                break
+            if kind in ("refused", "error", "abort"):
+                channel.close()
+                cls = ClusterAborted if kind == "abort" else ClusterError
+                raise cls(f"init() failed on rank {rank}: {reply.get('reason')}")
+        # No finalize() at exit: a process ending with an error must not tell its peers it left
+        # cleanly while it is still shutting down. Its connection must not close during that
+        # shutdown either (the socket object is collected then), or peers hear of it - and may
+        # fail and exit - before msrun sees this process end and names the real first failure:
+        # the descriptor is let go by Python and closed by the kernel when the process exits.
+        _group = _Group(rank, world, channel, "cluster")
+        atexit.register(_keep_connection_until_exit)
+
+
+def _require() -> _Group:
+    if _group is None:
+        raise ClusterError(NOT_INITED)
+    return _group
+
+
+def get_rank() -> int:
+    """This process's global rank (``RANK_ID`` before :func:`init`)."""
+    return _group.rank if _group is not None else _env_int("RANK_ID", 0)
+
+
+def get_group_size() -> int:
+    """Number of ranks in the job (``RANK_SIZE`` before :func:`init`)."""
+    return _group.world if _group is not None else _env_int("RANK_SIZE", 1)
+
+
+def get_local_rank() -> int:
+    """Index of this rank on its node."""
+    return _env_int("LOCAL_RANK", 0)
+
+
+def get_local_rank_size() -> int:
+    """Number of ranks on this node."""
+    return _env_int("LOCAL_RANK_SIZE", _env_int("LOCAL_WORLD_SIZE", 1))
+
+
+def barrier(timeout: float | None = None) -> None:
+    """Block until every rank reached this barrier."""
+    _require().collective("barrier", None, 0, timeout)
+
+
+def all_gather_object(obj: Any, timeout: float | None = None) -> list[Any]:
+    """Every rank's ``obj``, indexed by rank (objects must be picklable)."""
+    parts = _require().collective("gather", pickle.dumps(obj), 0, timeout)
+    return [pickle.loads(p) for p in parts]
+
+
+def broadcast_object(obj: Any = None, src: int = 0, timeout: float | None = None) -> Any:
+    """``obj`` of rank ``src``, on every rank."""
+    group = _require()
+    if not 0 <= src < group.world:
+        raise ValueError(f"src {src} is outside 0..{group.world - 1}")
+    data = pickle.dumps(obj) if group.rank == src else None
+    out = group.collective("bcast", data, src, timeout)
+    return obj if out is None else pickle.loads(out)
+
+
+def _keep_connection_until_exit() -> None:
+    group = _group
+    if group is not None and group.channel is not None:
+        try:
+            group.channel.sock.detach()  # the fd stays open until the process exits
+        except OSError:
+            pass
+
+
+def finalize() -> None:
+    """Leave the group (peers still in a collective with this rank then get an error)."""
+    global _group
+    with _init_lock:
+        if _group is not None:
+            _group.close()
+            _group = None
