@@ -11,7 +11,7 @@ import pytest
 from pytest_msrun.binding.flags import parse_bind_value
 from pytest_msrun.engine.childenv import DRY_RUN_VARS
 from pytest_msrun.engine.config import LaunchConfig
-from pytest_msrun.engine.plan import NodeFacts, RankAssignment, build_plan
+from pytest_msrun.engine.plan import NodeFacts, RankAssignment, assign, build_plan
 
 PY = sys.executable
 
@@ -85,7 +85,7 @@ def test_node_rank_ignored_on_single_node():
 def test_multi_node_builtin_waits_for_the_control_plane():
     plan = build_plan(cfg(worker_num=8, local_worker_num=4, node_rank=1), facts())
     assert plan.ranks_pending and all(w.rank is None for w in plan.workers)
-    plan = build_plan(cfg(worker_num=8, local_worker_num=4, node_rank=1), facts(), assignment=RankAssignment(3, 1, 2))
+    plan = assign(plan, RankAssignment(3, 1, 2))
     assert [w.rank for w in plan.workers] == [3, 4, 5, 6]
     assert [w.log_path for w in plan.workers] == [f"worker_{r}.log" for r in (3, 4, 5, 6)]
     assert plan.workers[0].env["GROUP_RANK"] == "1" and plan.workers[0].env["GROUP_WORLD_SIZE"] == "2"
@@ -155,7 +155,7 @@ def test_dry_run_single_rank():
 
 def test_dry_run_runs_every_rank_not_one_when_over_128():
     plan = build_plan(cfg(worker_num=4096, local_worker_num=4096, sim_level=0), facts())
-    assert plan.sim_ranks == list(range(4096))
+    assert list(plan.sim_ranks) == list(range(4096))
     assert len(plan.workers) == 256, "the plan previews 256; the agent builds the rest one at a time"
     specs = plan.dry_run_workers()
     first = next(specs)
@@ -170,7 +170,7 @@ def test_dry_run_selection():
     plan = build_plan(
         cfg(worker_num=1024, local_worker_num=1024, sim_level=1, sim_select="first:2,last:1,500-501"), facts()
     )
-    assert plan.sim_ranks == [0, 1, 500, 501, 1023]
+    assert list(plan.sim_ranks) == [0, 1, 500, 501, 1023]
     assert [w.rank for w in plan.dry_run_workers()] == [0, 1, 500, 501, 1023]
     assert [w.env["DEVICE_ID"] for w in plan.workers] == ["0", "1", "500", "501", "1023"]
     two_nodes = build_plan(

@@ -12,7 +12,6 @@ from pytest_msrun.binding.flags import BindFlagError, BindSpec, parse_bind_value
 from pytest_msrun.binding.strategies import BindingError
 from pytest_msrun.engine import console
 from pytest_msrun.engine.config import (
-    CONTROL_PLANE_MODES,
     SCHEDULER_MODES,
     ConfigError,
     LaunchConfig,
@@ -21,6 +20,7 @@ from pytest_msrun.engine.config import (
 )
 from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.jobtoken import job_token
+from pytest_msrun.engine.kinds import SchedulerMode
 from pytest_msrun.engine.plan import LaunchPlan, NodeFacts, build_plan
 from pytest_msrun.engine.taskcmd import task_argv, task_python
 from pytest_msrun.netaddr import AddressError, is_local_address, resolve_master_addr, source_ip_towards
@@ -241,7 +241,7 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str], job_id: str) -> NodeFac
     argv = task_argv(cfg.task_script, cfg.task_script_args, must_exist=not cfg.print_plan)
     python = task_python(argv)
     topology, tools = binding_facts(cfg, env)
-    mode = "none" if cfg.dry_run else cfg.scheduler
+    mode = SchedulerMode.NONE if cfg.dry_run else SchedulerMode(cfg.scheduler)
     token = job_token(
         multi_node=cfg.multi_node,
         master_ip=master_ip,
@@ -249,7 +249,7 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str], job_id: str) -> NodeFac
         worker_num=cfg.worker_num,
         env=env,
     )
-    if token.warning and mode in CONTROL_PLANE_MODES:
+    if token.warning and mode.has_control_plane:
         console.warning(token.warning)
     return NodeFacts(
         master_ip=master_ip,
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None, guard: JobGuard | None = None, job_id: s
             return launch_detached(cfg, facts, guard)
         from pytest_msrun.engine.agent import Agent
 
-        return Agent(cfg, facts, guard=guard).run()
+        return Agent(cfg, facts, guard=guard).run().exit_code
     finally:
         if guard is not None:
             guard.release()  # idempotent: the agent has already released it after its teardown

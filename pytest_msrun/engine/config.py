@@ -11,12 +11,11 @@ import os
 from dataclasses import dataclass, field
 
 from pytest_msrun.binding.flags import BindSpec
+from pytest_msrun.engine.kinds import SchedulerMode
 from pytest_msrun.engine.simselect import SelectionError, select_ranks
 
-SCHEDULER_MODES = ("auto", "builtin", "mindspore", "task")
-# Modes whose scheduler process is the builtin control plane (auto and mindspore add a MindSpore
-# scheduler behind it: on demand, or from the start).
-CONTROL_PLANE_MODES = ("auto", "builtin", "mindspore")
+# --scheduler's choices (SchedulerMode.NONE is what a dry run has, not a choice)
+SCHEDULER_MODES = tuple(str(m) for m in SchedulerMode if m != SchedulerMode.NONE)
 SIM_LEVELS = (0, 1, 2, 3)
 MAX_WORKERS = 1 << 20  # more ranks than any job msrun can start (and ranges over them stay small)
 MAX_LOCAL_WORKERS = 1 << 16  # processes one node may start (dry runs run theirs in waves: no limit)

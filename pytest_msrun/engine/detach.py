@@ -75,4 +75,4 @@ def _supervise(cfg: LaunchConfig, facts: NodeFacts, write_fd: int, guard: JobGua
         os.close(fd)
         os.close(null)
 
-    return Agent(cfg, facts, detached=True, on_console_done=console_done, guard=guard).run()
+    return Agent(cfg, facts, detached=True, on_console_done=console_done, guard=guard).run().exit_code

@@ -1,28 +1,36 @@
 """The launch plan: a pure function of config + node facts -> every process to start.
 
-Nothing here touches the OS. ``msrun --print_plan`` prints :meth:`LaunchPlan.to_json`; the
-agent spawns exactly what the plan says, so tests can assert on the plan alone.
+Nothing here touches the OS, and a plan is a value: building it mutates nothing, and the
+multi-node rank assignment (which arrives from the control plane after registration) yields a
+new plan (:func:`assign`). ``msrun --print_plan`` prints :meth:`LaunchPlan.to_json`; the agent
+starts exactly what the plan says, so tests can assert on the plan alone.
+
+The pieces: :func:`rank_layout` (where this node's workers sit in the job), :func:`job_context`
+(what every process shares: environment, binding, log names), :func:`scheduler_spec` and
+:func:`worker_spec` (one process each), :func:`dry_run_ranks` (which simulated ranks run).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from pytest_msrun.binding.strategies import Placement, plan_bindings
+from pytest_msrun.binding.strategies import BindingPlan, Placement, plan_bindings
 from pytest_msrun.binding.topology import Topology
 from pytest_msrun.cpulist import format_id_list
 from pytest_msrun.engine import childenv
-from pytest_msrun.engine.config import CONTROL_PLANE_MODES, LaunchConfig
+from pytest_msrun.engine.config import LaunchConfig
+from pytest_msrun.engine.kinds import Role, SchedulerMode
 from pytest_msrun.engine.simselect import select_ranks
 
 SIM_PLAN_PREVIEW = 256  # a dry run's plan lists at most this many processes; the agent builds the rest
+SCHEDULER_MODULE = "pytest_msrun.control.scheduler"
 
 
-@dataclass
+@dataclass(frozen=True)
 class NodeFacts:
     """What the launcher learned about this node and job before planning."""
 
@@ -33,7 +41,7 @@ class NodeFacts:
     task_argv: list[str]
     task_python: str
     python: str
-    scheduler_mode: str  # auto | builtin | mindspore | task
+    scheduler_mode: SchedulerMode
     job_id: str
     job_token: str
     master_port: int
@@ -45,21 +53,35 @@ class NodeFacts:
     tools: Mapping[str, str | None] = field(default_factory=dict)  # taskset / numactl paths
 
 
-@dataclass
+@dataclass(frozen=True)
 class RankAssignment:
-    """Where this node's workers sit in the job (from the control plane or from the flags)."""
+    """Where the control plane put this node's workers in a multi-node job."""
 
     rank_offset: int
     node_index: int
     node_count: int | None
 
 
-@dataclass
+@dataclass(frozen=True)
+class Layout:
+    """Where this node's workers sit in the job."""
+
+    local: int  # workers this node runs (1 for --sim_rank_id)
+    offset: int | None  # rank of local worker 0; None: assigned later (control plane, or MindSpore)
+    node_index: int | None
+    node_count: int | None
+    single_rank: int | None = None  # --sim_rank_id
+    pending: bool = False  # the control plane assigns the ranks before the workers start
+    warnings: tuple[str, ...] = ()
+    infos: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
 class ProcessSpec:
-    """One process the agent starts."""
+    """One process the agent starts (placement applied)."""
 
     name: str
-    role: str  # "scheduler" | "worker"
+    role: Role
     local_index: int  # -1 for the scheduler
     rank: int | None
     argv: list[str]
@@ -74,33 +96,53 @@ class ProcessSpec:
     device: str = ""
     bind_how: str = ""
 
-    def place(self, placement: Placement) -> None:
-        """Apply a binding placement (prefix, expected CPUs/nodes, extra variables)."""
-        self.cpus, self.mems = placement.cpus, placement.mems
-        self.bind_prefix = list(placement.prefix)
-        self.in_child_cpus = placement.in_child_cpus
-        self.device = placement.device
-        self.bind_how = placement.how
-        self.env.update(placement.env)
-        self.exported.update(placement.env)
-
     @property
     def command(self) -> list[str]:
         return [*self.bind_prefix, *self.argv]
 
     @property
     def label(self) -> str:
-        if self.role == "scheduler":
+        if self.role == Role.SCHEDULER:
             return "scheduler"
         return f"rank {self.rank}" if self.rank is not None else f"local worker {self.local_index}"
 
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "role": str(self.role),
+            "local_index": self.local_index,
+            "rank": self.rank,
+            "argv": list(self.argv),
+            "exported": {k: v for k, v in self.exported.items() if k not in childenv.INTERNAL_VARS},
+            "log_path": self.log_path,
+            "tail": self.tail,
+            "cpus": self.cpus,
+            "mems": self.mems,
+            "bind_prefix": list(self.bind_prefix),
+            "in_child_cpus": self.in_child_cpus,
+            "device": self.device,
+            "bind_how": self.bind_how,
+            "command": self.command,
+        }
 
-@dataclass
+
+@dataclass(frozen=True, eq=False)
+class JobContext:
+    """What every process of this node's job shares."""
+
+    base_env: dict[str, str]  # the launcher's environment without the variables msrun owns
+    common: dict[str, str]  # variables every child gets
+    binding: BindingPlan | None
+    log_base: str  # worker log names: <log_base>_<n>.log
+    tail: tuple[int, ...] | None  # ranks to tail (None: all)
+
+
+@dataclass(frozen=True, eq=False)
 class LaunchPlan:
     """Every process of this node's share of the job, plus what the agent needs to run it."""
 
     job_id: str
-    scheduler_mode: str  # auto | builtin | mindspore | task | none (dry run)
+    scheduler_mode: SchedulerMode
     master_ip: str
     master_port: int
     dist_port: int
@@ -114,43 +156,46 @@ class LaunchPlan:
     log_dir: str
     join: bool
     cluster_time_out: int
-    processes: list[ProcessSpec]
-    warnings: list[str] = field(default_factory=list)
-    infos: list[str] = field(default_factory=list)
+    processes: tuple[ProcessSpec, ...]
+    warnings: tuple[str, ...] = ()
+    infos: tuple[str, ...] = ()
     bind_core: Any = False
     bind_numa: Any = False
-    sim_ranks: list[int] = field(default_factory=list)  # a dry run's selected ranks (all, not just the preview)
+    sim_ranks: tuple[int, ...] = ()  # a dry run's selected ranks (all, not just the preview)
     sim_concurrency: int = 0
     auth: str = ""  # how the control plane authenticates this job's processes
-    worker_factory: Callable[[int], ProcessSpec] | None = field(default=None, repr=False, compare=False)  # by rank
-
-    def dry_run_workers(self) -> Iterator[ProcessSpec]:
-        """Every selected simulated rank's spec, built one at a time (memory stays flat)."""
-        assert self.worker_factory is not None
-        return map(self.worker_factory, self.sim_ranks)
+    # What later steps need (not part of the printed plan): the inputs and the shared context.
+    config: LaunchConfig | None = field(default=None, repr=False)
+    facts: NodeFacts | None = field(default=None, repr=False)
+    layout: Layout | None = field(default=None, repr=False)
+    context: JobContext | None = field(default=None, repr=False)
 
     @property
     def workers(self) -> list[ProcessSpec]:
-        return [p for p in self.processes if p.role == "worker"]
+        return [p for p in self.processes if p.role == Role.WORKER]
 
     @property
     def scheduler(self) -> ProcessSpec | None:
-        return next((p for p in self.processes if p.role == "scheduler"), None)
+        return next((p for p in self.processes if p.role == Role.SCHEDULER), None)
+
+    def dry_run_workers(self) -> Iterator[ProcessSpec]:
+        """Every selected simulated rank's spec, built one at a time (memory stays flat)."""
+        assert self.config is not None and self.facts is not None and self.layout is not None
+        assert self.context is not None
+        first = self.layout.offset or 0
+        cfg, facts, layout, ctx = self.config, self.facts, self.layout, self.context
+        return (worker_spec(cfg, facts, layout, ctx, rank - first) for rank in self.sim_ranks)
 
     def to_json(self) -> dict[str, Any]:
-        factory, self.worker_factory = self.worker_factory, None
-        try:
-            out = asdict(self)
-        finally:
-            self.worker_factory = factory
-        out.pop("worker_factory", None)
+        hidden = ("processes", "config", "facts", "layout", "context", "warnings", "infos", "sim_ranks")
+        out: dict[str, Any] = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in hidden}
+        out["scheduler_mode"] = str(self.scheduler_mode)
+        out["processes"] = [p.to_json() for p in self.processes]
+        out["warnings"], out["infos"] = list(self.warnings), list(self.infos)
+        out["sim_ranks"] = list(self.sim_ranks)
         if len(self.sim_ranks) > SIM_PLAN_PREVIEW:
             out["sim_ranks"] = format_id_list(self.sim_ranks)
             out["sim_plan_preview"] = f"processes shows the first {SIM_PLAN_PREVIEW} of {len(self.sim_ranks)} ranks"
-        for proc in out["processes"]:
-            proc.pop("env")
-            proc["exported"] = {k: v for k, v in proc["exported"].items() if k not in childenv.INTERNAL_VARS}
-            proc["command"] = [*proc["bind_prefix"], *proc["argv"]]
         return out
 
     def dumps(self) -> str:
@@ -164,74 +209,50 @@ def effective_dist_port(master_port: int, dist_port: int) -> int:
     return master_port + 1 if master_port else 0
 
 
-def _log_base(cfg: LaunchConfig, facts: NodeFacts) -> str:
-    if not cfg.worker_log_name:
-        return "worker"
-    return cfg.worker_log_name.replace("{ip}", facts.source_ip).replace("{hostname}", facts.hostname)
-
-
 def _join(log_dir: str, name: str) -> str:
     return f"{log_dir.rstrip('/')}/{name}" if log_dir else name
 
 
-def build_plan(
-    cfg: LaunchConfig,
-    facts: NodeFacts,
-    *,
-    hosts_scheduler: bool | None = None,
-    assignment: RankAssignment | None = None,
-) -> LaunchPlan:
-    """Plan this node's processes.
+def mode_of(cfg: LaunchConfig, facts: NodeFacts) -> SchedulerMode:
+    return SchedulerMode.NONE if cfg.dry_run else SchedulerMode(facts.scheduler_mode)
 
-    ``hosts_scheduler`` defaults to "the master address is local" (the agent passes False when
-    another agent on this host already holds the scheduler port). ``assignment`` comes from
-    the builtin control plane on multi-node jobs; without it such a plan has pending ranks.
-    """
+
+def rank_layout(cfg: LaunchConfig, mode: SchedulerMode, assignment: RankAssignment | None = None) -> Layout:
+    """Where this node's workers sit: known now (one node, --node_rank, a dry run, an assignment),
+    to be assigned by the control plane before they start, or left to MindSpore."""
     warnings: list[str] = []
     infos: list[str] = []
-    dry = cfg.dry_run
-    mode = "none" if dry else facts.scheduler_mode
-    control_plane = mode in CONTROL_PLANE_MODES
-    if hosts_scheduler is None:
-        hosts_scheduler = facts.address_is_local
-    hosts_scheduler = hosts_scheduler and not dry
-
-    local = cfg.local_worker_num
-    single_rank: int | None = None
-    if dry and cfg.sim_rank_id != -1:
+    if cfg.dry_run and cfg.sim_rank_id != -1:
         infos.append(f"Simulation rank id is set to {cfg.sim_rank_id}, will dryrun a single process.")
         warnings.append(f"In dryrun case, RANK_ID is assigned to {cfg.sim_rank_id}.")
-        local, single_rank = 1, cfg.sim_rank_id
+        return Layout(
+            1, cfg.sim_rank_id, None, None, single_rank=cfg.sim_rank_id, warnings=(*warnings,), infos=(*infos,)
+        )
+    local = cfg.local_worker_num
+    if not cfg.multi_node:
+        return Layout(local, 0, 0, 1)
+    if assignment is not None:
+        return Layout(local, assignment.rank_offset, assignment.node_index, assignment.node_count)
+    if mode.has_control_plane:
+        return Layout(local, None, None, None, pending=True)
+    if cfg.node_rank >= 0:
+        return Layout(local, cfg.node_rank * local, cfg.node_rank, None)
+    if cfg.dry_run:
+        warnings.append(
+            "Dry run on several nodes without '--node_rank': ranks are this node's local indices "
+            "(a dry run has no scheduler to assign them)."
+        )
+        return Layout(local, 0, None, None, warnings=(*warnings,))
+    warnings.append(
+        "You are running distributed job with multiple nodes but not setting '--node_rank'. So 'rank_id' "
+        "of each process will be assigned after cluster is successfully built.\nYou can access 'RANK_ID' "
+        "environment variable after calling 'mindspore.communication.init()'"
+    )
+    return Layout(local, None, None, None, warnings=(*warnings,))
 
-    # Rank of each local worker, when known before start.
-    multi = cfg.multi_node and single_rank is None
-    node_index: int | None = 0
-    node_count: int | None = 1
-    offset: int | None = 0
-    if single_rank is not None:
-        offset, node_index, node_count = single_rank, None, None
-    elif multi:
-        if assignment is not None:
-            offset, node_index, node_count = assignment.rank_offset, assignment.node_index, assignment.node_count
-        elif control_plane:
-            offset = node_index = node_count = None
-        elif cfg.node_rank >= 0:
-            offset, node_index, node_count = cfg.node_rank * local, cfg.node_rank, None
-        elif dry:
-            offset, node_index, node_count = 0, None, None
-            warnings.append(
-                "Dry run on several nodes without '--node_rank': ranks are this node's local indices "
-                "(a dry run has no scheduler to assign them)."
-            )
-        else:
-            offset = node_index = node_count = None
-            warnings.append(
-                "You are running distributed job with multiple nodes but not setting '--node_rank'. So 'rank_id' "
-                "of each process will be assigned after cluster is successfully built.\nYou can access 'RANK_ID' "
-                "environment variable after calling 'mindspore.communication.init()'"
-            )
-    ranks_pending = multi and offset is None and control_plane
 
+def job_context(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, layout: Layout) -> JobContext:
+    """The environment, binding and log names every process of this node shares."""
     rank_size = str(cfg.worker_num)
     if cfg.sim_from_env and facts.base_env.get("RANK_SIZE"):
         rank_size = facts.base_env["RANK_SIZE"]
@@ -240,161 +261,229 @@ def build_plan(
         worker_num=cfg.worker_num,
         rank_size=rank_size,
         job_id=facts.job_id,
-        job_token=facts.job_token if control_plane else "",
-        scheduler_mode=mode,
+        job_token=facts.job_token if mode.has_control_plane else "",
+        scheduler_mode=str(mode),
         log_dir=cfg.log_dir,
         rank_table_file=cfg.rank_table_file,
-        sim_level=cfg.sim_level if dry else -1,
+        sim_level=cfg.sim_level if cfg.dry_run else -1,
         bind_file=bind_file,
         bind_file_hash=cfg.bind_numa.file_hash if bind_file else "",
     )
-    keep = ("MS_SIMULATION_LEVEL",) if cfg.sim_from_env else ()
-    base = childenv.inherited(facts.base_env, keep=keep)
-    if not dry:
+    base = childenv.inherited(facts.base_env, keep=("MS_SIMULATION_LEVEL",) if cfg.sim_from_env else ())
+    if not cfg.dry_run:
         base.pop("MS_SIMULATION_LEVEL", None)
-
-    processes: list[ProcessSpec] = []
-    if hosts_scheduler:
-        sched_env: dict[str, str] = {}
-        if control_plane:
-            # -S: the control plane needs the standard library and this package only, so skip
-            # site-packages processing (.pth files) - it is on the launch's critical path.
-            argv = [facts.python, "-S", "-m", "pytest_msrun.control.scheduler"]
-            if facts.package_root:
-                sched_env["PYTHONPATH"] = os.pathsep.join(filter(None, [facts.package_root, base.get("PYTHONPATH")]))
-                sched_env["MSRUN_ORIG_PYTHONPATH"] = base.get("PYTHONPATH", "")
-            if mode != "builtin":  # the MindSpore scheduler it may start runs with the task's interpreter
-                sched_env["MSRUN_TASK_PYTHON"] = facts.task_python
-        else:
-            argv = list(facts.task_argv)
-        exported = {
-            **common,
-            **childenv.cluster_vars("MS_SCHED", facts.master_ip, facts.master_port, cfg.cluster_time_out),
-            "RANK_ID": "0",
-            childenv.PLUGIN_ROLE_VAR: "scheduler",
-        }
-        processes.append(
-            ProcessSpec(
-                name="scheduler",
-                role="scheduler",
-                local_index=-1,
-                rank=None,
-                argv=argv,
-                env={**base, **exported, **sched_env},
-                exported=exported,
-                log_path=_join(cfg.log_dir, "scheduler.log"),
-            )
-        )
-
-    tail_list = cfg.tail_ranks()
-    log_base = _log_base(cfg, facts)
-
-    def make_worker(i: int) -> ProcessSpec:
-        rank = None if offset is None else offset + i
-        exported = dict(common)
-        if dry:
-            node_id = rank if single_rank is None else None  # msrun sets no MS_NODE_ID for --sim_rank_id
-            exported.update(childenv.dry_run_rank_vars(local_index=i, rank=rank, node_id=node_id))
-        else:
-            exported.update(
-                childenv.cluster_vars("MS_WORKER", facts.master_ip, facts.master_port, cfg.cluster_time_out)
-            )
-            exported.update(
-                childenv.rank_vars(
-                    local_index=i,
-                    rank=rank,
-                    world_size=cfg.worker_num,
-                    local_world_size=local,
-                    node_index=node_index,
-                    node_count=node_count,
-                    master_ip=facts.master_ip,
-                    dist_port=effective_dist_port(facts.master_port, facts.dist_port),
-                )
-            )
-        exported[childenv.PLUGIN_ROLE_VAR] = "worker"
-        suffix = 0 if single_rank is not None else (i if rank is None else rank)
-        spec = ProcessSpec(
-            name=f"worker_{suffix}",
-            role="worker",
-            local_index=i,
-            rank=rank,
-            argv=list(facts.task_argv),
-            env={**base, **exported},
-            exported=exported,
-            log_path=_join(cfg.log_dir, f"{log_base}_{suffix}.log"),
-            tail=cfg.join and (tail_list is None or (rank is not None and rank in tail_list)),
-        )
-        if binding is not None:
-            spec.place(binding.workers[i])
-        return spec
-
     binding = None
     if cfg.bind_core.enabled or cfg.bind_numa.enabled:
         if facts.topology is None:
             raise ValueError("binding needs the node's topology in NodeFacts")
         binding = plan_bindings(
-            facts.topology, cfg.bind_core, cfg.bind_numa, local, facts.base_env, facts.tools, dry_run=dry
+            facts.topology,
+            cfg.bind_core,
+            cfg.bind_numa,
+            layout.local,
+            facts.base_env,
+            facts.tools,
+            dry_run=cfg.dry_run,
         )
-        if binding is not None:
-            warnings.extend(binding.warnings)
-            for spec in processes:
-                if spec.role == "scheduler":
-                    spec.place(binding.scheduler)
+    log_base = "worker"
+    if cfg.worker_log_name:
+        log_base = cfg.worker_log_name.replace("{ip}", facts.source_ip).replace("{hostname}", facts.hostname)
+    tail = cfg.tail_ranks()
+    return JobContext(base, common, binding, log_base, None if tail is None else tuple(tail))
 
+
+def _placed(placement: Placement | None) -> dict[str, Any]:
+    if placement is None:
+        return {}
+    return {
+        "cpus": placement.cpus,
+        "mems": placement.mems,
+        "bind_prefix": list(placement.prefix),
+        "in_child_cpus": placement.in_child_cpus,
+        "device": placement.device,
+        "bind_how": placement.how,
+    }
+
+
+def scheduler_spec(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, ctx: JobContext) -> ProcessSpec:
+    extra: dict[str, str] = {}
+    if mode.has_control_plane:
+        # -S: the control plane needs the standard library and this package only, so skip
+        # site-packages processing (.pth files) - it is on the launch's critical path.
+        argv = [facts.python, "-S", "-m", SCHEDULER_MODULE]
+        if facts.package_root:
+            extra["PYTHONPATH"] = os.pathsep.join(filter(None, [facts.package_root, ctx.base_env.get("PYTHONPATH")]))
+            extra["MSRUN_ORIG_PYTHONPATH"] = ctx.base_env.get("PYTHONPATH", "")
+        if mode != SchedulerMode.BUILTIN:  # the MindSpore scheduler it may start runs with the task's interpreter
+            extra["MSRUN_TASK_PYTHON"] = facts.task_python
+    else:
+        argv = list(facts.task_argv)
+    placement = ctx.binding.scheduler if ctx.binding is not None else None
+    exported = {
+        **ctx.common,
+        **childenv.cluster_vars("MS_SCHED", facts.master_ip, facts.master_port, cfg.cluster_time_out),
+        "RANK_ID": "0",
+        childenv.PLUGIN_ROLE_VAR: "scheduler",
+        **(placement.env if placement is not None else {}),
+    }
+    return ProcessSpec(
+        name="scheduler",
+        role=Role.SCHEDULER,
+        local_index=-1,
+        rank=None,
+        argv=argv,
+        env={**ctx.base_env, **exported, **extra},
+        exported=exported,
+        log_path=_join(cfg.log_dir, "scheduler.log"),
+        **_placed(placement),
+    )
+
+
+def worker_spec(cfg: LaunchConfig, facts: NodeFacts, layout: Layout, ctx: JobContext, i: int) -> ProcessSpec:
+    """Local worker ``i``: its rank (if known), environment, log, binding."""
+    rank = None if layout.offset is None else layout.offset + i
+    exported = dict(ctx.common)
+    if cfg.dry_run:
+        node_id = rank if layout.single_rank is None else None  # msrun sets no MS_NODE_ID for --sim_rank_id
+        exported.update(childenv.dry_run_rank_vars(local_index=i, rank=rank, node_id=node_id))
+    else:
+        exported.update(childenv.cluster_vars("MS_WORKER", facts.master_ip, facts.master_port, cfg.cluster_time_out))
+        exported.update(
+            childenv.rank_vars(
+                local_index=i,
+                rank=rank,
+                world_size=cfg.worker_num,
+                local_world_size=layout.local,
+                node_index=layout.node_index,
+                node_count=layout.node_count,
+                master_ip=facts.master_ip,
+                dist_port=effective_dist_port(facts.master_port, facts.dist_port),
+            )
+        )
+    exported[childenv.PLUGIN_ROLE_VAR] = "worker"
+    placement = ctx.binding.workers[i] if ctx.binding is not None else None
+    if placement is not None:
+        exported.update(placement.env)
+    suffix = 0 if layout.single_rank is not None else (i if rank is None else rank)
+    return ProcessSpec(
+        name=f"worker_{suffix}",
+        role=Role.WORKER,
+        local_index=i,
+        rank=rank,
+        argv=list(facts.task_argv),
+        env={**ctx.base_env, **exported},
+        exported=exported,
+        log_path=_join(cfg.log_dir, f"{ctx.log_base}_{suffix}.log"),
+        tail=cfg.join and (ctx.tail is None or (rank is not None and rank in ctx.tail)),
+        **_placed(placement),
+    )
+
+
+def dry_run_ranks(cfg: LaunchConfig, layout: Layout) -> list[int]:
+    """The simulated ranks this node runs (``--sim_select`` of its ranks; all by default)."""
+    first = layout.offset or 0
+    return select_ranks(cfg.sim_select, range(first, first + layout.local))
+
+
+def job_ranks(cfg: LaunchConfig) -> list[int]:
+    """Every rank a single-invocation job runs: its selected simulated ranks, or all of them."""
+    if cfg.dry_run:
+        return dry_run_ranks(cfg, rank_layout(cfg, SchedulerMode.NONE))
+    return list(range(cfg.worker_num))
+
+
+def _worker_notes(cfg: LaunchConfig, layout: Layout, workers: list[ProcessSpec]) -> list[str]:
+    notes = []
+    for spec in workers:
+        if cfg.join and not spec.tail:
+            notes.append(
+                f"The '--tail_worker_log' is:{cfg.tail_worker_log}, which doesn't contain this worker {spec.rank}. So "
+                f"this worker {spec.rank}'s log will not be output to console. Reset '--tail_worker_log', if you "
+                "want to output this worker's log to console."
+            )
+        if spec.rank is None and not layout.pending:
+            notes.append(
+                "Rank ids will be assigned automatically, please use 'grep -rn 'rank id:' command to check "
+                "each worker log's rank id."
+            )
+    return notes
+
+
+def build_plan(cfg: LaunchConfig, facts: NodeFacts, *, hosts_scheduler: bool | None = None) -> LaunchPlan:
+    """Plan this node's processes.
+
+    ``hosts_scheduler`` defaults to "the master address is local" (the agent passes False when
+    another agent on this host already holds the scheduler port). Multi-node jobs with a control
+    plane have pending ranks until :func:`assign`.
+    """
+    mode = mode_of(cfg, facts)
+    layout = rank_layout(cfg, mode)
+    ctx = job_context(cfg, facts, mode, layout)
+    hosts = (facts.address_is_local if hosts_scheduler is None else hosts_scheduler) and not cfg.dry_run
+    processes = [scheduler_spec(cfg, facts, mode, ctx)] if hosts else []
+    warnings = [*layout.warnings, *(ctx.binding.warnings if ctx.binding is not None else ())]
+    infos = list(layout.infos)
     sim_ranks: list[int] = []
-    dry_worker: Callable[[int], ProcessSpec] | None = None
-    if dry:
-        first = offset if offset is not None else 0  # a single simulated rank is its own offset
-
-        def dry_worker(rank: int) -> ProcessSpec:
-            return make_worker(rank - first)
-
-        sim_ranks = select_ranks(cfg.sim_select, range(first, first + local))
-        processes.extend(dry_worker(r) for r in sim_ranks[:SIM_PLAN_PREVIEW])
+    if cfg.dry_run:
+        sim_ranks = dry_run_ranks(cfg, layout)
+        first = layout.offset or 0
+        processes += [worker_spec(cfg, facts, layout, ctx, r - first) for r in sim_ranks[:SIM_PLAN_PREVIEW]]
         if len(sim_ranks) > 1:
             infos.append(
                 f"Dry run of {len(sim_ranks)} simulated rank(s), "
                 f"at most {cfg.sim_concurrency or 'CPU count'} at a time."
             )
     else:
-        for i in range(local):
-            processes.append(make_worker(i))
-            rank = processes[-1].rank
-            if cfg.join and not processes[-1].tail:
-                warnings.append(
-                    f"The '--tail_worker_log' is:{cfg.tail_worker_log}, which doesn't contain this worker {rank}. So "
-                    f"this worker {rank}'s log will not be output to console. Reset '--tail_worker_log', if you want "
-                    "to output this worker's log to console."
-                )
-            if rank is None and not ranks_pending:
-                warnings.append(
-                    "Rank ids will be assigned automatically, please use 'grep -rn 'rank id:' command to check "
-                    "each worker log's rank id."
-                )
-
+        workers = [worker_spec(cfg, facts, layout, ctx, i) for i in range(layout.local)]
+        warnings += _worker_notes(cfg, layout, workers)
+        processes += workers
     return LaunchPlan(
         job_id=facts.job_id,
         scheduler_mode=mode,
         master_ip=facts.master_ip,
         master_port=facts.master_port,
         dist_port=effective_dist_port(facts.master_port, facts.dist_port),
-        hosts_scheduler=hosts_scheduler,
+        hosts_scheduler=hosts,
         worker_num=cfg.worker_num,
-        local_worker_num=local,
+        local_worker_num=layout.local,
         node_rank=cfg.node_rank,
-        dry_run=dry,
+        dry_run=cfg.dry_run,
         sim_level=cfg.sim_level,
-        ranks_pending=ranks_pending,
+        ranks_pending=layout.pending,
         log_dir=cfg.log_dir,
         join=cfg.join,
         cluster_time_out=cfg.cluster_time_out,
-        processes=processes,
-        warnings=warnings,
-        infos=infos,
+        processes=tuple(processes),
+        warnings=tuple(warnings),
+        infos=tuple(infos),
         bind_core=cfg.bind_core.to_json(),
         bind_numa=cfg.bind_numa.to_json(),
-        sim_ranks=sim_ranks,
+        sim_ranks=tuple(sim_ranks),
         sim_concurrency=cfg.sim_concurrency,
-        auth=(f"job token: {facts.token_source}" if facts.job_token else "none") if control_plane else "",
-        worker_factory=dry_worker,
+        auth=(f"job token: {facts.token_source}" if facts.job_token else "none") if mode.has_control_plane else "",
+        config=cfg,
+        facts=facts,
+        layout=layout,
+        context=ctx,
+    )
+
+
+def assign(plan: LaunchPlan, assignment: RankAssignment, job_id: str | None = None) -> LaunchPlan:
+    """The plan once the control plane placed this node's workers (a new plan; the scheduler stays)."""
+    assert plan.config is not None and plan.facts is not None and plan.context is not None
+    cfg = plan.config
+    facts = replace(plan.facts, job_id=job_id) if job_id else plan.facts
+    layout = rank_layout(cfg, plan.scheduler_mode, assignment)
+    ctx = job_context(cfg, facts, plan.scheduler_mode, layout) if job_id else plan.context
+    workers = [worker_spec(cfg, facts, layout, ctx, i) for i in range(layout.local)]
+    keep = [p for p in plan.processes if p.role == Role.SCHEDULER]
+    return replace(
+        plan,
+        job_id=facts.job_id,
+        ranks_pending=False,
+        processes=(*keep, *workers),
+        warnings=(*plan.warnings, *_worker_notes(cfg, layout, workers)),
+        facts=facts,
+        layout=layout,
+        context=ctx,
     )

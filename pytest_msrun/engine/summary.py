@@ -6,7 +6,7 @@ import os
 import time
 from dataclasses import dataclass
 
-from pytest_msrun.engine.procs import describe_returncode
+from pytest_msrun.engine.processes import describe_returncode
 from pytest_msrun.engine.tail import tail_size
 
 TAIL_LINES = 20

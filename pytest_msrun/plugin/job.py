@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from pytest_msrun.control.observer import query_state
-from pytest_msrun.engine.procs import with_parent_death_signal
+from pytest_msrun.engine.processes import with_parent_death_signal
 from pytest_msrun.engine.simselect import select_ranks
 from pytest_msrun.engine.status import STATUS_FILE, node_status_file, read_status
 from pytest_msrun.plugin.marker import MsrunSpec

@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_msrun.engine.procs import describe_returncode
+from pytest_msrun.engine.processes import describe_returncode
 from pytest_msrun.engine.status import ProcessStatus
 from pytest_msrun.plugin.records import PHASES, RankLog, RankTest
 

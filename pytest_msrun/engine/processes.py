@@ -1,9 +1,13 @@
-"""Child processes: spawn with a parent-death signal, wait on pidfds, kill whole trees.
+"""The job's processes on this node: start them, watch them end, stop them with grace, sweep.
 
 Every child runs in its own session (so a tty stays readable for ``pdb``, as with msrun) and
 gets ``PR_SET_PDEATHSIG=SIGKILL``. The launcher is a child subreaper, so descendants orphaned
 by a dying child are re-parented to it and swept. What survives a SIGKILLed launcher is the
 business of :mod:`pytest_msrun.engine.containment` (the job's cgroup and its watchdog).
+
+This layer takes plain inputs (:class:`Launch`); it knows nothing of plans or ranks. Waiting is
+done through an :class:`~pytest_msrun.engine.loop.EventLoop`, which also watches signals and the
+control-plane link, so one loop sees everything that can happen.
 """
 
 from __future__ import annotations
@@ -15,11 +19,14 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import IO
+from typing import TYPE_CHECKING, Any
 
-from pytest_msrun.engine.plan import ProcessSpec
+if TYPE_CHECKING:
+    from pytest_msrun.engine.containment import JobGuard
+    from pytest_msrun.engine.loop import EventLoop
+
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -97,11 +104,23 @@ def _child_setup_factory(parent_pid: int, cpus: list[int] | None = None):
     return setup
 
 
-@dataclass
-class Child:
-    """A running (or finished) child process of this job."""
+@dataclass(frozen=True)
+class Launch:
+    """What to start: the full command (binding prefix included), its environment and log."""
 
-    spec: ProcessSpec
+    argv: list[str]
+    env: dict[str, str]
+    log_path: str
+    stdin_devnull: bool = True  # else the launcher's stdin (a worker of a --join=True job)
+    pass_fds: tuple[int, ...] = ()
+    in_child_cpus: list[int] | None = None  # bind in the child (no taskset)
+
+
+@dataclass(eq=False)
+class Child:
+    """A running (or finished) child process of this job; ``tag`` is the caller's (its spec)."""
+
+    tag: Any
     popen: subprocess.Popen
     started: float
     pidfd: int | None = None
@@ -147,31 +166,39 @@ def describe_returncode(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-def spawn(spec: ProcessSpec, *, stdin: int | IO | None = None, pass_fds: Iterable[int] = ()) -> Child:
-    """Start ``spec`` with its log file as stdout+stderr (truncated, as msrun does)."""
-    log_dir = os.path.dirname(spec.log_path)
+def spawn(launch: Launch, tag: Any = None) -> Child:
+    """Start ``launch`` with its log file as stdout+stderr (truncated, as msrun does)."""
+    log_dir = os.path.dirname(launch.log_path)
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
     # A child bound in-process (no taskset) needs the slower preexec path; others exec setpriv.
-    wrapper = _pdeathsig_wrapper() if spec.in_child_cpus is None else []
-    with open(spec.log_path, "wb") as log:
+    wrapper = _pdeathsig_wrapper() if launch.in_child_cpus is None else []
+    with open(launch.log_path, "wb") as log:
         popen = subprocess.Popen(
-            [*wrapper, *spec.command],
-            env=spec.env,
-            stdin=stdin,
+            [*wrapper, *launch.argv],
+            env=launch.env,
+            stdin=subprocess.DEVNULL if launch.stdin_devnull else None,
             stdout=log,
             stderr=subprocess.STDOUT,
             close_fds=True,
-            pass_fds=tuple(pass_fds),
+            pass_fds=launch.pass_fds,
             start_new_session=bool(wrapper),
-            preexec_fn=None if wrapper else _child_setup_factory(os.getpid(), spec.in_child_cpus),
+            preexec_fn=None if wrapper else _child_setup_factory(os.getpid(), launch.in_child_cpus),
         )
-    child = Child(spec=spec, popen=popen, started=time.time())
+    child = Child(tag=tag, popen=popen, started=time.time())
     try:
-        child.pidfd = os.pidfd_open(popen.pid)  # type: ignore[attr-defined]
+        child.pidfd = os.pidfd_open(popen.pid)
     except (AttributeError, OSError):
         child.pidfd = None
     return child
+
+
+def term_grace(env: Mapping[str, str] | None = None) -> float:
+    """How long a process may take to end after SIGTERM (``MSRUN_TERM_TIMEOUT``, 5 s)."""
+    try:
+        return max(0.0, float((os.environ if env is None else env).get("MSRUN_TERM_TIMEOUT", "5")))
+    except ValueError:
+        return 5.0
 
 
 def signal_group(pid: int, sig: int) -> bool:
@@ -237,3 +264,69 @@ def sweep_descendants(exclude: Iterable[int] = ()) -> list[int]:
         except (ProcessLookupError, PermissionError):
             pass
     return hit
+
+
+class ProcessGroup:
+    """Every process of this node's job: started inside the job's cgroup and under the watchdog,
+    watched by the event loop, stopped along one path (SIGTERM to each process group, a bounded
+    grace, SIGKILL, then a sweep of whatever left the tree)."""
+
+    def __init__(self, loop: EventLoop, guard: JobGuard) -> None:
+        self.loop = loop
+        self.guard = guard
+        self.children: list[Child] = []
+
+    def start(self, launch: Launch, tag: Any = None) -> Child:
+        self.guard.ready()  # every process starts inside the job's cgroup
+        child = spawn(launch, tag)
+        self.guard.watchdog.guard(child.pid)
+        self.children.append(child)
+        self.loop.watch(child)
+        return child
+
+    def alive(self) -> list[Child]:
+        return [c for c in self.children if c.alive]
+
+    def forget(self, child: Child) -> None:
+        """Drop a finished child (a dry run keeps only what runs in memory)."""
+        self.children.remove(child)
+
+    def terminate(self, children: Iterable[Child]) -> None:
+        for child in children:
+            if child.alive:
+                child.terminated_by_us = True
+                signal_group(child.pid, signal.SIGTERM)
+
+    def wait(self, deadline: float) -> None:
+        """Until every child ended or ``deadline`` (other events are irrelevant by now)."""
+        while self.alive():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            self.loop.poll(min(remaining, 0.5))
+            for child in self.alive():
+                child.reap()
+
+    def stop(self, grace: float) -> None:
+        """SIGTERM to whatever still runs, ``grace`` seconds, then SIGKILL."""
+        self.terminate(self.alive())
+        self.wait(time.monotonic() + grace)
+        for child in self.alive():
+            signal_group(child.pid, signal.SIGKILL)
+        self.wait(time.monotonic() + 10.0)
+
+    def sweep(self) -> list[int]:
+        """Kill what the job left: members of its process groups, descendants re-parented to us,
+        and anything else in the job's cgroup. Returns the pids hit."""
+        for child in self.children:
+            signal_group(child.pid, signal.SIGKILL)
+        exclude = [p for p in (self.guard.watchdog.pid,) if p]
+        hit = sweep_descendants(exclude=exclude)
+        hit += [p for p in self.guard.kill_members() if p not in hit]
+        if hit:
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and descendants_of(os.getpid()) != exclude:
+                reap_orphans(exclude=exclude)
+                time.sleep(0.005)
+        reap_orphans(exclude=exclude)
+        return hit

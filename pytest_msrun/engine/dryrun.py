@@ -1,0 +1,131 @@
+"""Dry runs at scale: every selected simulated rank, at most ``--sim_concurrency`` at a time.
+
+Simulated ranks are independent (no scheduler, no collectives), so a failing rank does not stop
+the others: the job runs to the end and reports every failed rank. Only what is running is kept
+in memory, plus one compact record per failure. Uses the agent's public API only.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from array import array
+from typing import TYPE_CHECKING, Any
+
+from pytest_msrun.cpulist import format_id_list
+from pytest_msrun.engine import console
+from pytest_msrun.engine.kinds import JobState
+from pytest_msrun.engine.loop import EventKind
+from pytest_msrun.engine.observers import JobEvent, JobResult
+from pytest_msrun.engine.plan import LaunchPlan
+from pytest_msrun.engine.policy import Ending
+from pytest_msrun.engine.processes import Child, describe_returncode
+from pytest_msrun.engine.summary import extract_traceback, log_text
+from pytest_msrun.engine.tail import LogTailer, prefix_for
+
+if TYPE_CHECKING:
+    from pytest_msrun.engine.agent import Agent
+
+
+class DryRunSupervisor:
+    DETAILED = 100  # failures kept with their reason; beyond that only the rank numbers
+    PROGRESS_SECONDS = 5.0
+
+    def __init__(self, agent: Agent, plan: LaunchPlan) -> None:
+        self.agent = agent
+        self.plan = plan
+        self.total = len(plan.sim_ranks)
+        self.limit = plan.sim_concurrency or len(os.sched_getaffinity(0)) or 1
+        self.finished = 0
+        self.failed_ranks = array("i")
+        self.reasons: list[str] = []
+        self.next_progress = time.monotonic() + self.PROGRESS_SECONDS
+        self.tailer = LogTailer([]) if agent.cfg.join and not agent.detached else None
+
+    def _reason(self, child: Child) -> str:
+        assert child.returncode is not None
+        spec = child.tag
+        tb = extract_traceback(log_text(spec.log_path, 16 * 1024))
+        last = tb.strip().splitlines()[-1].strip() if tb else ""
+        how = describe_returncode(child.returncode)
+        return f"rank {spec.rank} ({os.path.basename(spec.log_path)}) {how}" + (f": {last}" if last else "")
+
+    def _reap(self, child: Child) -> None:
+        agent = self.agent
+        self.finished += 1
+        if self.tailer is not None and child.tag.tail:
+            self.tailer.finish(child.tag.log_path)
+        agent.emit(JobEvent.PROCESS_EXITED, child)
+        if child.returncode != 0:
+            self.failed_ranks.append(child.tag.rank if child.tag.rank is not None else -1)
+            if len(self.reasons) < self.DETAILED:
+                self.reasons.append(self._reason(child))
+                agent.policy.exited(child, child.tag.label, child.tag.log_path, True)
+        agent.group.forget(child)  # memory stays flat however many ranks run
+        now = time.monotonic()
+        if now >= self.next_progress or self.finished == self.total:
+            self.next_progress = now + self.PROGRESS_SECONDS
+            failed = len(self.failed_ranks)
+            console.out(f"msrun: dry run: {self.finished}/{self.total} simulated ranks finished, {failed} failed")
+
+    def run(self) -> JobResult:
+        agent = self.agent
+        agent.tailer = self.tailer
+        agent.console_done(0)
+        specs = self.plan.dry_run_workers()
+        exhausted, announced = False, False
+        signalled: int | None = None
+        while True:
+            while not exhausted and len(agent.group.alive()) < self.limit and agent.loop.signal_received is None:
+                spec = next(specs, None)
+                if spec is None:
+                    exhausted = True
+                    break
+                agent.start(spec)
+                if self.tailer is not None and spec.tail:
+                    self.tailer.add(prefix_for(spec.rank, spec.local_index), spec.log_path)
+            if not announced:
+                announced = True
+                agent.emit(JobEvent.SPAWNED, list(agent.group.children))
+            if agent.loop.signal_received is not None:
+                signalled = agent.loop.signal_received
+                break
+            if not agent.group.alive():
+                break
+            for event in agent.loop.poll(1.0):
+                if event.kind is EventKind.EXITED and event.child is not None:
+                    self._reap(event.child)
+        if signalled is not None:
+            ending = agent.policy.signalled(signalled)
+        elif self.failed_ranks:
+            first = min(agent.policy.failures, key=lambda f: f.at)
+            ending = Ending(first.exit_status or 1, JobState.FAILED, f"{first.label} {first.description}", first)
+        else:
+            ending = Ending(0, JobState.SUCCEEDED)
+        if self.failed_ranks or signalled is not None:
+            self._print_summary()
+        else:
+            console.out(f"msrun: dry run: all {self.total} simulated rank(s) passed")
+        return agent.conclude(ending, self.summary())
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "dry_run": {
+                "selected": len(self.plan.sim_ranks),
+                "finished": self.finished,
+                "failed": len(self.failed_ranks),
+                "failed_ranks": format_id_list(self.failed_ranks),
+                "failures": self.reasons,
+            }
+        }
+
+    def _print_summary(self) -> None:
+        failed = len(self.failed_ranks)
+        lines = [
+            f"msrun: dry run: {self.finished - failed} of {self.total} simulated rank(s) passed; {failed} failed: "
+            f"{format_id_list(self.failed_ranks)}"
+        ]
+        lines += [f"  {reason}" for reason in self.reasons]
+        if failed > len(self.reasons):
+            lines.append(f"  ... and {failed - len(self.reasons)} more (see their logs)")
+        console.out("\n".join(lines))

@@ -1,0 +1,137 @@
+"""One event loop for an agent: child exits (pidfds), signals to msrun, the control-plane link.
+
+Exits are seen the moment they happen - a pidfd per child, or SIGCHLD where pidfds are missing -
+never by polling. Events come out typed and ordered: messages from the control plane first (an
+abort the scheduler sent before it exited explains that exit), then exits in the order the
+kernel reported them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import selectors
+import signal
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Protocol
+
+from pytest_msrun.control import wire
+from pytest_msrun.engine.processes import Child
+
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class EventKind(Enum):
+    EXITED = "exited"  # a child ended
+    SIGNALLED = "signalled"  # msrun got SIGINT, SIGTERM or SIGHUP
+    MESSAGE = "message"  # the control plane said something
+    LINK_CLOSED = "link closed"  # the control plane's connection ended
+
+
+@dataclass
+class Event:
+    kind: EventKind
+    child: Child | None = None
+    signum: int = 0
+    message: dict[str, Any] = field(default_factory=dict)
+    reason: str = ""
+
+
+class Link(Protocol):
+    """What the loop needs of a control-plane link."""
+
+    def fileno(self) -> int: ...
+
+    def read(self) -> list[dict[str, Any]]: ...
+
+
+class EventLoop:
+    """Use as a context manager: it installs msrun's signal handlers and restores them after."""
+
+    def __init__(self) -> None:
+        self.sel = selectors.DefaultSelector()
+        self.signal_received: int | None = None
+        self.use_pidfd = True
+        self.children: list[Child] = []  # watched without a pidfd (SIGCHLD)
+        self.link: Link | None = None
+        self._wake_r = self._wake_w = -1
+        self._old_handlers: dict[int, Any] = {}
+        self._old_wakeup = -1
+
+    def __enter__(self) -> EventLoop:
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._old_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
+        for sig in (*HANDLED_SIGNALS, signal.SIGCHLD):
+            self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        self.sel.register(self._wake_r, selectors.EVENT_READ, "signal")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._old_handlers.items():
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(sig, handler)
+        with contextlib.suppress(ValueError):
+            signal.set_wakeup_fd(self._old_wakeup)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.sel.close()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if signum != signal.SIGCHLD and self.signal_received is None:
+            self.signal_received = signum
+
+    # ------------------------------------------------------------------ sources
+    def watch(self, child: Child) -> None:
+        """Report ``child``'s exit as an event."""
+        if child.pidfd is not None:
+            self.sel.register(child.pidfd, selectors.EVENT_READ, child)
+            return
+        self.use_pidfd = False
+        self.children.append(child)
+        child.reap()  # it may have exited before SIGCHLD could be watched for
+
+    def attach(self, link: Link) -> None:
+        self.link = link
+        self.sel.register(link.fileno(), selectors.EVENT_READ, "link")
+
+    def detach(self) -> None:
+        if self.link is not None:
+            with contextlib.suppress(KeyError, ValueError, OSError):
+                self.sel.unregister(self.link.fileno())
+            self.link = None
+
+    # ------------------------------------------------------------------ waiting
+    def poll(self, timeout: float | None) -> list[Event]:
+        """Wait up to ``timeout`` seconds (None: until something happens) and return what happened."""
+        events: list[Event] = []
+        for key, _ in self.sel.select(timeout):
+            if key.data == "signal":
+                with contextlib.suppress(OSError):
+                    while os.read(self._wake_r, 512):
+                        pass
+                exited = [c for c in self.children if c.alive and c.reap()]
+                events.extend(Event(EventKind.EXITED, child=c) for c in exited)
+            elif key.data == "link":
+                events.extend(self._read_link())
+            elif isinstance(key.data, Child):
+                with contextlib.suppress(KeyError, ValueError):
+                    self.sel.unregister(key.data.pidfd)
+                if key.data.reap():
+                    events.append(Event(EventKind.EXITED, child=key.data))
+        if self.signal_received is not None:
+            events.append(Event(EventKind.SIGNALLED, signum=self.signal_received))
+        events.sort(key=lambda e: e.kind is not EventKind.MESSAGE)
+        return events
+
+    def _read_link(self) -> list[Event]:
+        assert self.link is not None
+        try:
+            messages = self.link.read()
+        except (wire.PeerClosed, OSError, wire.ProtocolError) as exc:
+            self.detach()
+            return [Event(EventKind.LINK_CLOSED, reason=str(exc))]
+        return [Event(EventKind.MESSAGE, message=m) for m in messages]
