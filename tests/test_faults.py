@@ -46,7 +46,8 @@ def test_traceback_is_the_root_cause(msrun, faulty):
     job = msrun.run([*BASE, "faulty.py"], env={"FAIL_RANK": "2", "FAIL_MODE": "raise"})
     assert job.returncode == 1
     summary = job.stderr[job.stderr.index("Root cause") :]
-    assert "traceback:" in summary and "RuntimeError: boom on rank 2" in summary
+    assert "error: RuntimeError: boom on rank 2" in summary
+    assert "traceback (from its error file):" in summary and 'raise RuntimeError(f"boom on rank' in summary
 
 
 def test_segfault_exits_139(msrun, faulty):

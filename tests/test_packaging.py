@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
+import zipfile
 from importlib.metadata import distribution
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_console_scripts_never_clash_with_mindspore():
@@ -10,3 +17,24 @@ def test_console_scripts_never_clash_with_mindspore():
     assert "msrun" not in scripts, "msrun is MindSpore's; pip would overwrite it, and uninstalling ours delete it"
     assert {"pmsrun", "msrun-topology", "msrun-gen-bind-json", "msrun-numa-wrap"} <= scripts
     assert {ep.name for ep in distribution("pytest-msrun").entry_points if ep.group == "pytest11"} == {"msrun"}
+
+
+def test_the_wheel_carries_every_module_and_the_rank_hook(tmp_path):
+    """Built from a copy (building writes build/ and egg-info beside the sources)."""
+    src = tmp_path / "src"
+    shutil.copytree(REPO / "pytest_msrun", src / "pytest_msrun", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path)]
+        + [str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    (wheel,) = tmp_path.glob("pytest_msrun-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    sources = {str(p.relative_to(REPO)) for p in (REPO / "pytest_msrun").rglob("*.py") if "__pycache__" not in p.parts}
+    assert sources - names == set(), "modules missing from the wheel"
+    assert "pytest_msrun/engine/rankhook/sitecustomize.py" in names

@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from pytest_msrun.control import wire
-from pytest_msrun.engine import console, processes
+from pytest_msrun.engine import console, errorfile, processes
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.kinds import JobState, Role
@@ -92,6 +92,8 @@ class Agent:
     def start(
         self, spec: ProcessSpec, extra_env: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()
     ) -> Child:
+        if spec.error_file:
+            errorfile.clear(spec.error_file)
         launch = Launch(
             argv=spec.command,
             env={**spec.env, **(extra_env or {})},
@@ -154,7 +156,7 @@ class Agent:
                 )
                 for c in self.group.children
             ],
-            failures=[f.__dict__ for f in sorted(self.policy.failures, key=lambda f: f.at)],
+            failures=[f.to_json() for f in sorted(self.policy.failures, key=lambda f: f.at)],
             stop_reason=reason,
             containment=self.guard.describe(),
             worker_num=plan.worker_num if plan is not None else None,
@@ -355,7 +357,8 @@ class Agent:
                     self.link.send(note)
                 else:
                     self.link.defer(note)
-            ending = self.policy.exited(child, spec.label, spec.log_path, spec.role == Role.WORKER)
+            error = errorfile.read_error(spec.error_file) if child.returncode else None
+            ending = self.policy.exited(child, spec.label, spec.log_path, spec.role == Role.WORKER, error)
             if ending is not None and ending.first is not None and self.link is not None:
                 self.link.defer({"t": "failed", "reason": ending.reason, "code": min(255, ending.code)})
             return ending

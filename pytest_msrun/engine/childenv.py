@@ -44,6 +44,7 @@ OWNED_VARS = (
     "MSRUN_PLUGIN_ROLE",
     "MSRUN_TASK_PYTHON",
     "MSRUN_ORIG_PYTHONPATH",
+    "MSRUN_ERROR_FILE",
 )
 # Internal variables that are not part of msrun's interface and never shown as "exported".
 INTERNAL_VARS = frozenset(

@@ -13,7 +13,8 @@ from array import array
 from typing import TYPE_CHECKING, Any
 
 from pytest_msrun.cpulist import format_id_list
-from pytest_msrun.engine import console
+from pytest_msrun.engine import console, errorfile
+from pytest_msrun.engine.errorfile import RankError
 from pytest_msrun.engine.kinds import JobState
 from pytest_msrun.engine.loop import EventKind
 from pytest_msrun.engine.observers import JobEvent, JobResult
@@ -42,11 +43,14 @@ class DryRunSupervisor:
         self.next_progress = time.monotonic() + self.PROGRESS_SECONDS
         self.tailer = LogTailer([]) if agent.cfg.join and not agent.detached else None
 
-    def _reason(self, child: Child) -> str:
+    def _reason(self, child: Child, error: RankError | None) -> str:
         assert child.returncode is not None
         spec = child.tag
-        tb = extract_traceback(log_text(spec.log_path, 16 * 1024))
-        last = tb.strip().splitlines()[-1].strip() if tb else ""
+        if error is not None:
+            last = error.headline
+        else:  # no record (a signal, os._exit): the last line of the traceback in its log, if any
+            tb = extract_traceback(log_text(spec.log_path, 16 * 1024))
+            last = tb.strip().splitlines()[-1].strip() if tb else ""
         how = describe_returncode(child.returncode)
         return f"rank {spec.rank} ({os.path.basename(spec.log_path)}) {how}" + (f": {last}" if last else "")
 
@@ -59,8 +63,9 @@ class DryRunSupervisor:
         if child.returncode != 0:
             self.failed_ranks.append(child.tag.rank if child.tag.rank is not None else -1)
             if len(self.reasons) < self.DETAILED:
-                self.reasons.append(self._reason(child))
-                agent.policy.exited(child, child.tag.label, child.tag.log_path, True)
+                error = errorfile.read_error(child.tag.error_file)
+                self.reasons.append(self._reason(child, error))
+                agent.policy.exited(child, child.tag.label, child.tag.log_path, True, error)
         agent.group.forget(child)  # memory stays flat however many ranks run
         now = time.monotonic()
         if now >= self.next_progress or self.finished == self.total:
@@ -98,8 +103,7 @@ class DryRunSupervisor:
         if signalled is not None:
             ending = agent.policy.signalled(signalled)
         elif self.failed_ranks:
-            first = min(agent.policy.failures, key=lambda f: f.at)
-            ending = Ending(first.exit_status or 1, JobState.FAILED, f"{first.label} {first.description}", first)
+            ending = agent.policy.first_failure()
         else:
             ending = Ending(0, JobState.SUCCEEDED)
         if self.failed_ranks or signalled is not None:

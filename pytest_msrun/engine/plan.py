@@ -21,7 +21,7 @@ from typing import Any
 from pytest_msrun.binding.strategies import BindingPlan, Placement, plan_bindings
 from pytest_msrun.binding.topology import Topology
 from pytest_msrun.cpulist import format_id_list
-from pytest_msrun.engine import childenv
+from pytest_msrun.engine import childenv, errorfile
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.kinds import Role, SchedulerMode
 from pytest_msrun.engine.simselect import select_ranks
@@ -95,6 +95,7 @@ class ProcessSpec:
     in_child_cpus: list[int] | None = None
     device: str = ""
     bind_how: str = ""
+    error_file: str = ""  # where the rank's uncaught exception is recorded ("" when not)
 
     @property
     def command(self) -> list[str]:
@@ -122,6 +123,7 @@ class ProcessSpec:
             "in_child_cpus": self.in_child_cpus,
             "device": self.device,
             "bind_how": self.bind_how,
+            "error_file": self.error_file,
             "command": self.command,
         }
 
@@ -306,6 +308,7 @@ def _placed(placement: Placement | None) -> dict[str, Any]:
 
 
 def scheduler_spec(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, ctx: JobContext) -> ProcessSpec:
+    log_path = _join(cfg.log_dir, "scheduler.log")
     extra: dict[str, str] = {}
     if mode.has_control_plane:
         # -S: the control plane needs the standard library and this package only, so skip
@@ -316,8 +319,9 @@ def scheduler_spec(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, ctx
             extra["MSRUN_ORIG_PYTHONPATH"] = ctx.base_env.get("PYTHONPATH", "")
         if mode != SchedulerMode.BUILTIN:  # the MindSpore scheduler it may start runs with the task's interpreter
             extra["MSRUN_TASK_PYTHON"] = facts.task_python
-    else:
+    else:  # the task itself: its exceptions are recorded like a worker's
         argv = list(facts.task_argv)
+        extra = errorfile.hook_env(facts.package_root, ctx.base_env, errorfile.error_file_for(log_path))
     placement = ctx.binding.scheduler if ctx.binding is not None else None
     exported = {
         **ctx.common,
@@ -326,6 +330,8 @@ def scheduler_spec(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, ctx
         childenv.PLUGIN_ROLE_VAR: "scheduler",
         **(placement.env if placement is not None else {}),
     }
+    if errorfile.ERROR_FILE_VAR in extra:
+        exported[errorfile.ERROR_FILE_VAR] = extra[errorfile.ERROR_FILE_VAR]
     return ProcessSpec(
         name="scheduler",
         role=Role.SCHEDULER,
@@ -334,7 +340,8 @@ def scheduler_spec(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, ctx
         argv=argv,
         env={**ctx.base_env, **exported, **extra},
         exported=exported,
-        log_path=_join(cfg.log_dir, "scheduler.log"),
+        log_path=log_path,
+        error_file=extra.get(errorfile.ERROR_FILE_VAR, ""),
         **_placed(placement),
     )
 
@@ -365,16 +372,21 @@ def worker_spec(cfg: LaunchConfig, facts: NodeFacts, layout: Layout, ctx: JobCon
     if placement is not None:
         exported.update(placement.env)
     suffix = 0 if layout.single_rank is not None else (i if rank is None else rank)
+    log_path = _join(cfg.log_dir, f"{ctx.log_base}_{suffix}.log")
+    hook = errorfile.hook_env(facts.package_root, ctx.base_env, errorfile.error_file_for(log_path))
+    if hook:
+        exported[errorfile.ERROR_FILE_VAR] = hook[errorfile.ERROR_FILE_VAR]
     return ProcessSpec(
         name=f"worker_{suffix}",
         role=Role.WORKER,
         local_index=i,
         rank=rank,
         argv=list(facts.task_argv),
-        env={**ctx.base_env, **exported},
+        env={**ctx.base_env, **exported, **hook},
         exported=exported,
-        log_path=_join(cfg.log_dir, f"{ctx.log_base}_{suffix}.log"),
+        log_path=log_path,
         tail=cfg.join and (ctx.tail is None or (rank is not None and rank in ctx.tail)),
+        error_file=hook.get(errorfile.ERROR_FILE_VAR, ""),
         **_placed(placement),
     )
 

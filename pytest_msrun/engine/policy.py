@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from pytest_msrun.engine.errorfile import RankError
 from pytest_msrun.engine.kinds import JobState
 from pytest_msrun.engine.processes import Child
 from pytest_msrun.engine.summary import Failure, failure_of
@@ -40,21 +41,27 @@ class Policy:
     failures: list[Failure] = field(default_factory=list)
     remote_code: int | None = None  # the status an abort from the control plane carried
 
-    def exited(self, child: Child, label: str, log: str, is_worker: bool) -> Ending | None:
+    def exited(
+        self, child: Child, label: str, log: str, is_worker: bool, error: RankError | None = None
+    ) -> Ending | None:
+        """A local process ended; ``error``: its uncaught exception, from its error file."""
         rc = child.returncode
         if rc in (0, None):
             return None
         if is_worker or self.remote_code is None:  # a scheduler ending an abort it sent explains nothing
             assert rc is not None
-            self.failures.append(failure_of(label, rc, child.ended or time.time(), log, child.pid, self.host))
-        return self._first_failure()
+            failure = failure_of(label, rc, child.ended or time.time(), log, child.pid, self.host)
+            self.failures.append(replace(failure, error=error))
+        return self.first_failure()
 
-    def _first_failure(self) -> Ending:
+    def first_failure(self) -> Ending:
+        """The ending the earliest recorded failure decides."""
         if not self.failures:
             return Ending(self.remote_code or EXIT_LAUNCH_ERROR, JobState.FAILED, "the scheduler ended")
         first = min(self.failures, key=lambda f: f.at)
         workers = any(f.label != "scheduler" for f in self.failures)
-        return Ending(first.exit_status or 1, JobState.FAILED, f"{first.label} {first.description}", first, workers)
+        reason = f"{first.label} {first.description}" + (f" ({first.error.headline})" if first.error else "")
+        return Ending(first.exit_status or 1, JobState.FAILED, reason[:500], first, workers)
 
     def signalled(self, signum: int) -> Ending:
         return Ending(128 + signum, JobState.TERMINATED, f"msrun received {signal.Signals(signum).name}")

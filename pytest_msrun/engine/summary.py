@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
+from pytest_msrun.engine.errorfile import RankError
 from pytest_msrun.engine.processes import describe_returncode
 from pytest_msrun.engine.tail import tail_size
 
@@ -23,6 +25,10 @@ class Failure:
     log_path: str = ""
     pid: int | None = None
     host: str = ""
+    error: RankError | None = None  # its uncaught exception, from its error file
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
     def headline(self) -> str:
         where = f", pid {self.pid}" if self.pid else ""
@@ -73,7 +79,13 @@ def render(failures: list[Failure], terminated: list[str], log_dir: str) -> str:
     ordered = sorted(failures, key=lambda f: f.at)
     root = ordered[0]
     parts = ["msrun: the job failed. Root cause (first observed failure):", f"  {root.headline()}"]
-    if root.log_path:
+    if root.error is not None:  # it raised: its own record, no log scraping
+        if root.log_path:
+            parts.append(f"  log: {os.path.abspath(root.log_path)}")
+        parts.append(f"  error: {root.error.headline}")
+        parts.append("  traceback (from its error file):")
+        parts.append(_indent(root.error.traceback.rstrip("\n")))
+    elif root.log_path:  # it died without a record (a signal, os._exit, sys.exit): what its log says
         parts.append(f"  log: {os.path.abspath(root.log_path)}")
         text = log_text(root.log_path)
         tb = extract_traceback(text)

@@ -1,0 +1,87 @@
+"""msrun's rank hook: record this rank's uncaught exception in ``$MSRUN_ERROR_FILE`` as JSON.
+
+msrun puts this directory first on a rank's ``PYTHONPATH``; Python's ``site`` imports this module
+at start-up. It installs an exception hook, then removes every trace of itself (the directory
+from ``PYTHONPATH`` and ``sys.path``, so processes the rank starts run without it) and runs the
+``sitecustomize`` the rank would have had. Any error here is swallowed: it must never break a rank.
+"""
+
+import os
+import sys
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_LIMIT = 64 * 1024  # traceback characters kept (its end: where it failed)
+
+
+def _write(path, pid, etype, value, tb):
+    import json
+    import time
+    import traceback
+
+    text = "".join(traceback.format_exception(etype, value, tb))
+    if len(text) > _LIMIT:
+        text = "...\n" + text[-_LIMIT:]
+    module = getattr(etype, "__module__", "builtins")
+    name = getattr(etype, "__qualname__", getattr(etype, "__name__", str(etype)))
+    try:
+        message = str(value)
+    except Exception:  # a broken __str__
+        message = f"<unprintable {name}>"
+    record = {
+        "type": name if module in ("builtins", "__main__") else f"{module}.{name}",
+        "message": message[:_LIMIT],
+        "traceback": text,
+        "time": time.time(),
+        "pid": pid,
+    }
+    tmp = f"{path}.{pid}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(record, fh)
+    os.replace(tmp, path)
+
+
+def _install():
+    path = os.environ.get("MSRUN_ERROR_FILE", "")
+    pid = os.getpid()
+    previous = sys.excepthook
+
+    def hook(etype, value, tb):
+        if path and os.getpid() == pid:  # not in a forked child
+            try:
+                _write(path, pid, etype, value, tb)
+            except Exception:
+                pass
+        previous(etype, value, tb)
+
+    sys.excepthook = hook
+
+
+def _leave():
+    parts = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if _HERE in parts:
+        parts.remove(_HERE)
+        if any(parts):
+            os.environ["PYTHONPATH"] = os.pathsep.join(parts)
+        else:
+            os.environ.pop("PYTHONPATH", None)
+    sys.path[:] = [p for p in sys.path if not (p and os.path.abspath(p) == _HERE)]
+
+
+def _chain():
+    """Import the next ``sitecustomize`` on the path, as site would have (its errors are site's)."""
+    me = sys.modules.pop("sitecustomize", None)
+    try:
+        import sitecustomize  # noqa: F401  (the user's own; site reports its errors as usual)
+    except ImportError as exc:
+        if getattr(exc, "name", None) != "sitecustomize":
+            raise
+        if me is not None:
+            sys.modules["sitecustomize"] = me
+
+
+try:
+    _install()
+    _leave()
+except Exception:
+    pass
+_chain()
