@@ -134,7 +134,9 @@ def local_peer_uid(sock: socket.socket) -> int | None:
     try:
         mapped = ipaddress.ip_address(peer[0].split("%", 1)[0])
         if isinstance(mapped, ipaddress.IPv6Address) and mapped.ipv4_mapped is not None:
-            candidates.append((str(mapped.ipv4_mapped), str(ipaddress.ip_address(here[0]).ipv4_mapped or here[0])))
+            own = ipaddress.ip_address(here[0].split("%", 1)[0])
+            own_v4 = own.ipv4_mapped if isinstance(own, ipaddress.IPv6Address) else None
+            candidates.append((str(mapped.ipv4_mapped), str(own_v4 or here[0])))
     except ValueError:
         pass
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):

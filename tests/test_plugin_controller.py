@@ -287,6 +287,42 @@ def test_parent_options_reach_the_ranks(pytester, tracked):
     assert "UserWarning: careful" in result.stdout.str()
 
 
+def test_every_option_reaches_the_ranks_but_the_sessions_own(pytester, tracked):
+    """conftest options, core options in addopts, plugin options: the rank sees the controller's
+    values; selection and report files stay the controller's."""
+    pytester.makeconftest(
+        """
+        def pytest_addoption(parser):
+            parser.addoption("--runslow", action="store_true", default=False)
+            parser.addoption("--level", type=int, default=1)
+            parser.addoption("--tags", action="append", default=[])
+        """
+    )
+    pytester.makeini("[pytest]\naddopts = --showlocals\n")
+    pytester.makepyfile(
+        test_cfg="""
+        import pytest
+
+        @pytest.mark.msrun(worker_num=2)
+        def test_options(rank, request):
+            opt = request.config.option
+            assert opt.runslow is True and opt.level == 3 and opt.tags == ["a", "b"]
+            assert opt.showlocals and opt.runxfail and opt.tbstyle == "short"
+            assert opt.keyword == "" and opt.xmlpath is None and opt.maxfail != 1 and not opt.usepdb
+            assert request.config.getoption("--level") == 3
+
+        def test_plain():
+            pass
+    """
+    )
+    result = pytester.runpytest_subprocess(
+        "--runslow", "--level=3", "--tags=a", "--tags=b", "--runxfail", "--tb=short", "-k", "options or plain",
+        "--junitxml=out.xml", "-x",
+    )  # fmt: skip
+    result.assert_outcomes(passed=2)
+    assert (pytester.path / "out.xml").exists()
+
+
 def test_devices_are_disjoint_across_xdist_workers(pytester, tracked):
     pytester.makepyfile(
         test_dev="""

@@ -2,7 +2,7 @@
 
 ``CUDA_VISIBLE_DEVICES`` may list indices, ``GPU-<uuid>`` prefixes or MIG ids;
 ``ASCEND_RT_VISIBLE_DEVICES`` lists npu-smi logical ids. Devices are matched by index or UUID
-in the user's order (msrun sorted the Ascend list and ignored the CUDA one, spec §7 item 27).
+in the user's order (MindSpore's msrun sorts the Ascend list and ignores the CUDA one).
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def worker_devices(
             dev = next((d for d in devices if d.index == idx), None)
             if devices and dev is None:
                 raise VisibleDevicesError(
-                    f"{var}={env[var]!r}: device {idx} does not exist here (devices: "
+                    f"{var}={env.get(var or '')!r}: device {idx} does not exist here (devices: "
                     f"{', '.join(str(d.index) for d in devices)})"
                 )
             out.append(WorkerDevice(i, idx, dev))

@@ -2,7 +2,8 @@
 
 Everything reads below ``root`` (``/`` on a real machine), so tests can point discovery at a
 recorded tree. Allowed CPUs are ``sched_getaffinity(0)`` intersected with the cgroup's
-effective cpuset - never a count of ``/proc/cpuinfo`` lines (spec §7 items 21-22).
+effective cpuset - never a count of ``/proc/cpuinfo`` lines, which in a container or under
+``taskset`` names CPUs this process may not use.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import math
 import os
 import socket
 from collections.abc import Callable
+from typing import Any
 
 from pytest_msrun.binding.npusmi import NpuSmiError, parse_board_pcie, parse_device_table, run_npu_smi
 from pytest_msrun.binding.topology import CgroupInfo, Device, NumaNode, Topology
@@ -149,10 +151,10 @@ def _pci_numa_and_cpus(root: str, bus_id: str) -> tuple[int | None, list[int]]:
     return node, _ids(_read(root, f"{base}/local_cpulist")) or []
 
 
-def nvidia_devices(root: str = "/", nvml: Callable[[], object] | None = None) -> list[Device]:
+def nvidia_devices(root: str = "/", nvml: Callable[[], Any] | None = None) -> list[Device]:
     """NVIDIA GPUs through NVML; sysfs PCI (vendor 0x10de) when NVML is not usable."""
     try:
-        module = nvml() if nvml is not None else __import__("pynvml")
+        module: Any = nvml() if nvml is not None else __import__("pynvml")
         module.nvmlInit()
     except Exception:
         return _nvidia_from_sysfs(root)
@@ -200,7 +202,7 @@ def _nvidia_from_sysfs(root: str) -> list[Device]:
         entries = sorted(os.listdir(base))
     except OSError:
         return []
-    out = []
+    out: list[Device] = []
     for bdf in entries:
         vendor = _read(root, f"/sys/bus/pci/devices/{bdf}/vendor")
         cls = _read(root, f"/sys/bus/pci/devices/{bdf}/class") or ""

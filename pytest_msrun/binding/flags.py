@@ -3,7 +3,8 @@
 Accepted, as in msrun: ``True``/``False`` (any case), a legacy per-device JSON dict
 ``{"device0": ["0-3"], "scheduler": ["4"]}`` and, for ``--bind_numa`` only, the unified JSON
 (``bind_config`` / ``bind_cpu`` / ``bind_memory``) given inline or as a file path. Unlike msrun,
-every form is validated here, before anything starts (spec §7 items 10, 29).
+which accepts malformed values and fails (or binds nothing) once the job runs, every form is
+validated here, before anything starts.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Ascend NPUs from ``npu-smi``: the device table (``info -m``) and each chip's PCIe bus (``info -t board``).
 
-Parsing follows msrun's rules (spec §4.1) with its crash paths turned into errors that say
+Parsing follows MindSpore msrun's rules with its crash paths turned into errors that say
 what was wrong: the first non-empty line is the header, columns are separated by two or more
 spaces, ``mcu`` and nameless rows are skipped, and the device id column is the first of
 ``chip_logic_id``, ``npu_id``, ``chip_phy_id`` that is present and unique in every row.

@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         what = f"{dev.label} ({dev.pci_bus_id})" if dev is not None else "no device"
         _say(f"local rank {rank}: {what} has no usable NUMA node here; running unbound")
         os.execvp(args[0], args)
+    assert dev is not None  # a NUMA node comes from a device
     numactl = shutil.which("numactl")
     _say(f"Starting local rank {rank} ({dev.label} {dev.pci_bus_id}) on NUMA node {node}")
     if numactl:

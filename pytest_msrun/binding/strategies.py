@@ -1,12 +1,12 @@
 """Placement: topology + binding flags -> each process's CPUs, memory nodes and command prefix.
 
 Pure (no OS access): the caller passes the topology, the visible-device variables and which
-of ``taskset``/``numactl`` exist. Command shapes are msrun's (spec §4.7, §4.8, §8):
+of ``taskset``/``numactl`` exist. Command shapes are MindSpore's msrun's:
 
 * ``taskset -c C`` / ``numactl --membind N --cpunodebind N`` / ``numactl --membind N --physcpubind C``
 * unified JSON: ``numactl [--membind M] --cpunodebind C``, ``numactl --membind M``, ...
 
-Fixed against msrun (spec §7 items 21-29): shares are computed over the *local workers*, not
+Fixed against MindSpore's msrun: shares are computed over the *local workers*, not
 every device on the host; dict keys match workers by name (``deviceN`` = physical id); the
 equal-split map is keyed consistently; exhausted pools and unknown nodes never crash; CUDA is
 supported; and every CPU or node id is checked against what this process may use, before start.
@@ -246,8 +246,9 @@ class Planner:
         workers = []
         for i in range(self.n):
             place = self._compose(core_parts[i], node_parts[i], auto_numa=auto_nodes is not None)
-            if env_lists[i] is not None and place.bound and (self.core.kind == "auto" or self.numa.kind == "auto"):
-                place.env["MSRUN_CPU_LIST"] = env_lists[i]
+            cpu_list = env_lists[i]
+            if cpu_list is not None and place.bound and (self.core.kind == "auto" or self.numa.kind == "auto"):
+                place.env["MSRUN_CPU_LIST"] = cpu_list
             place.device = self._device_label(i)
             workers.append(place)
         sched = Placement(how="not bound")

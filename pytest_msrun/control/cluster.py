@@ -111,6 +111,8 @@ class _Group:
                 if kind == "coll" and reply.get("seq") == seq:
                     data_out = reply.get("data")
                     if op == "gather":
+                        if not isinstance(data_out, list):
+                            raise ClusterError(f"{op} on rank {self.rank}: malformed reply from the scheduler")
                         return [wire.unpack_data(d) for d in data_out]
                     return None if data_out is None else wire.unpack_data(data_out)
 

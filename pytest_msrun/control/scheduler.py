@@ -38,6 +38,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from typing_extensions import TypeGuard
+
 AUTH_TIMEOUT = float(os.environ.get("MSRUN_AUTH_TIMEOUT", "5"))
 PENDING_FLOOR = 256  # unauthenticated connections kept at most: max(this, 2 x worker_num)
 ACCEPT_PAUSE = 0.1  # out of file descriptors with nothing to shed: stop accepting this long
@@ -154,7 +156,7 @@ class Collective:
         self.parts: dict[int, Any] = {}
 
 
-def _is_int(value: Any, low: int, high: int) -> bool:
+def _is_int(value: Any, low: int, high: int) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 

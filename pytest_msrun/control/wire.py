@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 try:  # constant-time comparison without importing hmac/hashlib (OpenSSL) on the start-up path
     from _operator import _compare_digest as compare_digest
 except ImportError:  # pragma: no cover
-    from hmac import compare_digest
+    from hmac import compare_digest  # type: ignore[no-redef]
 
 HEADER = struct.Struct(">I")
 HELLO_LIMIT = 16 * 1024  # the largest frame a client may send before it authenticated

@@ -263,7 +263,7 @@ class Agent:
             "hosts_scheduler": plan.hosts_scheduler,
         }
         deadline = time.monotonic() + (cfg.cluster_time_out if cfg.cluster_time_out >= 0 else 10**9)
-        last = ""
+        last: str | None = ""
         while True:
             try:
                 last = self.link.try_register(hello, max(0.2, min(5.0, deadline - time.monotonic())))

@@ -1,7 +1,7 @@
 """Per-child environment dicts (msrun's variables per role, plus torch-style ones).
 
 Every child starts from a *copy* of the launcher's environment with every variable this
-launcher owns removed, so nothing stale leaks in (spec §7 items 14, 15): no scheduler
+launcher owns removed, so nothing stale leaks in (as it does under MindSpore's msrun): no scheduler
 ``RANK_ID=0`` in a worker, no ``MS_ROLE`` in a dry run, no ``MSRUN_CPU_LIST`` of another worker.
 """
 

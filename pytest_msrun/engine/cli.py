@@ -6,6 +6,8 @@ import argparse
 import os
 import socket
 import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import pytest_msrun
 from pytest_msrun.binding.flags import BindFlagError, BindSpec, parse_bind_value
@@ -21,9 +23,12 @@ from pytest_msrun.engine.config import (
 from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.jobtoken import job_token
 from pytest_msrun.engine.kinds import SchedulerMode
-from pytest_msrun.engine.plan import LaunchPlan, NodeFacts, build_plan
+from pytest_msrun.engine.plan import LaunchPlan, NodeFacts, ProcessSpec, build_plan
 from pytest_msrun.engine.taskcmd import task_argv, task_python
 from pytest_msrun.netaddr import AddressError, is_local_address, resolve_master_addr, source_ip_towards
+
+if TYPE_CHECKING:
+    from pytest_msrun.binding.topology import Topology
 
 # The directory that holds the pytest_msrun package (the scheduler runs with -S, without site).
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(pytest_msrun.__file__)))
@@ -191,7 +196,14 @@ def config_from_args(ns: argparse.Namespace, env: dict[str, str]) -> tuple[Launc
     return cfg, notes
 
 
-def binding_facts(cfg: LaunchConfig, env: dict[str, str]) -> tuple[object, dict[str, str | None]]:
+def config_of(argv: list[str], env: dict[str, str]) -> LaunchConfig:
+    """The configuration an msrun command line (flags, task, its arguments) describes, as msrun
+    reads it, without looking at the machine. Invalid input raises :class:`ConfigError` or exits 2."""
+    cfg, _ = config_from_args(build_parser().parse_args(argv), env)
+    return cfg
+
+
+def binding_facts(cfg: LaunchConfig, env: dict[str, str]) -> tuple[Topology | None, dict[str, str | None]]:
     """Topology (``MSRUN_TOPOLOGY`` snapshot, else live) and tool paths - read only when binding."""
     if not (cfg.bind_core.enabled or cfg.bind_numa.enabled):
         return None, {}
@@ -213,7 +225,7 @@ def binding_facts(cfg: LaunchConfig, env: dict[str, str]) -> tuple[object, dict[
     return topology, tools
 
 
-def probe_numactl(plan_processes: list, topology: object) -> None:
+def probe_numactl(plan_processes: Sequence[ProcessSpec], topology: Topology | None) -> None:
     """A numactl that cannot set a memory policy here (containers without CAP_SYS_NICE) fails now."""
     import subprocess
 

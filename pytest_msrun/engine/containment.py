@@ -149,8 +149,7 @@ def create(job_id: str, env: dict[str, str] | None = None) -> JobCgroup | None:
     None where no cgroup can be created or entered (no cgroup filesystem, no delegation, not
     root, or ``MSRUN_CGROUP=off``).
     """
-    env = os.environ if env is None else env
-    want = env.get(CGROUP_ENV, "auto").strip().lower()
+    want = (os.environ if env is None else env).get(CGROUP_ENV, "auto").strip().lower()
     if want in ("off", "0", "no", "false"):
         return None
     mounts, own = _mounts(), _own_paths()

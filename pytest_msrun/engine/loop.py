@@ -119,7 +119,7 @@ class EventLoop:
                 events.extend(self._read_link())
             elif isinstance(key.data, Child):
                 with contextlib.suppress(KeyError, ValueError):
-                    self.sel.unregister(key.data.pidfd)
+                    self.sel.unregister(key.fileobj)
                 if key.data.reap():
                     events.append(Event(EventKind.EXITED, child=key.data))
         if self.signal_received is not None:

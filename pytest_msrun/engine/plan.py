@@ -398,7 +398,8 @@ def dry_run_ranks(cfg: LaunchConfig, layout: Layout) -> list[int]:
 
 
 def job_ranks(cfg: LaunchConfig) -> list[int]:
-    """Every rank a single-invocation job runs: its selected simulated ranks, or all of them."""
+    """The ranks an invocation's job runs: in a dry run the simulated ranks this invocation runs
+    (``--sim_rank_id``, ``--sim_select``, this node's share); otherwise every rank of the job."""
     if cfg.dry_run:
         return dry_run_ranks(cfg, rank_layout(cfg, SchedulerMode.NONE))
     return list(range(cfg.worker_num))

@@ -19,7 +19,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -50,7 +50,8 @@ def become_subreaper() -> bool:
     return _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
-_setpriv: str | None | bool = False
+_setpriv: str | None = None
+_setpriv_looked = False
 
 
 def _pdeathsig_wrapper(sig: str = "KILL") -> list[str]:
@@ -59,13 +60,15 @@ def _pdeathsig_wrapper(sig: str = "KILL") -> list[str]:
     Setting the parent-death signal through a tiny exec'd helper keeps ``subprocess`` on its
     fast vfork path; without setpriv a ``preexec_fn`` does the same, more slowly.
     """
-    global _setpriv
-    if _setpriv is False:
-        _setpriv = shutil.which("setpriv")
+    global _setpriv, _setpriv_looked
+    if not _setpriv_looked:
+        _setpriv, _setpriv_looked = shutil.which("setpriv"), True
     return [_setpriv, "--pdeathsig", sig, "--"] if _setpriv else []
 
 
-def with_parent_death_signal(argv: list[str], sig: signal.Signals = signal.SIGTERM) -> tuple[list[str], object]:
+def with_parent_death_signal(
+    argv: list[str], sig: signal.Signals = signal.SIGTERM
+) -> tuple[list[str], Callable[[], None] | None]:
     """``argv`` and a ``preexec_fn`` (or None) so the child gets ``sig`` when this thread's process dies.
 
     Used for processes that clean up after themselves on ``sig`` (msrun tears its job down on

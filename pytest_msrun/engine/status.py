@@ -80,7 +80,7 @@ class JobStatus:
             if isinstance(p, dict)
         ]
         extra = {k: v for k, v in data.items() if k not in known and k not in ("processes", "updated")}
-        base = {k: data.get(k) for k in known if k in data}
+        base: dict[str, Any] = {k: data.get(k) for k in known if k in data}
         base.setdefault("job_id", "")
         base.setdefault("state", "unknown")
         base.setdefault("exit_code", None)

@@ -6,44 +6,11 @@ import re
 
 import pytest
 
+from pytest_msrun.plugin import options
 from pytest_msrun.plugin.job import TestJob
 from pytest_msrun.plugin.marker import MARKER, MarkerError, default_timeout, spec_for
 from pytest_msrun.plugin.merge import Merger, load_logs
 from pytest_msrun.plugin.pool import DeviceShortage, ResourcePool, inventory
-
-
-def rank_args(config: pytest.Config) -> list[str]:
-    """The parent's options every rank needs (ranks ignore addopts; these carry their effect)."""
-    opt = config.option
-    args = ["-p", "no:cacheprovider", "-p", "no:xdist", "-o", "addopts=", f"--rootdir={config.rootpath}"]
-    if config.inipath:
-        args += ["-c", str(config.inipath)]
-    for name in getattr(opt, "plugins", None) or []:
-        if name not in ("no:cacheprovider", "no:xdist", "xdist"):
-            args += ["-p", name]
-    for warning in getattr(opt, "pythonwarnings", None) or []:
-        args += ["-W", warning]
-    for override in getattr(opt, "override_ini", None) or []:
-        if not override.startswith("addopts="):
-            args += ["-o", override]
-    capture = getattr(opt, "capture", "fd")
-    args.append(f"--capture={capture}")
-    if getattr(opt, "importmode", None):
-        args.append(f"--import-mode={opt.importmode}")
-    if getattr(opt, "confcutdir", None):
-        args.append(f"--confcutdir={opt.confcutdir}")
-    for attr, flag in (
-        ("noconftest", "--noconftest"),
-        ("runxfail", "--runxfail"),
-        ("strict_markers", "--strict-markers"),
-        ("showlocals", "--showlocals"),
-    ):
-        if getattr(opt, attr, False):
-            args.append(flag)
-    tbstyle = getattr(opt, "tbstyle", "auto")
-    if tbstyle and tbstyle != "auto":
-        args.append(f"--tb={tbstyle}")
-    return args
 
 
 def _safe_name(nodeid: str) -> str:
@@ -71,7 +38,7 @@ class Controller:
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
         self.pool = ResourcePool()
-        self.args = rank_args(config)
+        self.args = options.command_line(config)
 
     def pytest_report_header(self, config: pytest.Config) -> str | None:
         if getattr(config.option, "usepdb", False):
@@ -135,7 +102,7 @@ class Controller:
             job_dir=job_dir,
             ports=ports,
             rank_args=self.args,
-            extra_env=extra_env,
+            extra_env={**extra_env, **options.ship(self.config, str(job_dir / "pytest-options.json"))},
             live_output=live,
         )
         run = job.run(self._timeout(spec))

@@ -22,8 +22,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from pytest_msrun.control.observer import query_state
-from pytest_msrun.engine.processes import with_parent_death_signal
-from pytest_msrun.engine.simselect import select_ranks
+from pytest_msrun.engine.cli import config_of
+from pytest_msrun.engine.plan import job_ranks
+from pytest_msrun.engine.processes import term_grace, with_parent_death_signal
 from pytest_msrun.engine.status import STATUS_FILE, node_status_file, read_status
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, SHARED_TMP_ENV, stacks_path
@@ -90,12 +91,12 @@ class TestJob:
             d.mkdir(parents=True, exist_ok=True)
 
     def expected_ranks(self) -> list[int]:
-        spec = self.spec
-        if spec.sim_level is not None and spec.sim_rank_id is not None:
-            return [spec.sim_rank_id]
-        if spec.sim_level is not None:
-            return select_ranks(spec.sim_ranks, range(spec.worker_num))
-        return list(range(spec.worker_num))
+        """The ranks whose results the job owes, as msrun reads the job's own command lines."""
+        env = self.env()
+        ranks: set[int] = set()
+        for node, size in enumerate(self.spec.node_sizes()):
+            ranks.update(job_ranks(config_of(self.msrun_args(node, size, 1), env)))
+        return sorted(ranks)
 
     def flags(self, node: int, size: int, cluster_time_out: int, *, for_user: bool = False) -> list[str]:
         """One invocation's msrun flags. ``for_user``: the ones a person re-running it needs."""
@@ -127,9 +128,13 @@ class TestJob:
     def task(self) -> list[str]:
         return [sys.executable, "-m", "pytest", *self.rank_args, self.nodeid]
 
+    def msrun_args(self, node: int, size: int, cluster_time_out: int) -> list[str]:
+        """One invocation's msrun arguments: its flags, then the rank's pytest command."""
+        return [*self.flags(node, size, cluster_time_out), *self.task()]
+
     def commands(self, cluster_time_out: int) -> list[list[str]]:
         return [
-            [sys.executable, "-m", "pytest_msrun", *self.flags(node, size, cluster_time_out), *self.task()]
+            [sys.executable, "-m", "pytest_msrun", *self.msrun_args(node, size, cluster_time_out)]
             for node, size in enumerate(self.spec.node_sizes())
         ]
 
@@ -228,7 +233,7 @@ class TestJob:
                 stderr=log_fh if self.live_output else subprocess.STDOUT,
                 start_new_session=True,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=preexec,  # type: ignore[arg-type]
+                preexec_fn=preexec,
             )
             if self.live_output:
                 pump = threading.Thread(target=_pump_rank_lines, args=(popen.stdout, log_fh), daemon=True)
@@ -289,7 +294,7 @@ class TestJob:
                     os.killpg(popen.pid, signal.SIGTERM)
                 except (ProcessLookupError, PermissionError):
                     pass
-        deadline = time.monotonic() + float(os.environ.get("MSRUN_TERM_TIMEOUT", "5")) + 5
+        deadline = time.monotonic() + term_grace() + 5  # msrun's own grace, then its teardown
         for popen in procs:
             try:
                 popen.wait(timeout=max(0.1, deadline - time.monotonic()))

@@ -34,7 +34,7 @@ MARKER_HELP = (
 )
 
 
-class MarkerError(pytest.UsageError):
+class MarkerError(ValueError):
     """An ``msrun`` marker with an invalid argument."""
 
 

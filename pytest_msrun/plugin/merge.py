@@ -185,8 +185,8 @@ class Merger:
         if phase.wasxfail is not None:
             return self._make(phase.phase, "passed", None, present, window, wasxfail=phase.wasxfail)
         if phase.outcome == "skipped":
-            first = present[min(present)]
-            return self._make(phase.phase, "skipped", first.longrepr, present, window)
+            lowest = present[min(present)]
+            return self._make(phase.phase, "skipped", lowest.longrepr, present, window)
         return self._make(phase.phase, "passed", None, present, window)
 
     def _sections(self, phase: str, present: dict[int, pytest.TestReport], died: list[int]) -> list[tuple[str, str]]:

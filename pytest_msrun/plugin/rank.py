@@ -25,6 +25,7 @@ from typing import IO, Any
 
 import pytest
 
+from pytest_msrun.plugin import options
 from pytest_msrun.plugin.env import current_rank, current_world
 from pytest_msrun.plugin.marker import MARKER, MarkerError, default_timeout, spec_for
 from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, RecordWriter, records_path, stacks_path
@@ -74,6 +75,8 @@ class RankPlugin:
         self.rank = current_rank()
         self.world = current_world()
         self.controlled = bool(env.get(REPORT_DIR_ENV))
+        if self.controlled:  # the controller's options, before any other plugin is configured
+            options.apply(config)
         self.log = log_file() if log_capture else None  # capture through the log
         self.phase_offset: int | None = None
         self.current: tuple[str, str] | None = None  # (nodeid, phase) running now

@@ -71,7 +71,7 @@ def _chain():
     """Import the next ``sitecustomize`` on the path, as site would have (its errors are site's)."""
     me = sys.modules.pop("sitecustomize", None)
     try:
-        import sitecustomize  # noqa: F401  (the user's own; site reports its errors as usual)
+        import sitecustomize  # type: ignore[import-not-found]  # noqa: F401  (the user's own; site reports errors)
     except ImportError as exc:
         if getattr(exc, "name", None) != "sitecustomize":
             raise

@@ -1,0 +1,121 @@
+"""The controller's pytest options, carried into the ranks of a marked test's job.
+
+A rank is a fresh ``pytest`` process that runs one test. What it needs of the controller's
+command line reaches it in two ways, as pytest-xdist carries a session's options to its workers:
+
+* **on its command line**, what acts before any plugin is configured: plugins (``-p``), the
+  inifile and rootdir, ``-o`` overrides, ``-W`` filters, capture, import mode, conftest loading;
+* **as the option namespace** (``config.option``), shipped as JSON in a file the rank's
+  environment names and applied before any other plugin's ``pytest_configure`` - every option of
+  pytest, of plugins and of ``conftest.py`` files (``--runslow``-style flags) alike.
+
+Never shipped: options that belong to the controller's session (selection, reports and files it
+writes, debugging, distribution, caching), and values JSON cannot carry.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+
+OPTIONS_ENV = "MSRUN_PYTEST_OPTIONS"
+
+# Options of the controller's session, by dest. A rank runs one given test, writes its results to
+# the controller, and never reports, caches, debugs or distributes on its own.
+SESSION_ONLY = frozenset(
+    {
+        # what runs: the rank is given its test
+        "file_or_dir", "keyword", "markexpr", "deselect", "ignore", "ignore_glob", "continue_on_collection_errors",
+        "collectonly", "exitfirst", "maxfail", "lf", "last_failed_no_failures", "failedfirst", "newfirst",
+        "cacheclear", "cacheshow", "stepwise", "stepwise_skip", "doctestmodules", "pyargs",
+        # files and reports of the session
+        "basetemp", "xmlpath", "junitprefix", "resultlog", "report_log", "htmlpath", "self_contained_html",
+        "pastebin", "durations", "durations_min", "log_file", "log_file_level", "log_file_format",
+        "log_file_date_format", "debug", "traceconfig", "verbose", "reportchars", "color", "code_highlight",
+        "quiet", "disable_warnings", "no_header", "no_summary", "fold_skipped",
+        # informational runs
+        "help", "version", "showfixtures", "show_fixtures_per_test", "markers", "setuponly", "setupplan",
+        "setupshow",
+        # debugging: a rank has no terminal
+        "usepdb", "usepdb_cls", "trace",
+        # on the rank's command line already (they act before configuration)
+        "plugins", "inifilename", "rootdir", "override_ini", "pythonwarnings", "capture", "importmode",
+        "confcutdir", "noconftest",
+        # pytest-xdist: ranks never distribute
+        "numprocesses", "maxprocesses", "dist", "tx", "rsyncdir", "rsyncignore", "looponfail", "distload",
+        "loadgroup", "max_worker_restart", "maxschedchunk", "testrunuid",
+    }
+)  # fmt: skip
+SESSION_PREFIXES = ("msrun_", "cov")  # this plugin's own; pytest-cov measures the session, not each rank
+
+
+def shippable(options: dict[str, Any]) -> dict[str, Any]:
+    """The options a rank takes over: not the session's own, and JSON-representable."""
+    out: dict[str, Any] = {}
+    for name, value in options.items():
+        if name in SESSION_ONLY or name.startswith(SESSION_PREFIXES) or name.startswith("_"):
+            continue
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            continue
+        out[name] = value
+    return out
+
+
+def ship(config: pytest.Config, path: str) -> dict[str, str]:
+    """Write the controller's options to ``path``; return the environment a rank needs to read them."""
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(shippable(vars(config.option)), fh)
+    return {OPTIONS_ENV: path}
+
+
+def apply(config: pytest.Config, env: dict[str, str] | None = None) -> list[str]:
+    """In a rank: take over the shipped options this rank's pytest knows; return their names."""
+    path = (os.environ if env is None else env).get(OPTIONS_ENV)
+    if not path:
+        return []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            shipped = json.load(fh)
+    except (OSError, ValueError):
+        return []
+    if not isinstance(shipped, dict):
+        return []
+    known = vars(config.option)
+    applied = []
+    for name, value in shippable(shipped).items():
+        if name in known:
+            if isinstance(known[name], tuple) and isinstance(value, list):
+                value = tuple(value)
+            setattr(config.option, name, value)
+            applied.append(name)
+    return applied
+
+
+def command_line(config: pytest.Config) -> list[str]:
+    """The rank's command-line options: what acts before plugins are configured. Ranks ignore
+    ``addopts`` (its effect arrives with the option namespace) and never cache or distribute."""
+    opt = config.option
+    args = ["-p", "no:cacheprovider", "-p", "no:xdist", "-o", "addopts=", f"--rootdir={config.rootpath}"]
+    if config.inipath:
+        args += ["-c", str(config.inipath)]
+    for name in getattr(opt, "plugins", None) or []:
+        if name not in ("no:cacheprovider", "no:xdist", "xdist"):
+            args += ["-p", name]
+    for warning in getattr(opt, "pythonwarnings", None) or []:
+        args += ["-W", warning]
+    for override in getattr(opt, "override_ini", None) or []:
+        if not override.startswith("addopts="):
+            args += ["-o", override]
+    args.append(f"--capture={getattr(opt, 'capture', 'fd')}")
+    if getattr(opt, "importmode", None):
+        args.append(f"--import-mode={opt.importmode}")
+    if getattr(opt, "confcutdir", None):
+        args.append(f"--confcutdir={opt.confcutdir}")
+    if getattr(opt, "noconftest", False):
+        args.append("--noconftest")
+    return args
