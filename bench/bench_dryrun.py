@@ -21,7 +21,8 @@ from pathlib import Path
 
 import psutil
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bench_env, machine  # noqa: E402
 
 
 def run(n: int, tmp: Path, env: dict[str, str]) -> tuple[float, int, int]:
@@ -63,10 +64,9 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, default=1024)
     ap.add_argument("--small", type=int, default=128)
     args = ap.parse_args()
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "pytest_msrun")], check=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
+        env = bench_env(tmp)  # bytecode cached in the scratch directory, not the checkout
         (tmp / "trivial.py").write_text("import os\nassert int(os.environ['RANK_ID']) < int(os.environ['RANK_SIZE'])\n")
         singles = []
         for _ in range(10):
@@ -78,7 +78,7 @@ def main() -> int:
         big_wall, big_rss, big_rc = run(args.ranks, tmp, env)
     cpus = len(os.sched_getaffinity(0))
     floor = args.ranks * one / cpus
-    print(f"machine: {cpus} CPUs, Python {sys.version.split()[0]}")
+    print(machine())
     print(f"one bare python run of the rank script  : {one * 1000:7.1f} ms")
     print(
         f"{args.small:5d} simulated ranks                  : {small_wall:7.2f} s   "

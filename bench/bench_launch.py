@@ -1,19 +1,31 @@
-"""Launcher overhead and failure latency, against baselines measured in the same run.
+"""Launch overhead and failure latency, against baselines measured in the same run.
 
-    python bench/bench_launch.py [--runs 15] [--workers 8] [--torchrun]
+    python bench/bench_launch.py [--runs 15] [--sizes 2,8,32,256] [--no-mpirun] [--torchrun] [--here]
 
-* overhead: ``msrun --join=True`` with N trivial workers vs N bare concurrent ``python`` spawns
-  of the same script (the floor any launcher pays); target <= 0.10 s (median).
-* failure latency: rank 0 records a timestamp and exits 3 while the others sleep; measured
-  until msrun has exited, which it does only after every process of the job is gone;
-  target <= 0.10 s (median).
-* optionally the same N workers under ``torchrun --standalone`` for scale.
+Everything runs with one interpreter: by default a fresh virtual environment with this checkout
+installed as users install it (``pip install .``); ``--here`` uses the running interpreter and
+the checkout instead (an editable install there adds its import hook to every process's start).
+
+For each N, in shuffled order every round:
+
+* floor: N bare concurrent ``python trivial.py`` spawns, waited for (what any launcher pays);
+* ``pmsrun --join=True`` with N such workers (its scheduler, logs, supervision included);
+* ``mpirun -np N python trivial.py`` (Open MPI, when installed: ``apt-get install openmpi-bin``).
+
+Overhead = the median of each round's (launcher - floor), with its 25th-75th percentile.
+Targets: overhead <= 30 ms for N <= 32; msrun / floor <= 1.10 for N = 256.
+
+Failure latency: rank 0 records a timestamp and exits 3 while the others sleep; measured until
+msrun has exited, which it does only after every process of the job is gone.
+
+``--torchrun``: ``torchrun --standalone`` with the same workers; most of its time is the
+launcher's own ``import torch`` and the c10d rendezvous, so a bare ``python -c "import torch"``
+is measured beside it.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import subprocess
@@ -22,7 +34,18 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (  # noqa: E402
+    bare_spawns,
+    bench_env,
+    installed_python,
+    interleaved,
+    machine,
+    ms,
+    quartiles,
+    run_timed,
+)
+
 TRIVIAL = "import os\nos.environ.get('RANK_ID')\n"
 FAILING = (
     "import os, sys, time\n"
@@ -32,19 +55,13 @@ FAILING = (
     "    sys.exit(3)\n"
     "time.sleep(60)\n"
 )
+OVERHEAD_TARGET = 0.030
+RATIO_TARGET = 1.10
 
 
-def bare(python: str, script: Path, n: int) -> float:
-    t0 = time.perf_counter()
-    procs = [subprocess.Popen([python, "-u", str(script)]) for _ in range(n)]
-    for p in procs:
-        p.wait()
-    return time.perf_counter() - t0
-
-
-def msrun_cmd(n: int, log_dir: str, script: Path) -> list[str]:
+def msrun_cmd(python: str, n: int, log_dir: Path, script: Path) -> list[str]:
     return [
-        sys.executable,
+        python,
         "-m",
         "pytest_msrun",
         f"--worker_num={n}",
@@ -56,81 +73,105 @@ def msrun_cmd(n: int, log_dir: str, script: Path) -> list[str]:
     ]
 
 
-def timed(cmd: list[str], env: dict[str, str]) -> tuple[float, int]:
-    t0 = time.perf_counter()
-    rc = subprocess.run(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
-    return time.perf_counter() - t0, rc
+def mpirun_cmd(python: str, n: int, script: Path) -> list[str]:
+    return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(n), python, str(script)]
 
 
 def failure_latency(cmd: list[str], env: dict[str, str], stamp: Path) -> float:
     if stamp.exists():
         stamp.unlink()
-    rc = subprocess.run(
-        cmd, env={**env, "STAMP": str(stamp)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    ).returncode
+    rc = subprocess.run(cmd, env={**env, "STAMP": str(stamp)}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     done = time.time()
-    if rc == 0:
-        raise RuntimeError("the failing job succeeded?")
+    if rc.returncode == 0:
+        raise SystemExit("the failing job succeeded?")
     return done - float(stamp.read_text())
 
 
-def median_ms(values: list[float]) -> str:
-    return f"{statistics.median(values) * 1000:7.1f} ms (min {min(values) * 1000:.1f}, n={len(values)})"
+def diffs(a: list[float], b: list[float]) -> list[float]:
+    return [x - y for x, y in zip(a, b)]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=15)
-    ap.add_argument("--workers", type=int, default=8)
-    ap.add_argument("--torchrun", action="store_true", help="also time torchrun --standalone")
+    ap.add_argument("--sizes", default="2,8,32,256")
+    ap.add_argument("--no-mpirun", action="store_true")
+    ap.add_argument("--torchrun", action="store_true")
+    ap.add_argument("--failure-workers", type=int, default=8)
+    ap.add_argument("--here", action="store_true", help="this interpreter and checkout, not a fresh install")
     args = ap.parse_args()
-    n = args.workers
-    # A normal install ships bytecode; make sure this checkout has it even under
-    # PYTHONDONTWRITEBYTECODE, or every run would measure compiling the launcher.
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "pytest_msrun")], check=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    sizes = [int(s) for s in args.sizes.split(",") if s]
+    mpirun = None if args.no_mpirun else shutil.which("mpirun")
+    print(machine())
+    print(f"rounds: {args.runs} per size, shuffled order; medians [25th-75th percentile]")
+    if mpirun is None and not args.no_mpirun:
+        print("mpirun: not installed (apt-get install openmpi-bin) - its rows are left out")
+    failed: list[str] = []
     with tempfile.TemporaryDirectory() as tmp:
-        tmpd = Path(tmp)
-        trivial, failing = tmpd / "trivial.py", tmpd / "failing.py"
+        scratch = Path(tmp)
+        if args.here:
+            python, env = sys.executable, bench_env(scratch)
+            print(f"interpreter: {python} with this checkout on PYTHONPATH")
+        else:
+            python, env = installed_python(scratch), bench_env(scratch, checkout=False)
+            print(f"interpreter: {python} (a fresh venv, this checkout installed with pip install .)")
+        trivial, failing = scratch / "trivial.py", scratch / "failing.py"
         trivial.write_text(TRIVIAL)
         failing.write_text(FAILING)
-        for _ in range(2):  # warm caches
-            bare(sys.executable, trivial, n)
-            timed(msrun_cmd(n, str(tmpd / "warm"), trivial), env)
-        base, ours = [], []
-        for i in range(args.runs):  # interleave so drift hits both alike
-            base.append(bare(sys.executable, trivial, n))
-            wall, rc = timed(msrun_cmd(n, str(tmpd / f"ok{i}"), trivial), env)
-            if rc != 0:
-                raise SystemExit(f"msrun failed with {rc}")
-            ours.append(wall)
+        for n in sizes:
+            logs = scratch / f"logs{n}"
+            contenders = {
+                "floor": lambda i, n=n: bare_spawns([python, str(trivial)], n, env),
+                "msrun": lambda i, n=n, logs=logs: run_timed(msrun_cmd(python, n, logs / str(i), trivial), env),
+            }
+            if mpirun:
+                contenders["mpirun"] = lambda i, n=n: run_timed(mpirun_cmd(python, n, trivial), env)
+            interleaved(2, contenders)  # warm: bytecode caches, page cache
+            t = interleaved(args.runs, contenders)
+            floor = t["floor"]
+            print(f"\nN = {n}")
+            print(f"  {'floor: ' + str(n) + ' bare python spawns':<32} {ms(floor)}")
+            for name in ("msrun", "mpirun"):
+                if name not in t:
+                    continue
+                over = diffs(t[name], floor)
+                ratio = statistics.median(t[name]) / statistics.median(floor)
+                line = (
+                    f"  {name:<6} --join / -np {n:<4}          {ms(t[name])}  overhead {ms(over)}  ratio {ratio:.2f}x"
+                )
+                if name == "msrun":
+                    if n <= 32:
+                        ok = quartiles(over)[1] <= OVERHEAD_TARGET
+                        line += f"  target overhead <= {OVERHEAD_TARGET * 1000:.0f} ms: {'PASS' if ok else 'FAIL'}"
+                        failed += [] if ok else [f"overhead N={n}"]
+                    elif n >= 256:
+                        ok = ratio <= RATIO_TARGET
+                        line += f"  target ratio <= {RATIO_TARGET:.2f}x: {'PASS' if ok else 'FAIL'}"
+                        failed += [] if ok else [f"ratio N={n}"]
+                print(line)
+        k = args.failure_workers
         fail = [
-            failure_latency(msrun_cmd(n, str(tmpd / f"f{i}"), failing), env, tmpd / "stamp") for i in range(args.runs)
+            failure_latency(msrun_cmd(python, k, scratch / f"f{i}", failing), env, scratch / "stamp")
+            for i in range(args.runs)
         ]
-        torch_walls: list[float] = []
+        print(f"\nfailure -> every process gone and msrun exited ({k} workers): {ms(fail)}")
         if args.torchrun and shutil.which("torchrun"):
-            for _ in range(max(3, args.runs // 3)):
-                torch_walls.append(timed(["torchrun", "--standalone", f"--nproc-per-node={n}", str(trivial)], env)[0])
-
-    b, m = statistics.median(base), statistics.median(ours)
-    overhead = m - b
-    f = statistics.median(fail)
-    print(f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}")
-    print(f"{n} bare concurrent python spawns     : {median_ms(base)}")
-    print(f"msrun --join=True, {n} workers        : {median_ms(ours)}")
-    print(f"  ratio msrun / bare                 : {m / b:6.2f}x")
-    print(
-        f"  launcher overhead (median diff)    : {overhead * 1000:7.1f} ms   target <= 100 ms: "
-        f"{'PASS' if overhead <= 0.10 else 'FAIL'}"
-    )
-    print(
-        f"failure -> all gone and msrun exited : {median_ms(fail)}   target <= 100 ms: "
-        f"{'PASS' if f <= 0.10 else 'FAIL'}"
-    )
-    if torch_walls:
-        t = statistics.median(torch_walls)
-        print(f"torchrun --standalone, {n} workers    : {median_ms(torch_walls)}  ({t / m:.1f}x msrun)")
-    return 0 if overhead <= 0.10 and f <= 0.10 else 1
+            k, here = 8, bench_env(scratch)  # torch lives in the running interpreter's environment
+            t = interleaved(
+                max(3, args.runs // 3),
+                {
+                    "import torch": lambda i: run_timed([sys.executable, "-c", "import torch"], here),
+                    "torchrun": lambda i: run_timed(
+                        ["torchrun", "--standalone", f"--nproc-per-node={k}", str(trivial)], here
+                    ),
+                    "floor": lambda i: bare_spawns([sys.executable, str(trivial)], k, here),
+                },
+            )
+            print(f"\ntorchrun --standalone, {k} workers: {ms(t['torchrun'])}")
+            print(f"  of which the launcher's python -c 'import torch': {ms(t['import torch'])}")
+            print(f"  floor ({k} bare spawns): {ms(t['floor'])}")
+    print(f"\nresult: {'PASS' if not failed else 'FAIL: ' + ', '.join(failed)}")
+    return 0 if not failed else 1
 
 
 if __name__ == "__main__":

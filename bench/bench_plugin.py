@@ -1,20 +1,29 @@
 """Per-test cost of a 2-rank marked test, against baselines measured in the same run.
 
-    python bench/bench_plugin.py [--tests 5] [--runs 3]
+    python bench/bench_plugin.py [--tests 5] [--runs 5] [--real-msrun]
 
-* plain: the same trivial tests, unmarked (pytest's own per-test cost);
-* marked: ``@pytest.mark.msrun(worker_num=2)`` (scheduler + 2 rank pytest processes per test);
-* subprocess pattern: each test shells out to ``msrun ... --scheduler=task pytest file::case``
-  and checks the exit status, as MindSpore's own tests do (the scheduler runs pytest too);
+Sessions of ``--tests`` trivial tests each, in shuffled order every round:
+
+* plain: the tests unmarked (pytest's own per-test cost);
+* marked: ``@pytest.mark.msrun(worker_num=2)``: per test a job of the builtin control plane and
+  two rank pytest processes;
+* subprocess pattern, like for like: each test shells out to ``pmsrun ... python -m pytest
+  file::case`` with the same control plane and two rank pytest processes, and checks the exit
+  status - what people write by hand;
+* subprocess pattern, ``--scheduler=task``: as MindSpore's own tests do it (the task also runs
+  as the scheduler: three pytest processes per test);
+* with ``--real-msrun`` (MindSpore installed): the same with MindSpore's own ``msrun``, which
+  imports MindSpore in the launcher and runs the task as its scheduler;
 * one rank's pytest start-up: ``python -m pytest file::case`` for one trivial test.
 
-Target: marked per-test overhead <= one rank's pytest start-up + 0.1 s.
+Only this plugin is loaded (``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` with ``-p``): every rank is a
+fresh pytest and would pay for any other installed plugin too. Target: the marked per-test
+overhead <= one rank's pytest start-up + 100 ms.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 import sys
@@ -23,41 +32,50 @@ import textwrap
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bench_env, interleaved, machine, ms  # noqa: E402
+
+PLUGIN = ["-p", "pytest_msrun.pytest_plugin"]
+SHELL_OUT = """
+import socket, subprocess, sys
+
+LAUNCHER = {launcher!r}
+
+def _port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+def _job(tmp_path):
+    cmd = [*LAUNCHER, "--worker_num=2", "--local_worker_num=2", f"--master_port={{_port()}}", "--join=True",
+           {scheduler}f"--log_dir={{tmp_path}}", sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+           "inner.py::test_inner"]
+    assert subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
+"""
+OURS = [sys.executable, "-m", "pytest_msrun"]
+REAL = [sys.executable, "-c", "import sys; from mindspore.parallel.cluster.run import main; sys.exit(main())"]
 
 
-def write_files(d: Path, n: int) -> None:
+def write_files(d: Path, n: int, real: bool) -> list[str]:
     (d / "inner.py").write_text("def test_inner():\n    pass\n")
     (d / "test_plain.py").write_text("".join(f"def test_{i}():\n    pass\n\n" for i in range(n)))
     (d / "test_marked.py").write_text(
         "import pytest\n\n"
         + "".join(f"@pytest.mark.msrun(worker_num=2)\ndef test_{i}(rank):\n    pass\n\n" for i in range(n))
     )
-    (d / "test_subprocess.py").write_text(
-        textwrap.dedent(
-            """
-            import socket, subprocess, sys
-
-            def _port():
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    return s.getsockname()[1]
-
-            def _job(tmp_path):
-                cmd = [sys.executable, "-m", "pytest_msrun", "--worker_num=2", "--local_worker_num=2",
-                       f"--master_port={_port()}", "--join=True", "--scheduler=task", f"--log_dir={tmp_path}",
-                       sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "inner.py::test_inner"]
-                assert subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
-            """
-        )
-        + "".join(f"\ndef test_{i}(tmp_path):\n    _job(tmp_path)\n" for i in range(n))
-    )
+    cases = {"test_sub_ours.py": (OURS, ""), "test_sub_task.py": (OURS, '"--scheduler=task", ')}
+    if real:
+        cases["test_sub_real.py"] = (REAL, "")
+    tests = "".join(f"\ndef test_{i}(tmp_path):\n    _job(tmp_path)\n" for i in range(n))
+    for name, (launcher, scheduler) in cases.items():
+        (d / name).write_text(textwrap.dedent(SHELL_OUT.format(launcher=launcher, scheduler=scheduler)) + tests)
+    return list(cases)
 
 
 def timed(args: list[str], cwd: Path, env: dict[str, str]) -> float:
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PLUGIN, *args],
         cwd=cwd,
         env=env,
         stdout=subprocess.PIPE,
@@ -72,39 +90,54 @@ def timed(args: list[str], cwd: Path, env: dict[str, str]) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tests", type=int, default=5)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--real-msrun", action="store_true", help="also MindSpore's msrun (needs MindSpore)")
     args = ap.parse_args()
     n = args.tests
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(REPO / "pytest_msrun")], check=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    results: dict[str, list[float]] = {"startup": [], "plain": [], "marked": [], "subprocess": []}
+    real = False
+    if args.real_msrun:
+        probe = subprocess.run([sys.executable, "-c", "import mindspore.parallel.cluster.run"], capture_output=True)
+        real = probe.returncode == 0
+        if not real:
+            print("--real-msrun: MindSpore is not installed here; its row is left out")
+    print(machine())
+    print(f"interpreter: {sys.executable}, this checkout; {n} tests per session, {args.runs} rounds, shuffled")
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
-        write_files(d, n)
-        timed(["test_plain.py"], d, env)  # warm caches
-        for _ in range(args.runs):
-            results["startup"].append(timed(["inner.py::test_inner"], d, env))
-            results["plain"].append(timed(["test_plain.py"], d, env))
-            results["marked"].append(timed(["test_marked.py"], d, env))
-            results["subprocess"].append(timed(["test_subprocess.py"], d, env))
-    med = {k: statistics.median(v) for k, v in results.items()}
-    marked = (med["marked"] - med["plain"]) / n
-    sub = (med["subprocess"] - med["plain"]) / n
-    target = med["startup"] + 0.1
-    print(f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}; {n} tests per file, {args.runs} runs")
-    print(f"one rank's pytest start-up (1 trivial test)   : {med['startup'] * 1000:7.0f} ms")
-    print(f"{n} plain tests                                : {med['plain'] * 1000:7.0f} ms")
-    print(f"{n} marked tests, worker_num=2                 : {med['marked'] * 1000:7.0f} ms")
-    print(f"{n} tests shelling out to msrun ... pytest     : {med['subprocess'] * 1000:7.0f} ms")
-    print(
-        f"per-test overhead, marked                     : {marked * 1000:7.0f} ms   "
-        f"target <= start-up + 100 ms = {target * 1000:.0f} ms: {'PASS' if marked <= target else 'FAIL'}"
-    )
-    print(
-        f"per-test overhead, subprocess pattern         : {sub * 1000:7.0f} ms   (marked/subprocess = "
-        f"{marked / sub:.2f})"
-    )
-    return 0 if marked <= target else 1
+        env = bench_env(d, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+        files = write_files(d, n, real)
+        contenders = {
+            "startup": lambda i: timed(["inner.py::test_inner"], d, env),
+            "plain": lambda i: timed(["test_plain.py"], d, env),
+            "marked": lambda i: timed(["test_marked.py"], d, env),
+        }
+        for name in files:
+            contenders[name] = lambda i, name=name: timed([name], d, env)
+        interleaved(1, contenders)  # warm caches
+        t = interleaved(args.runs, contenders)
+    plain = t["plain"]
+
+    def per_test(name: str) -> list[float]:
+        return [(x - p) / n for x, p in zip(t[name], plain)]
+
+    target = statistics.median(t["startup"]) + 0.1
+    marked = statistics.median(per_test("marked"))
+    rows = [
+        ("one rank's pytest start-up (1 trivial test)", ms(t["startup"])),
+        (f"session of {n} plain tests", ms(plain)),
+        (f"session of {n} marked tests (worker_num=2)", ms(t["marked"])),
+        ("per-test overhead, marked", ms(per_test("marked"))),
+        ("per-test overhead, shelling out to pmsrun (like for like)", ms(per_test("test_sub_ours.py"))),
+        ("per-test overhead, shelling out to pmsrun --scheduler=task", ms(per_test("test_sub_task.py"))),
+    ]
+    if real:
+        rows.append(("per-test overhead, shelling out to MindSpore's msrun", ms(per_test("test_sub_real.py"))))
+    for what, value in rows:
+        print(f"  {what:<60} {value}")
+    ok = marked <= target
+    verdict = "PASS" if ok else "FAIL"
+    print(f"\ntarget: marked per-test overhead <= start-up + 100 ms = {target * 1000:.0f} ms: {verdict}")
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

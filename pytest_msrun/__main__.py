@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pytest_msrun.entry import main
+from pytest_msrun.entry import run
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

@@ -32,6 +32,9 @@ def _launches(argv: list[str]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pytest_msrun.engine import timeline
+
+    timeline.mark("msrun's first line")
     args = sys.argv[1:] if argv is None else argv
     guard = None
     job_id = os.urandom(8).hex()
@@ -39,10 +42,28 @@ def main(argv: list[str] | None = None) -> int:
         from pytest_msrun.engine.containment import JobGuard
 
         guard = JobGuard(job_id, dict(os.environ))
+        timeline.mark("watchdog started, cgroup being entered")
     from pytest_msrun.engine.cli import main as cli_main
 
-    return cli_main(args, guard=guard, job_id=job_id)
+    timeline.mark("launcher imported")
+    try:
+        return cli_main(args, guard=guard, job_id=job_id)
+    finally:
+        timeline.mark("done")
+        timeline.report()
+
+
+def run() -> None:
+    """The ``pmsrun`` command: :func:`main`, then exit without tearing the interpreter down
+    (msrun's work - the job, its files, its output - is complete when ``main`` returns)."""
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()

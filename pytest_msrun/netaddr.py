@@ -6,7 +6,6 @@ host can bind a socket to it, which also covers every ``127.0.0.0/8`` and ``::1`
 
 from __future__ import annotations
 
-import ipaddress
 import socket
 
 
@@ -26,10 +25,9 @@ def resolve_master_addr(addr: str) -> str:
     host = strip_brackets(addr.strip())
     if not host:
         raise AddressError("the address is empty")
-    try:
-        return str(ipaddress.ip_address(host.split("%", 1)[0])) + ("%" + host.split("%", 1)[1] if "%" in host else "")
-    except ValueError:
-        pass
+    literal = canonical_ip(host.split("%", 1)[0])
+    if literal is not None:
+        return literal + ("%" + host.split("%", 1)[1] if "%" in host else "")
     try:
         infos = socket.getaddrinfo(host, None, socket.AF_UNSPEC, socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
@@ -37,6 +35,16 @@ def resolve_master_addr(addr: str) -> str:
     if not infos:
         raise AddressError(f"host name {host!r} resolved to no address")
     return str(infos[0][4][0])
+
+
+def canonical_ip(text: str) -> str | None:
+    """``text`` as the canonical form of the IPv4 or IPv6 literal it is, else None."""
+    for family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            return socket.inet_ntop(family, socket.inet_pton(family, text))
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def family_of(ip: str) -> socket.AddressFamily:
@@ -113,6 +121,7 @@ def format_hostport(ip: str, port: int) -> str:
 
 def _proc_net_addr(ip: str, port: int) -> str:
     """``ip:port`` as /proc/net/tcp{,6} writes it (hex, each 32-bit word in host byte order)."""
+    import ipaddress  # only here: its import is a cost on msrun's start path
     import struct
     import sys
 
@@ -125,6 +134,8 @@ def _proc_net_addr(ip: str, port: int) -> str:
 
 def local_peer_uid(sock: socket.socket) -> int | None:
     """The uid owning the other end of a connection from this host (None: not found or remote)."""
+    import ipaddress  # only here: its import is a cost on msrun's start path
+
     try:
         peer = sock.getpeername()
         here = sock.getsockname()

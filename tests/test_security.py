@@ -236,3 +236,14 @@ def test_out_of_file_descriptors_does_not_spin(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("key_len", [0, 1, 32, 64, 65, 300])
+def test_the_proof_is_standard_hmac_sha256(key_len):
+    """The handshake's HMAC is computed without OpenSSL; it must equal the standard one."""
+    import hmac
+
+    from pytest_msrun.control.wire import hmac_sha256
+
+    key, msg = os.urandom(key_len), os.urandom(3 * key_len + 7)
+    assert hmac_sha256(key, msg) == hmac.digest(key, msg, "sha256")

@@ -8,9 +8,9 @@ in the user's order (MindSpore's msrun sorts the Ascend list and ignores the CUD
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from pytest_msrun.binding.topology import Device, Topology
+from pytest_msrun.record import record
 
 VISIBLE_VARS = {"cuda": "CUDA_VISIBLE_DEVICES", "ascend": "ASCEND_RT_VISIBLE_DEVICES"}
 
@@ -19,7 +19,7 @@ class VisibleDevicesError(ValueError):
     """A visible-device variable names a device this machine does not have."""
 
 
-@dataclass
+@record
 class WorkerDevice:
     """Local worker ``local_index`` and the device it drives (``device`` None when unknown)."""
 

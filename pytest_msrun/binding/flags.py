@@ -12,10 +12,13 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
-from typing import Any
 
 from pytest_msrun.cpulist import RangeSyntaxError, parse_id_list
+from pytest_msrun.record import field, record
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 UNIFIED_KEYS = ("bind_config", "bind_cpu", "bind_memory")
 CPU_MODES = ("cpu", "numa", "none")
@@ -25,11 +28,19 @@ _LEGACY_KEY = re.compile(r"^(device\d+|scheduler)$")
 _UNIFIED_KEY = re.compile(r"^(?:device_?(\d+)|scheduler)$")
 
 
+class BindingError(ValueError):
+    """Binding cannot be done as asked; ``flag`` names the option to fix."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(message)
+        self.flag = flag
+
+
 class BindFlagError(ValueError):
     """A binding flag value is malformed; the text names the offending key."""
 
 
-@dataclass
+@record
 class BindSpec:
     """A parsed binding flag.
 

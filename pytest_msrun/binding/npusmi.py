@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass
+
+from pytest_msrun.record import record
 
 COLUMN_NAMES = {
     "npu id": "npu_id",
@@ -28,7 +29,7 @@ class NpuSmiError(RuntimeError):
     """npu-smi output could not be understood."""
 
 
-@dataclass
+@record
 class NpuChip:
     device_id: int
     npu_id: int

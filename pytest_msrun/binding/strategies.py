@@ -15,23 +15,15 @@ supported; and every CPU or node id is checked against what this process may use
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 from pytest_msrun.binding.devices import VisibleDevicesError, WorkerDevice, worker_devices
-from pytest_msrun.binding.flags import MODULES, BindSpec
+from pytest_msrun.binding.flags import MODULES, BindingError, BindSpec
 from pytest_msrun.binding.topology import Topology
 from pytest_msrun.cpulist import format_id_list, parse_id_list
+from pytest_msrun.record import field, record
 
 
-class BindingError(ValueError):
-    """Binding cannot be done as asked; ``flag`` names the option to fix."""
-
-    def __init__(self, flag: str, message: str) -> None:
-        super().__init__(message)
-        self.flag = flag
-
-
-@dataclass
+@record
 class Placement:
     """Where one process runs."""
 
@@ -48,7 +40,7 @@ class Placement:
         return bool(self.prefix) or self.in_child_cpus is not None
 
 
-@dataclass
+@record
 class BindingPlan:
     workers: list[Placement]
     scheduler: Placement

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
-from typing import Any
 
 from pytest_msrun.cpulist import format_id_list, parse_id_list
+from pytest_msrun.record import field, record
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 SCHEMA = "pytest-msrun/topology/1"
 TOPOLOGY_ENV = "MSRUN_TOPOLOGY"
 
 
-@dataclass
+@record
 class NumaNode:
     id: int
     cpus: list[int]
@@ -27,7 +30,7 @@ class NumaNode:
     distances: list[int] = field(default_factory=list)
 
 
-@dataclass
+@record
 class Device:
     """An accelerator, numbered as its vendor tool numbers it (NVML index, npu-smi logical id)."""
 
@@ -44,7 +47,7 @@ class Device:
         return f"{'GPU' if self.kind == 'cuda' else 'NPU'}{self.index}"
 
 
-@dataclass
+@record
 class CgroupInfo:
     version: int
     path: str
@@ -52,7 +55,7 @@ class CgroupInfo:
     mems: list[int] | None = None
 
 
-@dataclass
+@record
 class Topology:
     """What placement needs to know about a machine."""
 

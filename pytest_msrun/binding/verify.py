@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
 
 from pytest_msrun.cpulist import RangeSyntaxError, format_id_list, parse_id_list
+from pytest_msrun.record import record
 
 WRAPPERS = ("taskset", "numactl", "setpriv")
 
 
-@dataclass
+@record
 class KernelBinding:
     cpus: list[int] | None
     mem_policy: str  # "default", "bind", "interleave", ... ("?" when unreadable)

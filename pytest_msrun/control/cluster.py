@@ -21,9 +21,12 @@ import pickle
 import socket
 import threading
 import time
-from typing import Any
 
 from pytest_msrun.control import wire
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 __all__ = [
     "ClusterAborted",

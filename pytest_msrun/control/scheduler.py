@@ -36,11 +36,13 @@ from pytest_msrun.control import wire
 # contextlib or hashlib, so the control plane is up while the workers are still starting.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Iterable
     from typing import Any
 
     from typing_extensions import TypeGuard
 
 AUTH_TIMEOUT = float(os.environ.get("MSRUN_AUTH_TIMEOUT", "5"))
+TIMER_INTERVAL = 0.05  # how often deadlines are checked (seconds)
 PENDING_FLOOR = 256  # unauthenticated connections kept at most: max(this, 2 x worker_num)
 ACCEPT_PAUSE = 0.1  # out of file descriptors with nothing to shed: stop accepting this long
 COLLECTIVE_OPS = ("barrier", "gather", "bcast")
@@ -73,6 +75,7 @@ class Conn:
         "nonce",
         "broken",
         "draining",
+        "writing",
     )
 
     def __init__(self, sock: socket.socket, peer: str) -> None:
@@ -92,6 +95,7 @@ class Conn:
         self.nonce = ""  # our challenge to it
         self.broken = False  # a send failed: it is dropped once what it already sent was handled
         self.draining = 0.0  # when closing: until then, read and discard (so the close is no RST)
+        self.writing = False  # registered for EVENT_WRITE (output is waiting)
 
 
 class AgentInfo:
@@ -189,6 +193,7 @@ class Scheduler:
         self.agents: list[AgentInfo] = []
         self.agent_by_conn: dict[int, AgentInfo] = {}
         self.state = "registering"
+        self.next_timers = 0.0
         self.started = time.monotonic()
         self.seq = 0
         self.ranks: dict[int, Conn] = {}
@@ -211,11 +216,18 @@ class Scheduler:
         self.shed = 0
 
     # ---------- plumbing ----------
-    def send(self, conn: Conn, msg: dict[str, Any]) -> None:
+    def send(self, conn: Conn, msg: dict[str, Any] | bytes) -> None:
+        """Queue ``msg`` (or an already encoded frame) for ``conn`` and send what the socket takes."""
         if conn.sock.fileno() < 0 or conn.broken:
             return
-        conn.out += wire.encode(msg)
+        conn.out += msg if isinstance(msg, bytes) else wire.encode(msg)
         self._flush(conn)
+
+    def broadcast(self, conns: Iterable[Conn], msg: dict[str, Any]) -> None:
+        """The same message to many: encoded once (an all-gather reply to N ranks is O(N), not O(N^2))."""
+        frame = wire.encode(msg)
+        for conn in conns:
+            self.send(conn, frame)
 
     def _flush(self, conn: Conn) -> None:
         try:
@@ -230,11 +242,13 @@ class Scheduler:
             # by the read side.
             conn.out.clear()
             conn.broken = True
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
-        try:
-            self.sel.modify(conn.sock, events, conn)
-        except (KeyError, ValueError):
-            pass
+        if conn.writing != bool(conn.out):  # a system call only when the interest changes
+            conn.writing = bool(conn.out)
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.out else 0)
+            try:
+                self.sel.modify(conn.sock, events, conn)
+            except (KeyError, ValueError):
+                pass
         if conn.closing and not conn.out and not conn.draining:
             # A lingering close: our FIN now, then discard what the peer still sends until it
             # closes too - closing with unread data would send an RST that can destroy the
@@ -395,9 +409,7 @@ class Scheduler:
             return
         log(f"aborting the job: {reason}")
         self.abort_msg = {"t": "abort", "reason": reason, "code": code}
-        for conn in list(self.conns.values()):
-            if conn.kind in CLIENT_KINDS:
-                self.send(conn, self.abort_msg)
+        self.broadcast([c for c in self.conns.values() if c.kind in CLIENT_KINDS], self.abort_msg)
         self.finish(1)
 
     def finish(self, code: int) -> None:
@@ -435,18 +447,15 @@ class Scheduler:
         elif len(self.ranks) == self.worker_num:
             self.ready_sent = True
             log(f"all {self.worker_num} ranks joined the communication group")
-            for peer in self.ranks.values():
-                self.send(peer, {"t": "ready", "world": self.worker_num})
+            self.broadcast(self.ranks.values(), {"t": "ready", "world": self.worker_num})
 
     def rank_error(self, reason: str, seqs: list[int] | None = None) -> None:
         for seq in list(self.collectives) if seqs is None else seqs:
             coll = self.collectives.pop(seq, None)
             if coll is None:
                 continue
-            for r in coll.parts:
-                peer = self.ranks.get(r)
-                if peer is not None:
-                    self.send(peer, {"t": "error", "seq": seq, "reason": reason})
+            peers = [p for p in (self.ranks.get(r) for r in coll.parts) if p is not None]
+            self.broadcast(peers, {"t": "error", "seq": seq, "reason": reason})
 
     def never_joined_gone(self) -> str:
         """Why the group can never form (a rank's process ended before it joined), or ""."""
@@ -461,8 +470,7 @@ class Scheduler:
         why = f"exited without joining the group: its process {how}"
         self.rank_gone[rank] = why
         if not self.ready_sent:
-            for peer in self.ranks.values():
-                self.send(peer, {"t": "error", "seq": -1, "reason": f"rank {rank} {why}"})
+            self.broadcast(self.ranks.values(), {"t": "error", "seq": -1, "reason": f"rank {rank} {why}"})
         if self.collectives:
             self.rank_error(f"rank {rank} left the job ({why})")
 
@@ -472,10 +480,8 @@ class Scheduler:
             why = f"its process {self.exit_how[rank]}"
         self.rank_gone[rank] = why
         if not self.ready_sent:
-            for peer in self.ranks.values():
-                self.send(
-                    peer, {"t": "error", "seq": -1, "reason": f"rank {rank} left before the group formed ({why})"}
-                )
+            reason = f"rank {rank} left before the group formed ({why})"
+            self.broadcast(self.ranks.values(), {"t": "error", "seq": -1, "reason": reason})
         if self.collectives:
             self.rank_error(f"rank {rank} left the job ({why})")
 
@@ -525,10 +531,7 @@ class Scheduler:
             reply = {"t": "coll", "seq": seq, "data": [coll.parts[r] for r in range(self.worker_num)]}
         else:
             reply = {"t": "coll", "seq": seq, "data": coll.parts.get(src)}
-        for r in range(self.worker_num):
-            peer = self.ranks.get(r)
-            if peer is not None:
-                self.send(peer, reply)
+        self.broadcast([p for p in (self.ranks.get(r) for r in range(self.worker_num)) if p is not None], reply)
 
     # ---------- observers ----------
     def snapshot(self) -> dict[str, Any]:
@@ -789,7 +792,12 @@ class Scheduler:
             self.sel.register(self.listener, selectors.EVENT_READ, None)
 
     def check_timers(self) -> None:
+        """Deadlines (authentication, heartbeats, lingering closes, the cluster timeout), looked at
+        every ``TIMER_INTERVAL``: not per event, which costs O(connections) each time."""
         now = time.monotonic()
+        if now < self.next_timers:
+            return
+        self.next_timers = now + TIMER_INTERVAL
         for conn in [c for c in self.conns.values() if c.draining and now > c.draining]:
             self._close(conn)
         if self.bridge is not None:
@@ -895,9 +903,10 @@ def _more_file_descriptors() -> None:
         pass
 
 
-def main() -> int:
+def main(env: dict[str, str] | None = None) -> int:
+    """Run the control plane until the job ends; its settings come from ``env`` (the process's)."""
     _more_file_descriptors()
-    env = dict(os.environ)
+    env = dict(os.environ) if env is None else env
     try:
         worker_num = int(env["MS_WORKER_NUM"])
         topo = float(env.get("MS_TOPO_TIMEOUT", "600"))

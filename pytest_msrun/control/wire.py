@@ -72,15 +72,19 @@ class FrameBuffer:
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         self.buf += data
         out: list[dict[str, Any]] = []
-        while len(self.buf) >= HEADER.size:
-            (size,) = HEADER.unpack_from(self.buf)
-            if size > self.limit:
-                raise ProtocolError(f"frame of {size} bytes exceeds the limit of {self.limit}")
-            if len(self.buf) < HEADER.size + size:
-                break
-            body = bytes(self.buf[HEADER.size : HEADER.size + size])
-            del self.buf[: HEADER.size + size]
-            out.append(decode(body))
+        start, end = 0, len(self.buf)
+        try:
+            while end - start >= HEADER.size:
+                (size,) = HEADER.unpack_from(self.buf, start)
+                if size > self.limit:
+                    raise ProtocolError(f"frame of {size} bytes exceeds the limit of {self.limit}")
+                if end - start < HEADER.size + size:
+                    break
+                body = bytes(self.buf[start + HEADER.size : start + HEADER.size + size])
+                start += HEADER.size + size
+                out.append(decode(body))
+        finally:
+            del self.buf[:start]  # once per read, not per frame: many small frames stay O(n)
         return out
 
 
@@ -92,12 +96,33 @@ def new_nonce() -> str:
     return os.urandom(16).hex()
 
 
+def _sha256() -> Any:
+    """SHA-256 from CPython's own implementation: loading OpenSSL (``hashlib``) costs milliseconds
+    on the start path of every process that authenticates; the digest is the same."""
+    for name in ("_sha2", "_sha256"):  # Python >= 3.12, before
+        try:
+            return __import__(name).sha256
+        except ImportError:
+            continue
+    from hashlib import sha256  # pragma: no cover - a build without them
+
+    return sha256
+
+
+def hmac_sha256(key: bytes, msg: bytes) -> bytes:
+    """HMAC-SHA256 (RFC 2104), as ``hmac.digest(key, msg, "sha256")``."""
+    sha256 = _sha256()
+    if len(key) > 64:
+        key = sha256(key).digest()
+    key = key.ljust(64, b"\0")
+    inner = sha256(bytes(b ^ 0x36 for b in key) + msg).digest()
+    return sha256(bytes(b ^ 0x5C for b in key) + inner).digest()
+
+
 def proof(token: str, role: str, client_nonce: str, server_nonce: str) -> str:
     """HMAC-SHA256 of both nonces under the job's token, bound to who proves it."""
-    import hmac
-
     msg = "\0".join(("msrun-auth-v1", role, client_nonce, server_nonce)).encode()
-    return hmac.digest(token.encode(), msg, "sha256").hex()
+    return hmac_sha256(token.encode(), msg).hex()
 
 
 class AuthError(ConnectionError):

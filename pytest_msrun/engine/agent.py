@@ -12,11 +12,9 @@ import os
 import signal
 import time
 from collections.abc import Callable
-from dataclasses import replace
-from typing import Any
 
 from pytest_msrun.control import wire
-from pytest_msrun.engine import console, errorfile, processes
+from pytest_msrun.engine import console, errorfile, processes, timeline
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.kinds import JobState, Role
@@ -27,7 +25,6 @@ from pytest_msrun.engine.observers import (
     ConsoleObserver,
     JobEvent,
     JobResult,
-    Observer,
     ReporterObserver,
     StatusObserver,
 )
@@ -37,6 +34,13 @@ from pytest_msrun.engine.ports import LaunchError, claim
 from pytest_msrun.engine.processes import Child, Launch, ProcessGroup
 from pytest_msrun.engine.status import STATUS_FILE, JobStatus, ProcessStatus, node_status_file
 from pytest_msrun.engine.tail import LogTailer, prefix_for
+from pytest_msrun.record import replace
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    from pytest_msrun.engine.observers import Observer
 
 __all__ = ["Agent", "JobResult"]
 
@@ -90,8 +94,12 @@ class Agent:
             observer.notify(event, payload)
 
     def start(
-        self, spec: ProcessSpec, extra_env: dict[str, str] | None = None, pass_fds: tuple[int, ...] = ()
+        self,
+        spec: ProcessSpec,
+        extra_env: dict[str, str] | None = None,
+        pass_fds: tuple[int, ...] = (),
     ) -> Child:
+        """Start one process of the plan."""
         if spec.error_file:
             errorfile.clear(spec.error_file)
         launch = Launch(
@@ -103,6 +111,7 @@ class Agent:
             in_child_cpus=spec.in_child_cpus,
         )
         child = self.group.start(launch, spec)
+        timeline.mark(f"started {spec.label}")
         self.emit(JobEvent.PROCESS_STARTED, child)
         return child
 
@@ -115,8 +124,10 @@ class Agent:
     def conclude(self, ending: Ending, extra: dict[str, Any] | None = None) -> JobResult:
         """Stop everything this node started, then report how the job ended."""
         graceful = ending.state is JobState.SUCCEEDED
+        timeline.mark(f"ending: {ending.state}")
         self.emit(JobEvent.ENDING, ending)
         self.teardown(graceful)
+        timeline.mark("torn down")
         if self.tailer is not None:
             self.tailer.stop()
             self.tailer = None
@@ -124,6 +135,7 @@ class Agent:
         result = JobResult(ending.code, ending.state, list(self.policy.failures), terminated)
         result.status = self.snapshot(ending.state, ending.code, extra, ending.reason)
         self.emit(JobEvent.ENDED, result)
+        timeline.mark("reported")
         if self.link is not None:
             self.link.close()
         return result
@@ -174,6 +186,7 @@ class Agent:
 
     def _run(self) -> JobResult:
         processes.become_subreaper()
+        processes.close_inherited_descriptors()  # children get only what is handed to them
         try:
             ports = claim(self.cfg, self.facts)
         except LaunchError as exc:
@@ -188,14 +201,12 @@ class Agent:
         self._make_log_dir()
         if plan.scheduler is not None:
             self._start_scheduler(plan.scheduler, ports.listener)
-        if plan.scheduler_mode.has_control_plane:
-            error = self._join_control_plane(plan)
-            if error is not None:
-                code = 128 + self.loop.signal_received if self.loop.signal_received else EXIT_LAUNCH_ERROR
-                return self._launch_error(error, self.policy.remote_code or code)
-            if plan.ranks_pending:
-                assert self.assignment is not None
-                plan = self.plan = assign(plan, self.assignment, self.facts.job_id)
+        if plan.ranks_pending:  # several nodes: the control plane places this node's workers first
+            outcome = self._join_control_plane(plan)
+            if outcome is not None:
+                return self._joining_failed(outcome)
+            assert self.assignment is not None
+            plan = self.plan = assign(plan, self.assignment, self.facts.job_id)
         if self.status_name is None:  # a node of a multi-node job, named by its index once known
             index = self.assignment.node_index if self.assignment else self.cfg.node_rank
             self.status_name = node_status_file(index) if index >= 0 else f"msrun_status_{self.facts.hostname}.json"
@@ -203,6 +214,21 @@ class Agent:
             from pytest_msrun.engine.dryrun import DryRunSupervisor
 
             return DryRunSupervisor(self, plan).run()
+        self._start_workers(plan)
+        if plan.scheduler_mode.has_control_plane and self.link is None:
+            # Ranks known before start: the workers are already starting while this node registers
+            # (their own connections wait in the listening socket until the control plane is up).
+            outcome = self._join_control_plane(plan)
+            if outcome is not None:
+                return self._joining_failed(outcome)
+        self.console_done(0)
+        return self.conclude(self._supervise())
+
+    @property
+    def workers_started(self) -> bool:
+        return any(c.tag.role == Role.WORKER for c in self.group.children)
+
+    def _start_workers(self, plan: LaunchPlan) -> None:
         for spec in plan.workers:
             if self.loop.signal_received is not None:
                 break
@@ -215,8 +241,12 @@ class Agent:
             if tailed:
                 self.tailer = LogTailer(tailed)
                 self.tailer.start()
-        self.console_done(0)
-        return self.conclude(self._supervise())
+
+    def _joining_failed(self, outcome: str | Ending) -> JobResult:
+        if isinstance(outcome, Ending):  # a worker's exit ended the job while this node registered
+            return self.conclude(outcome)
+        code = 128 + self.loop.signal_received if self.loop.signal_received else EXIT_LAUNCH_ERROR
+        return self._launch_error(outcome, self.policy.remote_code or code)
 
     def _launch_error(self, message: str, code: int) -> JobResult:
         console.err_block(f"msrun: error: {message}")
@@ -242,14 +272,16 @@ class Agent:
             self.start(spec)
             return
         try:  # the port msrun bound is handed to the scheduler process
-            os.set_inheritable(listener.fileno(), True)
             self.start(spec, {"MSRUN_LISTEN_FD": str(listener.fileno())}, (listener.fileno(),))
         finally:
             listener.close()
 
     # ------------------------------------------------------------------ the control plane
-    def _join_control_plane(self, plan: LaunchPlan) -> str | None:
-        """Register with the control plane (and, on several nodes, wait for this node's ranks)."""
+    def _join_control_plane(self, plan: LaunchPlan) -> str | Ending | None:
+        """Register with the control plane (and, on several nodes, wait for this node's ranks).
+
+        Returns None when joined, else why not: an error, or - workers already running - the
+        :class:`Ending` a worker's exit decided meanwhile."""
         cfg = self.cfg
         self.link = ControlLink(self.facts.master_ip, self.facts.master_port, self.facts.job_token, self.node_timeout)
         hello = {
@@ -280,9 +312,16 @@ class Agent:
                 if event.kind is EventKind.SIGNALLED:
                     return f"interrupted by {signal.Signals(event.signum).name} while waiting for the scheduler"
                 if event.kind is EventKind.EXITED and event.child is not None:
+                    if self.workers_started:  # the job runs: its policy decides, as it will after joining
+                        ending = self._on_event(event, None)
+                        if ending is not None:
+                            return ending
+                        continue
                     how = processes.describe_returncode(event.child.returncode or 0)
                     return f"the scheduler process {how} before this node registered"
         self.loop.attach(self.link)
+        timeline.mark("registered with the control plane")
+        self.link.flush_queued()
         if self.detached and plan.ranks_pending:
             self.console_done(0)
         while plan.ranks_pending and self.assignment is None:
@@ -349,6 +388,7 @@ class Agent:
         """Every event of a running job, dispatched in one place."""
         if event.kind is EventKind.EXITED and event.child is not None:
             child, spec = event.child, event.child.tag
+            timeline.mark(f"{spec.label} ended ({child.returncode})")
             self.emit(JobEvent.PROCESS_EXITED, child)
             if spec.role == Role.WORKER and spec.rank is not None and self.link is not None:
                 # Peers blocked in init() or a collective must not wait for a rank that is gone.

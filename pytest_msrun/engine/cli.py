@@ -7,12 +7,10 @@ import os
 import socket
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import pytest_msrun
-from pytest_msrun.binding.flags import BindFlagError, BindSpec, parse_bind_value
-from pytest_msrun.binding.strategies import BindingError
-from pytest_msrun.engine import console
+from pytest_msrun.binding.flags import BindFlagError, BindingError, BindSpec, parse_bind_value
+from pytest_msrun.engine import console, timeline
 from pytest_msrun.engine.config import (
     SCHEDULER_MODES,
     ConfigError,
@@ -26,7 +24,9 @@ from pytest_msrun.engine.kinds import SchedulerMode
 from pytest_msrun.engine.plan import LaunchPlan, NodeFacts, ProcessSpec, build_plan
 from pytest_msrun.engine.taskcmd import task_argv, task_python
 from pytest_msrun.netaddr import AddressError, is_local_address, resolve_master_addr, source_ip_towards
+from pytest_msrun.pathsearch import which
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     from pytest_msrun.binding.topology import Topology
 
@@ -78,9 +78,24 @@ DEFAULTS: dict[str, object] = {
 }
 
 
+class _Formatter(argparse.HelpFormatter):
+    """argparse's formatter, sized without :mod:`shutil`: argparse builds one per flag while the
+    parser is set up, and importing ``shutil`` for the terminal width is a cost on every start."""
+
+    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24, width: int | None = None):
+        if width is None:
+            try:
+                width = int(os.environ.get("COLUMNS", "")) or os.get_terminal_size(1).columns
+            except (ValueError, OSError):
+                width = 80
+            width -= 2
+        super().__init__(prog, indent_increment, max_help_position, width)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="msrun",
+        formatter_class=_Formatter,
         description="Start a distributed job: one scheduler plus N workers per node (MindSpore msrun compatible).",
     )
     p.add_argument("--worker_num", type=int, default=_UNSET, help="total number of workers (ranks) (default 8)")
@@ -207,8 +222,6 @@ def binding_facts(cfg: LaunchConfig, env: dict[str, str]) -> tuple[Topology | No
     """Topology (``MSRUN_TOPOLOGY`` snapshot, else live) and tool paths - read only when binding."""
     if not (cfg.bind_core.enabled or cfg.bind_numa.enabled):
         return None, {}
-    import shutil
-
     from pytest_msrun.binding.discover import load_topology
 
     try:
@@ -218,7 +231,7 @@ def binding_facts(cfg: LaunchConfig, env: dict[str, str]) -> tuple[Topology | No
             "bind_numa" if cfg.bind_numa.enabled else "bind_core",
             f"cannot read the topology snapshot in MSRUN_TOPOLOGY: {exc}",
         ) from None
-    tools = {name: shutil.which(name, path=env.get("PATH")) for name in ("taskset", "numactl")}
+    tools = {name: which(name, path=env.get("PATH")) for name in ("taskset", "numactl")}
     if cfg.print_plan and getattr(topology, "source", "live") != "live":
         # A plan for the recorded machine, started nowhere: its commands are that machine's.
         tools = {name: path or name for name, path in tools.items()}
@@ -227,11 +240,11 @@ def binding_facts(cfg: LaunchConfig, env: dict[str, str]) -> tuple[Topology | No
 
 def probe_numactl(plan_processes: Sequence[ProcessSpec], topology: Topology | None) -> None:
     """A numactl that cannot set a memory policy here (containers without CAP_SYS_NICE) fails now."""
-    import subprocess
-
     prefix = next((p.bind_prefix for p in plan_processes if p.bind_prefix[:1] == ["numactl"]), None)
     if prefix is None or getattr(topology, "source", "") != "live":
         return
+    import subprocess
+
     node = next((p.mems[0] for p in plan_processes if p.mems), 0)
     try:
         proc = subprocess.run(["numactl", f"--membind={node}", "true"], capture_output=True, text=True, timeout=10)
@@ -316,6 +329,7 @@ def main(argv: list[str] | None = None, guard: JobGuard | None = None, job_id: s
     env = dict(os.environ)
     try:
         cfg, facts, plan = plan_from_args(argv, env, job_id)
+        timeline.mark("planned")
         if cfg.print_plan:
             sys.stdout.write(plan.dumps() + "\n")
             return 0

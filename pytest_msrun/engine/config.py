@@ -8,11 +8,11 @@ prints as ``msrun: error: argument --flag: ...`` with exit status 2.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
 
 from pytest_msrun.binding.flags import BindSpec
 from pytest_msrun.engine.kinds import SchedulerMode
 from pytest_msrun.engine.simselect import SelectionError, select_ranks
+from pytest_msrun.record import field, record
 
 # --scheduler's choices (SchedulerMode.NONE is what a dry run has, not a choice)
 SCHEDULER_MODES = tuple(str(m) for m in SchedulerMode if m != SchedulerMode.NONE)
@@ -34,7 +34,7 @@ class ConfigError(ValueError):
         return f"argument --{self.flag}: {self.message}" if self.flag else self.message
 
 
-@dataclass
+@record
 class LaunchConfig:
     """The 15 msrun options plus this project's few extensions."""
 

@@ -10,7 +10,7 @@ import os
 import shlex
 import sys
 import threading
-from datetime import datetime
+import time
 
 LEVELS = {"DEBUG": 0, "INFO": 1, "WARNING": 2, "ERROR": 3}
 _lock = threading.Lock()
@@ -26,8 +26,9 @@ def threshold() -> int:
 def log(level: str, message: str) -> None:
     if LEVELS[level] < threshold():
         return
-    now = datetime.now()
-    stamp = now.strftime("%Y-%m-%d-%H:%M:%S.") + f"{now.microsecond // 1000:03d}.{now.microsecond % 1000:03d}"
+    now = time.time()
+    micros = int(now * 1_000_000) % 1_000_000
+    stamp = time.strftime("%Y-%m-%d-%H:%M:%S.", time.localtime(now)) + f"{micros // 1000:03d}.{micros % 1000:03d}"
     line = f"[{level}] ME({os.getpid()}:{threading.get_ident() % 1000000},MainProcess):{stamp} [msrun] {message}\n"
     with _lock:
         try:

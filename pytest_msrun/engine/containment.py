@@ -23,12 +23,11 @@ that misses - a process that clears its environment, or another user's - is stat
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import subprocess
 import time
-from dataclasses import dataclass, field
+
+from pytest_msrun.engine import timeline
+from pytest_msrun.record import record
 
 CGROUP_ENV = "MSRUN_CGROUP"
 
@@ -81,7 +80,7 @@ def _read(path: str) -> str:
         return ""
 
 
-@dataclass
+@record
 class JobCgroup:
     """The job's cgroup: ``kind`` is ``v2`` or ``freezer`` (v1)."""
 
@@ -105,8 +104,10 @@ class JobCgroup:
 
     def leave(self) -> None:
         """Move this process back to where it came from (it is not part of the job)."""
-        with contextlib.suppress(OSError):
+        try:
             _write(os.path.join(self.home, "cgroup.procs"), "0")
+        except OSError:
+            pass
 
     def kill_others(self, spare: set[int] | None = None, rounds: int = 200) -> list[int]:
         """SIGKILL every member but this process (and ``spare``) until none is left; the pids hit."""
@@ -117,9 +118,11 @@ class JobCgroup:
             if not others:
                 break
             for pid in others:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
+                try:
+                    os.kill(pid, 9)  # SIGKILL (the signal module is not loaded this early)
                     hit.append(pid)
+                except (ProcessLookupError, PermissionError):
+                    pass
             time.sleep(0.001)
         return hit
 
@@ -183,22 +186,34 @@ def create(job_id: str, env: dict[str, str] | None = None) -> JobCgroup | None:
 class Entering:
     """``create`` on a background thread, so the migration overlaps msrun's own start-up."""
 
+    SWITCH_INTERVAL = 0.0002  # while it runs: the main thread imports and must not keep the GIL 5 ms at a time
+
     def __init__(self, job_id: str, env: dict[str, str] | None = None) -> None:
-        import threading
+        import _thread  # not threading: this runs before msrun has imported anything
+        import sys
 
         self.result: JobCgroup | None = None
-        self.thread = threading.Thread(target=self._run, args=(job_id, env), name="msrun-cgroup", daemon=True)
-        self.thread.start()
+        self.interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(self.interval, self.SWITCH_INTERVAL))
+        self.done = _thread.allocate_lock()
+        self.done.acquire()
+        _thread.start_new_thread(self._run, (job_id, env))
 
     def _run(self, job_id: str, env: dict[str, str] | None) -> None:
         try:
             self.result = create(job_id, env)
         except Exception:  # never fatal: the job then runs with the environment sweep
             self.result = None
+        finally:
+            self.done.release()
 
     def wait(self) -> JobCgroup | None:
         """The job's cgroup once this process is inside it (call before starting any process)."""
-        self.thread.join()
+        import sys
+
+        self.done.acquire()
+        self.done.release()
+        sys.setswitchinterval(self.interval)
         return self.result
 
 
@@ -251,7 +266,6 @@ exit 0
 """
 
 
-@dataclass
 class Watchdog:
     """``sh`` that kills the whole job if this launcher dies without saying ``done``.
 
@@ -259,34 +273,34 @@ class Watchdog:
     cgroup. If the launcher is SIGKILLed, it kills the groups, then the cgroup in one write (or
     freezes it and kills every member), then every process carrying the job's id; in any case it
     removes the job's cgroup once it is empty (after the launcher, which lives in it, is gone).
+    It reads its orders from a pipe whose end of file - the launcher gone - is its signal.
     """
 
-    popen: subprocess.Popen | None = None
-    groups: list[int] = field(default_factory=list)
+    def __init__(self) -> None:
+        self.pid: int | None = None
+        self.pipe: int | None = None  # the write end, in this process
+        self.groups: list[int] = []
 
     def start(self) -> None:
+        read_end, write_end = os.pipe()
+        null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
         try:
-            self.popen = subprocess.Popen(
-                ["/bin/sh", "-c", _WATCHDOG],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                close_fds=True,
-                start_new_session=True,
-            )
+            dup = os.POSIX_SPAWN_DUP2
+            actions = [(dup, read_end, 0), (dup, null, 1), (dup, null, 2)]
+            argv = ["/bin/sh", "-c", _WATCHDOG]
+            self.pid = os.posix_spawn(argv[0], argv, os.environ, file_actions=actions, setsid=True)
+            self.pipe = write_end
         except OSError:
-            self.popen = None
-
-    @property
-    def pid(self) -> int | None:
-        return self.popen.pid if self.popen else None
+            os.close(write_end)
+        finally:
+            os.close(read_end)
+            os.close(null)
 
     def _tell(self, line: str) -> None:
-        if self.popen and self.popen.stdin:
+        if self.pipe is not None:
             try:
-                self.popen.stdin.write(f"{line}\n".encode())
-                self.popen.stdin.flush()
-            except (BrokenPipeError, OSError, ValueError):
+                os.write(self.pipe, f"{line}\n".encode())
+            except OSError:
                 pass
 
     def guard(self, pgid: int) -> None:
@@ -301,27 +315,23 @@ class Watchdog:
         for line in lines:
             self._tell(line)
 
-    def let_go(self) -> None:
-        """Close this process's end of the pipe without a word (another process holds it too)."""
-        if self.popen and self.popen.stdin:
+    def _close(self) -> None:
+        if self.pipe is not None:
             try:
-                self.popen.stdin.close()
+                os.close(self.pipe)
             except OSError:
                 pass
-            self.popen.returncode = 0
+            self.pipe = None
+
+    def let_go(self) -> None:
+        """Close this process's end of the pipe without a word (another process holds it too)."""
+        self._close()
 
     def stand_down(self) -> None:
         """The launcher cleaned up itself: the watchdog kills nothing, removes the empty cgroup
         once the launcher is gone, and exits (it is not waited for: that happens after we exit)."""
-        if not self.popen:
-            return
         self._tell("done")
-        try:
-            if self.popen.stdin:
-                self.popen.stdin.close()
-        except (BrokenPipeError, OSError):
-            pass
-        self.popen.returncode = 0  # not ours to reap any more; keep Popen's finaliser quiet
+        self._close()
 
 
 class JobGuard:
@@ -342,6 +352,7 @@ class JobGuard:
         """Wait until this process is inside the job's cgroup (before starting any process)."""
         if self.entering is not None:
             self.cgroup = self.entering.wait()
+            timeline.mark("in the job's cgroup" if self.cgroup is not None else "no cgroup")
             self.entering = None
             if self.cgroup is not None:
                 self.watchdog.cgroup(self.cgroup.watchdog_lines())

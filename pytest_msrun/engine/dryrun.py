@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import time
 from array import array
-from typing import TYPE_CHECKING, Any
 
 from pytest_msrun.cpulist import format_id_list
 from pytest_msrun.engine import console, errorfile
@@ -24,7 +23,10 @@ from pytest_msrun.engine.processes import Child, describe_returncode
 from pytest_msrun.engine.summary import extract_traceback, log_text
 from pytest_msrun.engine.tail import LogTailer, prefix_for
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from pytest_msrun.engine.agent import Agent
 
 

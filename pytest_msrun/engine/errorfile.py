@@ -15,8 +15,12 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
-from typing import Any
+
+from pytest_msrun.record import asdict, record
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 ERROR_FILE_VAR = "MSRUN_ERROR_FILE"
 SWITCH_VAR = "MSRUN_ERROR_FILES"
@@ -24,7 +28,7 @@ HOOK_DIR_NAME = "rankhook"
 MAX_RECORD_BYTES = 256 * 1024
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class RankError:
     """One rank's uncaught exception."""
 

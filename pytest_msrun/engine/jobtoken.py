@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+
+from pytest_msrun.record import record
 
 TOKEN_ENV = "MSRUN_JOB_TOKEN"
 TOKEN_FILE_ENV = "MSRUN_JOB_TOKEN_FILE"
 
 
-@dataclass
+@record
 class JobToken:
     token: str  # "" = unauthenticated
     source: str  # where it came from, for the plan and the status (never the secret itself)

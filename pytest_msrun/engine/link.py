@@ -1,18 +1,22 @@
 """This node's link to the control plane: registration, heartbeats, failure notes, the finish.
 
-An agent registers before it starts its workers (so the control plane can assign ranks across
-nodes), heartbeats while the job runs, reports each worker's exit and the first failure, and
-finishes with a handshake: it closes only once the control plane has recorded its ``done``, so
-a finished node never counts as lost.
+An agent registers before it starts its workers when the control plane assigns their ranks
+(several nodes without ``--node_rank``), else while they start. It heartbeats while the job
+runs, reports each worker's exit and the first failure, and finishes with a handshake: it
+closes only once the control plane has recorded its ``done``, so a finished node never counts
+as lost.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from pytest_msrun.control import wire
 from pytest_msrun.netaddr import format_hostport
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 DONE_ACK_WAIT = 5.0  # how long a finished node waits for the control plane to record it
 
@@ -27,6 +31,8 @@ class ControlLink:
         self.last_seen = time.monotonic()
         self.next_hb = 0.0
         self.deferred: list[dict[str, Any]] = []
+        self.queued: list[dict[str, Any]] = []  # sent before this node registered
+        self.joined = False
         self.done_sent_at = 0.0
         self.done_acked = False
 
@@ -51,7 +57,14 @@ class ControlLink:
             self.close()
             return str(exc) or type(exc).__name__
         self.last_seen = time.monotonic()
+        self.joined = True
         return ""
+
+    def flush_queued(self) -> None:
+        """Send what was said before this node registered (workers may start first)."""
+        queued, self.queued = self.queued, []
+        for msg in queued:
+            self.send(msg)
 
     def read(self) -> list[dict[str, Any]]:
         assert self.channel is not None
@@ -64,6 +77,8 @@ class ControlLink:
 
     def send(self, msg: dict[str, Any]) -> None:
         if self.channel is None:
+            if not self.joined:
+                self.queued.append(msg)
             return
         try:
             self.channel.send(msg)

@@ -12,12 +12,23 @@ import contextlib
 import os
 import selectors
 import signal
-from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol
 
 from pytest_msrun.control import wire
 from pytest_msrun.engine.processes import Child
+from pytest_msrun.record import field, record
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Protocol
+
+    class Link(Protocol):
+        """What the loop needs of a control-plane link."""
+
+        def fileno(self) -> int: ...
+
+        def read(self) -> list[dict[str, Any]]: ...
+
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -29,21 +40,13 @@ class EventKind(Enum):
     LINK_CLOSED = "link closed"  # the control plane's connection ended
 
 
-@dataclass
+@record
 class Event:
     kind: EventKind
     child: Child | None = None
     signum: int = 0
     message: dict[str, Any] = field(default_factory=dict)
     reason: str = ""
-
-
-class Link(Protocol):
-    """What the loop needs of a control-plane link."""
-
-    def fileno(self) -> int: ...
-
-    def read(self) -> list[dict[str, Any]]: ...
 
 
 class EventLoop:

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import signal
 from collections.abc import Callable
-from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Protocol
 
 from pytest_msrun.engine import console
 from pytest_msrun.engine.kinds import JobState, Role
@@ -18,6 +16,16 @@ from pytest_msrun.engine.policy import Ending
 from pytest_msrun.engine.processes import Child
 from pytest_msrun.engine.status import JobStatus, write_status
 from pytest_msrun.engine.summary import Failure, render
+from pytest_msrun.record import record
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any, Protocol
+
+    class Observer(Protocol):
+        """Turns the agent's events into output."""
+
+        def notify(self, event: JobEvent, payload: Any) -> None: ...
 
 
 class JobEvent(Enum):
@@ -28,7 +36,7 @@ class JobEvent(Enum):
     ENDED = "ended"  # payload: the JobResult
 
 
-@dataclass
+@record
 class JobResult:
     """How this node's share of a job ended."""
 
@@ -37,10 +45,6 @@ class JobResult:
     failures: list[Failure]
     terminated: list[str]  # labels of the processes msrun stopped
     status: JobStatus | None = None
-
-
-class Observer(Protocol):
-    def notify(self, event: JobEvent, payload: Any) -> None: ...
 
 
 class ConsoleObserver:

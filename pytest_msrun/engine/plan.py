@@ -15,22 +15,26 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
 
-from pytest_msrun.binding.strategies import BindingPlan, Placement, plan_bindings
-from pytest_msrun.binding.topology import Topology
 from pytest_msrun.cpulist import format_id_list
 from pytest_msrun.engine import childenv, errorfile
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.kinds import Role, SchedulerMode
 from pytest_msrun.engine.simselect import select_ranks
+from pytest_msrun.record import field, fields, record, replace
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    from pytest_msrun.binding.strategies import BindingPlan, Placement
+    from pytest_msrun.binding.topology import Topology
 
 SIM_PLAN_PREVIEW = 256  # a dry run's plan lists at most this many processes; the agent builds the rest
 SCHEDULER_MODULE = "pytest_msrun.control.scheduler"
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class NodeFacts:
     """What the launcher learned about this node and job before planning."""
 
@@ -53,7 +57,7 @@ class NodeFacts:
     tools: Mapping[str, str | None] = field(default_factory=dict)  # taskset / numactl paths
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class RankAssignment:
     """Where the control plane put this node's workers in a multi-node job."""
 
@@ -62,7 +66,7 @@ class RankAssignment:
     node_count: int | None
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Layout:
     """Where this node's workers sit in the job."""
 
@@ -76,7 +80,7 @@ class Layout:
     infos: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True, eq=False)
+@record(frozen=True, eq=False)
 class ProcessSpec:
     """One process the agent starts (placement applied)."""
 
@@ -128,7 +132,7 @@ class ProcessSpec:
         }
 
 
-@dataclass(frozen=True, eq=False)
+@record(frozen=True, eq=False)
 class JobContext:
     """What every process of this node's job shares."""
 
@@ -139,7 +143,7 @@ class JobContext:
     tail: tuple[int, ...] | None  # ranks to tail (None: all)
 
 
-@dataclass(frozen=True, eq=False)
+@record(frozen=True, eq=False)
 class LaunchPlan:
     """Every process of this node's share of the job, plus what the agent needs to run it."""
 
@@ -190,7 +194,7 @@ class LaunchPlan:
 
     def to_json(self) -> dict[str, Any]:
         hidden = ("processes", "config", "facts", "layout", "context", "warnings", "infos", "sim_ranks")
-        out: dict[str, Any] = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in hidden}
+        out: dict[str, Any] = {k: getattr(self, k) for k in fields(self) if k not in hidden}
         out["scheduler_mode"] = str(self.scheduler_mode)
         out["processes"] = [p.to_json() for p in self.processes]
         out["warnings"], out["infos"] = list(self.warnings), list(self.infos)
@@ -278,6 +282,8 @@ def job_context(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, layout
     if cfg.bind_core.enabled or cfg.bind_numa.enabled:
         if facts.topology is None:
             raise ValueError("binding needs the node's topology in NodeFacts")
+        from pytest_msrun.binding.strategies import plan_bindings  # binding only: not on every start path
+
         binding = plan_bindings(
             facts.topology,
             cfg.bind_core,

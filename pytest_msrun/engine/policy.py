@@ -15,18 +15,21 @@ from __future__ import annotations
 
 import signal
 import time
-from dataclasses import dataclass, field, replace
-from typing import Any
 
 from pytest_msrun.engine.errorfile import RankError
 from pytest_msrun.engine.kinds import JobState
 from pytest_msrun.engine.processes import Child
 from pytest_msrun.engine.summary import Failure, failure_of
+from pytest_msrun.record import field, record, replace
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 EXIT_LAUNCH_ERROR = 1
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Ending:
     code: int
     state: JobState
@@ -35,7 +38,7 @@ class Ending:
     workers_failed: bool = False
 
 
-@dataclass
+@record
 class Policy:
     host: str = ""  # named in failures when the job spans several nodes
     failures: list[Failure] = field(default_factory=list)

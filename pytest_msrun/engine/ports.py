@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import errno
 import socket
-from dataclasses import dataclass, replace
 
 from pytest_msrun.engine import console
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.kinds import SchedulerMode
 from pytest_msrun.engine.plan import NodeFacts, effective_dist_port
 from pytest_msrun.netaddr import format_hostport, free_port, listen_socket, port_is_free
+from pytest_msrun.record import record, replace
 
 EXIT_USAGE = 2
 
@@ -29,7 +29,7 @@ class LaunchError(Exception):
         self.exit_code = exit_code
 
 
-@dataclass
+@record
 class Ports:
     facts: NodeFacts  # with the ports resolved (0 = a free one)
     hosts_scheduler: bool

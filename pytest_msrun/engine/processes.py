@@ -1,9 +1,10 @@
 """The job's processes on this node: start them, watch them end, stop them with grace, sweep.
 
-Every child runs in its own session (so a tty stays readable for ``pdb``, as with msrun) and
-gets ``PR_SET_PDEATHSIG=SIGKILL``. The launcher is a child subreaper, so descendants orphaned
-by a dying child are re-parented to it and swept. What survives a SIGKILLed launcher is the
-business of :mod:`pytest_msrun.engine.containment` (the job's cgroup and its watchdog).
+Every child runs in its own session (so a tty stays readable for ``pdb``, as with msrun),
+started with ``posix_spawn`` - one ``vfork`` + ``exec`` from C, no Python in the child. The
+launcher is a child subreaper, so descendants orphaned by a dying child are re-parented to it
+and swept. What survives a SIGKILLed launcher is the business of
+:mod:`pytest_msrun.engine.containment` (the job's cgroup and its watchdog).
 
 This layer takes plain inputs (:class:`Launch`); it knows nothing of plans or ranks. Waiting is
 done through an :class:`~pytest_msrun.engine.loop.EventLoop`, which also watches signals and the
@@ -13,32 +14,36 @@ control-plane link, so one loop sees everything that can happen.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
-import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
+from pytest_msrun.pathsearch import which
+from pytest_msrun.record import record
+
+TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import Any
+
     from pytest_msrun.engine.containment import JobGuard
     from pytest_msrun.engine.loop import EventLoop
 
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
-_SIGKILL = int(signal.SIGKILL)
+# Python ignores these; a child must start with them at their defaults (as subprocess does).
+_DEFAULT_IN_CHILD = (signal.SIGPIPE, signal.SIGXFSZ)
 
-_libc: ctypes.CDLL | None = None
+_libc: Any = None
 
 
 def _prctl(option: int, arg: int) -> bool:
     global _libc
     try:
         if _libc is None:
+            import ctypes
+
             _libc = ctypes.CDLL(None, use_errno=True)
         return _libc.prctl(option, arg, 0, 0, 0) == 0
     except (OSError, AttributeError):
@@ -50,40 +55,25 @@ def become_subreaper() -> bool:
     return _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
-_setpriv: str | None = None
-_setpriv_looked = False
-
-
-def _pdeathsig_wrapper(sig: str = "KILL") -> list[str]:
-    """``setpriv --pdeathsig <sig> --`` when util-linux's setpriv is installed.
-
-    Setting the parent-death signal through a tiny exec'd helper keeps ``subprocess`` on its
-    fast vfork path; without setpriv a ``preexec_fn`` does the same, more slowly.
-    """
-    global _setpriv, _setpriv_looked
-    if not _setpriv_looked:
-        _setpriv, _setpriv_looked = shutil.which("setpriv"), True
-    return [_setpriv, "--pdeathsig", sig, "--"] if _setpriv else []
-
-
 def with_parent_death_signal(
     argv: list[str], sig: signal.Signals = signal.SIGTERM
 ) -> tuple[list[str], Callable[[], None] | None]:
     """``argv`` and a ``preexec_fn`` (or None) so the child gets ``sig`` when this thread's process dies.
 
     Used for processes that clean up after themselves on ``sig`` (msrun tears its job down on
-    SIGTERM): whatever way their parent ends, ``kill -9`` included, they are told.
+    SIGTERM): whatever way their parent ends, ``kill -9`` included, they are told. util-linux's
+    ``setpriv --pdeathsig`` sets it where installed (``subprocess`` keeps its fast path); else a
+    ``preexec_fn`` does.
     """
-    wrapper = _pdeathsig_wrapper(sig.name[3:])
-    if wrapper:
-        return [*wrapper, *argv], None
+    setpriv = which("setpriv")
+    if setpriv:
+        return [setpriv, "--pdeathsig", sig.name[3:], "--", *argv], None
     if _libc is None:
-        _prctl(0, 0)
+        _prctl(0, 0)  # load libc in the parent: the child must not import or load anything
     parent = os.getpid()
     signum = int(sig)
 
     def setup() -> None:  # runs in the forked child, before exec
-        assert _libc is not None
         _libc.prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
         if os.getppid() != parent:
             os._exit(128 + signum)
@@ -91,23 +81,51 @@ def with_parent_death_signal(
     return list(argv), setup
 
 
-def _child_setup_factory(parent_pid: int, cpus: list[int] | None = None):
-    if _libc is None:
-        _prctl(0, 0)  # load libc in the parent: the child must not import or load anything
-
-    def setup() -> None:  # runs in the forked child, before exec
-        os.setsid()
-        assert _libc is not None
-        _libc.prctl(PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(137)
-        if cpus is not None:  # binding without taskset
-            os.sched_setaffinity(0, cpus)
-
-    return setup
+def resolve(program: str, env: Mapping[str, str]) -> str:
+    """``program`` as ``exec`` will run it: a path, or found on the *child's* ``PATH``."""
+    if os.sep in program:
+        return program
+    found = which(program, path=env.get("PATH", os.defpath))
+    if found is None:
+        raise FileNotFoundError(2, "No such file or directory", program)
+    return found
 
 
-@dataclass(frozen=True)
+def spawn_pid(
+    argv: list[str],
+    env: Mapping[str, str],
+    *,
+    stdin_fd: int | None = None,
+    output_fd: int | None = None,
+    new_session: bool = True,
+    cpus: list[int] | None = None,
+) -> int:
+    """Start ``argv`` with ``posix_spawn``; returns its pid.
+
+    ``stdin_fd``/``output_fd``: what the child gets as fd 0 / fds 1 and 2 (None: this process's).
+    Only inheritable descriptors reach the child (Python opens everything close-on-exec).
+    ``cpus``: the CPUs the child may run on, inherited from this thread's affinity at spawn.
+    """
+    actions: list[tuple[Any, ...]] = []
+    if stdin_fd is not None:
+        actions.append((os.POSIX_SPAWN_DUP2, stdin_fd, 0))
+    if output_fd is not None:
+        actions += [(os.POSIX_SPAWN_DUP2, output_fd, 1), (os.POSIX_SPAWN_DUP2, output_fd, 2)]
+    path = resolve(argv[0], env)
+    saved = None
+    if cpus is not None:  # binding without taskset: the child starts with this thread's affinity
+        saved = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, cpus)
+    try:
+        return os.posix_spawn(
+            path, argv, env, file_actions=actions, setsid=new_session, setsigdef=_DEFAULT_IN_CHILD, setsigmask=()
+        )
+    finally:
+        if saved is not None:
+            os.sched_setaffinity(0, saved)
+
+
+@record(frozen=True)
 class Launch:
     """What to start: the full command (binding prefix included), its environment and log."""
 
@@ -115,25 +133,21 @@ class Launch:
     env: dict[str, str]
     log_path: str
     stdin_devnull: bool = True  # else the launcher's stdin (a worker of a --join=True job)
-    pass_fds: tuple[int, ...] = ()
+    pass_fds: tuple[int, ...] = ()  # made inheritable for this child (others stay closed)
     in_child_cpus: list[int] | None = None  # bind in the child (no taskset)
 
 
-@dataclass(eq=False)
+@record(eq=False)
 class Child:
     """A running (or finished) child process of this job; ``tag`` is the caller's (its spec)."""
 
     tag: Any
-    popen: subprocess.Popen
+    pid: int
     started: float
     pidfd: int | None = None
     ended: float | None = None
-    returncode: int | None = None
+    returncode: int | None = None  # as subprocess has it: negative for a death by signal
     terminated_by_us: bool = False
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
 
     @property
     def alive(self) -> bool:
@@ -143,10 +157,13 @@ class Child:
         """Collect the exit status if the child exited; True when it did (now or before)."""
         if self.returncode is not None:
             return True
-        rc = self.popen.poll()
-        if rc is None:
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped elsewhere (a sweep of orphans): its status is lost
+            pid, status = self.pid, 255 << 8
+        if pid == 0:
             return False
-        self.returncode = rc
+        self.returncode = os.waitstatus_to_exitcode(status)
         self.ended = time.time()
         if self.pidfd is not None:
             with contextlib.suppress(OSError):
@@ -174,26 +191,40 @@ def spawn(launch: Launch, tag: Any = None) -> Child:
     log_dir = os.path.dirname(launch.log_path)
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
-    # A child bound in-process (no taskset) needs the slower preexec path; others exec setpriv.
-    wrapper = _pdeathsig_wrapper() if launch.in_child_cpus is None else []
-    with open(launch.log_path, "wb") as log:
-        popen = subprocess.Popen(
-            [*wrapper, *launch.argv],
-            env=launch.env,
-            stdin=subprocess.DEVNULL if launch.stdin_devnull else None,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            close_fds=True,
-            pass_fds=launch.pass_fds,
-            start_new_session=bool(wrapper),
-            preexec_fn=None if wrapper else _child_setup_factory(os.getpid(), launch.in_child_cpus),
-        )
-    child = Child(tag=tag, popen=popen, started=time.time())
+    log = os.open(launch.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) if launch.stdin_devnull else None
+    for fd in launch.pass_fds:
+        os.set_inheritable(fd, True)
     try:
-        child.pidfd = os.pidfd_open(popen.pid)
+        pid = spawn_pid(launch.argv, launch.env, stdin_fd=null, output_fd=log, cpus=launch.in_child_cpus)
+    finally:
+        for fd in launch.pass_fds:
+            with contextlib.suppress(OSError):
+                os.set_inheritable(fd, False)
+        os.close(log)
+        if null is not None:
+            os.close(null)
+    child = Child(tag=tag, pid=pid, started=time.time())
+    try:
+        child.pidfd = os.pidfd_open(pid)
     except (AttributeError, OSError):
         child.pidfd = None
     return child
+
+
+def close_inherited_descriptors() -> None:
+    """Make every descriptor above 2 this process inherited close-on-exec, so children get only
+    what is handed to them (as ``subprocess``'s ``close_fds`` did)."""
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    for name in names:
+        fd = int(name)
+        if fd > 2:
+            with contextlib.suppress(OSError):
+                if os.get_inheritable(fd):
+                    os.set_inheritable(fd, False)
 
 
 def term_grace(env: Mapping[str, str] | None = None) -> float:

@@ -7,8 +7,6 @@ empty selection means every rank this node runs.
 
 from __future__ import annotations
 
-import random
-
 
 class SelectionError(ValueError):
     """A ``--sim_select`` item is malformed or outside the job."""
@@ -42,6 +40,8 @@ def select_ranks(text: str, candidates: range) -> list[int]:
                 k = _count(k_text, item)
                 if seed_text and not seed_text.lstrip("-").isdigit():
                     raise SelectionError(f"{item!r}: the seed must be an integer")
+                import random  # only for samples
+
                 rng = random.Random(int(seed_text) if seed_text else 0)
                 chosen.update(rng.sample(candidates, min(k, len(candidates))))
             else:

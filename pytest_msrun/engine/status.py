@@ -10,8 +10,12 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+
+from pytest_msrun.record import asdict, field, fields, record
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 STATUS_FILE = "msrun_status.json"
 
@@ -25,7 +29,7 @@ def status_path(log_dir: str, name: str = STATUS_FILE) -> str:
     return os.path.join(log_dir or ".", name)
 
 
-@dataclass
+@record
 class ProcessStatus:
     """One process of the job on this node."""
 
@@ -40,7 +44,7 @@ class ProcessStatus:
     terminated_by_msrun: bool = False
 
 
-@dataclass
+@record
 class JobStatus:
     """This node's share of a job, as the launcher saw it."""
 
@@ -73,9 +77,9 @@ class JobStatus:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> JobStatus:
-        known = {f for f in cls.__dataclass_fields__ if f not in ("processes", "extra")}
+        known = {f for f in fields(cls) if f not in ("processes", "extra")}
         procs = [
-            ProcessStatus(**{k: v for k, v in p.items() if k in ProcessStatus.__dataclass_fields__})
+            ProcessStatus(**{k: v for k, v in p.items() if k in fields(ProcessStatus)})
             for p in data.get("processes", [])
             if isinstance(p, dict)
         ]

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import asdict, dataclass
-from typing import Any
 
 from pytest_msrun.engine.errorfile import RankError
 from pytest_msrun.engine.processes import describe_returncode
 from pytest_msrun.engine.tail import tail_size
+from pytest_msrun.record import asdict, record
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 TAIL_LINES = 20
 
 
-@dataclass
+@record
 class Failure:
     """One failed process (local or reported by another node)."""
 

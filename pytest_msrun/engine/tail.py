@@ -9,7 +9,10 @@ from __future__ import annotations
 import os
 import sys
 import threading
-from typing import BinaryIO
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import BinaryIO
 
 
 class _Tailed:

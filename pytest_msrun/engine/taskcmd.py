@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 
 from pytest_msrun.engine.config import COMMAND_TASKS, ConfigError
+from pytest_msrun.pathsearch import which
 
 
 def task_argv(script: str, args: list[str], python: str = sys.executable, *, must_exist: bool = True) -> list[str]:
@@ -34,7 +34,7 @@ def task_argv(script: str, args: list[str], python: str = sys.executable, *, mus
                 f"{script})",
             )
         return [python, script, *args]
-    if shutil.which(script):
+    if which(script):
         return [script, *args]
     if not must_exist:  # --print_plan: show the command for a script that is not here
         return [python, script, *args]
@@ -58,7 +58,7 @@ def _shebang_python(path: str) -> str | None:
     if not words:
         return None
     if os.path.basename(words[0]) == "env" and len(words) > 1:
-        return shutil.which(words[1])
+        return which(words[1])
     return words[0]
 
 
@@ -66,8 +66,8 @@ def task_python(argv: list[str]) -> str:
     """The interpreter that will run the task (best effort; this one when unsure)."""
     head = argv[0]
     if head in ("python", "python3"):
-        return shutil.which(head) or sys.executable
+        return which(head) or sys.executable
     if head == "pytest":
-        found = shutil.which(head)
+        found = which(head)
         return (_shebang_python(found) if found else None) or sys.executable
     return sys.executable

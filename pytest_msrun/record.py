@@ -1,0 +1,194 @@
+"""Data classes for the launch path, without the start-up cost of :mod:`dataclasses`.
+
+``dataclasses`` imports ``inspect`` (and with it ``ast``, ``dis``, ``tokenize``) and compiles
+each generated method separately: together about a quarter of msrun's start-up before its
+first worker. :func:`record` compiles only ``__init__`` (defaults, default factories,
+``__post_init__``); ``__repr__``, ``__eq__`` and, for ``frozen=True``, immutability and
+``__hash__`` are shared functions reading the class's fields. :func:`replace`, :func:`asdict` and
+:func:`fields` work as their ``dataclasses`` namesakes do for these classes.
+
+Supported: annotated fields in definition order (inherited fields first), ``field(default=...,
+default_factory=..., repr=..., compare=...)``; not: ``init=False`` fields, ``InitVar``, slots.
+"""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any, TypeVar
+
+    from typing_extensions import dataclass_transform
+
+    T = TypeVar("T")
+else:
+
+    def dataclass_transform(**_kw):
+        return lambda f: f
+
+
+_MISSING = object()
+FIELDS = "__record_fields__"
+
+
+class FrozenInstanceError(AttributeError):
+    """Assignment to a field of a ``frozen=True`` record."""
+
+
+class Field:
+    __slots__ = ("name", "default", "default_factory", "repr", "compare")
+
+    def __init__(self, default: Any, default_factory: Any, repr: bool, compare: bool) -> None:
+        self.name = ""
+        self.default = default
+        self.default_factory = default_factory
+        self.repr = repr
+        self.compare = compare
+
+
+def field(
+    *,
+    default: Any = _MISSING,
+    default_factory: Callable[[], Any] | Any = _MISSING,
+    repr: bool = True,
+    compare: bool = True,
+) -> Any:
+    """A field with a default factory, or hidden from ``repr``/``==``."""
+    if default is not _MISSING and default_factory is not _MISSING:
+        raise ValueError("cannot specify both default and default_factory")
+    return Field(default, default_factory, repr, compare)
+
+
+def _is_classvar(annotation: object) -> bool:
+    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
+    return isinstance(text, str) and (text.startswith("ClassVar") or text.startswith("typing.ClassVar"))
+
+
+def _collect(cls: type) -> list[Field]:
+    found: dict[str, Field] = {}
+    for base in reversed(cls.__mro__[1:]):
+        for f in getattr(base, FIELDS, ()):
+            found[f.name] = f
+    for name, annotation in cls.__dict__.get("__annotations__", {}).items():
+        if _is_classvar(annotation):
+            continue
+        value = cls.__dict__.get(name, _MISSING)
+        if isinstance(value, Field):
+            f = value
+            if f.default is _MISSING:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, f.default)
+        else:
+            f = Field(value, _MISSING, True, True)
+            if isinstance(value, (list, dict, set)):
+                raise ValueError(f"{cls.__name__}.{name}: mutable default {type(value).__name__}; use default_factory")
+        f.name = name
+        found[name] = f
+    return list(found.values())
+
+
+def _repr(self: Any) -> str:
+    shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in getattr(self, FIELDS) if f.repr)
+    return f"{type(self).__qualname__}({shown})"
+
+
+def _key(self: Any) -> tuple[Any, ...]:
+    return tuple(getattr(self, f.name) for f in getattr(self, FIELDS) if f.compare)
+
+
+def _eq(self: Any, other: Any) -> Any:
+    if other.__class__ is not self.__class__:
+        return NotImplemented
+    return _key(self) == _key(other)
+
+
+def _hash(self: Any) -> int:
+    return hash(_key(self))
+
+
+def _frozen_setattr(self: Any, name: str, value: Any) -> None:
+    raise FrozenInstanceError(f"cannot assign to field {name!r}")
+
+
+def _frozen_delattr(self: Any, name: str) -> None:
+    raise FrozenInstanceError(f"cannot delete field {name!r}")
+
+
+def _build(cls: type, frozen: bool, eq: bool) -> type:
+    fields = _collect(cls)
+    seen_default = False
+    for f in fields:
+        if f.default is not _MISSING or f.default_factory is not _MISSING:
+            seen_default = True
+        elif seen_default:
+            raise TypeError(f"{cls.__name__}: non-default field {f.name!r} follows a default field")
+    # Only __init__ is generated (its signature is the fields); the other methods are shared.
+    scope: dict[str, Any] = {"_MISSING": _MISSING, "_set": object.__setattr__}
+    params, body = ["self"], []
+    for f in fields:
+        if f.default_factory is not _MISSING:
+            scope[f"_factory_{f.name}"] = f.default_factory
+            params.append(f"{f.name}=_MISSING")
+            value = f"_factory_{f.name}() if {f.name} is _MISSING else {f.name}"
+        elif f.default is not _MISSING:
+            scope[f"_default_{f.name}"] = f.default
+            params.append(f"{f.name}=_default_{f.name}")
+            value = f.name
+        else:
+            params.append(f.name)
+            value = f.name
+        body.append(f"  _set(self, {f.name!r}, {value})" if frozen else f"  self.{f.name} = {value}")
+    if hasattr(cls, "__post_init__"):
+        body.append("  self.__post_init__()")
+    exec("\n".join([f"def __init__({', '.join(params)}):", *(body or ["  pass"])]), scope)
+    init = scope["__init__"]
+    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    methods: dict[str, Any] = {"__init__": init, "__repr__": _repr}
+    if eq:
+        methods["__eq__"] = _eq
+        methods["__hash__"] = _hash if frozen else None  # mutable and compared by value: unhashable
+    if frozen:
+        methods["__setattr__"] = _frozen_setattr
+        methods["__delattr__"] = _frozen_delattr
+    for name, value in methods.items():
+        if name not in cls.__dict__ or name == "__init__":  # a method the class defines stays
+            setattr(cls, name, value)
+    setattr(cls, FIELDS, tuple(fields))
+    return cls
+
+
+@dataclass_transform(field_specifiers=(field,))
+def record(cls: Any = None, *, frozen: bool = False, eq: bool = True) -> Any:
+    """``@record`` / ``@record(frozen=True, eq=False)``: like ``@dataclasses.dataclass``."""
+
+    def wrap(c: type) -> type:
+        return _build(c, frozen, eq)
+
+    return wrap if cls is None else wrap(cls)
+
+
+def fields(obj: Any) -> tuple[str, ...]:
+    """The field names of a record class or instance, in order."""
+    return tuple(f.name for f in getattr(obj, FIELDS))
+
+
+def replace(obj: T, **changes: Any) -> T:
+    """A copy of ``obj`` with some fields changed (the others shared, not copied)."""
+    values = {name: getattr(obj, name) for name in fields(obj)}
+    unknown = set(changes) - set(values)
+    if unknown:
+        raise TypeError(f"{type(obj).__name__} has no field(s) {sorted(unknown)}")
+    values.update(changes)
+    return type(obj)(**values)
+
+
+def asdict(obj: Any) -> Any:
+    """A record as plain data: records become dicts, lists/tuples/dicts are converted inside."""
+    if hasattr(type(obj), FIELDS):
+        return {name: asdict(getattr(obj, name)) for name in fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(asdict(v) for v in obj)
+    if isinstance(obj, dict):
+        return {k: asdict(v) for k, v in obj.items()}
+    return obj
