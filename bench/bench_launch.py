@@ -10,6 +10,8 @@ For each N, in shuffled order every round:
 
 * floor: N bare concurrent ``python trivial.py`` spawns, waited for (what any launcher pays);
 * ``pmsrun --join=True`` with N such workers (its scheduler, logs, supervision included);
+* the same with ``MSRUN_CGROUP=off`` (containment by the environment sweep alone: what the
+  job's cgroup costs - moving into a new cgroup waits for a kernel RCU grace period);
 * ``mpirun -np N python trivial.py`` (Open MPI, when installed: ``apt-get install openmpi-bin``).
 
 Overhead = the median of each round's (launcher - floor), with its 25th-75th percentile.
@@ -123,6 +125,9 @@ def main() -> int:
             contenders = {
                 "floor": lambda i, n=n: bare_spawns([python, str(trivial)], n, env),
                 "msrun": lambda i, n=n, logs=logs: run_timed(msrun_cmd(python, n, logs / str(i), trivial), env),
+                "msrun-nocg": lambda i, n=n, logs=logs: run_timed(
+                    msrun_cmd(python, n, logs / f"n{i}", trivial), {**env, "MSRUN_CGROUP": "off"}
+                ),
             }
             if mpirun:
                 contenders["mpirun"] = lambda i, n=n: run_timed(mpirun_cmd(python, n, trivial), env)
@@ -131,14 +136,17 @@ def main() -> int:
             floor = t["floor"]
             print(f"\nN = {n}")
             print(f"  {'floor: ' + str(n) + ' bare python spawns':<32} {ms(floor)}")
-            for name in ("msrun", "mpirun"):
+            for name in ("msrun", "msrun-nocg", "mpirun"):
                 if name not in t:
                     continue
                 over = diffs(t[name], floor)
                 ratio = statistics.median(t[name]) / statistics.median(floor)
-                line = (
-                    f"  {name:<6} --join / -np {n:<4}          {ms(t[name])}  overhead {ms(over)}  ratio {ratio:.2f}x"
-                )
+                what = {
+                    "msrun": f"pmsrun --join=True, {n} workers",
+                    "msrun-nocg": "  the same, MSRUN_CGROUP=off",
+                    "mpirun": f"mpirun -np {n}",
+                }[name]
+                line = f"  {what:<32} {ms(t[name])}  overhead {ms(over)}  ratio {ratio:.2f}x"
                 if name == "msrun":
                     if n <= 32:
                         ok = quartiles(over)[1] <= OVERHEAD_TARGET
@@ -155,14 +163,17 @@ def main() -> int:
             for i in range(args.runs)
         ]
         print(f"\nfailure -> every process gone and msrun exited ({k} workers): {ms(fail)}")
-        if args.torchrun and shutil.which("torchrun"):
+        torchrun = shutil.which("torchrun") or shutil.which("torchrun", path=str(Path(sys.executable).parent))
+        if args.torchrun and not torchrun:
+            print("\ntorchrun: not installed here - its rows are left out")
+        if args.torchrun and torchrun:
             k, here = 8, bench_env(scratch)  # torch lives in the running interpreter's environment
             t = interleaved(
                 max(3, args.runs // 3),
                 {
                     "import torch": lambda i: run_timed([sys.executable, "-c", "import torch"], here),
                     "torchrun": lambda i: run_timed(
-                        ["torchrun", "--standalone", f"--nproc-per-node={k}", str(trivial)], here
+                        [torchrun, "--standalone", f"--nproc-per-node={k}", str(trivial)], here
                     ),
                     "floor": lambda i: bare_spawns([sys.executable, str(trivial)], k, here),
                 },

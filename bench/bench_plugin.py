@@ -24,6 +24,7 @@ overhead <= one rank's pytest start-up + 100 ms.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -40,6 +41,7 @@ SHELL_OUT = """
 import socket, subprocess, sys
 
 LAUNCHER = {launcher!r}
+PYTHON = {python!r}
 
 def _port():
     with socket.socket() as s:
@@ -48,7 +50,7 @@ def _port():
 
 def _job(tmp_path):
     cmd = [*LAUNCHER, "--worker_num=2", "--local_worker_num=2", f"--master_port={{_port()}}", "--join=True",
-           {scheduler}f"--log_dir={{tmp_path}}", sys.executable, "-m", "pytest", "-p", "no:cacheprovider",
+           {scheduler}f"--log_dir={{tmp_path}}", PYTHON, "-m", "pytest", "-p", "no:cacheprovider",
            "inner.py::test_inner"]
     assert subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
 """
@@ -63,12 +65,16 @@ def write_files(d: Path, n: int, real: bool) -> list[str]:
         "import pytest\n\n"
         + "".join(f"@pytest.mark.msrun(worker_num=2)\ndef test_{i}(rank):\n    pass\n\n" for i in range(n))
     )
-    cases = {"test_sub_ours.py": (OURS, ""), "test_sub_task.py": (OURS, '"--scheduler=task", ')}
-    if real:
-        cases["test_sub_real.py"] = (REAL, "")
+    cases = {
+        "test_sub_ours.py": (OURS, "", sys.executable),
+        "test_sub_task.py": (OURS, '"--scheduler=task", ', sys.executable),
+    }
+    if real:  # MindSpore's msrun runs the words python/pytest as commands, anything else as "python <it>"
+        cases["test_sub_real.py"] = (REAL, "", "python")
     tests = "".join(f"\ndef test_{i}(tmp_path):\n    _job(tmp_path)\n" for i in range(n))
-    for name, (launcher, scheduler) in cases.items():
-        (d / name).write_text(textwrap.dedent(SHELL_OUT.format(launcher=launcher, scheduler=scheduler)) + tests)
+    for name, (launcher, scheduler, python) in cases.items():
+        text = SHELL_OUT.format(launcher=launcher, scheduler=scheduler, python=python)
+        (d / name).write_text(textwrap.dedent(text) + tests)
     return list(cases)
 
 
@@ -104,7 +110,9 @@ def main() -> int:
     print(f"interpreter: {sys.executable}, this checkout; {n} tests per session, {args.runs} rounds, shuffled")
     with tempfile.TemporaryDirectory() as tmp:
         d = Path(tmp)
-        env = bench_env(d, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+        # "python" on PATH is this interpreter (MindSpore's msrun looks it up there).
+        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        env = bench_env(d, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1", PATH=path)
         files = write_files(d, n, real)
         contenders = {
             "startup": lambda i: timed(["inner.py::test_inner"], d, env),

@@ -59,7 +59,7 @@ def wait_none_tagged(tag: str, timeout: float = 5.0) -> list[psutil.Process]:
         left = tagged(tag)
         if not left or time.monotonic() > deadline:
             return left
-        time.sleep(0.05)
+        time.sleep(0.005)
 
 
 def modes() -> list[str]:

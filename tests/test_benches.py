@@ -1,0 +1,62 @@
+"""The benches run (tiny sizes here: their figures come from full runs) and write nothing into
+the checkout. Their verdicts are not asserted: timing targets are for benches, not unit tests."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _tree() -> set[str]:
+    """Every file under the checkout that git does not ignore, tracked or not, with its size."""
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    names = [n for n in out.split("\0") if n]
+    return {f"{n}:{(REPO / n).stat().st_size}" for n in names if (REPO / n).exists()}
+
+
+BENCHES = {
+    "launch, fresh install": (
+        ["bench_launch.py", "--runs", "1", "--sizes", "2", "--no-mpirun", "--failure-workers", "2"],
+        ["N = 2", "overhead", "failure -> every process gone", "result:"],
+    ),
+    "launch, this checkout": (
+        ["bench_launch.py", "--runs", "1", "--sizes", "2", "--no-mpirun", "--failure-workers", "2", "--here"],
+        ["pmsrun --join=True, 2 workers", "MSRUN_CGROUP=off", "result:"],
+    ),
+    "collective": (
+        ["bench_collective.py", "--sizes", "8", "--runs", "1", "--nodes", "2", "--here"],
+        ["N =     8", "collectives after the last rank arrived", "result:"],
+    ),
+    "plugin": (
+        ["bench_plugin.py", "--tests", "1", "--runs", "1"],
+        ["per-test overhead, marked", "like for like", "target:"],
+    ),
+    "dry run": (
+        ["bench_dryrun.py", "--ranks", "16", "--small", "8"],
+        ["16 simulated ranks", "msrun peak RSS"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(BENCHES))
+def test_bench_runs_and_leaves_the_checkout_alone(name):
+    args, expected = BENCHES[name]
+    before = _tree()
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / args[0]), *args[1:]], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr  # 1: a target missed under load
+    for text in ("machine:", *expected):
+        assert text in proc.stdout, proc.stdout
+    assert _tree() == before, "a bench wrote into the checkout"

@@ -1,0 +1,93 @@
+"""The layout keeps its rooms: imports flow one way, the README names every module, and the
+docstrings stand on their own."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "pytest_msrun"
+BASE = {"record", "cpulist", "netaddr", "pathsearch", ""}
+# Which layers each layer may import (lazy imports inside functions included).
+ALLOWED = {
+    "base": {"base"},
+    "binding": {"base", "binding"},
+    "control": {"base", "control"},
+    "engine": {"base", "binding", "control", "engine"},
+    "plugin": {"base", "binding", "control", "engine", "plugin", "public"},
+    "entry": {"base", "engine", "entry"},
+    "public": {"base", "control"},
+}
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")[1:]  # below pytest_msrun
+    head = parts[0] if parts else ""
+    if head in BASE:
+        return "base"
+    if head in ("binding", "control", "engine", "plugin"):
+        return head
+    if head == "pytest_plugin":
+        return "plugin"
+    if head in ("entry", "__main__"):
+        return "entry"
+    if head == "cluster":
+        return "public"
+    raise AssertionError(f"{module}: no layer")
+
+
+def modules() -> list[tuple[str, Path]]:
+    out = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if "rankhook" in path.parts:  # runs inside ranks, imports nothing of the package
+            continue
+        rel = path.relative_to(REPO).with_suffix("")
+        name = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        out.append((name, path))
+    return out
+
+
+def imported(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("pytest_msrun"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pytest_msrun"):
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names if node.module in ("pytest_msrun",))
+    return {m for m in found if m != "pytest_msrun"}
+
+
+@pytest.mark.parametrize("name,path", modules(), ids=[m for m, _ in modules()])
+def test_imports_flow_one_way(name, path):
+    mine = layer(name)
+    wrong = sorted(m for m in imported(path) if layer(m) not in ALLOWED[mine])
+    assert not wrong, f"{name} ({mine}) imports {wrong}"
+
+
+def test_the_readme_layout_names_every_module():
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Layout", 1)[1]
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        rel = path.relative_to(PACKAGE)
+        if path.name not in section and str(rel) not in section:  # by file name, in its directory's block
+            missing.append(str(rel))
+    assert not missing, f"README Layout does not name: {missing}"
+
+
+def test_docstrings_and_comments_stand_alone():
+    pattern = re.compile(r"(spec|design)\s*§|§\s*\d|msrun-spec\.md|design\.md")
+    hits = [
+        f"{path.relative_to(REPO)}:{i}"
+        for path in [*PACKAGE.rglob("*.py"), *(REPO / "tests").rglob("*.py"), *(REPO / "bench").rglob("*.py")]
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line) and path.name != "test_layout.py"
+    ]
+    assert not hits, f"references to documents outside the repository: {hits}"
