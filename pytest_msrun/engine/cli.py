@@ -6,7 +6,7 @@ import argparse
 import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import pytest_msrun
 from pytest_msrun.binding.flags import BindFlagError, BindingError, BindSpec, parse_bind_value
@@ -29,6 +29,7 @@ from pytest_msrun.pathsearch import which
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from pytest_msrun.binding.topology import Topology
+    from pytest_msrun.engine.slurm import Inferred
 
 # The directory that holds the pytest_msrun package (the scheduler runs with -S, without site).
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(pytest_msrun.__file__)))
@@ -169,6 +170,7 @@ def apply_defaults(ns: argparse.Namespace) -> frozenset[str]:
 def config_from_args(ns: argparse.Namespace, env: dict[str, str]) -> tuple[LaunchConfig, list[str]]:
     notes: list[str] = []
     given = apply_defaults(ns)
+    slurm = infer_from_slurm(ns, given, env)
     sim_level, sim_from_env = ns.sim_level, False
     if sim_level is None:
         sim_level = -1
@@ -207,8 +209,53 @@ def config_from_args(ns: argparse.Namespace, env: dict[str, str]) -> tuple[Launc
         print_plan=ns.print_plan,
         dist_port=ns.dist_port,
         given=given,
+        slurm=slurm,
     )
     return cfg, notes
+
+
+def infer_from_slurm(ns: argparse.Namespace, given: frozenset[str], env: Mapping[str, str]) -> Inferred | None:
+    """Inside an ``srun`` step, set the flags not given from the step (see :mod:`.slurm`)."""
+    if "SLURM_JOB_ID" not in env and "SLURM_JOBID" not in env:
+        return None
+    from pytest_msrun.engine.slurm import HostlistError, Inferred, slurm_step  # noqa: F811 - lazily
+
+    try:
+        step = slurm_step(env)
+    except (HostlistError, ValueError) as exc:
+        raise ConfigError(
+            "", f"cannot read the Slurm step ({exc}); give the flags yourself, or set MSRUN_SLURM=0"
+        ) from None
+    if step is None:
+        return None
+    if any(n > 1 for n in step.tasks):
+        raise ConfigError(
+            "",
+            f"Slurm started {max(step.tasks)} msrun tasks on one node (SLURM_STEP_TASKS_PER_NODE); msrun runs once "
+            "per node and starts --local_worker_num workers itself: run srun --ntasks-per-node=1 msrun "
+            "--local_worker_num=<workers per node> ... (or set MSRUN_SLURM=0 and give every flag)",
+        )
+    flags: dict[str, object] = {}
+    nodes = step.num_nodes
+    if "node_rank" not in given:
+        flags["node_rank"] = step.node_id
+    if "worker_num" not in given:
+        flags["worker_num"] = ns.local_worker_num * nodes
+    elif "local_worker_num" not in given:
+        if ns.worker_num % nodes:
+            raise ConfigError(
+                "local_worker_num",
+                f"--worker_num={ns.worker_num} does not divide over the Slurm step's {nodes} nodes; give "
+                "--local_worker_num (workers per node) too",
+            )
+        flags["local_worker_num"] = ns.worker_num // nodes
+    if "master_addr" not in given and nodes > 1:
+        flags["master_addr"] = step.nodes[0]
+    if "master_port" not in given:
+        flags["master_port"] = step.master_port
+    for name, value in flags.items():
+        setattr(ns, name, value)
+    return Inferred(step=step, flags=flags)
 
 
 def config_of(argv: list[str], env: dict[str, str]) -> LaunchConfig:
@@ -273,6 +320,7 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str], job_id: str) -> NodeFac
         master_port=cfg.master_port,
         worker_num=cfg.worker_num,
         env=env,
+        scope=f"slurm {cfg.slurm.step.job_id}.{cfg.slurm.step.step_id}" if cfg.slurm is not None else "",
     )
     if token.warning and mode.has_control_plane:
         console.warning(token.warning)
@@ -313,6 +361,8 @@ def plan_from_args(
         cfg, notes = config_from_args(ns, env)
         for text in validate(cfg) + notes:
             console.warning(text)
+        if cfg.slurm is not None and not cfg.print_plan:
+            console.out(cfg.slurm.line())
         facts = gather_facts(cfg, env, job_id)
         plan = build_plan(cfg, facts)  # every binding check happens here, before anything starts
         if not cfg.print_plan:

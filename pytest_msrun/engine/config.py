@@ -14,6 +14,10 @@ from pytest_msrun.engine.kinds import SchedulerMode
 from pytest_msrun.engine.simselect import SelectionError, select_ranks
 from pytest_msrun.record import field, record
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from pytest_msrun.engine.slurm import Inferred
+
 # --scheduler's choices (SchedulerMode.NONE is what a dry run has, not a choice)
 SCHEDULER_MODES = tuple(str(m) for m in SchedulerMode if m != SchedulerMode.NONE)
 SIM_LEVELS = (0, 1, 2, 3)
@@ -64,6 +68,8 @@ class LaunchConfig:
     dist_port: int = -1
     # the flags given on the command line (the others hold their defaults); None: all given
     given: frozenset[str] | None = None
+    # the flags taken from the Slurm step msrun runs in (pytest_msrun.engine.slurm.Inferred)
+    slurm: Inferred | None = None
 
     @property
     def dry_run(self) -> bool:

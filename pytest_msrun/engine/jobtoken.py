@@ -10,10 +10,10 @@ Where it comes from, first match wins (msrun's command line is unchanged):
    home directory is shared, so every node reads the same file).
 
 From a secret, each job's token is an HMAC of the job's port and size (not its address: nodes may
-name the master differently), so a token seen in one job's environment opens no job on another
-port. The token reaches the job's
-processes only through their environment, which only their user (and root) can read. Where no
-secret is available, the job runs unauthenticated and msrun says so loudly.
+name the master differently) and, inside Slurm, the job and step ids, so a token seen in one job's
+environment opens no job on another port. The token reaches the job's processes only through
+their environment, which only their user (and root) can read. Where no secret is available, the
+job runs unauthenticated and msrun says so loudly.
 """
 
 from __future__ import annotations
@@ -81,12 +81,13 @@ def user_secret(env: Mapping[str, str]) -> tuple[str, str]:
 
 
 def job_token(
-    *, multi_node: bool, master_ip: str, master_port: int, worker_num: int, env: Mapping[str, str]
+    *, multi_node: bool, master_ip: str, master_port: int, worker_num: int, env: Mapping[str, str], scope: str = ""
 ) -> JobToken:
+    """``scope``: what makes this job unique beyond its port and size (a Slurm job and step)."""
     given = env.get(TOKEN_ENV, "")
     if given:
         return JobToken(given, TOKEN_ENV)
-    identity = (master_port, worker_num)
+    identity: tuple[object, ...] = (master_port, worker_num, scope) if scope else (master_port, worker_num)
     path = env.get(TOKEN_FILE_ENV, "")
     if path:
         secret, problem = _read_secret(path)

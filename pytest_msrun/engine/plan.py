@@ -170,6 +170,7 @@ class LaunchPlan:
     sim_ranks: tuple[int, ...] = ()  # a dry run's selected ranks (all, not just the preview)
     sim_concurrency: int = 0
     auth: str = ""  # how the control plane authenticates this job's processes
+    slurm: dict[str, Any] | None = None  # the flags taken from the Slurm step (engine.slurm)
     # What later steps need (not part of the printed plan): the inputs and the shared context.
     config: LaunchConfig | None = field(default=None, repr=False)
     facts: NodeFacts | None = field(default=None, repr=False)
@@ -480,6 +481,7 @@ def build_plan(cfg: LaunchConfig, facts: NodeFacts, *, hosts_scheduler: bool | N
         sim_ranks=tuple(sim_ranks),
         sim_concurrency=cfg.sim_concurrency,
         auth=(f"job token: {facts.token_source}" if facts.job_token else "none") if mode.has_control_plane else "",
+        slurm=cfg.slurm.to_json() if cfg.slurm is not None else None,
         config=cfg,
         facts=facts,
         layout=layout,

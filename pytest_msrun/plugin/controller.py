@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
 
+from pytest_msrun.engine.slurm import allocation
+from pytest_msrun.pathsearch import which
 from pytest_msrun.plugin import options
 from pytest_msrun.plugin.job import TestJob
 from pytest_msrun.plugin.marker import MARKER, MarkerError, default_timeout, spec_for
@@ -39,11 +42,17 @@ class Controller:
             raise pytest.UsageError(str(exc)) from None
         self.pool = ResourcePool()
         self.args = options.command_line(config)
+        self.cluster = allocation(os.environ) if which("srun") else None
 
     def pytest_report_header(self, config: pytest.Config) -> str | None:
         if getattr(config.option, "usepdb", False):
             return (
                 "msrun: --pdb cannot enter ranks in other processes; add --msrun-inprocess to debug marked tests here"
+            )
+        if self.cluster is not None:
+            return (
+                f"msrun: Slurm allocation {self.cluster.job_id} ({len(self.cluster.nodes)} nodes): tests of several "
+                "nodes run their msruns on its nodes through srun"
             )
         return None
 
@@ -104,6 +113,7 @@ class Controller:
             rank_args=self.args,
             extra_env={**extra_env, **options.ship(self.config, str(job_dir / "pytest-options.json"))},
             live_output=live,
+            cluster=self.cluster,
         )
         run = job.run(self._timeout(spec))
         ranks = job.expected_ranks()

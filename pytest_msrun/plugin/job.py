@@ -1,7 +1,10 @@
 """One marked test's job: the msrun invocations, the timeout, every rank's end and stacks.
 
 The controller drives the engine through its command line - the same msrun a user would type,
-which is also the command printed to reproduce a failure. Each invocation runs in its own
+which is also the command printed to reproduce a failure. A job of several nodes runs as several
+msrun invocations on this host (loopback), or - inside a Slurm allocation with enough nodes - as
+one ``srun`` step with an msrun on each of the allocation's first nodes (which take the node rank
+and master address from the step). Each invocation runs in its own
 session with a parent-death signal, so however the controller ends (Ctrl+C, SIGTERM, SIGHUP,
 ``kill -9``) msrun tears its job down. A timeout first asks the control plane who is where and
 every rank for its Python stacks (SIGUSR1 -> faulthandler), then stops msrun, whose teardown
@@ -13,6 +16,7 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +29,7 @@ from pytest_msrun.control.observer import query_state
 from pytest_msrun.engine.cli import config_of
 from pytest_msrun.engine.plan import job_ranks
 from pytest_msrun.engine.processes import term_grace, with_parent_death_signal
+from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.engine.status import STATUS_FILE, node_status_file, read_status
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, SHARED_TMP_ENV, stacks_path
@@ -74,6 +79,7 @@ class TestJob:
         rank_args: list[str],
         extra_env: dict[str, str],
         live_output: bool,
+        cluster: Allocation | None = None,
     ) -> None:
         self.nodeid = nodeid
         self.spec = spec
@@ -87,6 +93,14 @@ class TestJob:
         self.live_output = live_output
         self.basetemp = job_dir / "basetemp"
         self.token = os.urandom(16).hex()
+        sizes = spec.node_sizes()
+        self.nodes = len(sizes)
+        # srun places the same msrun on every node: equal node sizes, and enough nodes to hold them
+        self.cluster = (
+            cluster
+            if cluster is not None and self.nodes > 1 and len(set(sizes)) == 1 and len(cluster.nodes) >= self.nodes
+            else None
+        )
         for d in (self.log_dir, self.report_dir, self.shared_dir, self.basetemp):
             d.mkdir(parents=True, exist_ok=True)
 
@@ -95,13 +109,21 @@ class TestJob:
         env = self.env()
         ranks: set[int] = set()
         for node, size in enumerate(self.spec.node_sizes()):
-            ranks.update(job_ranks(config_of(self.msrun_args(node, size, 1), env)))
+            ranks.update(job_ranks(config_of(self.msrun_args(node, size, 1, loopback=True), env)))
         return sorted(ranks)
 
-    def flags(self, node: int, size: int, cluster_time_out: int, *, for_user: bool = False) -> list[str]:
-        """One invocation's msrun flags. ``for_user``: the ones a person re-running it needs."""
+    @property
+    def master_host(self) -> str:
+        return self.cluster.nodes[0] if self.cluster is not None else "127.0.0.1"
+
+    def flags(
+        self, node: int, size: int, cluster_time_out: int, *, for_user: bool = False, loopback: bool = False
+    ) -> list[str]:
+        """One invocation's msrun flags. ``for_user``: the ones a person re-running it needs.
+        Under ``srun`` msrun takes the node rank and the master address from the step."""
         spec = self.spec
-        several = len(spec.node_sizes()) > 1
+        several = self.nodes > 1
+        per_node = several and (loopback or self.cluster is None)
         out = [f"--worker_num={spec.worker_num}", f"--local_worker_num={size}"]
         if for_user and not several:
             out.append("--master_port=0")  # any free port
@@ -111,7 +133,7 @@ class TestJob:
                 out.append(f"--dist_port={self.ports[1]}")
         out += ["--join=True", f"--log_dir={self.log_dir}", f"--cluster_time_out={cluster_time_out}"]
         out.append(f"--scheduler={spec.scheduler}")
-        if several:
+        if per_node:
             out.append(f"--node_rank={node}")
         if spec.bind_core != "False":
             out.append(f"--bind_core={spec.bind_core}")
@@ -128,14 +150,22 @@ class TestJob:
     def task(self) -> list[str]:
         return [sys.executable, "-m", "pytest", *self.rank_args, self.nodeid]
 
-    def msrun_args(self, node: int, size: int, cluster_time_out: int) -> list[str]:
+    def msrun_args(self, node: int, size: int, cluster_time_out: int, *, loopback: bool = False) -> list[str]:
         """One invocation's msrun arguments: its flags, then the rank's pytest command."""
-        return [*self.flags(node, size, cluster_time_out), *self.task()]
+        return [*self.flags(node, size, cluster_time_out, loopback=loopback), *self.task()]
+
+    def _srun(self) -> list[str]:
+        assert self.cluster is not None
+        return self.cluster.srun(self.nodes, label="msrun-test")
 
     def commands(self, cluster_time_out: int) -> list[list[str]]:
+        sizes = self.spec.node_sizes()
+        if self.cluster is not None:
+            msrun = [sys.executable, "-m", "pytest_msrun", *self.msrun_args(0, sizes[0], cluster_time_out)]
+            return [[*self._srun(), *msrun]]
         return [
             [sys.executable, "-m", "pytest_msrun", *self.msrun_args(node, size, cluster_time_out)]
-            for node, size in enumerate(self.spec.node_sizes())
+            for node, size in enumerate(sizes)
         ]
 
     def reproduce_lines(self, cluster_time_out: int, timeout: float) -> list[str]:
@@ -143,6 +173,13 @@ class TestJob:
         which msrun answers by tearing the job down)."""
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted({**self.spec.env, **self.extra_env}.items()))
         prefix = (env + " ") if env else ""
+        sizes = self.spec.node_sizes()
+        if self.cluster is not None:
+            srun = [a for a in self._srun() if not a.startswith("--job-name")]
+            line = ["timeout", "-s", "TERM", f"{timeout:g}", *srun, CLI]
+            return [
+                prefix + shlex.join([*line, *self.flags(0, sizes[0], cluster_time_out, for_user=True), *self.task()])
+            ]
         return [
             prefix
             + shlex.join(
@@ -150,7 +187,7 @@ class TestJob:
             )
             + " "
             + shlex.join(self.task())
-            for node, size in enumerate(self.spec.node_sizes())
+            for node, size in enumerate(sizes)
         ]
 
     def env(self) -> dict[str, str]:
@@ -196,8 +233,8 @@ class TestJob:
         stacks: dict[int, str] = {}
         state = None
         if timed_out:
-            state = query_state("127.0.0.1", self.ports[0], self.token) if self._has_control_plane() else None
-            stacks = self._collect_stacks(len(commands))
+            state = query_state(self.master_host, self.ports[0], self.token) if self._has_control_plane() else None
+            stacks = self._collect_stacks()
             self._stop(procs)
         for pump in pumps:
             pump.join(timeout=5)
@@ -212,7 +249,7 @@ class TestJob:
             state=state,
             msrun_logs=logs,
         )
-        run.ranks = self.rank_ends(len(commands))
+        run.ranks = self.rank_ends()
         if not timed_out and any(code == 2 for code in run.exit_codes):
             run.launch_error = "\n".join(Path(p).read_text(errors="replace") for p in logs).strip()
         return run
@@ -244,28 +281,29 @@ class TestJob:
         return popen, pump
 
     # ---------------------------------------------------------------- helpers
-    @staticmethod
-    def _status_names(nodes: int) -> list[str]:
-        return [STATUS_FILE] if nodes == 1 else [node_status_file(i) for i in range(nodes)]
+    def _status_names(self) -> list[str]:
+        return [STATUS_FILE] if self.nodes == 1 else [node_status_file(i) for i in range(self.nodes)]
 
-    def rank_ends(self, nodes: int) -> dict[int, RankEnd]:
+    def rank_ends(self) -> dict[int, RankEnd]:
         """How each rank's process ended, from msrun's status file(s)."""
         out: dict[int, RankEnd] = {}
-        for name in self._status_names(nodes):
+        for name in self._status_names():
             status = read_status(str(self.log_dir), name)
             if status is None:
                 continue
             for proc in status.workers:
                 if proc.rank is None:
                     continue
-                out[proc.rank] = RankEnd.of(proc, status.stop_reason)
+                out[proc.rank] = RankEnd.of(proc, status.stop_reason, status.host)
         return out
 
-    def _collect_stacks(self, nodes: int) -> dict[int, str]:
-        """Ask every live rank for its Python stacks and wait briefly for them."""
+    def _collect_stacks(self) -> dict[int, str]:
+        """Ask every live rank on this host for its Python stacks and wait briefly for them
+        (a rank's PID means nothing on another host)."""
         asked = []
-        for rank, end in self.rank_ends(nodes).items():
-            if end.pid and end.returncode is None:
+        here = socket.gethostname()
+        for rank, end in self.rank_ends().items():
+            if end.pid and end.returncode is None and end.host in ("", here):
                 try:
                     os.kill(end.pid, signal.SIGUSR1)
                     asked.append(rank)

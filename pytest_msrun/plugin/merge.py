@@ -221,6 +221,12 @@ class Merger:
         props: list[tuple[str, object]] = []
         for rank in sorted(present):
             props.extend(present[rank].user_properties)
+        sections = self._sections(phase, present, died or [])
+        hosts = {r: end.host for r, end in sorted(self.run.ranks.items()) if end.host}
+        if len(set(hosts.values())) > 1:  # a job across hosts: where each rank ran
+            props.append(("msrun_hosts", {str(r): h for r, h in hosts.items()}))
+            if phase == "call":
+                sections.append(("msrun hosts", "\n".join(f"rank {r}: {h}" for r, h in hosts.items())))
         start, stop = window
         return pytest.TestReport(
             nodeid=self.item.nodeid,
@@ -229,7 +235,7 @@ class Merger:
             outcome=outcome,  # type: ignore[arg-type]
             longrepr=longrepr,
             when=phase,  # type: ignore[arg-type]
-            sections=self._sections(phase, present, died or []),
+            sections=sections,
             duration=stop - start,
             start=start,
             stop=stop,
@@ -308,7 +314,12 @@ class Merger:
         shown = [i.rank for i in issues[: 1 + MAX_RANK_SECTIONS]] or self.ranks[:MAX_RANK_SECTIONS]
         if len(self.ranks) <= MAX_RANK_SECTIONS:
             shown = self.ranks
-        logs = "\n".join(f"rank {r}: {self.log_path(r)}" for r in shown)
+        hosts = {r: end.host for r, end in self.run.ranks.items() if end.host}
+        several_hosts = len(set(hosts.values())) > 1
+        logs = "\n".join(
+            f"rank {r}" + (f" on {hosts[r]}" if several_hosts and r in hosts else "") + f": {self.log_path(r)}"
+            for r in shown
+        )
         if len(self.ranks) > len(shown):
             logs += f"\n(every rank: {self.log_dir}/worker_<rank>.log)"
         sections.append(("msrun logs", f"{logs}\nmsrun: {', '.join(self.run.msrun_logs)}"))

@@ -39,10 +39,11 @@ class RankEnd:
     log: str = ""
     terminated_by_msrun: bool = False
     stop_reason: str = ""  # why msrun stopped the job ("rank 1 exited with code 3", "msrun received SIGTERM")
+    host: str = ""  # the host the rank ran on
 
     @classmethod
-    def of(cls, proc: ProcessStatus, stop_reason: str) -> RankEnd:
-        """From msrun's status of the rank's process and why msrun stopped the job."""
+    def of(cls, proc: ProcessStatus, stop_reason: str, host: str = "") -> RankEnd:
+        """From msrun's status of the rank's process, why msrun stopped the job, and the rank's host."""
         return cls(
             returncode=proc.returncode,
             ended=proc.ended,
@@ -50,6 +51,7 @@ class RankEnd:
             log=proc.log,
             terminated_by_msrun=proc.terminated_by_msrun,
             stop_reason=stop_reason,
+            host=host,
         )
 
     def describe(self, timed_out: bool) -> str:
