@@ -20,7 +20,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 MARK = "MSRUN_TEST_MARK"
 
-pytest_plugins = ["pytester"]
+# tests/lab: namespaced hosts and a Slurm cluster on this machine (netlab, slurmlab), and their
+# tier probes and session fixtures (labfixtures: ``netlab2``, ``slurm_lab``).
+sys.path.insert(0, str(Path(__file__).resolve().parent / "lab"))
+pytest_plugins = ["pytester", "labfixtures"]
 collect_ignore = ["examples"]  # example test files for pytester runs, not tests of their own
 
 # Tiers: a test marked ``torch``, ``mindspore`` or ``numactl`` skips with the reason where that
@@ -52,6 +55,19 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         if tier in required:
             pytest.fail(f"MSRUN_TEST_REQUIRE={tier}: {reason}", pytrace=False)
         pytest.skip(reason)
+    # Lab tiers: ``netns`` (root, ip/nsenter/unshare, working namespaces) and ``slurm`` (also
+    # slurmctld/slurmd/munged/srun...); CI requires them with MSRUN_TEST_REQUIRE=netns,slurm.
+    from labfixtures import LAB_TIERS
+
+    for tier, probe in LAB_TIERS.items():
+        if item.get_closest_marker(tier) is None:
+            continue
+        lab_reason = probe()
+        if lab_reason is None:
+            continue
+        if tier in required:
+            pytest.fail(f"MSRUN_TEST_REQUIRE={tier}: {lab_reason}", pytrace=False)
+        pytest.skip(lab_reason)
 
 
 _next_port = [0]

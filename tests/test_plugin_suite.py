@@ -195,3 +195,36 @@ def test_task_scheduler_runs_no_test(msrun):
     assert "not a rank: it runs no tests" in sched
     assert "1 deselected" in sched and "passed" not in sched
     assert "1 passed" in job.log("worker_0.log") and "1 passed" in job.log("worker_1.log")
+
+
+def test_suite_on_two_nodes_prints_one_table_on_node_0(msrun):
+    """Two msrun nodes (loopback invocations sharing the log directory, as cluster nodes share a
+    filesystem): node 0 prints every node's ranks in one table, node 1 says so; both fail."""
+    (msrun.cwd / "suite").mkdir()
+    (msrun.cwd / "suite" / "test_nodes.py").write_text(
+        "def test_all(rank, world_size):\n    assert world_size == 4\n\n"
+        "def test_bad_on_rank_3(rank):\n    assert rank != 3\n"
+    )
+    from conftest import free_port
+
+    port = free_port()
+    args = [
+        "--worker_num=4",
+        "--local_worker_num=2",
+        f"--master_port={port}",
+        "--join=True",
+        "--log_dir=logs",
+        "--cluster_time_out=30",
+        "--scheduler=builtin",
+    ]
+    task = ["pytest", "-q", "-p", "no:cacheprovider", "suite"]
+    nodes = [msrun.start([*args, f"--node_rank={n}", *task]) for n in (0, 1)]
+    first, second = (msrun.finish(p) for p in nodes)
+    assert first.returncode != 0 and second.returncode != 0, first.stdout + first.stderr + second.stdout + second.stderr
+    assert "msrun: pytest results of 4 rank(s)" in first.stdout, first.stdout + first.stderr
+    table = first.stdout[first.stdout.index("msrun: pytest results of 4 rank(s)") :]
+    assert re.search(r"test_all\s+passed\s+passed\s+passed\s+passed\s+passed", table), table
+    assert re.search(r"test_bad_on_rank_3\s+passed\s+passed\s+passed\s+failed\s+failed", table), table
+    assert "FAILED suite/test_nodes.py::test_bad_on_rank_3 on rank(s) 3" in table
+    assert "node 0 prints the pytest results of every node (this node: ranks 2, 3)" in second.stdout
+    assert "msrun: pytest results" not in second.stdout

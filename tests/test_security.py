@@ -247,3 +247,25 @@ def test_the_proof_is_standard_hmac_sha256(key_len):
 
     key, msg = os.urandom(key_len), os.urandom(3 * key_len + 7)
     assert hmac_sha256(key, msg) == hmac.digest(key, msg, "sha256")
+
+
+def test_racing_nodes_all_read_one_whole_secret(tmp_path):
+    """Nodes starting at once on a shared home create the secret together: each reads the
+    winner's whole secret (never an empty or half-written file), and no temporary is left."""
+    code = (
+        "import sys, time; from pytest_msrun.engine.jobtoken import user_secret\n"
+        "t = float(sys.argv[1])\n"
+        "while time.time() < t: pass\n"
+        "secret, problem = user_secret({'XDG_CONFIG_HOME': sys.argv[2]})\n"
+        "print(secret or 'PROBLEM: ' + problem)\n"
+    )
+    for attempt in range(5):
+        home = tmp_path / f"home{attempt}"
+        start = time.time() + 0.5
+        procs = [
+            subprocess.Popen([sys.executable, "-c", code, str(start), str(home)], stdout=subprocess.PIPE, text=True)
+            for _ in range(6)
+        ]
+        seen = {p.communicate(timeout=30)[0].strip() for p in procs}
+        assert len(seen) == 1 and len(seen.pop()) == 64, seen
+        assert [p.name for p in (home / "msrun").iterdir()] == ["secret"]

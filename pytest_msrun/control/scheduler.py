@@ -418,6 +418,7 @@ class Scheduler:
             self.exit_code = code
             if code == 0:
                 log("every node reported success")
+                self.broadcast([a.conn for a in self.agents], {"t": "end", "code": 0})
 
     # ---------- ranks ----------
     def on_rank_hello(self, conn: Conn, msg: dict[str, Any]) -> None:

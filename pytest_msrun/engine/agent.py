@@ -375,7 +375,7 @@ class Agent:
                 link.send_done()
             if self.policy.succeeded(workers, scheduler, link is None or link.finished):
                 return Ending(0, JobState.SUCCEEDED)
-            if link is not None and not link.done_sent_at:
+            if link is not None and not link.finished:
                 silent = link.beat()
                 if silent:
                     return self.policy.lost(f"Lost the scheduler: {silent}.")

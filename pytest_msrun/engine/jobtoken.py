@@ -65,18 +65,31 @@ def _read_secret(path: str) -> tuple[str, str]:
 
 
 def user_secret(env: Mapping[str, str]) -> tuple[str, str]:
-    """This user's msrun secret, created (atomically, 0600) on first use; (secret, problem)."""
+    """This user's msrun secret, created on first use; (secret, problem).
+
+    Created whole or not at all: written to a private temporary file, then hard-linked to its
+    name, which fails if another node (shared home) or msrun got there first - so no reader ever
+    sees a half-written secret, and every racer ends up with the winner's."""
     path = secret_path(env)
     if not os.path.exists(path):
+        tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}"
         try:
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 fh.write(os.urandom(32).hex() + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.link(tmp, path)
         except FileExistsError:
             pass  # another node (shared home) or msrun created it just now
         except OSError as exc:
             return "", f"cannot create {path}: {exc.strerror or exc}"
+        finally:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
     return _read_secret(path)
 
 

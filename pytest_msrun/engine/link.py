@@ -2,9 +2,10 @@
 
 An agent registers before it starts its workers when the control plane assigns their ranks
 (several nodes without ``--node_rank``), else while they start. It heartbeats while the job
-runs, reports each worker's exit and the first failure, and finishes with a handshake: it
-closes only once the control plane has recorded its ``done``, so a finished node never counts
-as lost.
+runs, reports each worker's exit and the first failure, and finishes with a handshake: its
+``done`` is acknowledged (so a finished node never counts as lost), and it keeps heartbeating
+until the whole job ends - the control plane's ``end`` when every node is done, or its abort when
+another node fails - so every node exits with the job's verdict, not just its own workers'.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class ControlLink:
         self.joined = False
         self.done_sent_at = 0.0
         self.done_acked = False
+        self.job_ended = False  # the control plane said every node is done
 
     @property
     def up(self) -> bool:
@@ -73,6 +75,8 @@ class ControlLink:
         for msg in messages:
             if msg.get("t") == "done_ack":
                 self.done_acked = True
+            elif msg.get("t") == "end":
+                self.job_ended = True
         return messages
 
     def send(self, msg: dict[str, Any]) -> None:
@@ -114,10 +118,11 @@ class ControlLink:
 
     @property
     def finished(self) -> bool:
-        """The control plane recorded this node's ``done`` (or cannot any more)."""
-        if self.channel is None or self.done_acked:
+        """Every node is done (or the control plane cannot say so any more: gone, or silent about
+        this node's ``done``)."""
+        if self.channel is None or self.job_ended:
             return True
-        return bool(self.done_sent_at) and time.monotonic() - self.done_sent_at > DONE_ACK_WAIT
+        return bool(self.done_sent_at) and not self.done_acked and time.monotonic() - self.done_sent_at > DONE_ACK_WAIT
 
     def close(self) -> None:
         if self.channel is not None:

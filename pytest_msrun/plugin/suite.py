@@ -31,21 +31,82 @@ def _read(path: str) -> str:
 
 
 def job_report(status: JobStatus) -> str | None:
-    """The table for this node's ranks, or None when no rank of this job ran pytest."""
+    """The table of the job's ranks, or None when no rank of this job ran pytest.
+
+    On several nodes sharing the log directory (a cluster's shared filesystem, or loopback
+    invocations), node 0 prints one table of every node's ranks, after waiting briefly for the
+    other nodes' final status; the other nodes print one line saying so."""
     directory = os.path.abspath(status.log_dir or ".")
+    statuses = [status]
+    local = [p.rank for p in status.workers if p.rank is not None]
+    several = bool(status.worker_num) and len(local) < (status.worker_num or 0)
+    if several:
+        if status.node_index != 0:
+            ranks = _pytest_ranks(directory, [status])
+            return (
+                f"msrun: node 0 prints the pytest results of every node (this node: ranks {ranks_text(ranks)})"
+                if ranks
+                else None
+            )
+        statuses = _sibling_statuses(directory, status)
     logs: dict[int, RankLog] = {}
     ends: dict[int, RankEnd] = {}
-    for proc in status.workers:
-        if proc.rank is None:
-            continue
-        log = load_rank_log(records_path(directory, proc.rank), proc.rank)
-        if not log.started or log.start_ts < status.started - 1:
-            continue  # no pytest in this rank, or records of an earlier job
-        logs[proc.rank] = log
-        ends[proc.rank] = RankEnd.of(proc, status.stop_reason)
+    for node in statuses:
+        for proc in node.workers:
+            if proc.rank is None:
+                continue
+            log = load_rank_log(records_path(directory, proc.rank), proc.rank)
+            if not log.started or log.start_ts < node.started - 1:
+                continue  # no pytest in this rank, or records of an earlier job
+            logs[proc.rank] = log
+            ends[proc.rank] = RankEnd.of(proc, node.stop_reason, node.host)
     if not logs:
         return None
-    return render(directory, logs, ends)
+    text = render(directory, logs, ends)
+    if several:
+        missing = sorted(set(range(status.worker_num or 0)) - {p.rank for n in statuses for p in n.workers})
+        if missing:
+            text += (
+                f"\nmsrun: no final status from the nodes of ranks {ranks_text(missing)} in {directory} within "
+                f"{SIBLING_WAIT:g} s (every node must write its logs into a directory node 0 can read)"
+            )
+    return text
+
+
+SIBLING_WAIT = 10.0  # how long node 0 waits for the other nodes' final status
+
+
+def _pytest_ranks(directory: str, statuses: list[JobStatus]) -> list[int]:
+    out = []
+    for node in statuses:
+        for proc in node.workers:
+            if proc.rank is not None:
+                log = load_rank_log(records_path(directory, proc.rank), proc.rank)
+                if log.started and log.start_ts >= node.started - 1:
+                    out.append(proc.rank)
+    return sorted(out)
+
+
+def _sibling_statuses(directory: str, status: JobStatus) -> list[JobStatus]:
+    """This node's status and every other node's final one (same job), once all ranks are covered
+    or after :data:`SIBLING_WAIT`."""
+    import glob
+
+    from pytest_msrun.engine.status import read_status
+
+    want = set(range(status.worker_num or 0))
+    deadline = time.monotonic() + SIBLING_WAIT
+    while True:
+        found = {status.node_index: status}
+        for path in glob.glob(os.path.join(directory, "msrun_status_node*.json")):
+            other = read_status(directory, os.path.basename(path))
+            if other is None or other.job_id != status.job_id or other.state == "running":
+                continue
+            found.setdefault(other.node_index, other)
+        covered = {p.rank for n in found.values() for p in n.workers if p.rank is not None}
+        if want <= covered or time.monotonic() > deadline:
+            return [found[k] for k in sorted(found)]
+        time.sleep(0.05)
 
 
 def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> str:
@@ -80,6 +141,13 @@ def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -
             f"rank {rank}: its pytest session did not finish - it {end.describe(False)}"
             + (f" in {where}" if where else "")
         )
+    hosts: dict[str, list[int]] = {}
+    for rank in ranks:
+        host = (ends.get(rank) or RankEnd()).host
+        if host:
+            hosts.setdefault(host, []).append(rank)
+    if len(hosts) > 1:
+        lines.append("msrun: hosts: " + "; ".join(f"{h}: ranks {ranks_text(r)}" for h, r in hosts.items()))
     lines.append(_totals(verdicts))
     return "\n".join(lines)
 
