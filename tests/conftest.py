@@ -155,6 +155,8 @@ class Msrun:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
         for name in ("RANK_ID", "MS_ROLE", "MS_SIMULATION_LEVEL", "RANK_SIZE", "MSRUN_JOB_TOKEN"):
             env.pop(name, None)
+        for name in [k for k in env if k.startswith("SLURM_")]:  # the suite itself may run under srun
+            env.pop(name)
         env.update(extra or {})
         return env
 

@@ -228,3 +228,19 @@ def test_suite_mode_under_srun_prints_one_table_and_fails(msrun, slurm_lab):
     assert re.search(r"test_bad_on_rank_2\s+passed\s+passed\s+failed\s+passed\s+failed", table), table
     assert "msrun: hosts: node1: ranks 0, 1; node2: ranks 2, 3" in table
     assert "node 0 prints the pytest results of every node" in out
+
+
+def test_a_marked_two_node_test_in_an_sbatch_script(msrun, slurm_lab):
+    (msrun.cwd / "test_cluster.py").write_text(textwrap.dedent(PLUGIN_TEST))
+    script = msrun.cwd / "job.sh"
+    script.write_text(
+        f"#!/bin/sh\nexec {sys.executable} -m pytest -q -rA -p no:cacheprovider test_cluster.py -k two_nodes\n"
+    )
+    env = _env(msrun, slurm_lab)
+    env["PYTHONPATH"] = str(REPO)
+    argv = ["sbatch", "--wait", "-N2", f"--output={msrun.cwd / 'job.out'}", str(script)]
+    proc = subprocess.run(argv, cwd=msrun.cwd, env=env, capture_output=True, text=True, timeout=300)
+    out = (msrun.cwd / "job.out").read_text()
+    assert proc.returncode == 0, proc.stderr + out
+    assert "1 passed" in out and re.search(r"rank 0: node1\s+rank 1: node1\s+rank 2: node2\s+rank 3: node2", out), out
+    assert not wait_gone(msrun.mark, timeout=10)

@@ -198,6 +198,8 @@ class TestJob:
         env[SHARED_TMP_ENV] = str(self.shared_dir)
         env[BASETEMP_ENV] = str(self.basetemp)
         env["MSRUN_JOB_TOKEN"] = self.token
+        if self.cluster is None:  # every flag is given: a Slurm step this session runs in changes nothing
+            env["MSRUN_SLURM"] = "0"
         env.pop("PYTEST_ADDOPTS", None)
         for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURRENT_TEST"):
             env.pop(name, None)
