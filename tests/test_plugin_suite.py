@@ -207,16 +207,7 @@ def test_suite_on_two_nodes_prints_one_table_on_node_0(msrun):
     )
     from conftest import free_port
 
-    port = free_port()
-    args = [
-        "--worker_num=4",
-        "--local_worker_num=2",
-        f"--master_port={port}",
-        "--join=True",
-        "--log_dir=logs",
-        "--cluster_time_out=30",
-        "--scheduler=builtin",
-    ]
+    args = job_args(4, "--cluster_time_out=30", "--scheduler=builtin", local=2, port=free_port())
     task = ["pytest", "-q", "-p", "no:cacheprovider", "suite"]
     nodes = [msrun.start([*args, f"--node_rank={n}", *task]) for n in (0, 1)]
     first, second = (msrun.finish(p) for p in nodes)

@@ -93,6 +93,18 @@ def exclusive(name: str = "pytest-msrun-netlab.lock", timeout: float = 60.0) -> 
             os.close(fd)
 
 
+def lab_directory(directory: str | None, prefix: str) -> tuple[str, bool]:
+    """A lab's directory (a new temporary one when ``None``), world-readable; (path, created here)."""
+    created = False
+    if directory is None:
+        directory, created = tempfile.mkdtemp(prefix=prefix), True
+    elif not os.path.exists(directory):
+        os.makedirs(directory)
+        created = True
+    os.chmod(directory, 0o755)
+    return directory, created
+
+
 def _run(argv: Sequence[str], check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
     if check and proc.returncode != 0:
@@ -207,13 +219,8 @@ class NetLab:
         if reason:
             raise LabError(reason)
         t0 = time.monotonic()
-        if self.directory is None:
-            self.directory = tempfile.mkdtemp(prefix="msrun-netlab-")
-            self.owns_dir = True
-        elif not os.path.exists(self.directory):
-            os.makedirs(self.directory)
-            self.owns_dir = True
-        os.chmod(self.directory, 0o755)
+        self.directory, owns = lab_directory(self.directory, "msrun-netlab-")
+        self.owns_dir = self.owns_dir or owns
         try:
             with exclusive():
                 self._pick_network()

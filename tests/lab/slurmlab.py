@@ -31,14 +31,13 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from netlab import FIRST_NET, LabError, LabLeak, NetLab, unusable_reason  # noqa: E402
+from netlab import FIRST_NET, LabError, LabLeak, NetLab, lab_directory, unusable_reason  # noqa: E402
 
 STATE = "slurmlab.json"
 INSTALL_ENV = "MSRUN_LAB_INSTALL"
@@ -170,13 +169,8 @@ class SlurmLab:
         reason = unusable_slurm_reason()
         if reason:
             raise LabError(reason)
-        if self.directory is None:
-            self.directory = tempfile.mkdtemp(prefix="msrun-slurmlab-")
-            self.owns_dir = True
-        elif not os.path.exists(self.directory):
-            os.makedirs(self.directory)
-            self.owns_dir = True
-        os.chmod(self.directory, 0o755)
+        self.directory, owns = lab_directory(self.directory, "msrun-slurmlab-")
+        self.owns_dir = self.owns_dir or owns
         try:
             for sub in ("etc", "munge", "state", "log", "run", "spool"):
                 (self.root / sub).mkdir(mode=0o755)
