@@ -5,8 +5,8 @@
 Sessions of ``--tests`` trivial tests each, in shuffled order every round:
 
 * plain: the tests unmarked (pytest's own per-test cost);
-* marked: ``@pytest.mark.msrun(worker_num=2)``: per test a job of the builtin control plane and
-  two rank pytest processes;
+* marked: ``@pytest.mark.msrun(worker_num=2)`` with ``--msrun-worlds=fresh``: per test a job of
+  the builtin control plane and two rank pytest processes (warm worlds: ``bench_warm.py``);
 * subprocess pattern, like for like: each test shells out to ``pmsrun ... python -m pytest
   file::case`` with the same control plane and two rank pytest processes, and checks the exit
   status - what people write by hand;
@@ -117,7 +117,7 @@ def main() -> int:
         contenders = {
             "startup": lambda i: timed(["inner.py::test_inner"], d, env),
             "plain": lambda i: timed(["test_plain.py"], d, env),
-            "marked": lambda i: timed(["test_marked.py"], d, env),
+            "marked": lambda i: timed(["test_marked.py", "--msrun-worlds=fresh"], d, env),
         }
         for name in files:
             contenders[name] = lambda i, name=name: timed([name], d, env)
@@ -134,7 +134,7 @@ def main() -> int:
         ("one rank's pytest start-up (1 trivial test)", ms(t["startup"])),
         (f"session of {n} plain tests", ms(plain)),
         (f"session of {n} marked tests (worker_num=2)", ms(t["marked"])),
-        ("per-test overhead, marked", ms(per_test("marked"))),
+        ("per-test overhead, marked (a fresh job per test)", ms(per_test("marked"))),
         ("per-test overhead, shelling out to pmsrun (like for like)", ms(per_test("test_sub_ours.py"))),
         ("per-test overhead, shelling out to pmsrun --scheduler=task", ms(per_test("test_sub_task.py"))),
     ]

@@ -52,7 +52,26 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="devices jobs may use: auto (default: visible-device variables, then NVML), none, "
         "cuda:0,1,... or ascend:0-7",
     )
+    group.addoption(
+        "--msrun-worlds",
+        dest="msrun_worlds",
+        choices=("warm", "fresh"),
+        default=None,
+        help="warm (default): marked tests of one shape share a long-lived job, each test isolated and "
+        "judged alone, the world restarted after a crash, hang or failure inside it; fresh: a new job "
+        "per marked test (as msrun(isolated=True) does for one test)",
+    )
+    group.addoption(
+        "--msrun-leaks",
+        dest="msrun_leaks",
+        choices=("warn", "error", "off"),
+        default=None,
+        help="what a test in a warm world leaves behind (threads, child processes, open files, "
+        "environment, working directory): a warning (default), a failure, or nothing",
+    )
     parser.addini("msrun_timeout", "default timeout in seconds of a marked test's job", default="300")
+    parser.addini("msrun_worlds", "warm or fresh (see --msrun-worlds)", default="warm")
+    parser.addini("msrun_leaks", "warn, error or off (see --msrun-leaks)", default="warn")
     parser.addini("msrun_report", "failure detail: first or all", default="first")
     parser.addini("msrun_devices", "devices jobs may use (see --msrun-devices)", default="auto")
 

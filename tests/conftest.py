@@ -249,6 +249,17 @@ def wait_for(predicate, timeout: float = 15.0, interval: float = 0.02):
     raise AssertionError(f"timed out after {timeout} s waiting for {predicate}")
 
 
+def rank_dumps(directory: Path) -> dict[int, dict]:
+    """``rank<N>.json`` files written by ranks, by rank; one still being written is left out."""
+    out: dict[int, dict] = {}
+    for path in directory.glob("rank*.json"):
+        try:
+            out[int(path.stem[4:])] = json.loads(path.read_text())
+        except ValueError:
+            continue
+    return out
+
+
 def read_status(log_dir: Path, name: str = "msrun_status.json") -> dict | None:
     try:
         return json.loads((log_dir / name).read_text())

@@ -42,6 +42,10 @@ BENCHES = {
         ["bench_plugin.py", "--tests", "1", "--runs", "1"],
         ["per-test overhead, marked", "like for like", "target:"],
     ),
+    "warm worlds": (
+        ["bench_warm.py", "--tests", "3", "--runs", "1", "--no-torch", "--no-extras"],
+        ["one more test in a warm world", "the first test of a world", "fresh job per test", "target:"],
+    ),
     "dry run": (
         ["bench_dryrun.py", "--ranks", "16", "--small", "8"],
         ["16 simulated ranks", "msrun peak RSS"],

@@ -7,13 +7,12 @@ link taken down.
 
 from __future__ import annotations
 
-import json
 import subprocess
 import time
 import uuid
 
 import pytest
-from conftest import Job, free_port, wait_for, wait_gone
+from conftest import Job, free_port, rank_dumps, wait_for, wait_gone
 
 pytestmark = pytest.mark.netns
 
@@ -86,7 +85,7 @@ def _finish(msrun, popen: subprocess.Popen, log_dir: str, timeout: float = 60) -
 
 
 def _dumps(msrun) -> dict[int, dict]:
-    return {int(p.stem[4:]): json.loads(p.read_text()) for p in msrun.dump.glob("rank*.json")}
+    return rank_dumps(msrun.dump)
 
 
 def _assert_nothing_left(msrun, lab) -> None:

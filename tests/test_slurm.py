@@ -17,7 +17,7 @@ import time
 
 import psutil
 import pytest
-from conftest import REPO, wait_for, wait_gone
+from conftest import REPO, rank_dumps, wait_for, wait_gone
 
 pytestmark = pytest.mark.slurm
 
@@ -58,7 +58,7 @@ def _srun(msrun, slurm_lab, args: list[str], env: dict[str, str], srun: list[str
 
 
 def _dumps(msrun) -> dict[int, dict]:
-    return {int(p.stem[4:]): json.loads(p.read_text()) for p in msrun.dump.glob("rank*.json")}
+    return rank_dumps(msrun.dump)
 
 
 def _job_of(slurm_lab, name: str) -> str:

@@ -30,6 +30,22 @@ def query_state(host: str, port: int, token: str, timeout: float = 2.0) -> dict[
     return reply if reply.get("t") == "state" else None
 
 
+def declare_finished(host: str, port: int, token: str, ranks: list[int], why: str, timeout: float = 2.0) -> bool:
+    """Tell the control plane these ranks finished their test (waits on them fail at once)."""
+    try:
+        channel = wire.Channel.connect(host, port, timeout=timeout)
+    except OSError:
+        return False
+    try:
+        channel.handshake({"t": "hello", "kind": "observer"}, token, timeout)
+        channel.send({"t": "finished", "ranks": ranks, "why": why})
+        return channel.recv(timeout).get("t") == "state"
+    except (OSError, socket.timeout, wire.ProtocolError):
+        return False
+    finally:
+        channel.close()
+
+
 def query_from_env(env: dict[str, str], timeout: float = 2.0) -> dict[str, Any] | None:
     """The state of the job this process belongs to (its ``MS_SCHED_*`` and token variables)."""
     if env.get("MSRUN_SCHEDULER") not in ("auto", "builtin", "mindspore"):

@@ -486,6 +486,21 @@ class Scheduler:
         if self.collectives:
             self.rank_error(f"rank {rank} left the job ({why})")
 
+    def ranks_finished(self, ranks: Any, why: Any) -> None:
+        """An observer (a warm world's controller) says these ranks finished their test while still
+        connected: whoever waits for them - to form the group, or in a collective - gets an error now,
+        worded as if they had exited (a fresh job's ranks exit when their test ends)."""
+        if not isinstance(ranks, list) or not all(_is_int(r, 0, self.worker_num - 1) for r in ranks):
+            return
+        text = (why if isinstance(why, str) and why else "finished its test")[:200]
+        for rank in sorted(set(ranks)):
+            if not self.ready_sent and rank not in self.ranks:
+                reason = f"rank {rank} {text} without joining the group"
+                self.broadcast(self.ranks.values(), {"t": "error", "seq": -1, "reason": reason})
+            waiting = [seq for seq, coll in self.collectives.items() if rank not in coll.parts]
+            if waiting:
+                self.rank_error(f"rank {rank} left the test ({text})", waiting)
+
     def on_rank_msg(self, conn: Conn, rank: int, msg: dict[str, Any]) -> None:
         kind = msg["t"]
         if kind == "bye":
@@ -684,6 +699,9 @@ class Scheduler:
             return
         if conn.kind == "observer":
             if msg["t"] == "state":
+                self.send(conn, self.snapshot())
+            elif msg["t"] == "finished":
+                self.ranks_finished(msg.get("ranks"), msg.get("why"))
                 self.send(conn, self.snapshot())
             else:
                 self.drop(conn, f"unexpected observer message {msg['t']!r}")

@@ -64,6 +64,18 @@ class JobRun:
         return "\n".join(lines)
 
 
+@dataclass
+class Launched:
+    """A job's running msrun invocations: processes, their console logs, output pumps."""
+
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    logs: list[str] = field(default_factory=list)
+    pumps: list[threading.Thread] = field(default_factory=list)
+
+    def exited(self) -> bool:
+        return any(p.poll() is not None for p in self.procs)
+
+
 class TestJob:
     """Builds and runs the msrun invocations for one test."""
 
@@ -82,6 +94,7 @@ class TestJob:
         cluster: Allocation | None = None,
     ) -> None:
         self.nodeid = nodeid
+        self.nodeids = [nodeid]  # what each rank's pytest collects (a warm world: every test it may run)
         self.spec = spec
         self.job_dir = job_dir
         self.log_dir = job_dir / "logs"
@@ -148,7 +161,7 @@ class TestJob:
         return out
 
     def task(self) -> list[str]:
-        return [sys.executable, "-m", "pytest", *self.rank_args, self.nodeid]
+        return [sys.executable, "-m", "pytest", *self.rank_args, *self.nodeids]
 
     def msrun_args(self, node: int, size: int, cluster_time_out: int, *, loopback: bool = False) -> list[str]:
         """One invocation's msrun arguments: its flags, then the rank's pytest command."""
@@ -205,22 +218,30 @@ class TestJob:
             env.pop(name, None)
         return env
 
-    def run(self, timeout: float) -> JobRun:
-        cluster_time_out = max(1, min(600, int(timeout)))
+    def launch(self, cluster_time_out: int, extra_env: dict[str, str] | None = None) -> Launched:
+        """Start the job's msrun invocations (nothing waits for them)."""
         commands = self.commands(cluster_time_out)
-        env = self.env()
-        started = time.time()
-        procs: list[subprocess.Popen] = []
-        logs: list[str] = []
-        pumps: list[threading.Thread] = []
+        env = {**self.env(), **(extra_env or {})}
+        out = Launched()
         try:
             for node, cmd in enumerate(commands):
                 log_path = str(self.job_dir / (f"msrun_node{node}.log" if len(commands) > 1 else "msrun.log"))
-                logs.append(log_path)
+                out.logs.append(log_path)
                 popen, pump = self._start(cmd, env, log_path)
-                procs.append(popen)
+                out.procs.append(popen)
                 if pump is not None:
-                    pumps.append(pump)
+                    out.pumps.append(pump)
+        except BaseException:
+            self._stop(out.procs)
+            raise
+        return out
+
+    def run(self, timeout: float) -> JobRun:
+        cluster_time_out = max(1, min(600, int(timeout)))
+        started = time.time()
+        launched = self.launch(cluster_time_out)
+        procs, logs, pumps = launched.procs, launched.logs, launched.pumps
+        try:
             deadline = time.monotonic() + timeout
             timed_out = False
             for popen in procs:
@@ -235,8 +256,8 @@ class TestJob:
         stacks: dict[int, str] = {}
         state = None
         if timed_out:
-            state = query_state(self.master_host, self.ports[0], self.token) if self._has_control_plane() else None
-            stacks = self._collect_stacks()
+            state = query_state(self.master_host, self.ports[0], self.token) if self.has_control_plane() else None
+            stacks = self.collect_stacks()
             self._stop(procs)
         for pump in pumps:
             pump.join(timeout=5)
@@ -256,7 +277,7 @@ class TestJob:
             run.launch_error = "\n".join(Path(p).read_text(errors="replace") for p in logs).strip()
         return run
 
-    def _has_control_plane(self) -> bool:
+    def has_control_plane(self) -> bool:
         return self.spec.sim_level is None and self.spec.scheduler != "task"
 
     def _start(self, cmd: list[str], env: dict[str, str], log_path: str) -> tuple[subprocess.Popen, Any]:
@@ -299,7 +320,7 @@ class TestJob:
                 out[proc.rank] = RankEnd.of(proc, status.stop_reason, status.host)
         return out
 
-    def _collect_stacks(self) -> dict[int, str]:
+    def collect_stacks(self) -> dict[int, str]:
         """Ask every live rank on this host for its Python stacks and wait briefly for them
         (a rank's PID means nothing on another host)."""
         asked = []
@@ -325,6 +346,12 @@ class TestJob:
                 break
             time.sleep(0.05)
         return stacks
+
+    def stop(self, launched: Launched) -> None:
+        """Tear a launched job down (msrun's own teardown, SIGKILL after its grace)."""
+        self._stop(launched.procs)
+        for pump in launched.pumps:
+            pump.join(timeout=5)
 
     def _stop(self, procs: list[subprocess.Popen]) -> None:
         """msrun's own teardown on SIGTERM; SIGKILL of its session after a grace period."""

@@ -26,11 +26,13 @@ KNOWN = (
     "scheduler",
     "env",
     "devices",
+    "isolated",
 )
 MARKER_HELP = (
     "msrun(worker_num=2, local_worker_num=None, timeout=None, bind_core=False, bind_numa=False, "
-    "sim_level=None, sim_rank_id=None, sim_ranks=None, scheduler='auto', env=None, devices=0): run the test as a "
-    "multi-rank msrun job (worker_num=[2, 4] parametrizes)"
+    "sim_level=None, sim_rank_id=None, sim_ranks=None, scheduler='auto', env=None, devices=0, isolated=False): "
+    "run the test as a multi-rank msrun job (worker_num=[2, 4] parametrizes; isolated=True: a fresh job, "
+    "never a warm world)"
 )
 
 
@@ -53,6 +55,7 @@ class MsrunSpec:
     scheduler: str = "auto"
     env: dict[str, str] = field(default_factory=dict)
     devices: int = 0
+    isolated: bool = False  # a fresh job of its own, never a warm world
 
     @property
     def local(self) -> int:
@@ -177,6 +180,10 @@ def spec_for(item: pytest.Item) -> MsrunSpec | None:
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 0:
         raise MarkerError(f"{where}: msrun(devices=...) must be a device count (or True = one per rank)")
     spec.devices = devices
+    isolated = kwargs.get("isolated", False)
+    if not isinstance(isolated, bool):
+        raise MarkerError(f"{where}: msrun(isolated=...) must be True or False, got {isolated!r}")
+    spec.isolated = isolated
     return spec
 
 

@@ -29,6 +29,7 @@ from pytest_msrun.plugin import options
 from pytest_msrun.plugin.env import current_rank, current_world
 from pytest_msrun.plugin.marker import MARKER, MarkerError, default_timeout, spec_for
 from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, RecordWriter, records_path, stacks_path
+from pytest_msrun.plugin.serve import WORLD_ENV, WORLD_TOKEN_ENV, world_address
 
 TIMEOUT_EXIT = 124  # a rank that ran out of time ends with timeout(1)'s status
 MAX_SECTION = 1 << 20
@@ -82,6 +83,8 @@ class RankPlugin:
         self.current: tuple[str, str] | None = None  # (nodeid, phase) running now
         self.timer: threading.Timer | None = None
         self.writer: RecordWriter | None = None
+        self.session_writer: RecordWriter | None = None  # a warm world's, while a test's records are open
+        self.test_failed = False
         self.stacks: IO[str] | None = None
         self.default_timeout = 0.0
         # MindSpore's own msrun runs the task (this pytest) as its scheduler too: not a rank
@@ -102,6 +105,13 @@ class RankPlugin:
         if xmlpath and not self.controlled:
             base, ext = os.path.splitext(xmlpath)
             config.option.xmlpath = f"{base}.rank{self.rank}{ext or '.xml'}"
+        address = world_address(env)
+        if address is not None and self.controlled:  # a warm world's rank: the controller sends tests
+            from pytest_msrun.plugin.serve import WorldServer
+
+            token = env.pop(WORLD_TOKEN_ENV, "")
+            env.pop(WORLD_ENV, None)
+            config.pluginmanager.register(WorldServer(self, address, token), "msrun-world")
         if not self.controlled:
             self.default_timeout = default_timeout(config)
             # msrun prints one table of every test on every rank when the job ends.
@@ -152,12 +162,40 @@ class RankPlugin:
             self._write("collect", data=data)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.failed:
+            self.test_failed = True
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
         self._write("report", data=data)
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         self._write("finish", exitstatus=int(exitstatus))
+
+    # ---------------------------------------------------------------- warm worlds (serve.py)
+    def begin_test(self, report_dir: str, nodeid: str) -> RecordWriter:
+        """Records of the next test go to its own directory, as a fresh job's would."""
+        if self.session_writer is None:
+            self.session_writer = self.writer
+        self.writer = RecordWriter(records_path(report_dir, self.rank), self.rank, self.world)
+        self.test_failed = False
+        self._write(
+            "start",
+            pid=os.getpid(),
+            args=list(self.config.invocation_params.args),
+            log=log_file() or "",
+            main_thread=threading.main_thread().ident,
+        )
+        self._write("collected", nodeids=[nodeid])
+        return self.writer
+
+    def end_test(self) -> bool:
+        """Close the test's records; whether any of its phases failed."""
+        failed = self.test_failed
+        self._write("finish", exitstatus=1 if failed else 0)
+        if self.writer is not None:
+            self.writer.close()
+        self.writer, self.session_writer = self.session_writer, None
+        return failed
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self._disarm()

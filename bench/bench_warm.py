@@ -1,0 +1,208 @@
+"""Warm worlds: per-test cost of a trivial 2-rank marked test over the same test unmarked.
+
+Interleaved, shuffled sessions of the same files in one invocation:
+
+* warm (the default): ``(T(N marked) - T(1 marked)) / (N - 1)`` minus the same difference of plain
+  sessions - the cost of one more test in a running world; the first test of a world (its start)
+  is reported separately as ``T(1 marked) - T(1 plain)``;
+* fresh (``--msrun-worlds=fresh``, a job per test): ``(T(N marked) - T(N plain)) / N``;
+* PyTorch's ``MultiProcContinuousTest`` (world size 2, gloo), the same difference as warm, when
+  torch and expecttest are installed.
+
+Then, once each: a file of 20 where test 5 segfaults on rank 1 (how many of tests 6-20 pass, here
+and under MultiProcContinuousTest's poison pill), and 20 tests sharing a module fixture that takes
+1 s (the session's time, warm and fresh).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bench_env, interleaved, machine, ms  # noqa: E402
+
+PLUGIN = ["-p", "pytest_msrun.pytest_plugin"]
+
+
+def plain(n: int) -> str:
+    return "".join(f"def test_{i}():\n    pass\n\n" for i in range(n))
+
+
+def marked(n: int) -> str:
+    return "import pytest\n\n" + "".join(
+        f"@pytest.mark.msrun(worker_num=2)\ndef test_{i}(rank):\n    assert rank in (0, 1)\n\n" for i in range(n)
+    )
+
+
+def continuous(n: int, crash_at: int | None = None) -> str:
+    body = "".join(
+        f"    def test_{i:02d}(self):\n"
+        + (
+            "        if self.rank == 1:\n            import ctypes\n            ctypes.string_at(0)\n"
+            if i == crash_at
+            else ""
+        )
+        + "        assert self.rank in (0, 1)\n\n"
+        for i in range(n)
+    )
+    return (
+        "from torch.testing._internal.common_distributed import MultiProcContinuousTest\n\n\n"
+        "class TestTrivial(MultiProcContinuousTest):\n    world_size = 2\n\n"
+        "    @classmethod\n    def backend_str(cls):\n        return 'gloo'\n\n" + body
+    )
+
+
+CRASH = """import ctypes
+
+import pytest
+
+
+@pytest.mark.msrun(worker_num=2)
+@pytest.mark.parametrize("i", range(20))
+def test_many(rank, i):
+    if i == 4 and rank == 1:
+        ctypes.string_at(0)
+    assert rank in (0, 1)
+"""
+
+FIXTURE = """import time
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def slow_setup():
+    time.sleep(1)
+    return 1
+
+
+@pytest.mark.msrun(worker_num=2)
+@pytest.mark.parametrize("i", range(20))
+def test_uses_it(rank, slow_setup, i):
+    assert slow_setup == 1
+"""
+
+
+def session(
+    args: list[str], cwd: Path, env: dict[str, str], ok: tuple[int, ...] = (0,), plugin: bool = True
+) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *(PLUGIN if plugin else []), *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    wall = time.perf_counter() - t0
+    if proc.returncode not in ok:
+        raise SystemExit(f"pytest {args} exited {proc.returncode}:\n{proc.stdout[-3000:]}")
+    return wall, proc.stdout
+
+
+def has_continuous() -> bool:
+    probe = "from torch.testing._internal.common_distributed import MultiProcContinuousTest"
+    return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+
+
+def counts(text: str) -> dict[str, int]:
+    return {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?)", text)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tests", type=int, default=20)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--no-torch", action="store_true", help="leave out MultiProcContinuousTest")
+    ap.add_argument("--no-extras", action="store_true", help="leave out the crash and fixture sessions")
+    args = ap.parse_args()
+    n = args.tests
+    torch = not args.no_torch and has_continuous()
+    print(machine())
+    print(f"interpreter: {sys.executable}, this checkout; {n} tests per file, {args.runs} rounds, shuffled")
+    if not torch and not args.no_torch:
+        print("MultiProcContinuousTest: torch or expecttest is not installed here; its rows are left out")
+    with tempfile.TemporaryDirectory() as tmp:
+        d = Path(tmp)
+        env = bench_env(d, PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+        files = {
+            "test_plain_n.py": plain(n),
+            "test_plain_1.py": plain(1),
+            "test_marked_n.py": marked(n),
+            "test_marked_1.py": marked(1),
+            "test_crash.py": CRASH,
+            "test_fixture.py": FIXTURE,
+        }
+        if torch:
+            files["test_mpc_n.py"] = continuous(n)
+            files["test_mpc_1.py"] = continuous(1)
+            files["test_mpc_crash.py"] = continuous(20, crash_at=4)
+        for name, text in files.items():
+            (d / name).write_text(text)
+        contenders = {
+            "plain_n": lambda i: session(["test_plain_n.py"], d, env)[0],
+            "plain_1": lambda i: session(["test_plain_1.py"], d, env)[0],
+            "warm_n": lambda i: session(["test_marked_n.py"], d, env)[0],
+            "warm_1": lambda i: session(["test_marked_1.py"], d, env)[0],
+            "fresh_n": lambda i: session(["test_marked_n.py", "--msrun-worlds=fresh"], d, env)[0],
+        }
+        if torch:
+            contenders["mpc_n"] = lambda i: session(["test_mpc_n.py"], d, env, plugin=False)[0]
+            contenders["mpc_1"] = lambda i: session(["test_mpc_1.py"], d, env, plugin=False)[0]
+        interleaved(1, contenders)  # warm caches
+        t = interleaved(args.runs, contenders)
+        extra: list[tuple[str, str]] = []
+        if not args.no_extras:
+            _, text = session(["test_crash.py"], d, env, ok=(1,))
+            c = counts(text)
+            outcome = f"{c.get('passed', 0)} passed, {c.get('failed', 0)} failed"
+            extra.append(("test 5 of 20 segfaults on rank 1 (warm)", outcome))
+            if torch:
+                _, text = session(["test_mpc_crash.py"], d, env, ok=(0, 1), plugin=False)
+                c = counts(text)
+                extra.append(
+                    (
+                        "the same under MultiProcContinuousTest",
+                        f"{c.get('passed', 0)} passed, {c.get('failed', 0)} failed, {c.get('skipped', 0)} skipped",
+                    )
+                )
+            warm_fixture, _ = session(["test_fixture.py"], d, env)
+            fresh_fixture, _ = session(["test_fixture.py", "--msrun-worlds=fresh"], d, env)
+            extra.append(("20 tests sharing a 1 s module fixture, warm", f"{warm_fixture:8.2f} s"))
+            extra.append(("the same, fresh jobs", f"{fresh_fixture:8.2f} s"))
+
+    def diff(a: str, b: str, div: int) -> list[float]:
+        return [(x - y) / div for x, y in zip(t[a], t[b])]
+
+    plain_step = diff("plain_n", "plain_1", n - 1)
+    warm = [w - p for w, p in zip(diff("warm_n", "warm_1", n - 1), plain_step)]
+    rows = [
+        ("one more test in a warm world (first test excluded)", ms(warm)),
+        ("the first test of a world (its start)", ms(diff("warm_1", "plain_1", 1))),
+        ("fresh job per test", ms(diff("fresh_n", "plain_n", n))),
+    ]
+    if torch:
+        mpc = [m - p for m, p in zip(diff("mpc_n", "mpc_1", n - 1), plain_step)]
+        rows.append(("MultiProcContinuousTest, one more test (gloo)", ms(mpc)))
+        rows.append(("MultiProcContinuousTest, its first test", ms(diff("mpc_1", "plain_1", 1))))
+    for what, value in rows:
+        print(f"  {what:<60} {value}")
+    for what, value in extra:
+        print(f"  {what:<60} {value}")
+    ok = statistics.median(warm) <= 0.050
+    print(f"\ntarget: one more warm test <= 50 ms: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    os.environ.pop("PYTEST_ADDOPTS", None)
+    sys.exit(main())

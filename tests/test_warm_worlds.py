@@ -1,0 +1,257 @@
+"""Warm worlds: marked tests of one shape share a long-lived job - each test isolated, judged alone,
+and the world replaced after a crash, a hang or a failure inside it."""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+from conftest import MARK, wait_gone
+
+PIDS = """
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def expensive():
+    with open(os.environ["SETUPS"], "a") as fh:
+        fh.write(f"{os.getpid()}\\n")
+    return os.getpid()
+
+
+@pytest.mark.msrun(worker_num=2)
+@pytest.mark.parametrize("i", range(4))
+def test_shared(rank, msrun, expensive, i):
+    assert msrun.all_gather(rank) == [0, 1]
+    print(f"PID {i} {rank} {os.getpid()}")
+
+
+@pytest.mark.msrun(worker_num=2, isolated=True)
+def test_isolated(rank):
+    print(f"PID iso {rank} {os.getpid()}")
+"""
+
+
+def _run(pytester, monkeypatch, source: str, *args: str, name: str = "test_warm"):
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv(MARK, mark)
+    pytester.makepyfile(**{name: source})
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=240)
+    left = wait_gone(mark)
+    assert not left, f"leftover processes: {[p.cmdline() for p in left]}"
+    return result
+
+
+def _pids(text: str) -> dict[tuple[str, str], str]:
+    return {(m[0], m[1]): m[2] for m in re.findall(r"PID (\w+) (\d) (\d+)", text)}
+
+
+def test_one_world_serves_a_shape_and_module_fixtures_are_set_up_once(pytester, monkeypatch):
+    setups = pytester.path / "setups.txt"
+    monkeypatch.setenv("SETUPS", str(setups))
+    result = _run(pytester, monkeypatch, PIDS, "-rP")
+    result.assert_outcomes(passed=5)
+    pids = _pids(result.stdout.str())
+    for rank in ("0", "1"):
+        assert len({pids[(str(i), rank)] for i in range(4)}) == 1  # the same process ran all four
+        assert pids[("iso", rank)] != pids[("0", rank)]  # isolated=True: a fresh job
+    assert len(setups.read_text().split()) == 2  # once per rank, not once per test
+
+
+def test_fresh_worlds_start_a_job_per_test(pytester, monkeypatch):
+    setups = pytester.path / "setups.txt"
+    monkeypatch.setenv("SETUPS", str(setups))
+    result = _run(pytester, monkeypatch, PIDS, "-rP", "--msrun-worlds=fresh")
+    result.assert_outcomes(passed=5)
+    pids = _pids(result.stdout.str())
+    assert len({pids[(str(i), "0")] for i in range(4)}) == 4
+    assert len(setups.read_text().split()) == 8
+
+
+RECOVERY = """
+import ctypes, os, time
+
+import pytest
+
+
+@pytest.mark.msrun(worker_num=2)
+@pytest.mark.parametrize("i", range(20))
+def test_many(rank, msrun, i):
+    if i == 4 and rank == 1:
+        ctypes.string_at(0)  # test 5 of 20 segfaults on rank 1
+    assert msrun.all_gather(rank) == [0, 1]
+
+
+@pytest.mark.msrun(worker_num=2, timeout=3)
+def test_hangs(rank, msrun):
+    if rank == 1:
+        time.sleep(60)
+    msrun.barrier()
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_after_the_hang(rank, msrun):
+    assert msrun.all_gather(rank) == [0, 1]
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_rank_0_exits_the_process(rank):
+    if rank == 0:
+        os._exit(0)
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_after_the_exit(rank, msrun):
+    assert msrun.all_gather(rank) == [0, 1]
+"""
+
+
+def test_a_crash_a_hang_and_an_exit_fail_their_test_and_the_next_test_runs_normally(pytester, monkeypatch):
+    result = _run(pytester, monkeypatch, RECOVERY, "-v")
+    result.assert_outcomes(passed=21, failed=3)
+    text = result.stdout.str()
+    assert re.search(r"test_many\[4\] FAILED", text)
+    for i in range(5, 20):
+        assert re.search(rf"test_many\[{i}\] PASSED", text), i
+    assert re.search(r"test_hangs FAILED", text) and re.search(r"test_after_the_hang PASSED", text)
+    assert "msrun job timed out after 3 s" in text and "stack of rank 1 at the timeout" in text
+    assert re.search(r"test_rank_0_exits_the_process FAILED", text) and re.search(r"test_after_the_exit PASSED", text)
+    assert "Segmentation fault" in text or "signal 11" in text or "SIGSEGV" in text
+
+
+LEAKS = """
+import os, subprocess, threading, time
+
+import pytest
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_sets_env(rank):
+    os.environ["LEFT_BEHIND"] = "1"
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_sees_clean_env(rank, tmp_path):
+    assert "LEFT_BEHIND" not in os.environ
+    os.chdir(tmp_path)
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_cwd_restored(rank, pytestconfig):
+    assert os.getcwd() == str(pytestconfig.invocation_params.dir)
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_leaves_a_thread_a_child_and_a_file(rank, tmp_path):
+    threading.Thread(target=time.sleep, args=(3,), name="lingering", daemon=True).start()
+    subprocess.Popen(["sleep", "3"])
+    globals()["fh"] = open(tmp_path / "open.txt", "w")
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_clean(rank):
+    pass
+"""
+
+
+def test_leaks_are_reported_on_the_test_that_caused_them(pytester, monkeypatch):
+    result = _run(pytester, monkeypatch, LEAKS)
+    result.assert_outcomes(passed=5, warnings=3)
+    text = result.stdout.str()
+    assert "test_sets_env left behind in its warm world" in text
+    for rank in (0, 1):
+        assert f"rank {rank}: environment variable LEFT_BEHIND set" in text
+    assert "test_leaves_a_thread_a_child_and_a_file left behind" in text
+    assert "thread 'lingering' still running (daemon)" in text
+    assert re.search(r"child process \d+ \(sleep\) still running", text)
+    assert re.search(r"file descriptor \d+ left open \(.*open\.txt\)", text)
+    assert re.search(r"test_sees_clean_env left behind in its warm world:\s+rank 0: working directory changed", text)
+    assert "test_clean left behind" not in text and "test_cwd_restored left behind" not in text
+
+
+def test_leaks_can_fail_the_test_or_be_ignored(pytester, monkeypatch):
+    result = _run(pytester, monkeypatch, LEAKS, "--msrun-leaks=error")
+    result.assert_outcomes(passed=5, errors=3)  # the call passed, the teardown failed
+    assert "(--msrun-leaks=error; isolated=True runs the test in a fresh job)" in result.stdout.str()
+    result = _run(pytester, monkeypatch, LEAKS, "--msrun-leaks=off")
+    result.assert_outcomes(passed=5)
+
+
+SHAPES = """
+import os
+
+import pytest
+
+
+@pytest.mark.msrun(worker_num=2)
+@pytest.mark.parametrize("i", range(3))
+def test_two(rank, msrun, i):
+    assert msrun.all_gather(os.getpid())[rank] == os.getpid()
+
+
+@pytest.mark.msrun(worker_num=3)
+@pytest.mark.parametrize("i", range(3))
+def test_three(rank, world_size, i):
+    assert world_size == 3
+
+
+@pytest.mark.msrun(worker_num=2, env={"FLAVOUR": "b"})
+def test_other_env(rank):
+    assert os.environ["FLAVOUR"] == "b"
+
+
+@pytest.mark.msrun(worker_num=4, local_worker_num=2)
+def test_two_nodes(rank, msrun):
+    assert msrun.all_gather(rank) == [0, 1, 2, 3]
+
+
+def test_plain():
+    assert "FLAVOUR" not in os.environ
+"""
+
+
+def test_shapes_get_their_own_worlds_with_xdist_and_exitfirst(pytester, monkeypatch):
+    _run(pytester, monkeypatch, SHAPES, "-n", "2").assert_outcomes(passed=9)
+    result = _run(pytester, monkeypatch, SHAPES + "\n\n" + FAILING, "-x", name="test_shapes_x")
+    result.assert_outcomes(passed=9, failed=1)
+
+
+FAILING = """
+@pytest.mark.msrun(worker_num=2)
+def test_zz_fails(rank):
+    assert rank == 0
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_zz_not_reached(rank):
+    pass
+"""
+
+
+WAITING = """
+import pytest
+
+
+@pytest.mark.msrun(worker_num=2, timeout=120)
+def test_rank_1_skips_a_collective(rank, msrun):
+    msrun.barrier()
+    if rank == 1:
+        return  # finished: in a fresh job its exit ends rank 0's wait; here it is still alive
+    msrun.all_gather(rank)
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_next(rank, msrun):
+    assert msrun.all_gather(rank) == [0, 1]
+"""
+
+
+def test_a_rank_waiting_for_a_rank_that_finished_fails_at_once(pytester, monkeypatch):
+    result = _run(pytester, monkeypatch, WAITING, "--durations=0")
+    result.assert_outcomes(passed=1, failed=1)
+    text = result.stdout.str()
+    assert "ClusterError: gather failed on rank 0: rank 1 left the test (finished its test)" in text
+    call = re.search(r"(\d+\.\d+)s call .*test_rank_1_skips_a_collective", text)
+    assert call is not None and float(call.group(1)) < 30  # not the 120 s timeout
