@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import uuid
 
+import pytest
 from conftest import MARK, wait_gone
 
 PIDS = """
@@ -255,3 +256,37 @@ def test_a_rank_waiting_for_a_rank_that_finished_fails_at_once(pytester, monkeyp
     assert "ClusterError: gather failed on rank 0: rank 1 left the test (finished its test)" in text
     call = re.search(r"(\d+\.\d+)s call .*test_rank_1_skips_a_collective", text)
     assert call is not None and float(call.group(1)) < 30  # not the 120 s timeout
+
+
+TORCH = """
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.fixture(scope="module")
+def group():
+    dist.init_process_group("gloo")  # env:// from the job's MASTER_ADDR / MASTER_PORT / RANK / WORLD_SIZE
+    with open(os.environ["INITS"], "a") as fh:
+        fh.write(f"{os.getpid()}\\n")
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.msrun(worker_num=2)
+@pytest.mark.parametrize("i", range(3))
+def test_all_reduce(rank, group, i):
+    t = torch.tensor([rank + i], dtype=torch.float32)
+    dist.all_reduce(t)
+    assert t.item() == 1 + 2 * i
+"""
+
+
+@pytest.mark.torch
+def test_a_torch_process_group_in_a_module_fixture_is_made_once_per_world(pytester, monkeypatch):
+    inits = pytester.path / "inits.txt"
+    monkeypatch.setenv("INITS", str(inits))
+    _run(pytester, monkeypatch, TORCH).assert_outcomes(passed=3)
+    assert len(inits.read_text().split()) == 2  # one process group per rank for the three tests
