@@ -13,15 +13,15 @@ from typing import Any
 from pytest_msrun.control import wire
 
 
-def query_state(host: str, port: int, token: str, timeout: float = 2.0) -> dict[str, Any] | None:
-    """The scheduler's state, or None when it cannot be reached in ``timeout`` seconds."""
+def _ask(host: str, port: int, token: str, msg: dict[str, Any], timeout: float) -> dict[str, Any] | None:
+    """One request as an authenticated observer; the scheduler's state it answers with, or None."""
     try:
         channel = wire.Channel.connect(host, port, timeout=timeout)
     except OSError:
         return None
     try:
         channel.handshake({"t": "hello", "kind": "observer"}, token, timeout)
-        channel.send({"t": "state"})
+        channel.send(msg)
         reply = channel.recv(timeout)
     except (OSError, socket.timeout, wire.ProtocolError):
         return None
@@ -30,20 +30,14 @@ def query_state(host: str, port: int, token: str, timeout: float = 2.0) -> dict[
     return reply if reply.get("t") == "state" else None
 
 
+def query_state(host: str, port: int, token: str, timeout: float = 2.0) -> dict[str, Any] | None:
+    """The scheduler's state, or None when it cannot be reached in ``timeout`` seconds."""
+    return _ask(host, port, token, {"t": "state"}, timeout)
+
+
 def declare_finished(host: str, port: int, token: str, ranks: list[int], why: str, timeout: float = 2.0) -> bool:
     """Tell the control plane these ranks finished their test (waits on them fail at once)."""
-    try:
-        channel = wire.Channel.connect(host, port, timeout=timeout)
-    except OSError:
-        return False
-    try:
-        channel.handshake({"t": "hello", "kind": "observer"}, token, timeout)
-        channel.send({"t": "finished", "ranks": ranks, "why": why})
-        return channel.recv(timeout).get("t") == "state"
-    except (OSError, socket.timeout, wire.ProtocolError):
-        return False
-    finally:
-        channel.close()
+    return _ask(host, port, token, {"t": "finished", "ranks": ranks, "why": why}, timeout) is not None
 
 
 def query_from_env(env: dict[str, str], timeout: float = 2.0) -> dict[str, Any] | None:

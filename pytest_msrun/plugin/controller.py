@@ -14,7 +14,7 @@ from pytest_msrun.engine.slurm import allocation
 from pytest_msrun.pathsearch import which
 from pytest_msrun.plugin import options
 from pytest_msrun.plugin.job import TestJob
-from pytest_msrun.plugin.marker import MARKER, MarkerError, default_timeout, spec_for
+from pytest_msrun.plugin.marker import MARKER, MarkerError, default_timeout, marked_specs, spec_for
 from pytest_msrun.plugin.merge import Merger, load_logs
 from pytest_msrun.plugin.pool import DeviceShortage, ResourcePool, inventory
 from pytest_msrun.plugin.world import MAX_WORLDS, World, eligible, world_key
@@ -63,14 +63,8 @@ class Controller:
         """Which tests share a world, in the order they will run."""
         if not self.warm:
             return
-        for item in items:
-            if item.get_closest_marker(MARKER) is None:
-                continue
-            try:
-                spec = spec_for(item)
-            except MarkerError:
-                continue
-            if spec is None or not self._warm_fits(spec):
+        for item, spec in marked_specs(items):
+            if not self._warm_fits(spec):
                 continue
             key = world_key(spec, spec.devices)
             self.key_of[item.nodeid] = key

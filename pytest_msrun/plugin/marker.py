@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -185,6 +186,19 @@ def spec_for(item: pytest.Item) -> MsrunSpec | None:
         raise MarkerError(f"{where}: msrun(isolated=...) must be True or False, got {isolated!r}")
     spec.isolated = isolated
     return spec
+
+
+def marked_specs(items: list[pytest.Item]) -> Iterator[tuple[pytest.Item, MsrunSpec]]:
+    """``(item, spec)`` of every marked item whose marker is valid, in order."""
+    for item in items:
+        if item.get_closest_marker(MARKER) is None:
+            continue
+        try:
+            spec = spec_for(item)
+        except MarkerError:
+            continue
+        if spec is not None:
+            yield item, spec
 
 
 def default_timeout(config: pytest.Config) -> float:

@@ -27,7 +27,7 @@ import pytest
 
 from pytest_msrun.plugin import options
 from pytest_msrun.plugin.env import current_rank, current_world
-from pytest_msrun.plugin.marker import MARKER, MarkerError, default_timeout, spec_for
+from pytest_msrun.plugin.marker import MARKER, MarkerError, default_timeout, marked_specs, spec_for
 from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, RecordWriter, records_path, stacks_path
 from pytest_msrun.plugin.serve import WORLD_ENV, WORLD_TOKEN_ENV, world_address
 
@@ -125,6 +125,9 @@ class RankPlugin:
 
     # ---------------------------------------------------------------- session
     def pytest_sessionstart(self, session: pytest.Session) -> None:
+        self._write_start()
+
+    def _write_start(self) -> None:
         self._write(
             "start",
             pid=os.getpid(),
@@ -134,17 +137,11 @@ class RankPlugin:
         )
 
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
-        for item in items:
-            if item.get_closest_marker(MARKER) is None:
-                continue
-            try:
-                spec = spec_for(item)
-            except MarkerError:
-                continue  # reported when the test runs
+        for item, spec in marked_specs(items):  # an invalid marker is reported when the test runs
             if self.scheduler_of_another_job:
                 reason = "this process is the scheduler (MS_ROLE=MS_SCHED) of another launcher's job"
                 item.add_marker(pytest.mark.skip(reason=reason))
-            elif spec is not None and spec.worker_num != self.world:
+            elif spec.worker_num != self.world:
                 item.add_marker(
                     pytest.mark.skip(
                         reason=f"needs a job of {spec.worker_num} ranks (msrun --worker_num={spec.worker_num}); "
@@ -178,13 +175,7 @@ class RankPlugin:
             self.session_writer = self.writer
         self.writer = RecordWriter(records_path(report_dir, self.rank), self.rank, self.world)
         self.test_failed = False
-        self._write(
-            "start",
-            pid=os.getpid(),
-            args=list(self.config.invocation_params.args),
-            log=log_file() or "",
-            main_thread=threading.main_thread().ident,
-        )
+        self._write_start()
         self._write("collected", nodeids=[nodeid])
         return self.writer
 
