@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -47,9 +48,16 @@ class Snapshot:
         self.threads = {t.ident for t in threading.enumerate()}
         self.fds = _fds()
         self.children = set(_children())
+        self.modules = set(sys.modules)
 
     def leaks(self, ignore_fds: set[int]) -> list[str]:
-        """What the test left: threads, child processes, descriptors, environment, working directory."""
+        """What the test left: threads, child processes, descriptors, environment, working directory.
+
+        A test that imported modules new to this process is not blamed for the threads, processes,
+        descriptors and variables that appeared (a library's one-time initialization, e.g. a
+        framework's thread pools); its working directory is still checked."""
+        if set(sys.modules) - self.modules:
+            return self._cwd_changed()
         deadline = time.monotonic() + SETTLE
         while True:
             threads = [t for t in threading.enumerate() if t.ident not in self.threads and t.is_alive()]
@@ -67,13 +75,14 @@ class Snapshot:
             if env.get(key) != self.env.get(key):
                 how = "set" if key not in self.env else ("removed" if key not in env else "changed")
                 out.append(f"environment variable {key} {how}")
+        return out + self._cwd_changed()
+
+    def _cwd_changed(self) -> list[str]:
         try:
             cwd = os.getcwd()
         except OSError:
             cwd = "<removed>"
-        if cwd != self.cwd:
-            out.append(f"working directory changed to {cwd}")
-        return out
+        return [f"working directory changed to {cwd}"] if cwd != self.cwd else []
 
     def restore(self) -> None:
         """The environment and working directory as they were before the test."""
@@ -91,8 +100,6 @@ class Snapshot:
 def _group_state() -> int | None:
     """The builtin control plane's collective counter of this rank (None: not in a group); ranks
     that may go on together have equal ones."""
-    import sys
-
     cluster = sys.modules.get("pytest_msrun.control.cluster")
     group = getattr(cluster, "_group", None) if cluster is not None else None
     return None if group is None else int(group.seq)
