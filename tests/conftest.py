@@ -113,13 +113,18 @@ def marked_processes(mark: str) -> list[psutil.Process]:
     return found
 
 
-def wait_gone(mark: str, timeout: float = 5.0) -> list[psutil.Process]:
+def wait_empty(find, timeout: float = 5.0, interval: float = 0.05) -> list[psutil.Process]:
+    """Poll ``find()`` until it returns no process or ``timeout`` passed; what it last returned."""
     deadline = time.monotonic() + timeout
     while True:
-        left = marked_processes(mark)
+        left = find()
         if not left or time.monotonic() > deadline:
             return left
-        time.sleep(0.05)
+        time.sleep(interval)
+
+
+def wait_gone(mark: str, timeout: float = 5.0) -> list[psutil.Process]:
+    return wait_empty(lambda: marked_processes(mark), timeout)
 
 
 @dataclass

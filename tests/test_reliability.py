@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from conftest import free_port, job_args, read_status, record, wait_for, wait_gone, wait_running
+from conftest import free_port, job_args, read_status, record, wait_empty, wait_for, wait_gone, wait_running
 
 from pytest_msrun.engine import containment
 
@@ -54,12 +54,7 @@ def tagged(tag: str) -> list[psutil.Process]:
 
 
 def wait_none_tagged(tag: str, timeout: float = 5.0) -> list[psutil.Process]:
-    deadline = time.monotonic() + timeout
-    while True:
-        left = tagged(tag)
-        if not left or time.monotonic() > deadline:
-            return left
-        time.sleep(0.005)
+    return wait_empty(lambda: tagged(tag), timeout, interval=0.005)  # fine-grained: the delay is measured
 
 
 def modes() -> list[str]:

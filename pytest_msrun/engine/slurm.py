@@ -123,13 +123,18 @@ class SlurmStep:
         return PORT_BASE + zlib.crc32(f"msrun-slurm-{self.job_id}.{self.step_id}".encode()) % PORT_SPAN
 
 
+def _ids(env: Mapping[str, str]) -> tuple[str, str]:
+    """(job id, step id) as Slurm exports them; both "" with ``MSRUN_SLURM=0``."""
+    if env.get(SWITCH_ENV, "").strip().lower() in ("0", "false", "no", "off"):
+        return "", ""
+    job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or ""
+    return job_id, env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or ""
+
+
 def slurm_step(env: Mapping[str, str]) -> SlurmStep | None:
     """The ``srun`` step this process runs in, or ``None`` (outside Slurm, in a batch script or an
     ``salloc`` shell, or with ``MSRUN_SLURM=0``). Malformed variables raise ``ValueError``."""
-    if env.get(SWITCH_ENV, "").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or ""
-    step_id = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or ""
+    job_id, step_id = _ids(env)
     if not job_id or not step_id or step_id in BATCH_STEPS:
         return None
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
@@ -206,10 +211,7 @@ class Allocation:
 def allocation(env: Mapping[str, str]) -> Allocation | None:
     """The allocation this process can start steps in, or ``None`` (outside Slurm, inside a step's
     task, or with ``MSRUN_SLURM=0``)."""
-    if env.get(SWITCH_ENV, "").strip().lower() in ("0", "false", "no", "off"):
-        return None
-    job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or ""
-    step_id = env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID") or ""
+    job_id, step_id = _ids(env)
     if not job_id or (step_id and step_id not in BATCH_STEPS):
         return None
     try:

@@ -56,6 +56,7 @@ class Controller:
         self.worlds: dict[tuple, World] = {}
         self.planned: dict[tuple, list[pytest.Item]] = {}  # each world's tests, in collection order
         self.key_of: dict[str, tuple] = {}
+        self.next_in_world: dict[str, str | None] = {}  # the test its world runs after it, if any
 
     # ---------------------------------------------------------------- warm worlds
     @pytest.hookimpl(trylast=True)
@@ -68,7 +69,11 @@ class Controller:
                 continue
             key = world_key(spec, spec.devices)
             self.key_of[item.nodeid] = key
-            self.planned.setdefault(key, []).append(item)
+            planned = self.planned.setdefault(key, [])
+            if planned:
+                self.next_in_world[planned[-1].nodeid] = item.nodeid
+            planned.append(item)
+            self.next_in_world[item.nodeid] = None
 
     def _warm_fits(self, spec) -> bool:
         return eligible(spec) and not (self.cluster is not None and len(spec.node_sizes()) > 1)
@@ -203,9 +208,7 @@ class Controller:
         world = self._world_for(item, spec, key)
         if world is None:
             return None
-        planned = self.planned.get(key, [])
-        index = next((i for i, other in enumerate(planned) if other is item), -1)
-        nextid = planned[index + 1].nodeid if 0 <= index < len(planned) - 1 else None
+        nextid = self.next_in_world.get(item.nodeid)
         test = self._new_job(item, spec, world.lease.ports, self._device_env(world.lease.devices))
         result = world.run_test(test, item.nodeid, nextid, self._timeout(spec))
         if world.dead:

@@ -188,8 +188,8 @@ class TestJob:
         prefix = (env + " ") if env else ""
         sizes = self.spec.node_sizes()
         if self.cluster is not None:
-            srun = [a for a in self._srun() if not a.startswith("--job-name")]
-            line = ["timeout", "-s", "TERM", f"{timeout:g}", *srun, CLI]
+            assert self.cluster is not None
+            line = ["timeout", "-s", "TERM", f"{timeout:g}", *self.cluster.srun(self.nodes), CLI]
             return [
                 prefix + shlex.join([*line, *self.flags(0, sizes[0], cluster_time_out, for_user=True), *self.task()])
             ]

@@ -91,6 +91,11 @@ class Merger:
     def end(self, rank: int) -> RankEnd:
         return self.run.ranks.get(rank) or RankEnd()
 
+    def _hosts(self) -> dict[int, str]:
+        """Each rank's host when the job ran on more than one host, else nothing."""
+        hosts = {r: end.host for r, end in sorted(self.run.ranks.items()) if end.host}
+        return hosts if len(set(hosts.values())) > 1 else {}
+
     def log_path(self, rank: int) -> str:
         return self.end(rank).log or self.logs[rank].log or os.path.join(self.log_dir, f"worker_{rank}.log")
 
@@ -222,8 +227,8 @@ class Merger:
         for rank in sorted(present):
             props.extend(present[rank].user_properties)
         sections = self._sections(phase, present, died or [])
-        hosts = {r: end.host for r, end in sorted(self.run.ranks.items()) if end.host}
-        if len(set(hosts.values())) > 1:  # a job across hosts: where each rank ran
+        hosts = self._hosts()
+        if hosts:  # a job across hosts: where each rank ran
             props.append(("msrun_hosts", {str(r): h for r, h in hosts.items()}))
             if phase == "call":
                 sections.append(("msrun hosts", "\n".join(f"rank {r}: {h}" for r, h in hosts.items())))
@@ -314,11 +319,9 @@ class Merger:
         shown = [i.rank for i in issues[: 1 + MAX_RANK_SECTIONS]] or self.ranks[:MAX_RANK_SECTIONS]
         if len(self.ranks) <= MAX_RANK_SECTIONS:
             shown = self.ranks
-        hosts = {r: end.host for r, end in self.run.ranks.items() if end.host}
-        several_hosts = len(set(hosts.values())) > 1
+        hosts = self._hosts()
         logs = "\n".join(
-            f"rank {r}" + (f" on {hosts[r]}" if several_hosts and r in hosts else "") + f": {self.log_path(r)}"
-            for r in shown
+            f"rank {r}" + (f" on {hosts[r]}" if r in hosts else "") + f": {self.log_path(r)}" for r in shown
         )
         if len(self.ranks) > len(shown):
             logs += f"\n(every rank: {self.log_dir}/worker_<rank>.log)"

@@ -42,24 +42,14 @@ def job_report(status: JobStatus) -> str | None:
     several = bool(status.worker_num) and len(local) < (status.worker_num or 0)
     if several:
         if status.node_index != 0:
-            ranks = _pytest_ranks(directory, [status])
+            mine, _ = _pytest_ranks(directory, [status])
             return (
-                f"msrun: node 0 prints the pytest results of every node (this node: ranks {ranks_text(ranks)})"
-                if ranks
+                f"msrun: node 0 prints the pytest results of every node (this node: ranks {ranks_text(sorted(mine))})"
+                if mine
                 else None
             )
         statuses = _sibling_statuses(directory, status)
-    logs: dict[int, RankLog] = {}
-    ends: dict[int, RankEnd] = {}
-    for node in statuses:
-        for proc in node.workers:
-            if proc.rank is None:
-                continue
-            log = load_rank_log(records_path(directory, proc.rank), proc.rank)
-            if not log.started or log.start_ts < node.started - 1:
-                continue  # no pytest in this rank, or records of an earlier job
-            logs[proc.rank] = log
-            ends[proc.rank] = RankEnd.of(proc, node.stop_reason, node.host)
+    logs, ends = _pytest_ranks(directory, statuses)
     if not logs:
         return None
     text = render(directory, logs, ends)
@@ -76,15 +66,20 @@ def job_report(status: JobStatus) -> str | None:
 SIBLING_WAIT = 10.0  # how long node 0 waits for the other nodes' final status
 
 
-def _pytest_ranks(directory: str, statuses: list[JobStatus]) -> list[int]:
-    out = []
+def _pytest_ranks(directory: str, statuses: list[JobStatus]) -> tuple[dict[int, RankLog], dict[int, RankEnd]]:
+    """The records and ends of the ranks of ``statuses`` that ran pytest in this job."""
+    logs: dict[int, RankLog] = {}
+    ends: dict[int, RankEnd] = {}
     for node in statuses:
         for proc in node.workers:
-            if proc.rank is not None:
-                log = load_rank_log(records_path(directory, proc.rank), proc.rank)
-                if log.started and log.start_ts >= node.started - 1:
-                    out.append(proc.rank)
-    return sorted(out)
+            if proc.rank is None:
+                continue
+            log = load_rank_log(records_path(directory, proc.rank), proc.rank)
+            if not log.started or log.start_ts < node.started - 1:
+                continue  # no pytest in this rank, or records of an earlier job
+            logs[proc.rank] = log
+            ends[proc.rank] = RankEnd.of(proc, node.stop_reason, node.host)
+    return logs, ends
 
 
 def _sibling_statuses(directory: str, status: JobStatus) -> list[JobStatus]:

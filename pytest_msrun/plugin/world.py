@@ -20,6 +20,7 @@ import hmac
 import os
 import selectors
 import socket
+import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -87,7 +88,6 @@ class World:
         """Wait for every rank to connect; "" or why the world did not come up."""
         sel = selectors.DefaultSelector()
         sel.register(self.server, selectors.EVENT_READ)
-        pending: list[socket.socket] = []
         try:
             while len(self.channels) < len(self.ranks):
                 if self.launched.exited():
@@ -101,7 +101,6 @@ class World:
                         continue
                     conn.setblocking(True)
                     conn.settimeout(10)
-                    pending.append(conn)
                     channel = Channel(conn)
                     try:
                         hello = channel.receive()
@@ -258,7 +257,7 @@ class World:
             for popen in self.launched.procs:
                 try:
                     popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except Exception:  # noqa: BLE001 - a world that does not end cleanly is stopped below
+                except subprocess.TimeoutExpired:  # a world that does not end cleanly is stopped below
                     break
         self.job.stop(self.launched)
         for channel in self.channels.values():
