@@ -31,6 +31,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "is torn down (default: ini msrun_timeout, else 300; the marker's timeout= wins)",
     )
     group.addoption(
+        "--msrun-exit-timeout",
+        dest="msrun_exit_timeout",
+        type=float,
+        default=None,
+        help="seconds a marked test's ranks may take to exit once every rank's pytest session ended; a "
+        "rank still running then hangs at exit and fails the test's teardown (default: ini "
+        "msrun_exit_timeout, else 60)",
+    )
+    group.addoption(
         "--msrun-report",
         dest="msrun_report",
         choices=("first", "all"),
@@ -70,6 +79,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "environment, working directory): a warning (default), a failure, or nothing",
     )
     parser.addini("msrun_timeout", "default timeout in seconds of a marked test's job", default="300")
+    parser.addini("msrun_exit_timeout", "seconds ranks may take to exit (see --msrun-exit-timeout)", default="60")
     parser.addini("msrun_worlds", "warm or fresh (see --msrun-worlds)", default="warm")
     parser.addini("msrun_leaks", "warn, error or off (see --msrun-leaks)", default="warn")
     parser.addini("msrun_report", "failure detail: first or all", default="first")

@@ -388,3 +388,24 @@ def test_ctrl_c_of_the_controller_leaves_nothing(pytester, tracked):
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 2, out.decode()
     assert b"KeyboardInterrupt" in out
+
+
+CACHE = """
+import pytest
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_cache(rank, cache, request):
+    cache.set(f"msrun/rank{rank}", rank)
+    assert request.config.cache.get(f"msrun/rank{rank}", None) == rank
+"""
+
+
+@pytest.mark.parametrize("worlds", ["warm", "fresh"])
+def test_the_cache_fixture_works_in_marked_tests(pytester, tracked, worlds):
+    pytester.makepyfile(test_cache=CACHE)
+    result = pytester.runpytest_subprocess(f"--msrun-worlds={worlds}")
+    result.assert_outcomes(passed=1)
+    # the ranks wrote into the session's own cache directory; only the session keeps last-failed
+    for rank in (0, 1):
+        assert (pytester.path / ".pytest_cache" / "v" / "msrun" / f"rank{rank}").exists()

@@ -33,7 +33,7 @@ TABLE = [
             r"rank 1 left no record during the call phase and killed by SIGSEGV \(exit status 139\)",
             r"Fatal Python error: Segmentation fault",
             r"terminated by msrun",
-            r"ranks 0 were stopped after the first failure \(rank 1 killed by SIGSEGV",
+            r"rank 0 was stopped after the first failure \(rank 1 killed by SIGSEGV",
             # what the crashed rank wrote is in the report (and in its log: checked below)
             r"Captured stdout call \[rank 1\] -+\nrank 1 wrote this just before it crashed",
         ],

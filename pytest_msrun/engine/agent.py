@@ -134,11 +134,24 @@ class Agent:
         terminated = [c.tag.label for c in self.group.children if c.terminated_by_us]
         result = JobResult(ending.code, ending.state, list(self.policy.failures), terminated)
         result.status = self.snapshot(ending.state, ending.code, extra, ending.reason)
+        if self.cfg.join and not self.detached:
+            self._job_end_reports(result)
         self.emit(JobEvent.ENDED, result)
         timeline.mark("reported")
         if self.link is not None:
             self.link.close()
         return result
+
+    def _job_end_reports(self, result: JobResult) -> None:
+        """What the job's reporters say; the first verdict one gives is the job's exit status."""
+        from pytest_msrun.engine.hooks import run_job_end
+
+        assert result.status is not None
+        reports = run_job_end(result.status)
+        result.reports = [r.text for r in reports]
+        verdict = next((r.exit_code for r in reports if r.exit_code is not None), None)
+        if verdict is not None and verdict != result.exit_code:
+            result.exit_code = result.status.exit_code = verdict
 
     def snapshot(
         self, state: JobState, code: int | None, extra: dict[str, Any] | None = None, reason: str = ""

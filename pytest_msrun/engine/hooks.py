@@ -4,8 +4,10 @@ Any process of a job may ask msrun to run a reporter when the job ends, by regis
 ``module:function`` under a name in ``<log_dir>/msrun_hooks/`` (:func:`register`). After a
 ``--join=True`` job, msrun calls each registered function with the job's :class:`JobStatus` and
 prints what it returns - so, for example, ``msrun pytest tests/`` ends with one table of every
-test on every rank, while msrun itself knows nothing about pytest. Listing the directory is
-the whole cost for jobs that register nothing. Only files owned by msrun's own user count.
+test on every rank, while msrun itself knows nothing about pytest. A reporter may also return
+the job's verdict as an exit status (a :class:`JobReport`): the table of a suite decides whether
+the suite failed, not only how the ranks' processes exited. Listing the directory is the whole
+cost for jobs that register nothing. Only files owned by msrun's own user count.
 """
 
 from __future__ import annotations
@@ -15,8 +17,18 @@ import os
 from collections.abc import Callable
 
 from pytest_msrun.engine.status import JobStatus
+from pytest_msrun.record import record
 
 HOOK_DIR = "msrun_hooks"
+
+
+@record
+class JobReport:
+    """What a job-end reporter says: its text, and the job's exit status as it judges it (None:
+    msrun's own stands)."""
+
+    text: str
+    exit_code: int | None = None
 
 
 def register(log_dir: str, name: str, target: str) -> None:
@@ -54,16 +66,18 @@ def registered(log_dir: str) -> list[tuple[str, str]]:
     return out
 
 
-def run_job_end(status: JobStatus) -> list[str]:
-    """Call every registered reporter; return their texts (a broken reporter says so, in one line)."""
-    texts = []
+def run_job_end(status: JobStatus) -> list[JobReport]:
+    """Call every registered reporter; return what they said (a broken reporter says so, in one line)."""
+    out: list[JobReport] = []
     for name, target in registered(status.log_dir):
         module, _, func = target.partition(":")
         try:
-            reporter: Callable[[JobStatus], str | None] = getattr(importlib.import_module(module), func)
-            text = reporter(status)
+            reporter: Callable[[JobStatus], str | JobReport | None] = getattr(importlib.import_module(module), func)
+            said = reporter(status)
         except Exception as exc:  # a reporter never breaks the launcher
-            text = f"msrun: job-end reporter {name!r} ({target}) failed: {exc!r}"
-        if text:
-            texts.append(text)
-    return texts
+            said = f"msrun: job-end reporter {name!r} ({target}) failed: {exc!r}"
+        if isinstance(said, JobReport):
+            out.append(said)
+        elif said:
+            out.append(JobReport(str(said)))
+    return out

@@ -16,7 +16,7 @@ from pytest_msrun.engine.policy import Ending
 from pytest_msrun.engine.processes import Child
 from pytest_msrun.engine.status import JobStatus, write_status
 from pytest_msrun.engine.summary import Failure, render
-from pytest_msrun.record import record
+from pytest_msrun.record import field, record
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -45,6 +45,7 @@ class JobResult:
     failures: list[Failure]
     terminated: list[str]  # labels of the processes msrun stopped
     status: JobStatus | None = None
+    reports: list[str] = field(default_factory=list)  # what job-end reporters said
 
 
 class ConsoleObserver:
@@ -117,13 +118,11 @@ class StatusObserver:
 
 
 class ReporterObserver:
-    """Job-end reporters registered by the job's processes (``msrun pytest``'s table)."""
+    """What job-end reporters registered by the job's processes said (``msrun pytest``'s table)."""
 
     def notify(self, event: JobEvent, payload: Any) -> None:
-        if event is JobEvent.ENDED and payload.status is not None:
-            from pytest_msrun.engine.hooks import run_job_end
-
-            for text in run_job_end(payload.status):
+        if event is JobEvent.ENDED:
+            for text in payload.reports:
                 console.out(text)
 
 

@@ -1,27 +1,49 @@
 """The controller: each marked test runs as a real msrun job - a warm world shared with the tests of
-its shape (:mod:`.world`), or a fresh job of its own - and its ranks' results become one report."""
+its shape (:mod:`.world`), or a fresh job of its own - and its ranks' results become one report.
+
+A marked test follows pytest's own protocol: its setup and call are run and reported, then its
+teardown keeps exactly what pytest would keep for the next test - which, for a warm world, is the
+next test of the same shape that *this process* will run (:meth:`Controller.world_next`: pytest's
+``nextitem`` and, where the run loop is pytest's own, the rest of ``session.items`` - after
+deselection, ``--lf``, reordering and xdist's distribution; ``-x`` and ``--maxfail`` have acted by
+then). A world ends within its last test's protocol, so what its ranks' fixtures and processes do
+at the end is reported on that test. What ends a world outside a test (a rank gone between tests,
+a world the run loop never came back to) is reported as a late teardown error of the last test
+that used it - never on a test that did not run there.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
 import re
 import time
 import warnings
+from collections.abc import Generator, Iterable
+from typing import Any
 
 import pytest
 
 from pytest_msrun.engine.slurm import allocation
 from pytest_msrun.pathsearch import which
 from pytest_msrun.plugin import options
-from pytest_msrun.plugin.job import TestJob
-from pytest_msrun.plugin.marker import MARKER, MarkerError, default_timeout, marked_specs, spec_for
-from pytest_msrun.plugin.merge import Merger, load_logs
+from pytest_msrun.plugin.job import TestJob, TestPaths
+from pytest_msrun.plugin.marker import MARKER, MarkerError, MsrunSpec, default_timeout, spec_for
+from pytest_msrun.plugin.merge import Merger
 from pytest_msrun.plugin.pool import DeviceShortage, ResourcePool, inventory
+from pytest_msrun.plugin.runner import Attempt, FreshAttempt, TestRecord, WarmAttempt
 from pytest_msrun.plugin.world import MAX_WORLDS, World, eligible, world_key
+
+DEFAULT_EXIT_TIMEOUT = 60.0
 
 
 class MsrunLeakWarning(pytest.PytestWarning):
     """A test in a warm world left something behind on a rank (thread, process, file, environment)."""
+
+
+class MsrunWorldWarning(pytest.PytestWarning):
+    """A warm world ended outside a test, and its end could not be reported on the last test it ran."""
 
 
 def _safe_name(nodeid: str) -> str:
@@ -36,6 +58,12 @@ def _node_path(item: pytest.Item) -> str:
     return f"{path}::{rest}" if path is not None and rest else item.nodeid
 
 
+def exit_timeout(config: pytest.Config) -> float:
+    """Seconds the ranks may take to exit once every rank's pytest session ended."""
+    value = config.getoption("msrun_exit_timeout") or config.getini("msrun_exit_timeout") or DEFAULT_EXIT_TIMEOUT
+    return float(value)
+
+
 class Controller:
     """Registered in a normal pytest session: runs marked tests as jobs."""
 
@@ -43,6 +71,7 @@ class Controller:
         self.config = config
         self.style = config.getoption("msrun_report") or config.getini("msrun_report") or "first"
         self.timeout = default_timeout(config)
+        self.exit_timeout = exit_timeout(config)
         devices = config.getoption("msrun_devices") or config.getini("msrun_devices") or "auto"
         try:
             self.inventory = inventory(devices)
@@ -53,30 +82,32 @@ class Controller:
         self.cluster = allocation(os.environ) if which("srun") else None
         self.warm = (config.getoption("msrun_worlds") or config.getini("msrun_worlds") or "warm") == "warm"
         self.leaks = config.getoption("msrun_leaks") or config.getini("msrun_leaks") or "warn"
+        self.xdist_worker = hasattr(config, "workerinput")  # xdist hands this process its items one by one
         self.worlds: dict[tuple, World] = {}
-        self.planned: dict[tuple, list[pytest.Item]] = {}  # each world's tests, in collection order
-        self.key_of: dict[str, tuple] = {}
-        self.next_in_world: dict[str, str | None] = {}  # the test its world runs after it, if any
+        self.last_item: dict[tuple, pytest.Item] = {}  # each live world's last test
+        self.expecting: dict[tuple, str | None] = {}  # the test each live world's fixtures were kept for
+        self._keys: dict[str, tuple | None] = {}
+        self._positions: tuple[int, int, dict[str, int]] | None = None
 
-    # ---------------------------------------------------------------- warm worlds
-    @pytest.hookimpl(trylast=True)
-    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
-        """Which tests share a world, in the order they will run."""
-        if not self.warm:
-            return
-        for item, spec in marked_specs(items):
-            if not self._warm_fits(spec):
-                continue
-            key = world_key(spec, spec.devices)
-            self.key_of[item.nodeid] = key
-            planned = self.planned.setdefault(key, [])
-            if planned:
-                self.next_in_world[planned[-1].nodeid] = item.nodeid
-            planned.append(item)
-            self.next_in_world[item.nodeid] = None
+    # ---------------------------------------------------------------- the session
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtestloop(self, session: pytest.Session) -> Generator[None, Any, Any]:
+        """Worlds the loop leaves alive (``-x`` after a teardown error, say) end before the session's
+        exit status is decided, their ends reported; an interrupted session just stops them."""
+        try:
+            outcome = yield
+        except session.Failed:
+            self._end_all("the session stopped")
+            raise
+        except BaseException:
+            self.stop_worlds()
+            raise
+        self._end_all("no test of its shape was left")
+        return outcome
 
-    def _warm_fits(self, spec) -> bool:
-        return eligible(spec) and not (self.cluster is not None and len(spec.node_sizes()) > 1)
+    def _end_all(self, why: str) -> None:
+        for key in list(self.worlds):
+            self._end_outside(key, why)
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         self.stop_worlds()
@@ -85,13 +116,11 @@ class Controller:
         self.stop_worlds()
 
     def stop_worlds(self) -> None:
+        """Stop every world now (an interrupted session: nothing is reported)."""
         worlds, self.worlds = list(self.worlds.values()), {}
         for world in worlds:
-            self._end_world(world)
-
-    def _end_world(self, world: World) -> None:
-        world.stop()
-        self.pool.release(world.lease)
+            world.stop()
+            self.pool.release(world.lease)
 
     def pytest_report_header(self, config: pytest.Config) -> str | None:
         if getattr(config.option, "usepdb", False):
@@ -105,6 +134,7 @@ class Controller:
             )
         return None
 
+    # ---------------------------------------------------------------- one marked test
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
         if item.get_closest_marker(MARKER) is None:
@@ -112,42 +142,68 @@ class Controller:
         ihook = item.ihook
         ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
         try:
-            reports = self.run_item(item)
+            self.run_item(item, nextitem)
         finally:
             ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
-        for report in reports:
-            ihook.pytest_runtest_logreport(report=report)
         # Collectors this item shares with the next one stay; the others are torn down now,
         # as pytest's own protocol would have done.
         item.session._setupstate.teardown_exact(nextitem)
         return True
 
-    def run_item(self, item: pytest.Item) -> list[pytest.TestReport]:
+    def _log(self, item: pytest.Item, reports: Iterable[pytest.TestReport]) -> None:
+        for report in reports:
+            item.ihook.pytest_runtest_logreport(report=report)
+
+    def run_item(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
+        """Run ``item`` on its ranks and report it, phase by phase."""
         try:
             spec = spec_for(item)
         except MarkerError as exc:
-            return [self._simple(item, "setup", "failed", str(exc))]
+            self._log(item, [self._simple(item, "setup", "failed", str(exc))])
+            return
         assert spec is not None
+        key = self.key_of(item)
         skip = self._static_skip(item)
-        if skip is not None:
-            return [self._simple(item, "setup", "skipped", skip)]
-        key = self.key_of.get(item.nodeid)
-        if key is not None:
-            reports = self._run_warm(item, spec, key)
-            if reports is not None:
-                return reports
+        attempt: Attempt | None = None
+        note = ""
+        if key is not None and (skip is None or self.expecting.get(key) == item.nodeid):
+            # a skipped test its world kept fixtures for still goes there: its ranks skip it and tear down
+            attempt, note = self._warm_attempt(item, spec, key)
+        if attempt is None:
+            if skip is not None:
+                self._log(item, [self._simple(item, "setup", "skipped", skip)])
+                return
+            attempt = self._fresh_attempt(item, spec, note)
+            if attempt is None:
+                return
+        cwd = str(self.config.invocation_params.dir)
+        record = attempt.record
+        first = record.verdict()
+        self._log(item, Merger(item, record, self.style, cwd).reports(first, ("setup", "call")))
+        next_id = self.world_next(item, nextitem, key) if attempt.warm and key is not None else None
+        record = attempt.finish(next_id, self.exit_timeout)
+        final = record.verdict()
+        teardown = Merger(item, record, self.style, cwd).reports(final, ("teardown",))
+        if record.leaks and self.leaks != "off":
+            self._report_leaks(item, teardown, record.leaks)
+        self._log(item, teardown)
+        if attempt.warm and key is not None:
+            self._after_warm(item, key, next_id)
+
+    def _fresh_attempt(self, item: pytest.Item, spec: MsrunSpec, note: str) -> FreshAttempt | None:
         try:
             lease = self.pool.lease(ports=2, devices=spec.devices, inv=self.inventory, wait=self._timeout(spec))
         except DeviceShortage as exc:
-            if spec.devices > len(self.inventory.ids):
-                return [self._simple(item, "setup", "skipped", f"msrun: {exc}")]
-            return [self._simple(item, "setup", "failed", f"msrun: {exc}")]
+            outcome = "skipped" if spec.devices > len(self.inventory.ids) else "failed"
+            self._log(item, [self._simple(item, "setup", outcome, f"msrun: {exc}")])
+            return None
         try:
-            return self._run_job(item, spec, lease.ports, self._device_env(lease.devices))
+            job = self._new_job(item, spec, lease.ports, self._device_env(lease.devices))
+            return FreshAttempt(item.nodeid, job, self._timeout(spec), self.exit_timeout, note)
         finally:
             self.pool.release(lease)
 
-    def _timeout(self, spec) -> float:
+    def _timeout(self, spec: MsrunSpec) -> float:
         return spec.timeout or self.timeout
 
     def _device_env(self, devices: list[str]) -> dict[str, str]:
@@ -155,18 +211,8 @@ class Controller:
             return {}
         return {self.inventory.env_var: ",".join(devices)}
 
-    def _run_job(self, item: pytest.Item, spec, ports: list[int], extra_env: dict[str, str]) -> list[pytest.TestReport]:
-        job = self._new_job(item, spec, ports, extra_env)
-        run = job.run(self._timeout(spec))
-        ranks = job.expected_ranks()
-        logs = load_logs(str(job.report_dir), ranks)
-        reproduce = run.reproduce(str(self.config.invocation_params.dir))
-        merger = Merger(item, run, logs, ranks, self.style, reproduce, str(job.log_dir))
-        return merger.merged_reports()
-
-    def _new_job(self, item: pytest.Item, spec, ports: list[int], extra_env: dict[str, str]) -> TestJob:
-        factory = self.config._tmp_path_factory  # type: ignore[attr-defined]
-        job_dir = factory.mktemp(f"msrun-{_safe_name(item.nodeid)}", numbered=True)
+    def _new_job(self, item: pytest.Item, spec: MsrunSpec, ports: list[int], extra_env: dict[str, str]) -> TestJob:
+        job_dir = self._test_dir(item)
         return TestJob(
             nodeid=_node_path(item),
             spec=spec,
@@ -178,52 +224,171 @@ class Controller:
             cluster=self.cluster,
         )
 
-    def _world_for(self, item: pytest.Item, spec, key: tuple) -> World | None:
-        """The live world of ``key``, or a new one (None when it cannot start: run fresh instead)."""
+    def _test_dir(self, item: pytest.Item):
+        factory = self.config._tmp_path_factory  # type: ignore[attr-defined]
+        return factory.mktemp(f"msrun-{_safe_name(item.nodeid)}", numbered=True)
+
+    # ---------------------------------------------------------------- warm worlds
+    def key_of(self, item: pytest.Item) -> tuple | None:
+        """The world ``item`` runs in (None: a fresh job of its own)."""
+        if item.nodeid not in self._keys:
+            key = None
+            if self.warm and item.get_closest_marker(MARKER) is not None:
+                try:
+                    spec = spec_for(item)
+                except MarkerError:
+                    spec = None
+                several_hosts = spec is not None and self.cluster is not None and len(spec.node_sizes()) > 1
+                if spec is not None and eligible(spec) and not several_hosts:
+                    key = world_key(spec, spec.devices)
+            self._keys[item.nodeid] = key
+        return self._keys[item.nodeid]
+
+    def _future(self, item: pytest.Item, nextitem: pytest.Item | None) -> Iterable[pytest.Item]:
+        """The items this process will run after ``item``, as far as it knows them: the rest of
+        ``session.items`` where pytest's own loop runs them, else (xdist hands them out one by
+        one) only ``nextitem``."""
+        only_next = [nextitem] if nextitem is not None else []
+        if self.xdist_worker:
+            return only_next
+        items = item.session.items
+        if self._positions is None or self._positions[:2] != (id(items), len(items)):
+            self._positions = (id(items), len(items), {it.nodeid: i for i, it in enumerate(items)})
+        index = self._positions[2].get(item.nodeid)
+        if index is None:
+            return only_next
+        following = items[index + 1] if index + 1 < len(items) else None
+        if following is not nextitem:  # another plugin's loop: trust only its nextitem
+            return only_next
+        return itertools.islice(items, index + 1, None)
+
+    def world_next(self, item: pytest.Item, nextitem: pytest.Item | None, key: tuple) -> str | None:
+        """The next test the world of ``item`` will run in this process, or None to end it with
+        ``item``: none follows, the session stops (``-x``, ``--maxfail``), another process waits
+        for its devices, or :data:`MAX_WORLDS` other shapes come first (it would be evicted)."""
+        session = item.session
         world = self.worlds.get(key)
-        if world is not None and not world.dead:
-            return world
+        if world is None or world.dead or session.shouldfail or session.shouldstop:
+            return None
+        if self.pool.contended(world.lease):
+            return None
+        others: set[tuple] = set()
+        for future in self._future(item, nextitem):
+            other = self.key_of(future)
+            if other == key:
+                return future.nodeid
+            if other is not None and self._static_skip(future) is None:
+                others.add(other)
+                if len(others) >= MAX_WORLDS:
+                    return None
+        return None
+
+    def _warm_attempt(self, item: pytest.Item, spec: MsrunSpec, key: tuple) -> tuple[WarmAttempt | None, str]:
+        """The test in its world (None, and why, when it must run as a fresh job). A world found
+        dying when the test reached it (its ranks left before they began it) is reported on the
+        test it ran before, and the test gets a new world."""
+        for _ in range(2):
+            world, why = self._world_for(item, spec, key)
+            if world is None:
+                return None, why
+            before, before_item = world.last, self.last_item.get(key)
+            paths = TestPaths(self._test_dir(item), world.job.log_dir)
+            paths.make()
+            ranks = world.job.expected_ranks()
+            attempt = WarmAttempt(item.nodeid, world, paths, ranks, self._timeout(spec), self.exit_timeout)
+            self.last_item[key] = item
+            if attempt.missing:  # a rank did not collect it (it differs from this process's collection)
+                attempt.finish(None, self.exit_timeout)
+                self._after_warm(item, key, None)
+                return None, "ran as a fresh job: a rank of its warm world did not collect it"
+            left = attempt.left_before()
+            if not left or before is None or before_item is None:
+                return attempt, ""
+            why = f"rank(s) {', '.join(map(str, left))} ended between tests"
+            self._report_late(before_item, world, before, attempt.record.run, why)
+            self._after_warm(item, key, None)
+        return None, "ran as a fresh job: its warm world ended before the test reached it, twice"
+
+    def _world_for(self, item: pytest.Item, spec: MsrunSpec, key: tuple) -> tuple[World | None, str]:
+        """The live world of ``key``, or a new one (None and why when it cannot start)."""
+        world = self.worlds.get(key)
         if world is not None:
-            self._end_world(self.worlds.pop(key))
+            why = world.check()
+            if not why:
+                return world, ""
+            self._end_outside(key, why)  # never used for this test: its end is the last test's
         while len(self.worlds) >= MAX_WORLDS:
             oldest = min(self.worlds.values(), key=lambda w: w.last_used)
-            self._end_world(self.worlds.pop(oldest.key))
+            self._end_outside(oldest.key, "evicted")
         try:
             lease = self.pool.lease(ports=2, devices=spec.devices, inv=self.inventory, wait=self._timeout(spec))
         except DeviceShortage:
-            return None
+            return None, ""
         job = self._new_job(item, spec, lease.ports, self._device_env(lease.devices))
-        job.nodeids = [_node_path(i) for i in self.planned[key]]
+        job.nodeids = [_node_path(i) for i in item.session.items if self.key_of(i) == key]
         timeout = self._timeout(spec)
         world = World(key, job, lease, max(1, min(600, int(timeout))))
         problem = world.connect(time.monotonic() + timeout)
         if problem:  # a fresh job of this test reports what went wrong, the way it always has
             world.dead = problem
-            self._end_world(world)
-            return None
+            world.stop()
+            self.pool.release(lease)
+            return None, f"ran as a fresh job: its warm world did not start ({problem})"
         self.worlds[key] = world
-        return world
+        return world, ""
 
-    def _run_warm(self, item: pytest.Item, spec, key: tuple) -> list[pytest.TestReport] | None:
-        world = self._world_for(item, spec, key)
+    def _after_warm(self, item: pytest.Item, key: tuple, next_id: str | None) -> None:
+        world = self.worlds.get(key)
         if world is None:
-            return None
-        nextid = self.next_in_world.get(item.nodeid)
-        test = self._new_job(item, spec, world.lease.ports, self._device_env(world.lease.devices))
-        result = world.run_test(test, item.nodeid, nextid, self._timeout(spec))
+            return
         if world.dead:
-            self._end_world(self.worlds.pop(key))
-        if result.missing:
-            return None
-        if nextid is None and key in self.worlds:  # its last planned test: the world is done
-            self._end_world(self.worlds.pop(key))
-        ranks = test.expected_ranks()
-        logs = load_logs(str(test.report_dir), ranks)
-        reproduce = result.run.reproduce(str(self.config.invocation_params.dir))
-        reports = Merger(item, result.run, logs, ranks, self.style, reproduce, str(world.job.log_dir)).merged_reports()
-        if result.leaks and self.leaks != "off":
-            self._report_leaks(item, reports, result.leaks)
-        return reports
+            self.worlds.pop(key)
+            self.expecting.pop(key, None)
+            self.last_item.pop(key, None)
+            self.pool.release(world.lease)
+        else:
+            self.expecting[key] = next_id
+
+    def _end_outside(self, key: tuple, why: str) -> None:
+        """End a world outside a test; whatever its end reveals (fixture finalizers that failed, a
+        rank that died or does not exit) is a late teardown error of the last test it ran."""
+        world = self.worlds.pop(key)
+        self.expecting.pop(key, None)
+        item = self.last_item.pop(key, None)
+        last = world.last
+        try:
+            if world.dead or last is None:
+                world.stop()
+                hung: list[int] = []
+                stacks: dict[int, str] = {}
+            else:
+                world.retire(why)
+                hung, stacks = world.end(self.exit_timeout)
+        finally:
+            self.pool.release(world.lease)
+        if item is None or last is None:
+            return
+        run = world.job_run(last, False)
+        run.exit_hung, run.exit_timeout, run.stacks = hung, self.exit_timeout, stacks
+        self._report_late(item, world, last, run, why)
+
+    def _report_late(self, item: pytest.Item, world: World, last: Any, run: Any, why: str) -> None:
+        """Judge ``item`` - a world's last test, already reported - again with how the world ended
+        (``run``) and report what failed now as a late teardown error of it."""
+        late = dataclasses.replace(run, reproduce_lines=last.run.reproduce_lines, started=last.started)
+        record = TestRecord.load(item.nodeid, world.job.expected_ranks(), last.paths, late)
+        verdict = record.verdict()
+        cwd = str(self.config.invocation_params.dir)
+        reports = [r for r in Merger(item, record, self.style, cwd).reports(verdict, ("teardown",)) if r.failed]
+        if not reports:
+            return
+        for report in reports:
+            report.sections.append(("msrun world", f"reported after the test: its warm world ended later ({why})"))
+        if self.xdist_worker:  # xdist accepts reports only of the item it is running
+            text = f"{item.nodeid}: its warm world ended after it ({why}) and revealed:\n{reports[0].longreprtext}"
+            warnings.warn(MsrunWorldWarning(text), stacklevel=1)
+            return
+        self._log(item, reports)
 
     def _report_leaks(self, item: pytest.Item, reports: list[pytest.TestReport], leaks: dict[int, list[str]]) -> None:
         lines = [f"rank {rank}: {what}" for rank, items in sorted(leaks.items()) for what in items]

@@ -66,6 +66,8 @@ def _is_harness(path: str) -> bool:
 
 
 def _is_internal(path: str) -> bool:
+    if path.startswith("<frozen "):  # the standard library's frozen modules (posixpath, importlib, ...)
+        return True
     ap = os.path.abspath(path)
     if ap.startswith(_STDLIB) and "site-packages" not in ap:
         return True

@@ -32,11 +32,37 @@ from pytest_msrun.engine.processes import term_grace, with_parent_death_signal
 from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.engine.status import STATUS_FILE, node_status_file, read_status
 from pytest_msrun.plugin.marker import MsrunSpec
-from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, SHARED_TMP_ENV, stacks_path
+from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, SHARED_TMP_ENV, records_path, stacks_path
 from pytest_msrun.plugin.verdict import RankEnd
 
 STACK_WAIT = 2.0
 CLI = "pmsrun"  # how a user types this project's msrun
+
+
+@dataclass
+class TestPaths:
+    """One marked test's directories: its ranks' records and shared files, and its job's logs."""
+
+    __test__ = False  # not a pytest test class
+
+    job_dir: Path
+    log_dir: Path  # msrun's logs (a warm world's: the world job's)
+
+    @property
+    def report_dir(self) -> Path:
+        return self.job_dir / "reports"
+
+    @property
+    def shared_dir(self) -> Path:
+        return self.job_dir / "shared"
+
+    @property
+    def basetemp(self) -> Path:
+        return self.job_dir / "basetemp"
+
+    def make(self) -> None:
+        for d in (self.log_dir, self.report_dir, self.shared_dir, self.basetemp):
+            d.mkdir(parents=True, exist_ok=True)
 
 
 @dataclass
@@ -54,6 +80,9 @@ class JobRun:
     state: dict[str, Any] | None = None  # the control plane's view at the timeout
     msrun_logs: list[str] = field(default_factory=list)
     launch_error: str = ""
+    exit_hung: list[int] = field(default_factory=list)  # ranks that did not exit after every session ended
+    exit_timeout: float = 0.0
+    note: str = ""  # how the test ran, when not as asked (a warm world's test run as a fresh job)
 
     def reproduce(self, cwd: str) -> str:
         lines = [f"cd {shlex.quote(cwd)}"]
@@ -96,15 +125,17 @@ class TestJob:
         self.nodeid = nodeid
         self.nodeids = [nodeid]  # what each rank's pytest collects (a warm world: every test it may run)
         self.spec = spec
+        self.paths = TestPaths(job_dir, job_dir / "logs")
         self.job_dir = job_dir
-        self.log_dir = job_dir / "logs"
-        self.report_dir = job_dir / "reports"
-        self.shared_dir = job_dir / "shared"
+        self.log_dir = self.paths.log_dir
+        self.report_dir = self.paths.report_dir
+        self.shared_dir = self.paths.shared_dir
         self.ports = ports
         self.rank_args = rank_args
         self.extra_env = extra_env
         self.live_output = live_output
-        self.basetemp = job_dir / "basetemp"
+        self.basetemp = self.paths.basetemp
+        self._ranks: list[int] | None = None
         self.token = os.urandom(16).hex()
         sizes = spec.node_sizes()
         self.nodes = len(sizes)
@@ -114,16 +145,17 @@ class TestJob:
             if cluster is not None and self.nodes > 1 and len(set(sizes)) == 1 and len(cluster.nodes) >= self.nodes
             else None
         )
-        for d in (self.log_dir, self.report_dir, self.shared_dir, self.basetemp):
-            d.mkdir(parents=True, exist_ok=True)
+        self.paths.make()
 
     def expected_ranks(self) -> list[int]:
         """The ranks whose results the job owes, as msrun reads the job's own command lines."""
-        env = self.env()
-        ranks: set[int] = set()
-        for node, size in enumerate(self.spec.node_sizes()):
-            ranks.update(job_ranks(config_of(self.msrun_args(node, size, 1, loopback=True), env)))
-        return sorted(ranks)
+        if self._ranks is None:
+            env = self.env()
+            ranks: set[int] = set()
+            for node, size in enumerate(self.spec.node_sizes()):
+                ranks.update(job_ranks(config_of(self.msrun_args(node, size, 1, loopback=True), env)))
+            self._ranks = sorted(ranks)
+        return self._ranks
 
     @property
     def master_host(self) -> str:
@@ -160,8 +192,8 @@ class TestJob:
             out.append(f"--sim_select={spec.sim_ranks}")
         return out
 
-    def task(self) -> list[str]:
-        return [sys.executable, "-m", "pytest", *self.rank_args, *self.nodeids]
+    def task(self, nodeids: list[str] | None = None) -> list[str]:
+        return [sys.executable, "-m", "pytest", *self.rank_args, *(self.nodeids if nodeids is None else nodeids)]
 
     def msrun_args(self, node: int, size: int, cluster_time_out: int, *, loopback: bool = False) -> list[str]:
         """One invocation's msrun arguments: its flags, then the rank's pytest command."""
@@ -181,25 +213,24 @@ class TestJob:
             for node, size in enumerate(sizes)
         ]
 
-    def reproduce_lines(self, cluster_time_out: int, timeout: float) -> list[str]:
-        """What a user types to run the same job with the same time limit (``timeout`` sends SIGTERM,
-        which msrun answers by tearing the job down)."""
+    def reproduce_lines(self, cluster_time_out: int, timeout: float, nodeids: list[str] | None = None) -> list[str]:
+        """What a user types to run the same job (of ``nodeids``: default, the job's own) with the
+        same time limit (``timeout`` sends SIGTERM, which msrun answers by tearing the job down)."""
+        task = self.task(nodeids)
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted({**self.spec.env, **self.extra_env}.items()))
         prefix = (env + " ") if env else ""
         sizes = self.spec.node_sizes()
         if self.cluster is not None:
             assert self.cluster is not None
             line = ["timeout", "-s", "TERM", f"{timeout:g}", *self.cluster.srun(self.nodes), CLI]
-            return [
-                prefix + shlex.join([*line, *self.flags(0, sizes[0], cluster_time_out, for_user=True), *self.task()])
-            ]
+            return [prefix + shlex.join([*line, *self.flags(0, sizes[0], cluster_time_out, for_user=True), *task])]
         return [
             prefix
             + shlex.join(
                 ["timeout", "-s", "TERM", f"{timeout:g}", CLI, *self.flags(node, size, cluster_time_out, for_user=True)]
             )
             + " "
-            + shlex.join(self.task())
+            + shlex.join(task)
             for node, size in enumerate(sizes)
         ]
 
@@ -236,27 +267,42 @@ class TestJob:
             raise
         return out
 
-    def run(self, timeout: float) -> JobRun:
+    def run(self, timeout: float, exit_timeout: float) -> JobRun:
+        """Run the job to its end: every msrun exited, the timeout, or - once every rank's pytest
+        session ended - ``exit_timeout`` seconds more without every process gone (a hang at exit)."""
         cluster_time_out = max(1, min(600, int(timeout)))
         started = time.time()
         launched = self.launch(cluster_time_out)
         procs, logs, pumps = launched.procs, launched.logs, launched.pumps
+        timed_out = False
+        hung: list[int] = []
         try:
             deadline = time.monotonic() + timeout
-            timed_out = False
-            for popen in procs:
-                try:
-                    popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
+            finished = FinishWatch(str(self.report_dir), self.expected_ranks())
+            exit_deadline: float | None = None
+            while any(p.poll() is None for p in procs):
+                now = time.monotonic()
+                if now >= deadline:
                     timed_out = True
                     break
+                if exit_deadline is None and finished.all():
+                    exit_deadline = now + exit_timeout
+                if exit_deadline is not None and now >= exit_deadline:
+                    hung = self.running_ranks()
+                    break
+                waiting = next(p for p in procs if p.poll() is None)
+                try:
+                    waiting.wait(timeout=min(0.1, max(0.0, deadline - now)))
+                except subprocess.TimeoutExpired:
+                    pass
         except BaseException:  # Ctrl+C or pytest.exit while waiting: leave nothing running
             self._stop(procs)
             raise
         stacks: dict[int, str] = {}
         state = None
-        if timed_out:
-            state = query_state(self.master_host, self.ports[0], self.token) if self.has_control_plane() else None
+        if timed_out or hung:
+            if timed_out and self.has_control_plane():
+                state = query_state(self.master_host, self.ports[0], self.token)
             stacks = self.collect_stacks()
             self._stop(procs)
         for pump in pumps:
@@ -271,11 +317,23 @@ class TestJob:
             stacks=stacks,
             state=state,
             msrun_logs=logs,
+            exit_hung=hung,
+            exit_timeout=exit_timeout,
         )
         run.ranks = self.rank_ends()
-        if not timed_out and any(code == 2 for code in run.exit_codes):
-            run.launch_error = "\n".join(Path(p).read_text(errors="replace") for p in logs).strip()
+        if not timed_out and not hung:
+            run.launch_error = self.launch_error(run.exit_codes, logs)
         return run
+
+    def launch_error(self, exit_codes: list[int | None], logs: list[str]) -> str:
+        """msrun's console output when it could not start the job - judged from its status files
+        (none written, or one saying so), never from an exit status a rank may share."""
+        if all(code == 0 for code in exit_codes):
+            return ""
+        statuses = [read_status(str(self.log_dir), name) for name in self._status_names()]
+        if all(s is not None and s.state != "error" for s in statuses):
+            return ""
+        return "\n".join(Path(p).read_text(errors="replace") for p in logs).strip()
 
     def has_control_plane(self) -> bool:
         return self.spec.sim_level is None and self.spec.scheduler != "task"
@@ -319,6 +377,16 @@ class TestJob:
                     continue
                 out[proc.rank] = RankEnd.of(proc, status.stop_reason, status.host)
         return out
+
+    def running_ranks(self) -> list[int]:
+        """The ranks whose processes still run (msrun's status file is written at the job's start and
+        end only: a rank on this host is looked up by its PID, one elsewhere counts as running)."""
+        here = socket.gethostname()
+        return [
+            rank
+            for rank, end in sorted(self.rank_ends().items())
+            if end.returncode is None and (end.host not in ("", here) or (end.pid and running(end.pid)))
+        ]
 
     def collect_stacks(self) -> dict[int, str]:
         """Ask every live rank on this host for its Python stacks and wait briefly for them
@@ -371,6 +439,46 @@ class TestJob:
                 except (ProcessLookupError, PermissionError):
                     pass
                 popen.wait()
+
+
+class FinishWatch:
+    """Whether every rank's pytest session ended: each rank's records end with ``finish``."""
+
+    def __init__(self, report_dir: str, ranks: list[int], every: float = 0.25) -> None:
+        self.paths = {rank: records_path(report_dir, rank) for rank in ranks}
+        self.every = every
+        self.next = 0.0
+
+    def all(self) -> bool:
+        now = time.monotonic()
+        if now < self.next:
+            return False
+        self.next = now + self.every
+        for rank, path in list(self.paths.items()):
+            if not _ends_with_finish(path):
+                return False
+            del self.paths[rank]
+        return True
+
+
+def _ends_with_finish(path: str) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, size - 4096))
+            tail = fh.read().splitlines()
+    except OSError:
+        return False
+    return bool(tail) and b'"kind": "finish"' in tail[-1]
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return False
 
 
 def _read(path: str) -> str:

@@ -18,16 +18,12 @@ from _pytest._code.code import ReprFileLocation, TerminalRepr
 
 from pytest_msrun.engine.summary import extract_traceback, log_text
 from pytest_msrun.plugin.hang import diagnosis
-from pytest_msrun.plugin.job import JobRun
 from pytest_msrun.plugin.rank import read_log
-from pytest_msrun.plugin.records import RankLog, load_rank_log, records_path
-from pytest_msrun.plugin.verdict import Judge, PhaseVerdict, RankEnd, RankIssue, TestVerdict, ranks_text
+from pytest_msrun.plugin.records import PHASES
+from pytest_msrun.plugin.runner import TestRecord
+from pytest_msrun.plugin.verdict import PhaseVerdict, RankEnd, RankIssue, TestVerdict, ranks_text, were
 
 MAX_RANK_SECTIONS = 8  # per-rank sections shown in a report; big dry runs list the rest compactly
-
-
-def load_logs(report_dir: str, ranks: list[int]) -> dict[int, RankLog]:
-    return {rank: load_rank_log(records_path(report_dir, rank), rank) for rank in ranks}
 
 
 class MergedLongrepr(TerminalRepr):
@@ -54,38 +50,19 @@ class MergedLongrepr(TerminalRepr):
 
 
 class Merger:
-    """Builds the merged reports for one item from its job run and rank records."""
+    """Builds the merged reports of one item from its record and verdict."""
 
-    def __init__(
-        self,
-        item: pytest.Item,
-        run: JobRun,
-        logs: dict[int, RankLog],
-        ranks: list[int],
-        style: str,
-        reproduce: str,
-        log_dir: str,
-    ) -> None:
+    def __init__(self, item: pytest.Item, record: TestRecord, style: str, cwd: str) -> None:
         self.item = item
         self.config = item.config
-        self.run = run
-        self.logs = logs
-        self.ranks = ranks
+        self.run = record.run
+        self.logs = record.logs
+        self.ranks = record.ranks
         self.style = style
-        self.reproduce = reproduce
-        self.log_dir = log_dir
+        self.reproduce = record.run.reproduce(cwd)
+        self.log_dir = record.log_dir
         self.capture = getattr(self.config.option, "capture", "fd") != "no"
         self._reports: dict[int, pytest.TestReport | None] = {}
-        self.judge = Judge(
-            item.nodeid,
-            ranks,
-            logs,
-            run.ranks,
-            scope="job",
-            timed_out=run.timed_out,
-            timeout=run.timeout,
-            job_ended=run.ended,
-        )
 
     # ------------------------------------------------------------------ facts per rank
     def end(self, rank: int) -> RankEnd:
@@ -131,19 +108,27 @@ class Merger:
             report = self._report(issue.report)
             return report.longreprtext if report is not None else issue.summary
         log = self.logs[issue.rank]
-        if log.collect_errors:
+        if log.collect_errors and issue.kind == "died":
             texts = []
             for data in log.collect_errors:
                 report = self.config.hook.pytest_report_from_serializable(config=self.config, data=copy.deepcopy(data))
                 texts.append(getattr(report, "longreprtext", ""))
             return f"rank {issue.rank}: collection failed\n" + "\n".join(texts)
         text = issue.summary + "\n" + self._log_excerpt(issue.rank)
-        if issue.rank in self.run.stacks:
-            text += f"\nstack of rank {issue.rank} at the timeout:\n{self.run.stacks[issue.rank]}"
+        hang = log.exit_hang or {}
+        if issue.kind == "exit" and hang.get("stack"):
+            text += f"\nstack of rank {issue.rank} when it did not exit:\n{hang['stack']}"
+        elif issue.rank in self.run.stacks:
+            when = "when it did not exit" if issue.kind == "exit" else "at the timeout"
+            text += f"\nstack of rank {issue.rank} {when}:\n{self.run.stacks[issue.rank]}"
         return text
 
+    def _report_text(self, issue: RankIssue) -> str:
+        report = self._report(issue.report) if issue.report is not None else None
+        return f"{issue.summary}\n{report.longreprtext}" if report is not None else issue.summary
+
     def _issue_summary(self, issue: RankIssue) -> str:
-        if issue.report is None and self.logs[issue.rank].collect_errors:
+        if issue.report is None and issue.kind == "died" and self.logs[issue.rank].collect_errors:
             return f"rank {issue.rank}: collection failed"
         return issue.summary
 
@@ -155,12 +140,12 @@ class Merger:
         return read_log(self.log_path(rank), start.offset)
 
     # ------------------------------------------------------------------ merging
-    def merged_reports(self) -> list[pytest.TestReport]:
+    def reports(self, verdict: TestVerdict, phases: tuple[str, ...] = PHASES) -> list[pytest.TestReport]:
+        """The merged reports of ``phases`` (a launch error is a setup error)."""
         if self.run.launch_error:
-            return [self._launch_failure()]
-        verdict = self.judge.verdict()
+            return [self._launch_failure()] if "setup" in phases else []
         windows = self._windows(verdict)
-        return [self._phase_report(p, windows[p.phase]) for p in verdict.phases]
+        return [self._phase_report(p, windows[p.phase]) for p in verdict.phases if p.phase in phases]
 
     def _windows(self, verdict: TestVerdict) -> dict[str, tuple[float, float]]:
         """Each merged phase's (start, stop): from the job's start to the last rank leaving the
@@ -190,8 +175,12 @@ class Merger:
         if phase.wasxfail is not None:
             return self._make(phase.phase, "passed", None, present, window, wasxfail=phase.wasxfail)
         if phase.outcome == "skipped":
-            lowest = present[min(present)]
-            return self._make(phase.phase, "skipped", lowest.longrepr, present, window)
+            skipped = [r for r, rep in present.items() if rep.skipped]
+            if skipped:
+                return self._make(phase.phase, "skipped", present[min(skipped)].longrepr, present, window)
+            path = str(getattr(self.item, "path", self.item.location[0]))
+            longrepr = (path, self.item.location[1] or 0, phase.skip_reason)
+            return self._make(phase.phase, "skipped", longrepr, present, window)
         return self._make(phase.phase, "passed", None, present, window)
 
     def _sections(self, phase: str, present: dict[int, pytest.TestReport], died: list[int]) -> list[tuple[str, str]]:
@@ -227,6 +216,10 @@ class Merger:
         for rank in sorted(present):
             props.extend(present[rank].user_properties)
         sections = self._sections(phase, present, died or [])
+        if self.run.note:  # the test did not run as asked (a warm world's test in a fresh job)
+            props.append(("msrun_note", self.run.note))
+            if phase == "call" or (phase == "setup" and outcome != "passed"):
+                sections.append(("msrun", self.run.note))
         hosts = self._hosts()
         if hosts:  # a job across hosts: where each rank ran
             props.append(("msrun_hosts", {str(r): h for r, h in hosts.items()}))
@@ -265,21 +258,32 @@ class Merger:
             )
             return self._make(phase.phase, "failed", longrepr, present, window)
         reported = [i for i in issues if i.report is not None]
-        if self.run.timed_out and not reported:
+        if not issues and phase.stopped:  # stopped by msrun because of a failure reported in another phase
+            cause = phase.cause
+            headline = f"{were(phase.stopped)} stopped by msrun in the {phase.phase} phase"
+            if cause is not None:
+                headline += f" after rank {cause.rank} failed first ({cause.phase or 'its'} phase)"
+                root: Any = self._issue_text(cause) if cause.report is None else self._report_text(cause)
+                crash = self._crash_location(f"stopped after a failure: {self._issue_summary(cause)}")
+            else:
+                root = None
+                crash = self._crash_location(headline)
+            shown_stacks: set[int] = set()
+        elif self.run.timed_out and not reported:
             stuck = sorted(i.rank for i in issues)
             headline = (
                 f"msrun job timed out after {self.run.timeout:g} s in the {phase.phase} phase "
                 f"(ranks {ranks_text(stuck)} had not finished); where each rank was, then every rank's stack"
             )
-            root: Any = self._hang_text(stuck)
+            root = self._hang_text(stuck)
             crash = self._crash_location(f"msrun job timed out after {self.run.timeout:g} s")
-            shown_stacks: set[int] = set()
+            shown_stacks = set()
             for issue in issues[:MAX_RANK_SECTIONS]:
                 sections.append((f"rank {issue.rank}", self._issue_text(issue)))
                 shown_stacks.add(issue.rank)
         else:
             first = issues[0]
-            others = [i.rank for i in issues[1:]]
+            others = sorted({i.rank for i in issues[1:]} - {first.rank})
             headline = f"[rank {first.rank}] failed first" + (
                 f"; also failed on ranks {ranks_text(others)}" if others else ""
             )
@@ -290,6 +294,8 @@ class Merger:
                 root = first_report.longrepr
                 base = getattr(root, "reprcrash", None)
                 reason = base.message if base is not None else first.summary.split(": ", 1)[-1]
+                if first.summary.startswith(f"rank {first.rank}: subtest"):
+                    reason = first.summary.split(": ", 1)[-1]
                 message = f"[rank {first.rank}] {reason}"
                 crash = (
                     dataclasses.replace(base, message=message) if base is not None else self._crash_location(message)
@@ -301,21 +307,22 @@ class Merger:
             for other in issues[1 : 1 + MAX_RANK_SECTIONS]:
                 text = self._issue_text(other) if self.style == "all" else self._issue_summary(other)
                 sections.append((f"rank {other.rank}", text))
-                shown_stacks.add(other.rank)
+                if self.style == "all":
+                    shown_stacks.add(other.rank)
         if len(issues) > 1 + MAX_RANK_SECTIONS:
             sections.append(("more failing ranks", ranks_text(i.rank for i in issues[1 + MAX_RANK_SECTIONS :])))
-        if phase.stopped:
+        if phase.stopped and issues:
             why = self.end(phase.stopped[0]).stop_reason
             sections.append(
                 (
                     "terminated by msrun",
-                    f"ranks {ranks_text(phase.stopped)} were stopped after the first failure"
-                    + (f" ({why})" if why else ""),
+                    f"{were(phase.stopped)} stopped after the first failure" + (f" ({why})" if why else ""),
                 )
             )
+        when = "at the timeout" if self.run.timed_out else "when it did not exit"
         for rank in sorted(self.run.stacks):
             if rank not in shown_stacks:
-                sections.append((f"stack of rank {rank} at the timeout", self.run.stacks[rank]))
+                sections.append((f"stack of rank {rank} {when}", self.run.stacks[rank]))
         shown = [i.rank for i in issues[: 1 + MAX_RANK_SECTIONS]] or self.ranks[:MAX_RANK_SECTIONS]
         if len(self.ranks) <= MAX_RANK_SECTIONS:
             shown = self.ranks

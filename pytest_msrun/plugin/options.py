@@ -96,20 +96,31 @@ def apply(config: pytest.Config, env: dict[str, str] | None = None) -> list[str]
     return applied
 
 
+# The cache's session plugins: the controller's session keeps --lf/--nf state, never a rank.
+RANK_BLOCKED = ("no:lfplugin", "no:nfplugin", "no:stepwiseplugin", "no:xdist")
+
+
 def command_line(config: pytest.Config) -> list[str]:
     """The rank's command-line options: what acts before plugins are configured. Ranks ignore
-    ``addopts`` (its effect arrives with the option namespace) and never cache or distribute."""
+    ``addopts`` (its effect arrives with the option namespace) and never distribute; they share the
+    controller's cache directory (the ``cache`` fixture and ``config.cache`` work in marked tests),
+    but only the controller records last-failed and new test ids."""
     opt = config.option
-    args = ["-p", "no:cacheprovider", "-p", "no:xdist", "-o", "addopts=", f"--rootdir={config.rootpath}"]
+    args = ["-o", "addopts=", f"--rootdir={config.rootpath}"]
+    for blocked in RANK_BLOCKED:
+        args += ["-p", blocked]
+    cache = getattr(config, "cache", None)
+    if cache is not None:
+        args += ["-o", f"cache_dir={cache._cachedir}"]
     if config.inipath:
         args += ["-c", str(config.inipath)]
     for name in getattr(opt, "plugins", None) or []:
-        if name not in ("no:cacheprovider", "no:xdist", "xdist"):
+        if name not in (*RANK_BLOCKED, "xdist"):
             args += ["-p", name]
     for warning in getattr(opt, "pythonwarnings", None) or []:
         args += ["-W", warning]
     for override in getattr(opt, "override_ini", None) or []:
-        if not override.startswith("addopts="):
+        if not override.startswith(("addopts=", "cache_dir=")):
             args += ["-o", override]
     args.append(f"--capture={getattr(opt, 'capture', 'fd')}")
     if getattr(opt, "importmode", None):

@@ -148,10 +148,12 @@ class ResourcePool:
             with open(self.state_path, encoding="utf-8") as fh:
                 state = json.load(fh)
             if isinstance(state, dict) and isinstance(state.get("leases"), dict):
+                if not isinstance(state.get("waiting"), dict):
+                    state["waiting"] = {}
                 return state
         except (OSError, ValueError):
             pass
-        return {"leases": {}}
+        return {"leases": {}, "waiting": {}}
 
     def _save(self, state: dict) -> None:
         tmp = f"{self.state_path}.{os.getpid()}.tmp"
@@ -160,7 +162,8 @@ class ResourcePool:
         os.replace(tmp, self.state_path)
 
     def _live(self, state: dict) -> dict:
-        state["leases"] = {k: v for k, v in state["leases"].items() if _alive(int(v.get("pid", 0)))}
+        for part in ("leases", "waiting"):
+            state[part] = {k: v for k, v in state[part].items() if _alive(int(v.get("pid", 0)))}
         return state
 
     def _pick_ports(self, count: int, used: set[int]) -> list[int]:
@@ -178,32 +181,59 @@ class ResourcePool:
         raise OSError(f"no {count} free ports in {lo}-{hi} (MSRUN_PORT_RANGE)")
 
     def lease(self, ports: int, devices: int, inv: DeviceInventory, wait: float) -> Lease:
-        """Lease ``ports`` ports and ``devices`` devices, waiting up to ``wait`` s for devices."""
+        """Lease ``ports`` ports and ``devices`` devices, waiting up to ``wait`` s for devices.
+
+        While it waits, the wait is on record (:meth:`contended`), so that a warm world holding
+        devices in another process ends after its current test instead of keeping them."""
         if devices > len(inv.ids):
             raise DeviceShortage(f"needs {devices} devices; this machine has {len(inv.ids)} ({inv.describe()})")
         deadline = time.monotonic() + wait
-        while True:
-            with self.lock:
-                state = self._live(self._load())
-                used_ports = {p for v in state["leases"].values() for p in v.get("ports", [])}
-                used_devices = {d for v in state["leases"].values() for d in v.get("devices", [])}
-                free = [d for d in inv.ids if d not in used_devices]
-                if len(free) >= devices:
-                    picked = self._pick_ports(ports, used_ports)
-                    lease = Lease(uuid.uuid4().hex, picked, free[:devices])
-                    state["leases"][lease.lease_id] = {
-                        "pid": os.getpid(),
-                        "ports": lease.ports,
-                        "devices": lease.devices,
-                        "ts": time.time(),
-                    }
-                    self._save(state)
-                    return lease
-            if time.monotonic() >= deadline:
-                raise DeviceShortage(
-                    f"waited {wait:g} s for {devices} free devices of {inv.describe()} (others are leased)"
-                )
-            time.sleep(0.1)
+        waiter = uuid.uuid4().hex
+        since = time.time()
+        try:
+            while True:
+                with self.lock:
+                    state = self._live(self._load())
+                    used_ports = {p for v in state["leases"].values() for p in v.get("ports", [])}
+                    used_devices = {d for v in state["leases"].values() for d in v.get("devices", [])}
+                    free = [d for d in inv.ids if d not in used_devices]
+                    earlier = devices > 0 and any(  # first come, first served: nobody waits forever
+                        key != waiter and float(w.get("ts", 0)) < since for key, w in state["waiting"].items()
+                    )
+                    if len(free) >= devices and not earlier:
+                        picked = self._pick_ports(ports, used_ports)
+                        lease = Lease(uuid.uuid4().hex, picked, free[:devices])
+                        state["leases"][lease.lease_id] = {
+                            "pid": os.getpid(),
+                            "ports": lease.ports,
+                            "devices": lease.devices,
+                            "ts": time.time(),
+                        }
+                        state["waiting"].pop(waiter, None)
+                        self._save(state)
+                        return lease
+                    if waiter not in state["waiting"]:
+                        state["waiting"][waiter] = {"pid": os.getpid(), "devices": devices, "ts": since}
+                        self._save(state)
+                if time.monotonic() >= deadline:
+                    raise DeviceShortage(
+                        f"waited {wait:g} s for {devices} free devices of {inv.describe()} (others are leased)"
+                    )
+                time.sleep(0.1)
+        finally:
+            if devices:
+                with self.lock:
+                    state = self._load()
+                    if state["waiting"].pop(waiter, None) is not None:
+                        self._save(state)
+
+    def contended(self, lease: Lease) -> bool:
+        """Whether another process waits for devices while ``lease`` holds some."""
+        if not lease.devices:
+            return False
+        with self.lock:
+            state = self._live(self._load())
+        return any(int(w.get("pid", 0)) != os.getpid() for w in state["waiting"].values())
 
     def release(self, lease: Lease) -> None:
         with self.lock:

@@ -32,6 +32,13 @@ from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, RecordWrit
 from pytest_msrun.plugin.serve import WORLD_ENV, WORLD_TOKEN_ENV, world_address
 
 TIMEOUT_EXIT = 124  # a rank that ran out of time ends with timeout(1)'s status
+STRICT_XPASS = "[XPASS(strict)]"
+
+
+def _strict_xpass(report: pytest.TestReport) -> bool:
+    return report.when == "call" and str(report.longrepr).startswith(STRICT_XPASS)
+
+
 MAX_SECTION = 1 << 20
 
 
@@ -85,6 +92,9 @@ class RankPlugin:
         self.writer: RecordWriter | None = None
         self.session_writer: RecordWriter | None = None  # a warm world's, while a test's records are open
         self.test_failed = False
+        self.failed_any = False
+        self.real_failure = False  # a failure other than a strict xfail that passed
+        self.collect_skipped = False
         self.stacks: IO[str] | None = None
         self.default_timeout = 0.0
         # MindSpore's own msrun runs the task (this pytest) as its scheduler too: not a rank
@@ -98,8 +108,11 @@ class RankPlugin:
         self.stacks = open(stacks_path(directory, self.rank), "w")  # noqa: SIM115 - lives as long as the session
         faulthandler.register(signal.SIGUSR1, file=self.stacks, all_threads=True)
         faulthandler.register(signal.SIGTERM, file=self.stacks, all_threads=True, chain=True)
-        basetemp = env.get(BASETEMP_ENV)
+        # Each rank its own temporary directory under the controller's (or the user's --basetemp):
+        # pytest empties a given basetemp at start, so ranks sharing one would delete each other's files.
+        basetemp = env.get(BASETEMP_ENV) or getattr(config.option, "basetemp", None)
         if basetemp:
+            os.makedirs(basetemp, exist_ok=True)
             config.option.basetemp = os.path.join(basetemp, f"rank{self.rank}")
         xmlpath = getattr(config.option, "xmlpath", None)
         if xmlpath and not self.controlled:
@@ -154,48 +167,106 @@ class RankPlugin:
         self._write("collected", nodeids=[item.nodeid for item in session.items])
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
-        if report.failed:
+        if report.failed or report.skipped:  # a module skipped at collection skips its tests here
+            if report.skipped:
+                self.collect_skipped = True
             data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
             self._write("collect", data=data)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.failed:
-            self.test_failed = True
+            self.test_failed = self.failed_any = True
+            if not _strict_xpass(report):
+                self.real_failure = True
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
         self._write("report", data=data)
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
-        self._write("finish", exitstatus=int(exitstatus))
+        """Record pytest's exit status - and end with 0 where a non-zero status would make msrun stop
+        the other ranks before their records can decide the verdict: a strict xfail this rank passed
+        (the test is XFAIL if another rank fails it), a module this rank skipped at collection."""
+        status = int(exitstatus)
+        if self.writer is not None and (
+            (status == pytest.ExitCode.TESTS_FAILED and self.failed_any and not self.real_failure)
+            or (status == pytest.ExitCode.NO_TESTS_COLLECTED and self.collect_skipped and self.controlled)
+        ):
+            session.exitstatus = status = pytest.ExitCode.OK
+        self._write("finish", exitstatus=status)
 
     # ---------------------------------------------------------------- warm worlds (serve.py)
     def begin_test(self, report_dir: str, nodeid: str) -> RecordWriter:
         """Records of the next test go to its own directory, as a fresh job's would."""
-        if self.session_writer is None:
-            self.session_writer = self.writer
+        self.end_test()
+        self.session_writer = self.writer
         self.writer = RecordWriter(records_path(report_dir, self.rank), self.rank, self.world)
         self.test_failed = False
         self._write_start()
         self._write("collected", nodeids=[nodeid])
         return self.writer
 
+    def write_late(self, data: dict[str, Any]) -> None:
+        """A report of the open test written after its phases (a warm world's final teardown)."""
+        self._write("report", data=data, late=True)
+
     def end_test(self) -> bool:
-        """Close the test's records; whether any of its phases failed."""
+        """Close the open test's records (if any); whether any of its phases failed. (No ``finish``
+        record: the session goes on; how the process ends is judged at the world's end.)"""
         failed = self.test_failed
-        self._write("finish", exitstatus=1 if failed else 0)
+        if self.session_writer is None:
+            return failed
         if self.writer is not None:
             self.writer.close()
         self.writer, self.session_writer = self.session_writer, None
         return failed
 
+    @pytest.hookimpl(trylast=True)
     def pytest_unconfigure(self, config: pytest.Config) -> None:
+        """Close the records. A crash while the process exits still dumps every thread's stack into
+        the rank's log (pytest's own fault handler has stopped by now)."""
+        try:
+            faulthandler.enable(file=sys.stderr, all_threads=True)
+        except (OSError, ValueError, AttributeError):  # no usable stderr
+            pass
+        self._close()
+
+    def _close(self) -> None:
+        """Close the records. Every thread's stack still lands in the stacks file on SIGUSR1 until the
+        process ends (a controller asks a rank that does not exit for them); in suite mode a rank
+        that does not exit within the marked tests' timeout records so and ends itself."""
         self._disarm()
-        if self.stacks is not None:
-            faulthandler.unregister(signal.SIGUSR1)
-            faulthandler.unregister(signal.SIGTERM)
-            self.stacks.close()
+        path = self.writer.fh.name if self.writer is not None else None
         if self.writer is not None:
             self.writer.close()
+        if path and not self.controlled and self.default_timeout:
+            self._arm_exit_watchdog(path, self.default_timeout)
+
+    def _arm_exit_watchdog(self, path: str, seconds: float) -> None:
+        rank, world, stacks = self.rank, self.world, self.stacks
+
+        def fire() -> None:
+            time.sleep(seconds)
+            stack = ""
+            if stacks is not None:
+                stacks.flush()
+                start = os.lseek(stacks.fileno(), 0, os.SEEK_END)
+                faulthandler.dump_traceback(stacks, all_threads=True)
+                stacks.flush()
+                stack = read_log(stacks.name, start)
+            try:
+                RecordWriter(path, rank, world, append=True).write("exit_hang", grace=seconds, stack=stack)
+                sys.stderr.write(
+                    f"\nmsrun: rank {rank} did not exit within {seconds:g} s of its pytest session's end "
+                    f"(--msrun-timeout); it ends with exit status {TIMEOUT_EXIT}\n"
+                )
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+            os._exit(TIMEOUT_EXIT)
+
+        threading.Thread(target=fire, name="msrun-exit-watchdog", daemon=True).start()
+        # A backstop that needs no Python (a hang in the interpreter's own finalization).
+        faulthandler.dump_traceback_later(seconds + 5, exit=True, file=stacks or sys.stderr)
 
     # ---------------------------------------------------------------- phases
     def _phase(self, item: pytest.Item, when: str) -> Generator[None, None, None]:

@@ -3,11 +3,12 @@
 A rank (re)creates its file and writes, in order:
 
 * ``start`` (pid, its log file, its main thread's id),
-* ``collected`` (the node ids it is going to run) and ``collect`` per failed collection,
+* ``collected`` (the node ids it is going to run) and ``collect`` per failed or skipped collection,
 * per test phase a ``phase`` record when the phase *begins* (with the rank log's offset) and a
-  ``report`` when it ends (pytest's own serializable report),
+  ``report`` when it ends (pytest's own serializable report) - and one more ``report`` per
+  subtest, and per fixture finalizer failure at a warm world's end (``world_end``),
 * ``timeout`` when a marked test ran out of time inside the job (suite mode),
-* ``finish`` with pytest's exit status.
+* ``finish`` with pytest's exit status, and ``exit_hang`` if the process then did not exit.
 
 So a rank that dies inside a test leaves the phase it was in on disk: that test failed on that
 rank, and its output is the log from that offset on. The reader tolerates a torn last line.
@@ -41,9 +42,9 @@ def stacks_path(directory: str, rank: int) -> str:
 class RecordWriter:
     """Appends records for one rank; every line is flushed before the call returns."""
 
-    def __init__(self, path: str, rank: int, world: int) -> None:
+    def __init__(self, path: str, rank: int, world: int, *, append: bool = False) -> None:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self.fh: IO[str] = open(path, "w", encoding="utf-8")  # noqa: SIM115 - lives as long as the session
+        self.fh: IO[str] = open(path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115 - a session's
         self.rank = rank
         self.world = world
         self.lock = threading.Lock()  # a timeout is recorded from a timer thread
@@ -88,9 +89,15 @@ class RankTest:
 
     nodeid: str
     started: dict[str, PhaseStart] = field(default_factory=dict)
-    reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # when -> serialized TestReport
+    reports: dict[str, dict[str, Any]] = field(default_factory=dict)  # when -> the phase's own report
+    more: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # when -> subtests, world-end teardown
     stamps: dict[str, float] = field(default_factory=dict)
     timeout: dict[str, Any] | None = None
+
+    def all_reports(self, when: str) -> list[dict[str, Any]]:
+        """Every report of phase ``when``: its own, then its subtests' and late ones."""
+        own = self.reports.get(when)
+        return ([own] if own is not None else []) + self.more.get(when, [])
 
 
 @dataclass
@@ -104,10 +111,29 @@ class RankLog:
     main_thread: int | None = None
     collected: list[str] | None = None
     collect_errors: list[dict[str, Any]] = field(default_factory=list)
+    collect_skips: list[dict[str, Any]] = field(default_factory=list)  # modules skipped at collection
     tests: dict[str, RankTest] = field(default_factory=dict)  # in the order the rank ran them
     finished: bool = False
     exitstatus: int | None = None
     start_ts: float = 0.0
+    exit_hang: dict[str, Any] | None = None  # the session finished but the process did not exit
+
+    def reported_failure(self) -> bool:
+        """Whether any report of this rank failed (what a pytest exit status of 1 means)."""
+        return bool(self.collect_errors) or any(
+            rep.get("outcome") == "failed" for t in self.tests.values() for w in PHASES for rep in t.all_reports(w)
+        )
+
+    def collect_skip(self, nodeid: str) -> str | None:
+        """Why this rank skipped ``nodeid``'s module (or package) at collection, if it did."""
+        for data in self.collect_skips:
+            prefix = str(data.get("nodeid", ""))
+            if prefix and (nodeid == prefix or nodeid.startswith(prefix + "::") or nodeid.startswith(prefix + "/")):
+                longrepr = data.get("longrepr")
+                if isinstance(longrepr, (list, tuple)) and len(longrepr) == 3:
+                    return str(longrepr[2])
+                return str(longrepr or "skipped at collection")
+        return None
 
     def test(self, nodeid: str) -> RankTest:
         return self.tests.get(nodeid) or RankTest(nodeid)
@@ -130,7 +156,8 @@ def load_rank_log(path: str, rank: int) -> RankLog:
         elif kind == "collected":
             out.collected = [str(n) for n in record.get("nodeids", [])]
         elif kind == "collect":
-            out.collect_errors.append(record.get("data", {}))
+            data = record.get("data", {})
+            (out.collect_skips if data.get("outcome") == "skipped" else out.collect_errors).append(data)
         elif kind == "phase":
             test = out.tests.setdefault(str(record.get("nodeid")), RankTest(str(record.get("nodeid"))))
             test.started[str(record.get("when"))] = PhaseStart(float(record.get("ts", 0.0)), record.get("offset"))
@@ -139,12 +166,17 @@ def load_rank_log(path: str, rank: int) -> RankLog:
             nodeid = str(data.get("nodeid", ""))
             test = out.tests.setdefault(nodeid, RankTest(nodeid))
             when = str(data.get("when", "call"))
-            test.reports[when] = data
-            test.stamps[when] = float(record.get("ts", 0.0))
+            if data.get("_report_type") == "SubTestReport" or record.get("late"):
+                test.more.setdefault(when, []).append({**data, "_ts": float(record.get("ts", 0.0))})
+            else:
+                test.reports[when] = data
+                test.stamps[when] = float(record.get("ts", 0.0))
         elif kind == "timeout":
             nodeid = str(record.get("nodeid"))
             out.tests.setdefault(nodeid, RankTest(nodeid)).timeout = record
         elif kind == "finish":
             out.finished = True
             out.exitstatus = record.get("exitstatus")
+        elif kind == "exit_hang":
+            out.exit_hang = record
     return out

@@ -1,13 +1,21 @@
 """A rank of a warm world: a pytest session that runs the tests the controller sends, one at a time.
 
 The rank collects every test the world may run once, connects to the controller
-(``MSRUN_WORLD=host:port``, proving ``MSRUN_WORLD_TOKEN``), and then for each ``run`` command:
-points its records at that test's report directory (the same records a fresh job writes, so the
-controller merges them with the same code), runs the item through pytest's own protocol with the
-next planned item (module and session fixtures stay set up across tests), restores the process's
-environment and working directory, and answers ``done`` with whatever the test leaked: threads
-and child processes still running, file descriptors left open, environment changes. ``quit``
-tears every fixture down and ends the session.
+(``MSRUN_WORLD=host:port``, proving ``MSRUN_WORLD_TOKEN``), and then for each ``run`` command points
+its records at that test's report directory (the same records a fresh job writes, so the
+controller merges them with the same code) and runs the item through pytest's own protocol. The
+protocol's ``nextitem`` - which fixtures the teardown keeps - is learnt only when the test reaches
+its teardown: the rank says ``called`` and the controller, having reported setup and call (so
+``-x`` and ``--maxfail`` have acted), answers ``teardown`` with the next test this world will run
+(or none). Module and session fixtures thus live exactly as long as in a plain pytest run.
+
+After the test the rank restores the environment and working directory and answers ``done`` with
+what the test left behind: threads and child processes still running, descriptors left open,
+environment changes - not counting what an import of a new module or a fixture of a broader scope
+created meanwhile (a library's thread pool, a module fixture's socket), which stays. ``quit``
+tears every fixture left down - a failure there is recorded as a late teardown report of the last
+test, where it belongs - and ends the session with status 0 (each test was judged from its own
+records), so the controller judges the process's end like a fresh job's.
 
 The wire is one JSON object per line over TCP (loopback): the controller never sends code, only
 node ids from its own collection.
@@ -15,12 +23,16 @@ node ids from its own collection.
 
 from __future__ import annotations
 
+import builtins
+import importlib
+import importlib.util
 import json
 import os
 import socket
 import sys
 import threading
 import time
+from collections.abc import Generator
 from typing import Any
 
 import pytest
@@ -39,43 +51,96 @@ def world_address(env: Any) -> tuple[str, int] | None:
     return (host, int(port)) if host and port.isdigit() else None
 
 
-class Snapshot:
-    """What a test may leave behind, taken before it runs."""
+class State:
+    """What a test may leave behind: threads, child processes, descriptors, environment."""
 
     def __init__(self) -> None:
         self.env = dict(os.environ)
-        self.cwd = os.getcwd()
         self.threads = {t.ident for t in threading.enumerate()}
         self.fds = _fds()
         self.children = set(_children())
-        self.modules = set(sys.modules)
 
-    def leaks(self, ignore_fds: set[int]) -> list[str]:
-        """What the test left: threads, child processes, descriptors, environment, working directory.
 
-        A test that imported modules new to this process is not blamed for the threads, processes,
-        descriptors and variables that appeared (a library's one-time initialization, e.g. a
-        framework's thread pools); its working directory is still checked."""
-        if set(sys.modules) - self.modules:
-            return self._cwd_changed()
+class Owned:
+    """What imports of new modules and fixtures of a broader scope created during a test: theirs, not
+    the test's (they outlive it on purpose)."""
+
+    def __init__(self) -> None:
+        self.threads: set[int | None] = set()
+        self.fds: set[tuple[int, str]] = set()
+        self.children: set[int] = set()
+        self.env: dict[str, str | None] = {}  # variable -> the value it was left with (None: removed)
+
+    def add(self, before: State, after: State) -> None:
+        self.threads |= after.threads - before.threads
+        self.fds |= {(fd, target) for fd, target in after.fds.items() if before.fds.get(fd) != target}
+        self.children |= after.children - before.children
+        for key in set(before.env) | set(after.env):
+            if before.env.get(key) != after.env.get(key):
+                self.env[key] = after.env.get(key)
+
+
+class Snapshot:
+    """The state before a test, and what others own of what appeared since."""
+
+    def __init__(self) -> None:
+        self.before = State()
+        self.cwd = os.getcwd()
+        self.owned = Owned()
+        self._depth = 0
+
+    # ---------------------------------------------------------------- who created what
+    def owning(self) -> Any:
+        """A context in which whatever appears belongs to the code run (an import, a fixture)."""
+        snapshot = self
+
+        class _Owning:
+            def __enter__(self) -> None:
+                snapshot._depth += 1
+                self.state = State() if snapshot._depth == 1 else None
+
+            def __exit__(self, *exc: Any) -> None:
+                snapshot._depth -= 1
+                if self.state is not None:
+                    snapshot.owned.add(self.state, State())
+
+        return _Owning()
+
+    # ---------------------------------------------------------------- after the test
+    def leaks(self, ignore_fds: set[int]) -> tuple[list[str], bool]:
+        """What the test itself left, and whether any of it still runs (a thread or a process)."""
+        owned, before = self.owned, self.before
         deadline = time.monotonic() + SETTLE
         while True:
-            threads = [t for t in threading.enumerate() if t.ident not in self.threads and t.is_alive()]
-            children = sorted(set(_children()) - self.children)
+            threads = [
+                t
+                for t in threading.enumerate()
+                if t.ident not in before.threads and t.ident not in owned.threads and t.is_alive()
+            ]
+            children = sorted(set(_children()) - before.children - owned.children)
             if not (threads or children) or time.monotonic() > deadline:
                 break
             time.sleep(0.01)
         out = [f"thread {t.name!r} still running" + (" (daemon)" if t.daemon else "") for t in threads]
         out += [f"child process {pid} ({_comm(pid)}) still running" for pid in children]
         for fd, target in sorted(_fds().items()):
-            if fd not in ignore_fds and self.fds.get(fd) != target:
+            if fd not in ignore_fds and before.fds.get(fd) != target and (fd, target) not in owned.fds:
                 out.append(f"file descriptor {fd} left open ({target})")
-        env = dict(os.environ)
-        for key in sorted(set(env) | set(self.env)):
-            if env.get(key) != self.env.get(key):
-                how = "set" if key not in self.env else ("removed" if key not in env else "changed")
+        env, expected = dict(os.environ), self._expected_env()
+        for key in sorted(set(env) | set(expected)):
+            if env.get(key) != expected.get(key):
+                how = "set" if key not in expected else ("removed" if key not in env else "changed")
                 out.append(f"environment variable {key} {how}")
-        return out + self._cwd_changed()
+        return out + self._cwd_changed(), bool(threads or children)
+
+    def _expected_env(self) -> dict[str, str]:
+        env = dict(self.before.env)
+        for key, value in self.owned.env.items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
+        return env
 
     def _cwd_changed(self) -> list[str]:
         try:
@@ -85,16 +150,62 @@ class Snapshot:
         return [f"working directory changed to {cwd}"] if cwd != self.cwd else []
 
     def restore(self) -> None:
-        """The environment and working directory as they were before the test."""
-        if dict(os.environ) != self.env:
+        """The environment (with what imports and broader fixtures set) and working directory as
+        they were before the test."""
+        expected = self._expected_env()
+        if dict(os.environ) != expected:
             os.environ.clear()
-            os.environ.update(self.env)
+            os.environ.update(expected)
         try:
             if os.getcwd() == self.cwd:
                 return
         except OSError:
             pass
         os.chdir(self.cwd)
+
+
+class ImportWatch:
+    """While installed, the first import of a module new to this process runs inside ``owning()``."""
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        self.snapshot = snapshot
+        self.saved: tuple[Any, Any] | None = None
+
+    def __enter__(self) -> ImportWatch:
+        original_import, original_import_module = builtins.__import__, importlib.import_module
+        snapshot = self.snapshot
+
+        def new(name: str, package: str | None = None, level: int = 0) -> bool:
+            if level:
+                try:
+                    name = importlib.util.resolve_name("." * level + name, package)
+                except (ImportError, ValueError):
+                    return False
+            return bool(name) and name not in sys.modules
+
+        def watched_import(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0):
+            package = (globals or {}).get("__package__") if level else None
+            if not new(name, package, level):
+                return original_import(name, globals, locals, fromlist, level)
+            with snapshot.owning():
+                return original_import(name, globals, locals, fromlist, level)
+
+        def watched_import_module(name: str, package: str | None = None):
+            level = len(name) - len(name.lstrip("."))
+            if not new(name.lstrip("."), package, level):
+                return original_import_module(name, package)
+            with snapshot.owning():
+                return original_import_module(name, package)
+
+        self.saved = (original_import, original_import_module)
+        builtins.__import__ = watched_import
+        importlib.import_module = watched_import_module
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.saved is not None:
+            builtins.__import__, importlib.import_module = self.saved
+            self.saved = None
 
 
 def _group_state() -> int | None:
@@ -168,6 +279,17 @@ class Channel:
                 pass
 
 
+class LateNext:
+    """The ``nextitem`` of a test in a warm world, known only when its teardown begins: pytest's
+    teardown asks it for its collectors once the controller said which test comes next."""
+
+    def __init__(self) -> None:
+        self.item: pytest.Item | None = None
+
+    def listchain(self) -> list[Any]:
+        return self.item.listchain() if self.item is not None else []
+
+
 class WorldServer:
     """Registered in a rank of a warm world: replaces pytest's run loop with the controller's commands."""
 
@@ -175,47 +297,106 @@ class WorldServer:
         self.rank_plugin = rank_plugin
         self.address = address
         self.token = token
+        self.channel: Channel | None = None
+        self.items: dict[str, pytest.Item] = {}
+        self.next: LateNext | None = None  # the running test's
+        self.snapshot: Snapshot | None = None
+        self.quit = False  # the controller is gone or said quit while a test ran
+        self.last: pytest.Item | None = None
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtestloop(self, session: pytest.Session) -> bool:
-        items = {item.nodeid: item for item in session.items}
+        self.items = {item.nodeid: item for item in session.items}
         sock = socket.create_connection(self.address, timeout=30)
         sock.settimeout(None)
-        channel = Channel(sock)
+        self.channel = channel = Channel(sock)
         plugin = self.rank_plugin
         channel.send({"t": "hello", "rank": plugin.rank, "pid": os.getpid(), "token": self.token})
         setup_state = session._setupstate  # pytest's own fixture stack (xdist's workers drive it alike)
         try:
-            while True:
+            while not self.quit:
                 msg = channel.receive()
                 if msg is None or msg.get("t") == "quit":
                     break
+                if msg.get("t") == "teardown":  # of a test this rank did not have: nothing to tear down
+                    channel.send({"t": "done", "leaks": []})
+                    continue
                 if msg.get("t") != "run":
                     continue
                 nodeid = str(msg.get("nodeid"))
-                item = items.get(nodeid)
+                item = self.items.get(nodeid)
                 if item is None:
                     channel.send({"t": "missing", "nodeid": nodeid})
                     continue
-                nextitem = items.get(str(msg.get("next"))) if msg.get("next") else None
-                channel.send({"t": "done", "nodeid": nodeid, **self._run(item, nextitem, msg, setup_state)})
+                channel.send({"t": "done", "nodeid": nodeid, **self._run(item, msg)})
         finally:
-            setup_state.teardown_exact(None)
+            self._world_end(setup_state)
+            # Every test was judged on its own, from its records: the session ends with 0, so that msrun
+            # never stops the other ranks while they still tear down (their reports are not lost).
+            session.testsfailed = 0
             channel.close()
         return True
 
-    def _run(self, item: pytest.Item, nextitem: pytest.Item | None, msg: dict[str, Any], setup_state: Any) -> dict:
+    def _run(self, item: pytest.Item, msg: dict[str, Any]) -> dict[str, Any]:
         plugin = self.rank_plugin
-        setup_state.teardown_exact(item)  # leave only what this item shares with the one before
+        if self.last is not None:  # fixtures kept for another test than this one: the last test's to end
+            self._teardown_for(self.last, lambda: item.session._setupstate.teardown_exact(item))
         writer = plugin.begin_test(str(msg["report_dir"]), item.nodeid)
         shared = msg.get("shared_dir")
         if shared:
             os.environ[SHARED_TMP_ENV] = str(shared)
-        before = Snapshot()
+        self.snapshot = snapshot = Snapshot()
+        self.next = LateNext()
+        self.last = item
         try:
-            item.ihook.pytest_runtest_protocol(item=item, nextitem=nextitem)
+            with ImportWatch(snapshot):
+                item.ihook.pytest_runtest_protocol(item=item, nextitem=self.next)
         finally:
-            leaks = before.leaks(ignore_fds={writer.fh.fileno()})
-            before.restore()
-            failed = plugin.end_test()
-        return {"failed": failed, "leaks": leaks, "group": _group_state()}
+            leaks, lingering = snapshot.leaks(ignore_fds={writer.fh.fileno()})
+            snapshot.restore()
+            self.snapshot = self.next = None
+        return {"failed": plugin.test_failed, "leaks": leaks, "lingering": lingering, "group": _group_state()}
+
+    # ---------------------------------------------------------------- hooks while a test runs
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_teardown(self, item: pytest.Item, nextitem: Any) -> Generator[None, None, None]:
+        """Before the teardown: say the call is over, learn which test comes next."""
+        if self.next is not None and nextitem is self.next and self.channel is not None:
+            self.channel.send({"t": "called", "nodeid": item.nodeid, "failed": self.rank_plugin.test_failed})
+            answer = self.channel.receive()
+            if answer is None or answer.get("t") != "teardown":
+                self.quit = True  # the controller is gone, or ends the world now: tear everything down
+            else:
+                following = answer.get("next")
+                self.next.item = self.items.get(str(following)) if following else None
+        return (yield)
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_fixture_setup(self, fixturedef: Any, request: Any) -> Generator[None, None, Any]:
+        """What a fixture broader than a test creates lives on with it: not the test's leak."""
+        if self.snapshot is None or getattr(fixturedef, "scope", "function") == "function":
+            return (yield)
+        with self.snapshot.owning():
+            return (yield)
+
+    # ---------------------------------------------------------------- the world's end
+    def _world_end(self, setup_state: Any) -> bool:
+        """Tear every fixture left down (a failure is a late teardown report of the last test) and
+        close the last test's records; whether that test failed on this rank."""
+        item = self.last
+        if item is None:
+            setup_state.teardown_exact(None)
+            return False
+        self._teardown_for(item, lambda: setup_state.teardown_exact(None))
+        return self.rank_plugin.end_test()
+
+    def _teardown_for(self, item: pytest.Item, teardown: Any) -> None:
+        """Run ``teardown``; a failure is a late teardown report of ``item`` (whose records are open)."""
+        from _pytest.runner import CallInfo, get_reraise_exceptions
+
+        call = CallInfo.from_call(teardown, when="teardown", reraise=get_reraise_exceptions(item.config))
+        if call.excinfo is not None:
+            report = item.ihook.pytest_runtest_makereport(item=item, call=call)
+            self.rank_plugin.test_failed = True
+            data = item.config.hook.pytest_report_to_serializable(config=item.config, report=report)
+            self.rank_plugin.write_late(data)

@@ -1,18 +1,23 @@
-"""``msrun pytest tests/``: after the job, one table of every test on every rank.
+"""``msrun pytest tests/``: after the job, one table of every test on every rank - and the job's verdict.
 
 Each rank's pytest registers this reporter with msrun (:mod:`pytest_msrun.engine.hooks`) and writes its
 records into the job's log directory; when the job ends msrun calls :func:`job_report` with the
 job's status. Verdicts come from :mod:`.verdict` - the rule plugin mode uses - fed with how every
 rank's process ended: a rank that died inside a test failed that test (with its signal or exit
-status), a rank msrun stopped is shown as stopped, a test a rank never began did not run there.
-A test that ran out of time is shown with where every rank was.
+status), a rank that died or hung after its last test failed that test's teardown, a rank msrun
+stopped is shown as stopped, a test a rank never began did not run there. A test that ran out of
+time is shown with where every rank was. msrun's exit status is the table's: 0 exactly when every
+test passed, skipped or xfailed on every rank (and the job itself did not fail), else msrun's own
+status if it has one, else 1.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 
+from pytest_msrun.engine.hooks import JobReport
 from pytest_msrun.engine.status import JobStatus
 from pytest_msrun.plugin.hang import diagnosis
 from pytest_msrun.plugin.records import RankLog, load_rank_log, records_path, stacks_path
@@ -30,12 +35,13 @@ def _read(path: str) -> str:
         return ""
 
 
-def job_report(status: JobStatus) -> str | None:
-    """The table of the job's ranks, or None when no rank of this job ran pytest.
+def job_report(status: JobStatus) -> JobReport | None:
+    """The table of the job's ranks and the exit status it decides, or None when no rank of this job
+    ran pytest.
 
     On several nodes sharing the log directory (a cluster's shared filesystem, or loopback
     invocations), node 0 prints one table of every node's ranks, after waiting briefly for the
-    other nodes' final status; the other nodes print one line saying so."""
+    other nodes' final status; the other nodes print one line saying so (and keep msrun's status)."""
     directory = os.path.abspath(status.log_dir or ".")
     statuses = [status]
     local = [p.rank for p in status.workers if p.rank is not None]
@@ -43,24 +49,41 @@ def job_report(status: JobStatus) -> str | None:
     if several:
         if status.node_index != 0:
             mine, _ = _pytest_ranks(directory, [status])
-            return (
+            if not mine:
+                return None
+            text = (
                 f"msrun: node 0 prints the pytest results of every node (this node: ranks {ranks_text(sorted(mine))})"
-                if mine
-                else None
             )
+            return JobReport(text)
         statuses = _sibling_statuses(directory, status)
     logs, ends = _pytest_ranks(directory, statuses)
     if not logs:
         return None
-    text = render(directory, logs, ends)
+    table = render(directory, logs, ends)
+    text = table.text
+    passed = table.passed
     if several:
         missing = sorted(set(range(status.worker_num or 0)) - {p.rank for n in statuses for p in n.workers})
         if missing:
+            passed = False
             text += (
                 f"\nmsrun: no final status from the nodes of ranks {ranks_text(missing)} in {directory} within "
                 f"{SIBLING_WAIT:g} s (every node must write its logs into a directory node 0 can read)"
             )
-    return text
+    code = status.exit_code or 0
+    if passed and code != 0 and status.state != "succeeded" and not _explained(status, ends):
+        passed = False
+        text += f"\nmsrun: the job itself failed ({status.stop_reason or status.state}) although every test passed"
+    verdict = 0 if passed else (code or 1)
+    if verdict != code:
+        text += f"\nmsrun: exit status {verdict}, as the pytest results above decide (the processes' own: {code})"
+    return JobReport(text, verdict)
+
+
+def _explained(status: JobStatus, ends: dict[int, RankEnd]) -> bool:
+    """Whether msrun's failure is only ranks' exits the table already judged (a rank's pytest exit 1)."""
+    labels = {f"rank {rank}" for rank in ends}
+    return bool(status.failures) and all(isinstance(f, dict) and f.get("label") in labels for f in status.failures)
 
 
 SIBLING_WAIT = 10.0  # how long node 0 waits for the other nodes' final status
@@ -75,11 +98,13 @@ def _pytest_ranks(directory: str, statuses: list[JobStatus]) -> tuple[dict[int, 
             if proc.rank is None:
                 continue
             log = load_rank_log(records_path(directory, proc.rank), proc.rank)
-            if not log.started or log.start_ts < node.started - 1:
-                continue  # no pytest in this rank, or records of an earlier job
+            if log.started and log.start_ts < node.started - 1:
+                log = RankLog(proc.rank)  # records of an earlier job
             logs[proc.rank] = log
             ends[proc.rank] = RankEnd.of(proc, node.stop_reason, node.host)
-    return logs, ends
+    if not any(log.started for log in logs.values()):
+        return {}, {}  # no rank of this job ran pytest
+    return logs, ends  # a rank stopped before its pytest began is in the table: it ran nothing
 
 
 def _sibling_statuses(directory: str, status: JobStatus) -> list[JobStatus]:
@@ -104,7 +129,17 @@ def _sibling_statuses(directory: str, status: JobStatus) -> list[JobStatus]:
         time.sleep(0.05)
 
 
-def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> str:
+@dataclass
+class Table:
+    """The suite's table and whether it passed (every test passed, skipped or xfailed on every rank)."""
+
+    text: str
+    passed: bool
+
+
+def verdicts(logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> list[TestVerdict]:
+    """Every test's verdict, in the order the ranks ran them. A rank's process end answers to the
+    last test it ran; a rank msrun stopped is excused when a failure is reported anywhere."""
     ranks = sorted(logs)
     order: list[str] = []
     for rank in ranks:
@@ -112,19 +147,44 @@ def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -
             if nodeid not in order:
                 order.append(nodeid)
     now = time.time()
-    verdicts = [judge(nodeid, ranks, logs, ends, scope="suite", job_ended=now) for nodeid in order]
+    last = {rank: logs[rank].last_test for rank in ranks}
+
+    def judged(elsewhere: bool) -> list[TestVerdict]:
+        return [
+            judge(
+                nodeid,
+                ranks,
+                logs,
+                ends,
+                scope="suite",
+                job_ended=now,
+                final=[r for r in ranks if last[r] == nodeid],
+                failed_elsewhere=elsewhere,
+            )
+            for nodeid in order
+        ]
+
+    out = judged(True)
+    if not any(v.failing_ranks for v in out) and not any(logs[r].collect_errors for r in ranks):
+        out = judged(False)  # nothing reported explains a stop: the stop itself is a failure
+    return out
+
+
+def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> Table:
+    ranks = sorted(logs)
+    judged = verdicts(logs, ends)
     collect_errors = {r: len(logs[r].collect_errors) for r in ranks if logs[r].collect_errors}
 
     rows = [("test", *(f"rank {r}" for r in ranks), "verdict")]
     if collect_errors:
         rows.append(("<collection>", *("error" if r in collect_errors else "ok" for r in ranks), "error"))
-    for v in verdicts:
+    for v in judged:
         rows.append((v.nodeid, *(v.cells[r] for r in ranks), v.outcome))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [f"msrun: pytest results of {len(ranks)} rank(s) (records in {directory})"]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
 
-    for v in verdicts:
+    for v in judged:
         lines += _explain(v, directory, logs, ends)
     for rank, count in collect_errors.items():
         lines.append(f"ERROR collecting on rank {rank}: {count} collection error(s), see its log")
@@ -132,10 +192,12 @@ def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -
     for rank in unfinished:
         end = ends.get(rank) or RankEnd()
         where = logs[rank].last_test
+        did = "finish" if logs[rank].started else "start"
         lines.append(
-            f"rank {rank}: its pytest session did not finish - it {end.describe(False)}"
+            f"rank {rank}: its pytest session did not {did} - it {end.describe(False)}"
             + (f" in {where}" if where else "")
         )
+    never = [r for r in unfinished if not logs[r].tests]  # died before its first test (not in any row)
     hosts: dict[str, list[int]] = {}
     for rank in ranks:
         host = (ends.get(rank) or RankEnd()).host
@@ -143,8 +205,9 @@ def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -
             hosts.setdefault(host, []).append(rank)
     if len(hosts) > 1:
         lines.append("msrun: hosts: " + "; ".join(f"{h}: ranks {ranks_text(r)}" for h, r in hosts.items()))
-    lines.append(_totals(verdicts))
-    return "\n".join(lines)
+    lines.append(_totals(judged))
+    passed = bool(judged) and all(v.passing for v in judged) and not collect_errors and not never
+    return Table("\n".join(lines), passed)
 
 
 def _explain(v: TestVerdict, directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> list[str]:
@@ -161,7 +224,7 @@ def _explain(v: TestVerdict, directory: str, logs: dict[int, RankLog], ends: dic
         return [f"INCOMPLETE {v.nodeid}: {'; '.join(why)}"]
     first = v.first_issue
     failing = v.failing_ranks
-    head = f"FAILED {v.nodeid} on rank(s) {ranks_text(failing)}"
+    head = f"FAILED {v.nodeid}" + (f" on rank(s) {ranks_text(failing)}" if failing else "")
     out = [head + (f": {first.summary}" if first is not None else "")]
     for phase in v.phases:
         if phase.message:

@@ -1,17 +1,19 @@
 """Warm worlds: marked tests of one shape run in one long-lived job, each test isolated and judged alone.
 
 A world is an msrun job started like a fresh test's job, whose ranks are pytest sessions that
-collected every test of its shape and wait (:mod:`.serve`). For each test the controller sends
-its node id - and the next test of the same shape, so module and session fixtures stay up - to
-every rank, waits for every rank's ``done``, and merges the records the ranks wrote into that
-test's own report directory exactly as for a fresh job.
+collected every test of its shape and wait (:mod:`.serve`). A test runs in two steps, as in pytest's
+own protocol: :meth:`World.begin` sends its node id and waits until every rank finished setup and
+call (:class:`WarmTest` then holds what the controller reports for them); :meth:`WarmTest.finish`
+sends the teardown with the next test this world will run - or none, which ends the world with
+this test: its ranks tear every fixture down, exit, and their process ends are judged on it.
 
 A world ends, and the next test of its shape starts a new one, when a test crashes a rank (the
 job ends: msrun's first-failure rule), fails on a rank while another is still inside it (that
-rank may be blocked on the failed one: the world is stopped as a fresh job's would be), or runs
-out of time (stacks first). Worlds end too when no test of their shape is left, when more than
-:data:`MAX_WORLDS` are alive (the least recently used), and with the session - however the
-controller ends, like fresh jobs (parent-death signal, own sessions).
+rank may be blocked on the failed one: the world is stopped as a fresh job's would be), runs out
+of time (stacks first), leaves a thread or a process running (it could crash the next test), or
+leaves the ranks' control-plane state diverged. It also ends after the last test the controller
+will send it, and - however the controller ends - with the session (parent-death signal, own
+sessions). A world found dead before a test is sent is never used for it.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_msrun.plugin.job import JobRun, Launched, TestJob
+from pytest_msrun.plugin.job import JobRun, Launched, TestJob, TestPaths, running
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.serve import WORLD_ENV, WORLD_TOKEN_ENV, Channel
+from pytest_msrun.plugin.verdict import RankEnd
 
 MAX_WORLDS = 2  # worlds alive at once per controller (each holds its ranks' processes)
 FAILURE_GRACE = 0.5  # s the other ranks may still finish a test one rank failed (a fresh job's teardown gap)
@@ -53,12 +56,48 @@ def eligible(spec: MsrunSpec) -> bool:
 
 
 @dataclass
-class WarmResult:
-    """One test in a world: the run to merge, what ranks leaked, and whether the world survived."""
+class WarmTest:
+    """One test in a world, between its call and its teardown."""
 
-    run: JobRun
-    leaks: dict[int, list[str]] = field(default_factory=dict)
+    world: World
+    paths: TestPaths
+    nodeid: str
+    started: float
+    deadline: float
+    timeout: float
+    run: JobRun  # what setup and call left (every rank done with its call, or the world ended)
     missing: bool = False  # a rank did not collect the test: run it as a fresh job instead
+    leaks: dict[int, list[str]] = field(default_factory=dict)
+
+    def finish(self, next_id: str | None, exit_timeout: float) -> JobRun:
+        """The teardown (keeping what ``next_id`` shares with this test; ``None`` ends the world),
+        then the complete run: the process ends too when the world ended with this test."""
+        world = self.world
+        if world.dead:
+            return self.run
+        replies, timed_out = world.exchange({"t": "teardown", "next": next_id}, "done", self.deadline, release=True)
+        self.leaks = {r: list(reply.get("leaks") or []) for r, reply in replies.items() if reply.get("leaks")}
+        groups = {repr(reply.get("group")) for reply in replies.values()}
+        lingering = any(reply.get("lingering") for reply in replies.values())
+        if timed_out:
+            return world.stop_on_timeout(self)
+        if world.dead:  # a rank died in the teardown
+            world.stop()
+            return world.job_run(self, False)
+        if world.lost:
+            world.retire("a rank left the world")
+        if world.declared or len(groups) > 1:
+            world.retire("the ranks' control-plane state diverged in this test")
+        elif lingering:
+            world.retire("the test left a thread or a process running on a rank")
+        elif next_id is None:
+            world.retire("its last test ran")
+        if world.retiring:
+            hung, stacks = world.end(exit_timeout)
+            run = world.job_run(self, False)
+            run.exit_hung, run.exit_timeout, run.stacks = hung, exit_timeout, stacks
+            return run
+        return world.job_run(self, False)
 
 
 class World:
@@ -76,7 +115,11 @@ class World:
         self.launched: Launched = job.launch(cluster_time_out, env)
         self.channels: dict[int, Channel] = {}
         self.dead = ""  # why it can run no more tests
+        self.retiring = ""  # why it ends after the current test
+        self.lost: set[int] = set()  # ranks that left the world (their connection closed)
+        self.declared = False  # the control plane was told ranks had finished a test
         self.tests = 0
+        self.last: WarmTest | None = None  # the last test it ran
         self.last_used = time.monotonic()
         self.created = time.time()
 
@@ -117,49 +160,92 @@ class World:
         finally:
             sel.close()
 
-    def run_test(self, test: TestJob, nodeid: str, nextid: str | None, timeout: float) -> WarmResult:
-        """Run one test on every rank; the merged run, as for a fresh job."""
+    def check(self) -> str:
+        """Why this world can run no more tests ("" when it can): a rank gone, msrun ended."""
+        if self.dead:
+            return self.dead
+        if self.launched.exited():
+            self.dead = "the world's job ended between tests"
+            return self.dead
+        for rank, channel in self.channels.items():
+            try:
+                channel.sock.setblocking(False)
+                try:
+                    data = channel.sock.recv(1, socket.MSG_PEEK)
+                finally:
+                    channel.sock.setblocking(True)
+            except BlockingIOError:
+                continue
+            except OSError:
+                data = b""
+            if not data:
+                self.dead = f"rank {rank} ended between tests"
+                return self.dead
+        return ""
+
+    # ---------------------------------------------------------------- one test
+    def begin(self, paths: TestPaths, nodeid: str, timeout: float, exit_timeout: float) -> WarmTest:
+        """Send the test to every rank and wait until each finished its setup and call. A rank that
+        leaves meanwhile while the job goes on (an ``os._exit(0)``) ends the world within this test,
+        the others finishing it as in a fresh job, so the run is complete at once."""
         self.tests += 1
         self.last_used = time.monotonic()
         started = self.created if self.tests == 1 else time.time()  # the first test's setup starts the world
-        msg = {
-            "t": "run",
-            "nodeid": nodeid,
-            "next": nextid,
-            "report_dir": str(test.report_dir),
-            "shared_dir": str(test.shared_dir),
-        }
-        for channel in self.channels.values():
+        deadline = time.monotonic() + timeout
+        msg = {"t": "run", "nodeid": nodeid, "report_dir": str(paths.report_dir), "shared_dir": str(paths.shared_dir)}
+        test = WarmTest(self, paths, nodeid, started, deadline, timeout, JobRun([], [], False, timeout, started, 0.0))
+        self.last = test
+        replies, timed_out = self.exchange(msg, "called", deadline, release=True, failure_grace=True)
+        if any(r.get("t") == "missing" for r in replies.values()):
+            test.missing = True
+            test.run = self.job_run(test, False)
+            return test
+        if timed_out:
+            test.run = self.stop_on_timeout(test)
+            return test
+        if self.lost and not self.dead:
+            test.run = test.finish(None, exit_timeout)
+            return test
+        if self.dead:
+            self.stop()
+        test.run = self.job_run(test, False)
+        return test
+
+    def exchange(
+        self, msg: dict[str, Any], answer: str, deadline: float, *, release: bool = False, failure_grace: bool = False
+    ) -> tuple[dict[int, dict[str, Any]], bool]:
+        """Send ``msg`` to every rank and collect each one's ``answer`` (or ``missing``); whether the
+        deadline passed first. A rank that closes its connection, or the job ending, makes the world
+        dead; a rank that leaves while msrun goes on is *lost* (the world ends after this test, the
+        others finish it); so does (``failure_grace``) a failure on one rank while others are still
+        at it past :data:`FAILURE_GRACE`.
+        ``release``: ranks waiting in the control plane only for ranks that already answered are
+        failed at once (in a fresh job those ranks would have exited)."""
+        live = {rank: channel for rank, channel in self.channels.items() if rank not in self.lost}
+        for channel in live.values():
             try:
                 channel.send(msg)
             except OSError:
                 pass
         replies: dict[int, dict[str, Any]] = {}
         sel = selectors.DefaultSelector()
-        for rank, channel in self.channels.items():
+        for rank, channel in live.items():
             sel.register(channel.sock, selectors.EVENT_READ, rank)
-        deadline = time.monotonic() + timeout
         failed_at: float | None = None
-        timed_out = False
         next_check = 0.0
-        declared = False
         try:
-            while len(replies) < len(self.channels):
+            while len(replies) + len(self.lost & set(live)) < len(live):
                 now = time.monotonic()
                 if now > deadline:
-                    timed_out = True
-                    break
+                    return replies, True
                 if failed_at is not None and now - failed_at > FAILURE_GRACE:
                     self.dead = "a rank failed the test while others were still in it"
                     break
-                if self.dead:
-                    break
-                if replies and not declared and now >= next_check and self.job.has_control_plane():
+                if release and replies and not self.declared and now >= next_check and self.job.has_control_plane():
                     next_check = now + STUCK_CHECK
-                    declared = self._release_waiters(set(replies))
+                    self.declared = self._release_waiters(set(replies))
                 if self.launched.exited():
                     self.dead = "the world's job ended (a rank died)"
-                    self._await_job_end()
                     break
                 for key, _ in sel.select(timeout=0.05):
                     rank = key.data
@@ -169,37 +255,35 @@ class World:
                         reply = None
                     sel.unregister(key.fileobj)
                     if reply is None:  # its connection closed: the rank is gone (even with status 0)
-                        self.dead = f"rank {rank} ended inside the test"
-                        self._await_job_end()
-                        break
+                        self.lost.add(rank)
+                        self.retire(f"rank {rank} left the world inside a test")
+                        self._settle(rank)
+                        if self.launched.exited():  # msrun ended the job: a failure (first-failure rule)
+                            self.dead = f"rank {rank} ended inside the test"
+                            break
+                        continue
+                    if reply.get("t") not in (answer, "missing"):
+                        continue
                     replies[rank] = reply
-                    if reply.get("failed") and failed_at is None:
+                    if failure_grace and reply.get("failed") and failed_at is None:
                         failed_at = time.monotonic()
+                if self.dead:
+                    break
         finally:
             sel.close()
-        if any(r.get("t") == "missing" for r in replies.values()):
-            return WarmResult(run=self._run(test, started, timeout, False), missing=True)
-        stacks: dict[int, str] = {}
-        state = None
-        if timed_out:
-            self.dead = f"the test ran out of time ({timeout:g} s)"
-            from pytest_msrun.control.observer import query_state
+        return replies, False
 
-            if self.job.has_control_plane():
-                state = query_state(self.job.master_host, self.job.ports[0], self.job.token)
-            stacks = self.job.collect_stacks()
-        if self.dead:
-            self.stop()
-        run = self._run(test, started, timeout, timed_out)
-        run.stacks = stacks
-        run.state = state
-        groups = {repr(reply.get("group")) for reply in replies.values()}
-        if not self.dead and (declared or len(groups) > 1):
-            # Who waited for whom, or unequal collective counters: the next test needs a fresh group.
-            self.dead = "the ranks' control-plane state diverged in this test"
-            self.stop()
-        leaks = {r: list(reply.get("leaks") or []) for r, reply in replies.items() if reply.get("leaks")}
-        return WarmResult(run=run, leaks=leaks)
+    def _settle(self, rank: int, seconds: float = 10.0) -> None:
+        """Let a rank that left the world end its process, and msrun record how and act on it (its
+        first-failure rule stops the others, as in a fresh job) - before the world is stopped, which
+        would otherwise stop that rank too and hide why it left."""
+        end = self.job.rank_ends().get(rank)
+        deadline = time.monotonic() + seconds
+        while end is not None and end.pid and running(end.pid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        deadline = time.monotonic() + 1.0  # msrun reacts to an exit within milliseconds
+        while not self.launched.exited() and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def _release_waiters(self, finished: set[int]) -> bool:
         """Ranks still in the test that wait - to form the group, or in a collective - only for ranks
@@ -225,44 +309,88 @@ class World:
             return False
         return declare_finished(host, port, token, sorted(finished), "finished its test", timeout=1.0)
 
-    def _await_job_end(self, seconds: float = 1.0) -> None:
-        """Give msrun a moment to record how the ranks ended (a crash ends the job by itself)."""
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not all(p.poll() is not None for p in self.launched.procs):
-            time.sleep(0.01)
+    def stop_on_timeout(self, test: WarmTest) -> JobRun:
+        """The test ran out of time: where every rank is (control plane, stacks), then the world ends."""
+        self.dead = f"the test ran out of time ({test.timeout:g} s)"
+        state = None
+        if self.job.has_control_plane():
+            from pytest_msrun.control.observer import query_state
 
-    def _run(self, test: TestJob, started: float, timeout: float, timed_out: bool) -> JobRun:
-        cluster_time_out = max(1, min(600, int(timeout)))
+            state = query_state(self.job.master_host, self.job.ports[0], self.job.token)
+        stacks = self.job.collect_stacks()
+        self.stop()
+        run = self.job_run(test, True)
+        run.stacks, run.state = stacks, state
+        return run
+
+    def job_run(self, test: WarmTest, timed_out: bool) -> JobRun:
+        """The run to judge ``test`` by: each rank's end, or - the world living on - that it lives on."""
+        cluster_time_out = max(1, min(600, int(test.timeout)))
         run = JobRun(
-            reproduce_lines=test.reproduce_lines(cluster_time_out, timeout),
+            reproduce_lines=self.job.reproduce_lines(cluster_time_out, test.timeout, [test.nodeid]),
             exit_codes=[p.returncode for p in self.launched.procs],
             timed_out=timed_out,
-            timeout=timeout,
-            started=started,
+            timeout=test.timeout,
+            started=test.started,
             ended=time.time(),
             msrun_logs=list(self.launched.logs),
         )
-        run.ranks = self.job.rank_ends()
+        ends = self.job.rank_ends()
+        live = not self.dead and not self.launched.exited()
+        for rank, end in ends.items():
+            if live and end.returncode is None and rank not in self.lost:
+                ends[rank] = RankEnd(pid=end.pid, log=end.log, host=end.host, alive=True)
+        run.ranks = ends
         return run
 
-    def stop(self) -> None:
-        """End the world: ``quit`` (fixtures torn down, sessions end), then msrun's own teardown."""
+    # ---------------------------------------------------------------- the end
+    def retire(self, why: str) -> None:
+        if not self.retiring:
+            self.retiring = why
+
+    def end(self, exit_timeout: float) -> tuple[list[int], dict[int, str]]:
+        """End the world after its last test: ``quit`` (fixtures torn down, sessions end), every
+        process gone within ``exit_timeout`` s - else the ranks still running and their stacks
+        (then msrun's own teardown)."""
         for channel in self.channels.values():
             try:
                 channel.send({"t": "quit"})
             except OSError:
                 pass
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + exit_timeout
+        hung: list[int] = []
+        stacks: dict[int, str] = {}
+        for popen in self.launched.procs:
+            try:
+                popen.wait(timeout=max(0.01, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                hung = self.job.running_ranks()
+                stacks = self.job.collect_stacks()
+                break
+        self.dead = self.dead or self.retiring or "ended"
+        self._close()
+        return hung, stacks
+
+    def stop(self) -> None:
+        """End the world now: ``quit``, then msrun's own teardown (SIGTERM, its grace, SIGKILL)."""
+        for channel in self.channels.values():
+            try:
+                channel.send({"t": "quit"})
+            except OSError:
+                pass
         if not self.dead:
+            deadline = time.monotonic() + 10
             for popen in self.launched.procs:
                 try:
                     popen.wait(timeout=max(0.1, deadline - time.monotonic()))
                 except subprocess.TimeoutExpired:  # a world that does not end cleanly is stopped below
                     break
+        self.dead = self.dead or "stopped"
+        self._close()
+
+    def _close(self) -> None:
         self.job.stop(self.launched)
         for channel in self.channels.values():
             channel.close()
         self.channels.clear()
         self.server.close()
-        if not self.dead:
-            self.dead = "stopped"

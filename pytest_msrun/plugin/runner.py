@@ -1,0 +1,123 @@
+"""One marked test, run as a fresh job or in a warm world, behind one interface.
+
+What pytest-xdist's ``WorkerController`` is to its controller, an :class:`Attempt` is to ours: it
+runs the test's setup and call on every rank (:attr:`Attempt.record`), then - once the controller
+has reported them, so ``-x`` has acted - its teardown, keeping what the next test of the same world
+shares with it (:meth:`Attempt.finish`). Both steps give a :class:`TestRecord`: everything the
+verdict is a function of (every rank's records, every process end, the job's timeout), and the
+same merge turns it into reports. A fresh job runs whole in the first step; a warm world in two.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pytest_msrun.plugin.job import JobRun, TestJob, TestPaths
+from pytest_msrun.plugin.records import RankLog, load_rank_log, records_path
+from pytest_msrun.plugin.verdict import TestVerdict, judge
+from pytest_msrun.plugin.world import WarmTest, World
+
+
+@dataclass
+class TestRecord:
+    """A test's complete record, as far as it goes: ranks, their records, their ends, the job's run."""
+
+    __test__ = False  # not a pytest test class
+
+    nodeid: str
+    ranks: list[int]
+    logs: dict[int, RankLog]
+    run: JobRun
+    log_dir: str
+    leaks: dict[int, list[str]] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, nodeid: str, ranks: list[int], paths: TestPaths, run: JobRun) -> TestRecord:
+        logs = {rank: load_rank_log(records_path(str(paths.report_dir), rank), rank) for rank in ranks}
+        for rank in run.exit_hung:  # measured by the controller: every session had ended
+            logs.setdefault(rank, RankLog(rank)).exit_hang = {
+                "grace": run.exit_timeout,
+                "ts": run.ended,
+                "after": "after every rank's pytest session ended (--msrun-exit-timeout)",
+            }
+        return cls(nodeid, ranks, logs, run, str(paths.log_dir))
+
+    def verdict(self) -> TestVerdict:
+        run = self.run
+        return judge(
+            self.nodeid,
+            self.ranks,
+            self.logs,
+            run.ranks,
+            scope="job",
+            timed_out=run.timed_out,
+            timeout=run.timeout,
+            job_ended=run.ended,
+        )
+
+
+class Attempt(Protocol):
+    """One marked test on its ranks: setup and call done (``record``), the teardown to come."""
+
+    record: TestRecord
+    warm: bool
+
+    def finish(self, next_id: str | None, exit_timeout: float) -> TestRecord:
+        """The teardown, keeping what the test ``next_id`` shares (None: nothing); the complete record."""
+        ...
+
+
+class FreshAttempt:
+    """A job of its own: it runs whole at once, its ranks' process ends included."""
+
+    warm = False
+
+    def __init__(self, nodeid: str, job: TestJob, timeout: float, exit_timeout: float, note: str = "") -> None:
+        self.job = job
+        run = job.run(timeout, exit_timeout)
+        run.note = note
+        self.record = TestRecord.load(nodeid, job.expected_ranks(), job.paths, run)
+
+    def finish(self, next_id: str | None, exit_timeout: float) -> TestRecord:
+        return self.record
+
+
+class WarmAttempt:
+    """A test in a warm world: setup and call now, the teardown when the controller knows what follows."""
+
+    warm = True
+
+    def __init__(
+        self, nodeid: str, world: World, paths: TestPaths, ranks: list[int], timeout: float, exit_timeout: float
+    ) -> None:
+        self.nodeid = nodeid
+        self.world = world
+        self.paths = paths
+        self.ranks = ranks
+        self.test: WarmTest = world.begin(paths, nodeid, timeout, exit_timeout)
+        self.record = TestRecord.load(nodeid, ranks, paths, self.test.run)
+
+    @property
+    def missing(self) -> bool:
+        return self.test.missing
+
+    def left_before(self) -> list[int]:
+        """The ranks whose leaving ended the world before they began this test (the world was
+        already dying when it was sent): not this test's failure."""
+        if not (self.world.dead or self.world.lost):
+            return []
+        causes = set(self.world.lost) | {
+            rank
+            for rank, end in self.record.run.ranks.items()
+            if end.returncode not in (None, 0) and not end.terminated_by_msrun
+        }
+        if not causes or any(self.record.logs[r].started for r in causes if r in self.record.logs):
+            return []
+        return sorted(causes)
+
+    def finish(self, next_id: str | None, exit_timeout: float) -> TestRecord:
+        run = self.test.finish(next_id, exit_timeout)
+        record = TestRecord.load(self.nodeid, self.ranks, self.paths, run)
+        record.leaks = self.test.leaks
+        return record

@@ -1,0 +1,345 @@
+"""Verdicts that must hold in every mode: each scenario runs as marked tests in fresh jobs
+(``--msrun-worlds=fresh``), in warm worlds (the default) and as a suite inside one job
+(``pmsrun ... pytest``), and no mode may call a failing test passed or exit 0 for it.
+
+Ranks synchronise by events (a file the other rank writes, its process going away), never by
+sleeping for the other rank.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from dataclasses import dataclass, field
+
+import pytest
+from conftest import MARK, job_args, wait_gone
+
+HEAD = """
+import atexit, ctypes, os, sys, threading, time, unittest
+import pytest
+
+RANK = int(os.environ.get("RANK_ID", "0"))
+
+
+def crash():
+    sys.stdout.flush()
+    ctypes.string_at(0)
+
+
+def wait_for(predicate, seconds=20.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def gone(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def peer_pid(shared, rank):
+    path = shared / f"pid{rank}"
+    wait_for(path.exists)
+    return int(path.read_text())
+"""
+
+
+@dataclass
+class Scenario:
+    name: str
+    body: str
+    # plugin modes (fresh and warm): pytest's counts that must be present, and counts that must be 0
+    counts: dict[str, int] = field(default_factory=dict)
+    never: tuple[str, ...] = ()
+    patterns: tuple[str, ...] = ()
+    suite_ok: bool = False  # pytest (plugin modes) and msrun (suite mode) exit 0; else 1 and non-zero
+    suite_patterns: tuple[str, ...] = ()
+    args: tuple[str, ...] = ()
+    modes: tuple[str, ...] = ("fresh", "warm", "suite")
+
+
+SCENARIOS = [
+    Scenario(
+        "crash_in_a_thread_after_passing_while_a_peer_is_in_its_call",
+        """
+@pytest.mark.msrun(worker_num=2)
+def test_it(rank, msrun_tmp_path):
+    (msrun_tmp_path / f"pid{rank}").write_text(str(os.getpid()))
+    if rank == 1:
+        threading.Thread(target=lambda: (time.sleep(0.6), crash())).start()
+        return
+    assert wait_for(lambda: gone(peer_pid(msrun_tmp_path, 1))), "rank 1 never went away"
+    raise AssertionError("rank 0 would fail")
+""",
+        never=("passed",),
+        patterns=(r"rank 1 .*SIGSEGV",),
+        suite_patterns=(r"test_it\s+\S.*\s(failed|error)$", r"rank 1 .*SIGSEGV"),
+    ),
+    Scenario(
+        "crash_at_exit_after_passing_while_a_peer_is_in_its_call",
+        """
+@pytest.mark.msrun(worker_num=2)
+def test_it(rank, msrun_tmp_path):
+    (msrun_tmp_path / f"pid{rank}").write_text(str(os.getpid()))
+    if rank == 1:
+        atexit.register(crash)
+        return
+    wait_for(lambda: gone(peer_pid(msrun_tmp_path, 1)), 3.0)
+    raise AssertionError("rank 0 would fail")
+""",
+        never=("passed",),
+        patterns=(r"rank 1 .*SIGSEGV",),
+        suite_patterns=(r"rank 1 .*SIGSEGV",),
+    ),
+    *[
+        Scenario(
+            f"every_rank_passes_then_{name}_at_exit",
+            f"""
+@pytest.mark.msrun(worker_num=2)
+def test_it(rank):
+    atexit.register({how})
+""",
+            counts={"passed": 1, "errors": 1},
+            patterns=(r"reported every phase, then " + words,),
+            suite_patterns=(r"test_it\s+.*crashed \([^)]*\) at exit.*\s+error$",),
+        )
+        for name, how, words in (
+            ("segfaults", "crash", r"killed by SIGSEGV"),
+            ("exits_3", "lambda: os._exit(3)", r"exited with code 3"),
+            ("exits_2", "lambda: os._exit(2)", r"exited with code 2"),
+        )
+    ],
+    Scenario(
+        "a_rank_hangs_at_exit",
+        """
+@pytest.mark.msrun(worker_num=2)
+def test_it(rank):
+    if rank == 1:
+        threading.Thread(target=threading.Event().wait, name="forever").start()
+""",
+        counts={"passed": 1, "errors": 1},
+        patterns=(r"rank 1 reported every phase, then did not exit within 3 s", r"line \d+ in _shutdown"),
+        suite_patterns=(r"test_it\s+passed\s+hung at exit\s+error",),
+        args=("--msrun-exit-timeout=3", "--msrun-timeout=8"),
+    ),
+    Scenario(
+        "a_teardown_error_on_one_rank_while_the_other_is_in_its_call",
+        """
+@pytest.fixture
+def broken_on_1(rank):
+    yield
+    if rank == 1:
+        raise RuntimeError("teardown broke on rank 1")
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_it(rank, broken_on_1, msrun_tmp_path):
+    (msrun_tmp_path / f"pid{rank}").write_text(str(os.getpid()))
+    if rank == 0:
+        wait_for(lambda: gone(peer_pid(msrun_tmp_path, 1)), 3.0)
+""",
+        counts={"errors": 1},
+        patterns=(r"teardown broke on rank 1",),
+        suite_patterns=(r"teardown broke on rank 1|rank 1 .*error",),
+    ),
+    *[
+        Scenario(
+            f"{name}_inside_a_rank",
+            f"""
+@pytest.mark.msrun(worker_num=2)
+def test_it(rank):
+    if rank == 1:
+        {how}
+""",
+            counts={"failed": 1},
+            never=("passed",),
+            patterns=(r"\[rank 1\]|rank 1 ",),
+            suite_patterns=(r"test_it\s+.*(crashed|failed|stopped).*\sfailed$",),
+        )
+        for name, how in (("keyboard_interrupt", "raise KeyboardInterrupt"), ("os_exit_2", "os._exit(2)"))
+    ],
+    Scenario(
+        "a_failing_unittest_subtest_on_one_rank",
+        """
+@pytest.mark.msrun(worker_num=2)
+class TestSub(unittest.TestCase):
+    def test_it(self):
+        for i in range(3):
+            with self.subTest(i=i):
+                self.assertFalse(RANK == 1 and i == 1, "subtest 1 fails on rank 1")
+""",
+        never=("passed",),
+        patterns=(r"subtest 1 fails on rank 1",),
+        suite_patterns=(r"test_it\s+passed\s+failed\s+failed",),
+    ),
+    Scenario(
+        "a_failing_pytest_subtest_on_one_rank",
+        """
+@pytest.mark.msrun(worker_num=2)
+def test_it(rank, subtests):
+    for i in range(3):
+        with subtests.test(i=i):
+            assert not (rank == 1 and i == 2), "subtest 2 fails on rank 1"
+""",
+        never=("passed",),
+        patterns=(r"subtest 2 fails on rank 1",),
+        suite_patterns=(r"test_it\s+passed\s+failed\s+failed",),
+    ),
+    Scenario(
+        "every_rank_skips_in_a_different_phase",
+        """
+@pytest.fixture
+def skip_on_1(rank):
+    if rank == 1:
+        pytest.skip("rank 1 skips in its fixture")
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_it(rank, skip_on_1):
+    pytest.skip("rank 0 skips in the body")
+""",
+        counts={"skipped": 1},
+        never=("passed", "failed", "errors"),
+        suite_ok=True,
+        suite_patterns=(r"test_it\s+skipped\s+skipped\s+skipped",),
+    ),
+    Scenario(
+        "every_rank_skips_at_collection",
+        """
+if os.environ.get("RANK_ID"):
+    pytest.skip("no ranks here", allow_module_level=True)
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_it(rank):
+    pass
+""",
+        counts={"skipped": 1},
+        never=("passed", "failed", "errors"),
+        suite_ok=True,
+        modes=("fresh", "warm"),
+    ),
+    *[
+        Scenario(
+            f"a_strict_xfail_failing_on_rank_0_only_{name}",
+            f"""
+@pytest.mark.xfail(strict=True, reason="fails on rank 0")
+@pytest.mark.msrun(worker_num=2)
+def test_it(rank, msrun_tmp_path):
+    if rank == {slow}:
+        (msrun_tmp_path / "other-done").exists() or wait_for((msrun_tmp_path / "done").exists, 3.0)
+    else:
+        (msrun_tmp_path / "done").write_text("")
+    assert rank != 0
+""",
+            counts={"xfailed": 1},
+            never=("passed", "failed", "xpassed"),
+            suite_ok=True,
+            suite_patterns=(r"1 xfailed",),
+        )
+        for name, slow in (("rank_0_slow", 0), ("rank_1_slow", 1))
+    ],
+    Scenario(
+        "a_skip_on_one_rank",
+        """
+@pytest.mark.msrun(worker_num=2)
+def test_it(rank):
+    if rank == 1:
+        pytest.skip("only on rank 1")
+""",
+        never=("passed", "skipped"),
+        patterns=(r"a test must skip on every rank or on none",),
+        suite_patterns=(r"test_it\s+passed\s+skipped\s+failed", r"a test must skip on every rank or on none"),
+    ),
+    Scenario(
+        "os_exit_0_on_one_rank",
+        """
+@pytest.mark.msrun(worker_num=2)
+def test_it(rank, msrun_tmp_path):
+    if rank == 1:
+        os._exit(0)
+""",
+        counts={"failed": 1},
+        never=("passed",),
+        suite_patterns=(r"test_it\s+passed\s+crashed \(exit 0\)\s+failed",),
+    ),
+    Scenario(
+        "a_module_fixture_whose_teardown_fails_with_the_last_test_statically_skipped",
+        """
+@pytest.fixture(scope="module")
+def resource():
+    yield
+    raise RuntimeError("module fixture teardown failed")
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_uses(rank, resource):
+    pass
+
+
+@pytest.mark.skipif(True, reason="static")
+@pytest.mark.msrun(worker_num=2)
+def test_skipped(rank):
+    pass
+""",
+        counts={"passed": 1, "skipped": 1, "errors": 1},
+        patterns=(r"module fixture teardown failed",),
+        suite_patterns=(r"module fixture teardown failed|error",),
+    ),
+]
+
+
+def _source(scenario: Scenario) -> str:
+    return HEAD + scenario.body
+
+
+@pytest.mark.parametrize("mode", ["fresh", "warm"])
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_plugin_modes(pytester: pytest.Pytester, monkeypatch, scenario: Scenario, mode: str):
+    if mode not in scenario.modes:
+        pytest.skip(f"{scenario.name} is not a {mode} scenario")
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv(MARK, mark)
+    pytester.makepyfile(test_scenario=_source(scenario))
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-rA", f"--msrun-worlds={mode}", *scenario.args, timeout=120
+    )
+    text = result.stdout.str()
+    counts = result.parseoutcomes()
+    for name, count in scenario.counts.items():
+        assert counts.get(name, 0) == count, (name, counts, text)
+    for name in scenario.never:
+        assert not counts.get(name), (name, counts, text)
+    assert result.ret == (0 if scenario.suite_ok else 1), text  # the same verdict as suite mode's
+    for pattern in scenario.patterns:
+        assert re.search(pattern, text), f"{pattern!r} not in:\n{text}"
+    assert not wait_gone(mark), "processes left behind"
+
+
+SUITES = [s for s in SCENARIOS if "suite" in s.modes]
+
+
+@pytest.mark.parametrize("scenario", SUITES, ids=[s.name for s in SUITES])
+def test_suite_mode(msrun, scenario: Scenario):
+    msrun.script("test_scenario.py", _source(scenario))
+    args = [a for a in scenario.args if a.startswith("--msrun-timeout")]
+    job = msrun.run(job_args(2, "pytest", "-q", "-p", "no:cacheprovider", *args, "test_scenario.py"), timeout=120)
+    out = job.stdout + job.stderr
+    assert "msrun: pytest results of 2 rank(s)" in job.stdout, out
+    table = job.stdout[job.stdout.index("msrun: pytest results of 2 rank(s)") :]
+    assert "on rank(s) \n" not in table and not re.search(r"on rank\(s\)\s*:", table)
+    if scenario.suite_ok:
+        assert job.returncode == 0, out
+    else:
+        assert job.returncode != 0, out
+    for pattern in scenario.suite_patterns:
+        assert re.search(pattern, table, re.M), f"{pattern!r} not in:\n{table}"
+    status = job.status()
+    assert status["exit_code"] == job.returncode
