@@ -1,17 +1,25 @@
 """A large job's control plane: N ranks on 8 local msrun nodes, init + barrier + all-gather.
 
-    python bench/bench_collective.py [--sizes 64,128,256,512,1024] [--runs 3] [--nodes 8]
+    python bench/bench_collective.py [--sizes 64,128,256,512,1024] [--runs 3] [--nodes 8] [--node-rank]
+                                     [--trace]
 
 For each size, in shuffled order every round:
 
 * floor: N bare ``python rank.py`` processes (the same imports, no launcher, no communication),
   started by 8 concurrent spawners as 8 msrun nodes would;
 * the job: 8 ``pmsrun`` invocations (one hosts the scheduler) of N/8 workers each, every rank
-  calling ``cluster.init()``, ``barrier()`` and ``all_gather_object(rank)``.
+  calling ``cluster.init()``, ``barrier()`` and ``all_gather_object(rank)``; with ``--node-rank``
+  each invocation is given its ``--node_rank`` (how multi-node jobs are usually started: the nodes
+  start their workers before they register), else the control plane assigns the nodes.
 
-Reported: the job's wall time, its ratio to the floor (target <= 2x at 1024 ranks), and the
-collective time after the last rank arrived (from the ranks' own clocks: the last rank entering
-``init()`` to the last all-gather returning).
+Reported: the job's wall time, its ratio to the floor (target: <= 2x at 512 ranks; every size
+exits 0), and the collective time after the last rank arrived (from the ranks' own clocks: the
+last rank entering ``init()`` to the last all-gather returning).
+
+With ``--trace`` every round also runs the job traced (``MSRUN_TRACE``, written by node 0, the
+other nodes shipping their events over the control plane) and reports what tracing costs: the
+traced job's median against the untraced one's (target: <= 2 % at 256 ranks); the trace must load
+and hold every rank's lane.
 """
 
 from __future__ import annotations
@@ -50,6 +58,9 @@ procs = [subprocess.Popen([python, script]) for _ in range(n)]
 sys.exit(max(p.wait() for p in procs))
 """
 RATIO_TARGET = 2.0
+RATIO_AT = 512  # ranks: the size the ratio target is for (every size must exit 0)
+TRACE_TARGET = 0.02  # tracing's cost, as a share of the job's wall time
+TRACE_AT = 256
 
 
 def floor(python: str, env: dict[str, str], scratch: Path, n: int, nodes: int) -> float:
@@ -64,7 +75,19 @@ def floor(python: str, env: dict[str, str], scratch: Path, n: int, nodes: int) -
     return time.perf_counter() - t0
 
 
-def job(python: str, env: dict[str, str], scratch: Path, n: int, nodes: int, tag: str) -> tuple[float, float]:
+def check_trace(path: Path, n: int) -> None:
+    import json
+
+    events = json.loads(path.read_text())["traceEvents"]
+    lanes = {ev["pid"] for ev in events if ev.get("name") == "process_name" and ev["pid"] >= 1000}
+    if len(lanes) != n:
+        raise SystemExit(f"the trace {path} has {len(lanes)} rank lanes, not {n}")
+    path.unlink()
+
+
+def job(
+    python: str, env: dict[str, str], scratch: Path, n: int, nodes: int, tag: str, node_rank: bool, trace: bool = False
+) -> tuple[float, float]:
     from socket import socket
 
     with socket() as s:  # a free port for the scheduler (nodes find it by --master_port)
@@ -73,12 +96,20 @@ def job(python: str, env: dict[str, str], scratch: Path, n: int, nodes: int, tag
     stamps = scratch / f"stamps-{tag}"
     stamps.mkdir()
     job_env = {**env, "STAMPS": str(stamps), "MSRUN_JOB_TOKEN": os.urandom(16).hex()}
+    trace_file = scratch / f"trace-{tag}.json"
+    if trace:
+        job_env["MSRUN_TRACE"] = str(trace_file)
     cmd = [python, "-m", "pytest_msrun", f"--worker_num={n}", f"--local_worker_num={n // nodes}"]
     cmd += [f"--master_port={port}", "--join=True", "--cluster_time_out=600"]
     t0 = time.perf_counter()
     procs = [
         subprocess.Popen(
-            [*cmd, f"--log_dir={scratch / f'logs-{tag}-{i}'}", str(scratch / "rank.py")],
+            [
+                *cmd,
+                f"--log_dir={scratch / f'logs-{tag}-{i}'}",
+                *([f"--node_rank={i}"] if node_rank else []),
+                str(scratch / "rank.py"),
+            ],
             env=job_env,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -89,6 +120,8 @@ def job(python: str, env: dict[str, str], scratch: Path, n: int, nodes: int, tag
     wall = time.perf_counter() - t0
     if any(codes):
         raise SystemExit(f"the job failed: exit codes {codes} (logs in {scratch})")
+    if trace:
+        check_trace(trace_file, n)
     pairs = [tuple(map(float, (stamps / str(r)).read_text().split())) for r in range(n)]
     return wall, max(b for _, b in pairs) - max(a for a, _ in pairs)
 
@@ -98,11 +131,14 @@ def main() -> int:
     ap.add_argument("--sizes", default="64,128,256,512,1024")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--nodes", type=int, default=8)
+    ap.add_argument("--node-rank", action="store_true", help="give each msrun its --node_rank")
+    ap.add_argument("--trace", action="store_true", help="also run each job traced: what MSRUN_TRACE costs")
     ap.add_argument("--here", action="store_true", help="this interpreter and checkout, not a fresh install")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     print(machine())
-    print(f"{args.nodes} msrun nodes on this host; {args.runs} rounds per size, shuffled; medians [25th-75th]")
+    how = "each given its --node_rank" if args.node_rank else "nodes assigned by the control plane"
+    print(f"{args.nodes} msrun nodes on this host ({how}); {args.runs} rounds per size, shuffled; medians [25th-75th]")
     failed = []
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
@@ -114,15 +150,18 @@ def main() -> int:
         (scratch / "spawner.py").write_text(SPAWNER)
         rng = random.Random(1)
         for n in sizes:
-            floors, walls, colls = [], [], []
+            floors, walls, colls, traced = [], [], [], []
             for i in range(args.runs):
-                order = ["floor", "job"]
+                order = ["floor", "job"] + (["traced"] if args.trace else [])
                 rng.shuffle(order)
                 for what in order:
                     if what == "floor":
                         floors.append(floor(python, env, scratch, n, args.nodes))
+                    elif what == "traced":
+                        tag = f"{n}-{i}-traced"
+                        traced.append(job(python, env, scratch, n, args.nodes, tag, args.node_rank, trace=True)[0])
                     else:
-                        wall, coll = job(python, env, scratch, n, args.nodes, f"{n}-{i}")
+                        wall, coll = job(python, env, scratch, n, args.nodes, f"{n}-{i}", args.node_rank)
                         walls.append(wall)
                         colls.append(coll)
             ratio = statistics.median(walls) / statistics.median(floors)
@@ -130,11 +169,19 @@ def main() -> int:
                 f"N = {n:5}: floor {seconds(floors)}  job {seconds(walls)}  ratio {ratio:.2f}x  "
                 f"collectives after the last rank arrived {seconds(colls)}"
             )
-            if n >= 1024:
+            if n == RATIO_AT:
                 ok = ratio <= RATIO_TARGET
                 line += f"  target ratio <= {RATIO_TARGET:.0f}x: {'PASS' if ok else 'FAIL'}"
                 failed += [] if ok else [f"ratio N={n}"]
             print(line, flush=True)
+            if traced:
+                cost = statistics.median(traced) / statistics.median(walls) - 1
+                line = f"          traced job {seconds(traced)}  tracing costs {cost * 100:+.1f} % of the job"
+                if n == TRACE_AT:
+                    ok = cost <= TRACE_TARGET
+                    line += f"  target <= {TRACE_TARGET * 100:.0f} %: {'PASS' if ok else 'FAIL'}"
+                    failed += [] if ok else [f"trace cost N={n}"]
+                print(line, flush=True)
     print(f"\nresult: {'PASS' if not failed else 'FAIL: ' + ', '.join(failed)}")
     return 0 if not failed else 1
 

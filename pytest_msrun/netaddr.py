@@ -102,7 +102,7 @@ def free_port(ip: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> int:
     raise OSError("no free port found")
 
 
-def listen_socket(ip: str, port: int, backlog: int = 512) -> socket.socket:
+def listen_socket(ip: str, port: int, backlog: int = 4096) -> socket.socket:
     """A listening TCP socket on ``ip:port`` (``port`` 0 = any free port)."""
     sock = socket.socket(family_of(ip), socket.SOCK_STREAM)
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -28,12 +29,42 @@ collect_ignore = ["examples"]  # example test files for pytester runs, not tests
 
 # Tiers: a test marked ``torch``, ``mindspore`` or ``numactl`` skips with the reason where that
 # framework or tool is missing (a user's machine), and fails instead when MSRUN_TEST_REQUIRE names
-# the tier (CI sets MSRUN_TEST_REQUIRE=torch,mindspore,numactl).
+# the tier (CI sets MSRUN_TEST_REQUIRE to every tier: see .ci/run).
 TIERS = {
     "torch": ("module", "torch", "pip install torch==2.13.0"),
     "mindspore": ("module", "mindspore", 'pip install mindspore==2.10.0 "numpy<2"'),
     "numactl": ("command", "numactl", "apt-get install numactl"),
+    "browser": ("command", "chromium", "apt-get install chromium"),
 }
+# ``cgroup``: every cgroup containment mode the suite tests (``@pytest.mark.cgroup("v2")``,
+# ``@pytest.mark.cgroup("freezer")``) must be available; a test of a mode this host lacks is
+# collected and skips with the reason, or fails when MSRUN_TEST_REQUIRE names ``cgroup``.
+CGROUP_TIER = "cgroup"
+CGROUP_MODES = {"v2": "cgroup v2", "freezer": "cgroup v1 freezer"}
+REQUIRE_ENV = "MSRUN_TEST_REQUIRE"
+
+
+def known_tiers() -> list[str]:
+    from labfixtures import LAB_TIERS
+
+    return [*TIERS, *LAB_TIERS, CGROUP_TIER]
+
+
+def required_tiers() -> set[str]:
+    return {t.strip() for t in os.environ.get(REQUIRE_ENV, "").split(",") if t.strip()}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "cgroup(mode): needs that cgroup containment mode (v2, freezer) on this host "
+        "(skips cleanly when absent; fails under MSRUN_TEST_REQUIRE=cgroup)",
+    )
+    unknown = sorted(required_tiers() - set(known_tiers()))
+    if unknown:  # a misspelt tier would otherwise require nothing, silently
+        raise pytest.UsageError(
+            f"{REQUIRE_ENV} names unknown tier(s) {', '.join(unknown)}; known tiers: {', '.join(known_tiers())}"
+        )
 
 
 def _present(kind: str, name: str) -> bool:
@@ -46,14 +77,34 @@ def _present(kind: str, name: str) -> bool:
     return importlib.util.find_spec(name) is not None
 
 
+@functools.cache
+def cgroup_reason(mode: str) -> str | None:
+    """Why msrun cannot contain a job with ``MSRUN_CGROUP=mode`` here, or None when it can: the
+    probe creates a cgroup as msrun does (this process moves in), then moves back and removes it."""
+    from pytest_msrun.engine import containment
+
+    if mode not in CGROUP_MODES:
+        raise ValueError(f"unknown cgroup mode {mode!r} (known: {', '.join(CGROUP_MODES)})")
+    probe = containment.create(f"probe{os.getpid()}{mode}", env={containment.CGROUP_ENV: mode})
+    if probe is None:
+        mounts = containment._mounts()
+        where = "no cgroup2 mount" if mode == "v2" else "no v1 freezer hierarchy"
+        if (mode == "v2" and "cgroup2" in mounts) or (mode == "freezer" and "freezer" in mounts):
+            where = "its hierarchy is mounted but not writable here (no root, no delegation)"
+        return f"{CGROUP_MODES[mode]} is not available ({where}); msrun would fall back to the environment sweep"
+    probe.leave()
+    probe.remove(1)
+    return None
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    required = {t.strip() for t in os.environ.get("MSRUN_TEST_REQUIRE", "").split(",") if t.strip()}
+    required = required_tiers()
     for tier, (kind, name, install) in TIERS.items():
         if item.get_closest_marker(tier) is None or _present(kind, name):
             continue
         reason = f"{name} is not installed ({install})"
         if tier in required:
-            pytest.fail(f"MSRUN_TEST_REQUIRE={tier}: {reason}", pytrace=False)
+            pytest.fail(f"{REQUIRE_ENV}={tier}: {reason}", pytrace=False)
         pytest.skip(reason)
     # Lab tiers: ``netns`` (root, ip/nsenter/unshare, working namespaces) and ``slurm`` (also
     # slurmctld/slurmd/munged/srun...); CI requires them with MSRUN_TEST_REQUIRE=netns,slurm.
@@ -66,8 +117,31 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         if lab_reason is None:
             continue
         if tier in required:
-            pytest.fail(f"MSRUN_TEST_REQUIRE={tier}: {lab_reason}", pytrace=False)
+            pytest.fail(f"{REQUIRE_ENV}={tier}: {lab_reason}", pytrace=False)
         pytest.skip(lab_reason)
+    for marker in item.iter_markers(CGROUP_TIER):
+        cg_reason = cgroup_reason(*marker.args)
+        if cg_reason is None:
+            continue
+        if CGROUP_TIER in required:
+            pytest.fail(f"{REQUIRE_ENV}={CGROUP_TIER}: {cg_reason}", pytrace=False)
+        pytest.skip(cg_reason)
+
+
+# The ecosystem plugins of the test extra (pytest-randomly, -timeout, -rerunfailures, -cov) are
+# installed for tests/test_ecosystem.py, which asks for them in its pytest sessions. Every other
+# pytest these tests start (pytester sessions, ranks) runs in file order, as written: pytest-randomly,
+# the one of them active by default, is off there unless a session turns it back on (-p randomly).
+NO_RANDOMLY = "-p no:randomly"
+os.environ["PYTEST_ADDOPTS"] = " ".join([os.environ.get("PYTEST_ADDOPTS", ""), NO_RANDOMLY]).strip()
+
+
+@pytest.fixture(autouse=True)
+def _pytester_in_file_order(request: pytest.FixtureRequest) -> None:
+    """pytester clears PYTEST_ADDOPTS for its sessions: put the file order back."""
+    if "pytester" in request.fixturenames:
+        request.getfixturevalue("pytester")
+        request.getfixturevalue("monkeypatch").setenv("PYTEST_ADDOPTS", NO_RANDOMLY)
 
 
 _next_port = [0]
@@ -233,6 +307,11 @@ rank = os.environ.get("RANK_ID", "x")
 path = os.path.join(os.environ["DUMP_DIR"], f"{role}_{rank}_{os.getpid()}.json")
 with open(path, "w") as fh:
     json.dump({**os.environ, "_argv": json.dumps(sys.argv), "_executable": sys.executable}, fh)
+release = os.environ.get("RELEASE_FILE")
+if release:  # held until the test creates this file (it inspects the running job meanwhile)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.02)
 time.sleep(float(os.environ.get("SLEEP", "0")))
 """
 
@@ -293,21 +372,37 @@ def wait_running(log_dir: Path, workers: int, name: str = "msrun_status.json") -
     return wait_for(ready)
 
 
-# A task whose ranks print "started", then behave as FAIL_MODE says for rank FAIL_RANK.
+# A task whose ranks print "started", then behave as FAIL_MODE says for rank FAIL_RANK: after
+# FAIL_AFTER seconds, or - ordered by an event instead of a delay - once the file FAIL_WHEN exists.
+# The other ranks hold SLEEP seconds (the workload), or until the file RELEASE_FILE exists.
 FAULTY = """
 import ctypes, os, signal, subprocess, sys, time
 rank = int(os.environ.get("RANK_ID", "0"))
 print("started", flush=True)
 mode = os.environ.get("FAIL_MODE", "")
+
+
+def wait_file(path, seconds=120.0):
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
 if os.environ.get("GRANDCHILD"):
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
 if os.environ.get("DAEMON"):
+    ready = os.path.join(os.environ["DUMP_DIR"], f"daemon{rank}")
     subprocess.Popen([sys.executable, "-c",
-        "import os, time\\nif os.fork() == 0:\\n    os.setsid()\\n    time.sleep(120)\\n"])
+        "import os, sys, time\\nif os.fork() == 0:\\n    os.setsid()\\n    open(sys.argv[1], 'w').close()\\n"
+        "    time.sleep(120)\\n", ready])
+    wait_file(ready)  # the daemon exists before this rank can end
 if os.environ.get("IGNORE_TERM"):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 if rank == int(os.environ.get("FAIL_RANK", "-1")):
-    time.sleep(float(os.environ.get("FAIL_AFTER", "0.3")))
+    if os.environ.get("FAIL_WHEN"):
+        wait_file(os.environ["FAIL_WHEN"])
+    else:
+        time.sleep(float(os.environ.get("FAIL_AFTER", "0.3")))
     if mode == "exit3":
         print("rank failing on purpose", flush=True)
         sys.exit(3)
@@ -317,7 +412,10 @@ if rank == int(os.environ.get("FAIL_RANK", "-1")):
         ctypes.string_at(0)
     if mode == "exit0":
         os._exit(0)
-time.sleep(float(os.environ.get("SLEEP", "120")))
+if os.environ.get("RELEASE_FILE"):
+    wait_file(os.environ["RELEASE_FILE"])
+else:
+    time.sleep(float(os.environ.get("SLEEP", "120")))
 """
 
 

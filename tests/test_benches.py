@@ -38,6 +38,18 @@ BENCHES = {
         ["bench_collective.py", "--sizes", "8", "--runs", "1", "--nodes", "2", "--here"],
         ["N =     8", "collectives after the last rank arrived", "result:"],
     ),
+    "collective, traced": (
+        ["bench_collective.py", "--sizes", "8", "--runs", "1", "--nodes", "2", "--here", "--trace"],
+        ["N =     8", "traced job", "tracing costs", "result:"],
+    ),
+    "collective, node ranks given": (
+        ["bench_collective.py", "--sizes", "8", "--runs", "1", "--nodes", "2", "--here", "--node-rank"],
+        ["each given its --node_rank", "N =     8", "result:"],
+    ),
+    "soak": (
+        ["bench_soak.py", "--jobs", "2", "--ranks", "4", "--nodes", "2", "--here"],
+        ["beside 2 CPU hogs", "jobs that did not exit 0: 0 of 2", "processes left behind: 0", "result: PASS"],
+    ),
     "plugin": (
         ["bench_plugin.py", "--tests", "1", "--runs", "1"],
         ["per-test overhead, marked", "like for like", "target:"],

@@ -25,7 +25,11 @@ rec = {"cpus": sorted(os.sched_getaffinity(0)), "policy": policy, "cpu_list": os
        "bind_file": os.environ.get("MSRUN_BIND_FILE")}
 json.dump(rec, open(os.path.join(os.environ["DUMP_DIR"], f"bind_{rank}.json"), "w"))
 print("started", flush=True)
-time.sleep(float(os.environ.get("SLEEP", "0")))
+release = os.environ.get("RELEASE_FILE")
+if release:  # held until the test creates this file (it inspects the running job meanwhile)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.02)
 """
 
 # Every expectation below is derived from the machine the tests run on (its allowed CPUs, physical
@@ -82,11 +86,12 @@ def test_bind_core_dict_and_scheduler(msrun):
             "--bind_core=" + json.dumps({"device1": [str(a)], "scheduler": [str(b)], "device0": [str(b)]}),
             "report.py",
         ),
-        env={"SLEEP": "1"},
+        env={"RELEASE_FILE": str(msrun.cwd / "release")},  # runs until the scheduler was inspected
     )
     status = wait_running(msrun.cwd / "logs", 2)
     sched = next(p for p in status["processes"] if p["role"] == "scheduler")
     assert psutil.Process(sched["pid"]).cpu_affinity() == [b]
+    (msrun.cwd / "release").touch()
     job = msrun.finish(popen)
     assert job.returncode == 0, job.stderr
     assert [r["cpus"] for r in _recs(msrun, 2)] == [[b], [a]]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import REPO, free_port
+from conftest import REPO, free_port, wait_for
 
 BAD = [
     (["--worker_num=0"], "--worker_num", "greater than 0"),
@@ -92,15 +92,30 @@ def test_a_non_executable_shell_script_is_refused_before_start(msrun):
 def test_two_identical_launches_at_once_one_runs_one_is_refused(msrun):
     """The port is bound by msrun itself before anything starts (no check-then-bind gap): of two
     jobs on the same port, one runs and the other exits 2 with nothing created."""
-    msrun.script("x.py", "import time\ntime.sleep(1)\n")
+    # The job that runs holds the port until the test lets it go - after the other has exited -
+    # so "at once" does not depend on how quickly a loaded machine starts the second msrun.
+    msrun.script(
+        "x.py",
+        """
+        import os, time
+        deadline = time.monotonic() + 120
+        while not os.path.exists(os.environ["RELEASE"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        """,
+    )
     for attempt in range(3):
-        args = ["--worker_num=2", "--local_worker_num=2", "--master_port=0", "--join=True", "x.py"]
         port = free_port()
-        args[2] = f"--master_port={port}"
-        a = msrun.start([*args[:-1], "--dist_port=70000", "--dist_port=-1", f"--log_dir=a{attempt}", "x.py"])
-        b = msrun.start([*args[:-1], "--dist_port=70000", "--dist_port=-1", f"--log_dir=b{attempt}", "x.py"])
+        release = msrun.cwd / f"release{attempt}"
+        args = ["--worker_num=2", "--local_worker_num=2", f"--master_port={port}", "--join=True"]
+        args += ["--dist_port=70000", "--dist_port=-1"]
+        env = {"RELEASE": str(release)}
+        a = msrun.start([*args, f"--log_dir=a{attempt}", "x.py"], env=env)
+        b = msrun.start([*args, f"--log_dir=b{attempt}", "x.py"], env=env)
+        wait_for(lambda a=a, b=b: a.poll() is not None or b.poll() is not None, timeout=60)
+        early = [p.returncode for p in (a, b) if p.poll() is not None]  # ended while the other held the port
+        release.touch()
         codes = sorted([msrun.finish(a).returncode, msrun.finish(b).returncode])
-        assert codes == [0, 2], codes
+        assert early == [2] and codes == [0, 2], (early, codes)
         assert len([d for d in (f"a{attempt}", f"b{attempt}") if (msrun.cwd / d).exists()]) == 1
 
 

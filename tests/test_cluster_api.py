@@ -64,44 +64,74 @@ def test_collectives_across_two_nodes(msrun):
     assert all(o["gathered"][3] == {"rank": 3, "sq": 9} for o in outs)
 
 
+# Rank 1 leaves while the others are blocked in a barrier: it asks the control plane (as an
+# observer, with the job's own token) until ranks 0 and 2 wait in that barrier - an event, not a
+# guess at how long they take to get there. The ranks record, on the machine-wide monotonic clock,
+# when they entered the barrier and when it raised; rank 1 when it left.
 PEER_DIES = """
 import os, signal, sys, time
 from pytest_msrun import cluster
+from pytest_msrun.control.observer import query_from_env
+
+
+def peers_wait_in_a_barrier(others, seconds=60.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        state = query_from_env(dict(os.environ)) or {}
+        if any(c["op"] == "barrier" and c["ranks"] == others for c in state.get("collectives", [])):
+            return True
+        time.sleep(0.02)
+    return False
+
+
 if os.environ.get("IGNORE_TERM"):
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 cluster.init()
 rank = cluster.get_rank()
+dump = os.environ["DUMP_DIR"]
 if rank == 1:
-    time.sleep(0.3)
+    waited = peers_wait_in_a_barrier([0, 2])
+    with open(os.path.join(dump, "left_1.txt"), "w") as fh:
+        fh.write(f"{time.monotonic():.6f} {waited}")
     os._exit(7)
 t0 = time.monotonic()
 try:
     cluster.barrier()
 except cluster.ClusterError as exc:
     print(f"rank {rank} barrier raised after {time.monotonic() - t0:.2f}s: {type(exc).__name__}: {exc}", flush=True)
-    with open(os.path.join(os.environ["DUMP_DIR"], f"raised_{rank}.txt"), "w") as fh:
-        fh.write(f"{time.monotonic() - t0:.3f} {exc}")
+    with open(os.path.join(dump, f"raised_{rank}.txt"), "w") as fh:
+        fh.write(f"{t0:.6f} {time.monotonic():.6f} {exc}")
     sys.exit(5)
 print("barrier passed?!", flush=True)
 """
+
+
+def _raised(dump) -> dict[str, tuple[float, float, str]]:
+    out = {}
+    for path in dump.glob("raised_*.txt"):
+        entered, raised, text = path.read_text().split(" ", 2)
+        out[path.name] = (float(entered), float(raised), text)
+    return out
 
 
 def test_blocked_barrier_raises_promptly_when_a_peer_dies(msrun):
     msrun.script("peer.py", PEER_DIES)
     # The survivors ignore SIGTERM, so msrun's teardown does not end them before they can
     # observe what their blocked barrier does when rank 1 dies.
-    t0 = time.monotonic()
     job = msrun.run(
         job_args(3, "--scheduler=builtin", "peer.py"),
         env={"IGNORE_TERM": "1", "MSRUN_TERM_TIMEOUT": "5"},
     )
-    assert time.monotonic() - t0 < 10
+    ended = time.monotonic()
     assert job.returncode == 7, job.stderr
-    raised = sorted(p.name for p in msrun.dump.glob("raised_*.txt"))
-    assert raised == ["raised_0.txt", "raised_2.txt"], job.stderr
-    for name in raised:
-        elapsed, text = (msrun.dump / name).read_text().split(" ", 1)
-        assert float(elapsed) < 2.0 and "rank 1" in text, text
+    left, waited = (msrun.dump / "left_1.txt").read_text().split()
+    assert waited == "True", "ranks 0 and 2 were seen waiting in the barrier before rank 1 left"
+    raised = _raised(msrun.dump)
+    assert sorted(raised) == ["raised_0.txt", "raised_2.txt"], job.stderr
+    for entered, at, text in raised.values():
+        assert entered < float(left), "blocked in the barrier when rank 1 left"
+        assert at - float(left) < 2.0 and "rank 1" in text, text
+    assert ended - float(left) < 10, "the job ended within seconds of rank 1 leaving"
 
 
 def test_barrier_error_without_teardown(msrun):
@@ -109,28 +139,51 @@ def test_barrier_error_without_teardown(msrun):
     msrun.script("early.py", PEER_DIES.replace("os._exit(7)", "os._exit(0)"))
     job = msrun.run(job_args(3, "--scheduler=builtin", "early.py"))
     assert job.returncode == 5, job.stderr
-    raised = sorted(p.name for p in msrun.dump.glob("raised_*.txt"))
+    raised = _raised(msrun.dump)
     assert raised and set(raised) <= {"raised_0.txt", "raised_2.txt"}
-    text = (msrun.dump / raised[0]).read_text()
-    assert "rank 1 left the job" in text
+    assert all("rank 1 left the job" in text for _, _, text in raised.values()), raised
 
 
+# Rank 1 exits before init(); rank 2 calls init() only once the control plane knows rank 1's process
+# ended, and rank 0 (already waiting in init()) stays until rank 2 has its answer: each side of
+# "told at once" is ordered by the event it is about, never by sleeping.
 EXITS_BEFORE_JOINING = """
 import os, sys, time
 from pytest_msrun import cluster
 rank = int(os.environ["RANK_ID"])
+dump = os.environ["DUMP_DIR"]
+
+
+def wait_for(predicate, seconds=60.0):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def rank_1_exited():
+    from pytest_msrun.control.observer import query_from_env
+    return "1" in (query_from_env(dict(os.environ)) or {}).get("exited", {})
+
+
 if rank == 1:
     print("rank 1 returns without joining", flush=True)
+    with open(os.path.join(dump, "exit_1.txt"), "w") as fh:
+        fh.write(f"{time.monotonic():.6f}")
     sys.exit(0)
 if rank == 2:
-    time.sleep(1.0)  # joins after rank 1 is already gone
+    assert wait_for(rank_1_exited), "the control plane never heard that rank 1 exited"
 t0 = time.monotonic()
 try:
     cluster.init(timeout=60)
 except cluster.ClusterError as exc:
-    with open(os.path.join(os.environ["DUMP_DIR"], f"init_{rank}.txt"), "w") as fh:
-        fh.write(f"{time.monotonic() - t0:.3f} {exc}")
-    time.sleep(2.0 if rank == 0 else 0)  # let rank 2 arrive late before the job ends
+    with open(os.path.join(dump, f"init_{rank}.tmp"), "w") as fh:
+        fh.write(f"{t0:.6f} {time.monotonic():.6f} {exc}")
+    os.rename(os.path.join(dump, f"init_{rank}.tmp"), os.path.join(dump, f"init_{rank}.txt"))
+    if rank == 0:  # the job ends when rank 0 exits: not before rank 2 arrived late and was told
+        wait_for(lambda: os.path.exists(os.path.join(dump, "init_2.txt")))
     sys.exit(4)
 sys.exit(9)
 """
@@ -139,13 +192,14 @@ sys.exit(9)
 def test_init_fails_at_once_when_a_rank_exited_without_joining(msrun):
     """Rank 1 exits 0 before init(): peers waiting in init() (or arriving later) are told at once."""
     msrun.script("early_exit.py", EXITS_BEFORE_JOINING)
-    t0 = time.monotonic()
     job = msrun.run(job_args(3, "--scheduler=builtin", "--cluster_time_out=60", "early_exit.py"))
-    assert time.monotonic() - t0 < 20
     assert job.returncode == 4, job.stdout + job.stderr
+    exited = float((msrun.dump / "exit_1.txt").read_text())
     for rank in (0, 2):
-        elapsed, text = (msrun.dump / f"init_{rank}.txt").read_text().split(" ", 1)
-        assert float(elapsed) < 5.0, text
+        started, told, text = (msrun.dump / f"init_{rank}.txt").read_text().split(" ", 2)
+        # told within seconds of calling init() or of rank 1's exit, whichever came later - not
+        # after the 60 s the init() and --cluster_time_out would otherwise wait
+        assert float(told) - max(float(started), exited) < 5.0, text
         assert "rank 1 exited without joining the group: its process exited with code 0" in text
 
 

@@ -2,7 +2,7 @@
 
 Compared: the environment of every role, log file names, console lines (pids, paths, times
 normalised), exit codes, and the processes of dry runs. Every difference found must be a row of
-the README's table "Differences from MindSpore's msrun"; anything else fails.
+the table in docs/launcher.md, "Differences from MindSpore's msrun"; anything else fails.
 """
 
 from __future__ import annotations
@@ -34,13 +34,13 @@ MINDSPORE_IMPORT = {
 
 
 def documented() -> set[str]:
-    text = (REPO / "README.md").read_text()
-    section = text.split("### Differences from MindSpore's msrun", 1)[1].split("\n### ", 1)[0]
+    text = (REPO / "docs" / "launcher.md").read_text()
+    section = text.split("## Differences from MindSpore's msrun", 1)[1].split("\n## ", 1)[0]
     return set(re.findall(r"^\| `([^`]+)` \|", section, re.M))
 
 
 class Differences:
-    """Every difference found, by the README row that should explain it."""
+    """Every difference found, by the documented row (docs/launcher.md) that should explain it."""
 
     def __init__(self) -> None:
         self.found: dict[str, list[str]] = {}
@@ -51,7 +51,7 @@ class Differences:
     def assert_documented(self) -> None:
         rows = documented()
         missing = {k: v[:3] for k, v in self.found.items() if k not in rows}
-        assert not missing, f"differences from MindSpore's msrun that the README's table does not list: {missing}"
+        assert not missing, f"differences from MindSpore's msrun that docs/launcher.md's table does not list: {missing}"
 
 
 class Launchers:
@@ -103,7 +103,7 @@ def both(tmp_path, request):
 def compare_env(
     diff: Differences, real: dict[str, dict[str, str]], ours: dict[str, dict[str, str]], because: str = ""
 ) -> None:
-    """``because``: the README row that explains any other difference (a documented behaviour)."""
+    """``because``: the row of docs/launcher.md that explains any other difference (documented)."""
     assert sorted(real) == sorted(ours), (sorted(real), sorted(ours))
     for role in real:
         theirs, mine = real[role], ours[role]
@@ -175,13 +175,44 @@ def compare_console(diff: Differences, real, ours) -> None:
         diff.note("exit status of a failed job", f"{r_other[-1:]} | {o_other[:1]}")
 
 
+# Ordered by events, never by delays: rank 1 fails once every process of the job (the workers
+# and the scheduler) has printed its line - the consoles compare those lines - while rank 0 still
+# runs, so each launcher stops it; MindSpore's msrun then waits for its scheduler (it stops only the
+# workers), which ends once rank 0 is gone (ours stops the scheduler with rank 0).
 FAILING = """
 import os, sys, time
-print("role", os.environ.get("MS_ROLE"), "rank", os.environ.get("RANK_ID"), flush=True)
-if os.environ.get("MS_ROLE") == "MS_WORKER" and os.environ.get("RANK_ID") == "1" and os.environ.get("FAIL"):
-    time.sleep(0.3)
+role, rank = os.environ.get("MS_ROLE"), os.environ.get("RANK_ID")
+print("role", role, "rank", rank, flush=True)
+dump = os.environ["DUMP_DIR"]
+open(os.path.join(dump, f"printed-{role}-{rank}-{os.getpid()}"), "w").close()
+
+
+def printed():
+    return [name.split("-") for name in os.listdir(dump) if name.startswith("printed-")]
+
+
+def wait_for(predicate, seconds=60.0):
+    deadline = time.monotonic() + seconds
+    while not predicate() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def gone(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+if not os.environ.get("FAIL"):
+    sys.exit(0)
+if role == "MS_WORKER" and rank == "1":
+    wait_for(lambda: len(printed()) == int(os.environ["MS_WORKER_NUM"]) + 1)
     sys.exit(3)
-time.sleep(0.5)
+if role == "MS_WORKER":
+    time.sleep(60)  # the workload: still running when rank 1 fails
+wait_for(lambda: any(p[1:3] == ["MS_WORKER", "0"] and gone(int(p[3])) for p in printed()))
 """
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 
 import pytest
 from conftest import REPO, read_status, wait_for, wait_gone
@@ -72,6 +71,8 @@ RANK_TIMES = """
 import json, os, sys, time
 rank = int(os.environ["RANK_ID"])
 start = time.time()
+if os.environ.get("STARTED_DIR"):  # tells the test that this rank runs
+    open(os.path.join(os.environ["STARTED_DIR"], str(rank)), "w").close()
 time.sleep(float(os.environ.get("HOLD", "0.05")))
 with open(os.path.join(os.environ["DUMP_DIR"], f"t_{rank}.json"), "w") as fh:
     json.dump([rank, start, time.time(), os.environ["RANK_SIZE"]], fh)
@@ -165,13 +166,15 @@ def test_selection_errors_are_usage_errors(msrun, env_dump):
 
 def test_ctrl_c_stops_a_dry_run(msrun):
     msrun.script("ranks.py", RANK_TIMES)
+    started = msrun.cwd / "started"
+    started.mkdir()
     popen = msrun.start(
         ["--worker_num=64", "--local_worker_num=64", "--sim_level=0", "--join=True", "--log_dir=logs", "ranks.py"],
-        env={"HOLD": "30"},
+        env={"HOLD": "30", "STARTED_DIR": str(started)},
         start_new_session=True,
     )
     wait_for(lambda: (st := read_status(msrun.cwd / "logs")) and st["state"] == "running" and st["processes"])
-    time.sleep(0.3)
+    wait_for(lambda: any(started.iterdir()), timeout=60)  # a simulated rank is running its task
     os.killpg(popen.pid, signal.SIGINT)
     job = msrun.finish(popen, timeout=30)
     assert job.returncode == 130, job.stderr

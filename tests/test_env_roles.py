@@ -12,7 +12,7 @@ import sys
 
 import psutil
 import pytest
-from conftest import job_args
+from conftest import job_args, read_status, wait_for
 
 START_WORKER = re.compile(
     r"^Start worker process with rank id:(\d+), log file:(\S+)\. Environment variable \[RANK_ID=(\d+)\] is exported\. "
@@ -85,26 +85,14 @@ def test_task_mode_scheduler_and_worker_env(msrun, env_dump):
 
 
 def test_builtin_scheduler_env_read_from_proc(msrun, env_dump):
-    popen = msrun.start(
-        job_args(2, "env_dump.py"),
-        env={"SLEEP": "3"},
-    )
-    import time
-
-    deadline = time.monotonic() + 10
-    status = None
-    while time.monotonic() < deadline:
-        path = msrun.cwd / "logs" / "msrun_status.json"
-        if path.exists():
-            status = json.loads(path.read_text())
-            if status["state"] == "running":
-                break
-        time.sleep(0.05)
-    assert status is not None
+    release = msrun.cwd / "release"  # the job runs until its scheduler's environment was read
+    popen = msrun.start(job_args(2, "env_dump.py"), env={"RELEASE_FILE": str(release)})
+    status = wait_for(lambda: (st := read_status(msrun.cwd / "logs")) and st["state"] == "running" and st)
     sched = next(p for p in status["processes"] if p["role"] == "scheduler")
     env = psutil.Process(sched["pid"]).environ()
     assert env["MS_ROLE"] == "MS_SCHED" and env["RANK_ID"] == "0" and env["MS_WORKER_NUM"] == "2"
     assert "DEVICE_ID" not in env
+    release.touch()
     job = msrun.finish(popen)
     assert job.returncode == 0, job.stderr
 

@@ -5,10 +5,14 @@ MindSpore jobs are slow to start (seconds of import per process), so each test h
 
 from __future__ import annotations
 
+import os
+import socket
 import time
+from pathlib import Path
 
+import psutil
 import pytest
-from conftest import job_args
+from conftest import job_args, wait_for
 
 pytestmark = pytest.mark.mindspore
 
@@ -75,3 +79,58 @@ def test_mindspore_keeps_its_msrun_and_ours_is_pmsrun():
     assert "mindspore.parallel.cluster.run" in theirs
     ours = subprocess.run([str(bindir / "pmsrun"), "--help"], capture_output=True, text=True)
     assert ours.returncode == 0 and "--scheduler" in ours.stdout
+
+
+HOLD = """
+import os, time
+import mindspore as ms
+from mindspore.communication import init
+ms.set_device("CPU")
+init()
+open(os.path.join(os.environ["DUMP_DIR"], "inited-" + os.environ["RANK_ID"]), "w").close()
+while not os.path.exists(os.environ["STOP_FILE"]):
+    time.sleep(0.05)  # pacing: hold the job open while the test probes the MindSpore scheduler
+"""
+
+
+def _listening_ports(pid: int) -> set[int]:
+    """TCP ports process ``pid`` listens on, as its own network namespace sees them."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def test_the_mindspore_scheduler_is_reachable_only_through_the_relay(msrun):
+    """Another user (or anyone) connecting straight to the MindSpore scheduler's port fails: it
+    listens in a private network namespace that only the relay's connections enter."""
+    msrun.script("hold.py", HOLD)
+    stop = msrun.cwd / "stop"
+    popen = msrun.start(job_args(2, "--scheduler=mindspore", "hold.py"), env={"STOP_FILE": str(stop)})
+    try:
+        wait_for(lambda: len(list(msrun.dump.glob("inited-*"))) == 2, timeout=180)
+        from pytest_msrun.control.msbridge import MS_SCHED_STUB
+
+        sched = next(
+            p for p in psutil.process_iter(["cmdline"]) if (p.info["cmdline"] or [])[1:3] == ["-c", MS_SCHED_STUB]
+        )
+        ports = _listening_ports(sched.pid)
+        assert ports, "the MindSpore scheduler listens somewhere"
+        for port in ports:
+            with socket.socket() as sock:
+                sock.settimeout(2)
+                assert sock.connect_ex(("127.0.0.1", port)) != 0, f"port {port} is reachable from outside"
+        assert os.readlink(f"/proc/{sched.pid}/ns/net") != os.readlink("/proc/self/ns/net")
+    finally:
+        stop.touch()
+    job = msrun.finish(popen, timeout=120)
+    assert job.returncode == 0, job.stdout + job.stderr + job.log("scheduler.log")[-3000:]
+    assert "in a private network namespace" in job.log("scheduler.log")

@@ -93,9 +93,10 @@ def test_missing_node_times_out_with_a_clear_error(msrun, env_dump):
 
 def test_extra_node_is_refused_and_the_job_goes_on(msrun, faulty_sleep):
     port = free_port()
-    a = _node(msrun, port, 2, 4, env={"SLEEP": "3"}, script="faulty.py")
+    release = msrun.cwd / "release"  # the job runs until the extra node was refused
+    a = _node(msrun, port, 2, 4, env={"RELEASE_FILE": str(release)}, script="faulty.py")
     _wait_listening(msrun)
-    b = _node(msrun, port, 2, 4, env={"SLEEP": "3"}, script="faulty.py")
+    b = _node(msrun, port, 2, 4, env={"RELEASE_FILE": str(release)}, script="faulty.py")
     wait_for(lambda: "4/4 ranks" in (msrun.cwd / "logs" / "scheduler.log").read_text())
     extra = msrun.run(
         [
@@ -108,6 +109,7 @@ def test_extra_node_is_refused_and_the_job_goes_on(msrun, faulty_sleep):
         ],
         log_dir="extra",
     )
+    release.touch()
     assert extra.returncode == 1
     assert "the scheduler refused this node: extra node" in extra.stderr
     assert "Start worker" not in extra.stdout

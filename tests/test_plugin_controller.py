@@ -25,13 +25,15 @@ def test_marked(i, rank, msrun):
 
 
 HANGS = """
-import time
+import os, time
 import pytest
 
 @pytest.mark.msrun(worker_num=2)
 def test_long(rank):
     print("started", flush=True)
-    time.sleep(60)
+    if os.environ.get("STARTED_DIR"):  # tells the test that this rank is inside its test
+        open(os.path.join(os.environ["STARTED_DIR"], f"rank{rank}"), "w").close()
+    time.sleep(60)  # the workload: a test still running when the controller is ended
 """
 
 
@@ -362,28 +364,24 @@ def test_devices_are_disjoint_across_xdist_workers(pytester, tracked):
 
 def test_ctrl_c_of_the_controller_leaves_nothing(pytester, tracked):
     pytester.makepyfile(test_hang=HANGS)
+    started = pytester.path / "started"
+    started.mkdir()
     # A terminal's Ctrl+C: SIGINT to the foreground process group. (xdist workers ignore SIGINT,
     # and children inherit that, so restore the default for the pytest under test.)
     proc = subprocess.Popen(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"],
         cwd=pytester.path,
+        env={**os.environ, "STARTED_DIR": str(started)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-
-    def rank_started() -> bool:
-        return any(
-            p.name().startswith("python")
-            and "test_hang.py" in " ".join(p.cmdline())
-            and "-S" not in p.cmdline()
-            and "pytest_msrun" not in p.cmdline()
-            for p in psutil.Process(proc.pid).children(recursive=True)
-        )
-
-    wait_for(rank_started, timeout=30)
-    time.sleep(0.5)
+    try:
+        wait_for(lambda: len(list(started.iterdir())) == 2, timeout=60)  # both ranks are in the test
+    except AssertionError:
+        proc.kill()
+        raise AssertionError(f"the ranks never started their test:\n{proc.communicate()[0].decode()}") from None
     os.killpg(proc.pid, signal.SIGINT)
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 2, out.decode()

@@ -74,10 +74,18 @@ AGENT = {
 }
 
 
-def _agent(port: int, token: str = "tok", local: int = 1, node_rank: int = -1) -> wire.Channel:
+def _agent(port: int, token: str = "tok", local: int = 1, node_rank: int = -1, pid: int | None = None) -> wire.Channel:
     ch = wire.Channel.connect("127.0.0.1", port, timeout=5)
-    ch.handshake({**AGENT, "pid": os.getpid(), "local": local, "node_rank": node_rank}, token, 5)
+    hello = {**AGENT, "pid": os.getpid() if pid is None else pid, "local": local, "node_rank": node_rank}
+    ch.handshake(hello, token, 5)
     return ch
+
+
+def _gone_pid() -> int:
+    """The pid of a process that has ended (and been reaped)."""
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
 
 
 def _rank(port: int, rank: int, token: str = "tok") -> wire.Channel:
@@ -148,10 +156,13 @@ def test_oversized_message_from_a_rank_drops_only_that_rank(scheduler):
     assert proc.poll() is None
 
 
-def test_agent_heartbeat_timeout_aborts(tmp_path):
+@pytest.mark.parametrize("alive", [False, True], ids=["gone", "alive-here"])
+def test_agent_heartbeat_timeout_aborts_unless_the_node_is_alive_here(tmp_path, alive):
+    """A silent node is lost after MS_NODE_TIMEOUT - unless it is a live process of this host
+    (starting its workers on a loaded machine): then it is slow, not gone."""
     port, proc, log = start_scheduler(tmp_path, MS_NODE_TIMEOUT="0.5")
     try:
-        a, b = _agent(port), _agent(port)
+        a, b = _agent(port), _agent(port, pid=None if alive else _gone_pid())
         assert a.recv(5)["t"] == "assign" and b.recv(5)["t"] == "assign"
         t0 = time.monotonic()
         deadline = t0 + 3
@@ -165,7 +176,13 @@ def test_agent_heartbeat_timeout_aborts(tmp_path):
             if msg["t"] == "abort":
                 got = msg
                 break
-        assert got is not None and "no heartbeat" in got["reason"]
+        if alive:
+            assert got is None and proc.poll() is None
+            for ch in (a, b):
+                ch.send({"t": "done"})
+            assert proc.wait(timeout=5) == 0
+            return
+        assert got is not None and "no heartbeat for 0.5 s (MS_NODE_TIMEOUT)" in got["reason"]
         assert proc.wait(timeout=5) == 1
     finally:
         if proc.poll() is None:
@@ -177,10 +194,12 @@ def test_garbage_during_a_real_job(msrun):
     msrun.script(
         "job.py",
         """
-        import time
+        import os, time
         from pytest_msrun import cluster
         cluster.init()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 120  # the barrier comes after the garbage reached the scheduler
+        while not os.path.exists(os.environ["SENT"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
         cluster.barrier()
         print("barrier ok", flush=True)
     """,
@@ -195,7 +214,8 @@ def test_garbage_during_a_real_job(msrun):
             "--log_dir=logs",
             "--scheduler=builtin",
             "job.py",
-        ]
+        ],
+        env={"SENT": str(msrun.cwd / "garbage-sent")},
     )
     wait_for(lambda: (msrun.cwd / "logs" / "scheduler.log").exists())
     socks = []
@@ -203,6 +223,7 @@ def test_garbage_during_a_real_job(msrun):
         s = _raw(port)
         s.sendall(payload)
         socks.append(s)
+    (msrun.cwd / "garbage-sent").touch()
     job = msrun.finish(popen)
     assert job.returncode == 0, job.stderr
     assert "barrier ok" in job.log("worker_0.log") and "barrier ok" in job.log("worker_1.log")

@@ -6,6 +6,7 @@ Part of the reliability tier: each scenario records what it measured.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import resource
 import socket
@@ -25,17 +26,22 @@ from pytest_msrun.control import wire
 NOBODY = 65534
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as another user")
 
+# Rounds of barriers until ROUNDS are done or, with STOP_FILE, until the test creates that file.
+# Whether to stop is decided once, by rank 0, and broadcast: ranks that looked at the file each on
+# their own could disagree (one breaks out while another waits in the next barrier alone).
 SLOW = """
 import os, time
 print("started", flush=True)
 from pytest_msrun import cluster
 cluster.init()
 stop = os.environ.get("STOP_FILE", "")
-for i in range(int(os.environ.get("ROUNDS", "20"))):
+rounds = int(os.environ.get("ROUNDS", "100000" if stop else "20"))
+for i in range(rounds):
     cluster.barrier()  # every round needs every rank: an abort or a lost rank would show here
-    if stop and os.path.exists(stop):
+    seen = bool(stop) and cluster.get_rank() == 0 and os.path.exists(stop)
+    if cluster.broadcast_object(seen, src=0):
         break
-    time.sleep(0.05)
+    time.sleep(0.05)  # pacing: the job keeps running (and talking to the scheduler) meanwhile
 print("finished", flush=True)
 """
 
@@ -70,12 +76,16 @@ def test_the_formerly_public_token_opens_no_job(msrun, tmp_path):
     could compute it, join, and abort the job with an exit code of their choice."""
     msrun.script("slow.py", SLOW)
     port = free_port()
-    nodes = two_nodes(msrun, port, env={"ROUNDS": "30", "XDG_CONFIG_HOME": os.environ["XDG_CONFIG_HOME"]})
+    stop = msrun.cwd / "stop"  # the job runs until the forgery has been refused
+    env = {"STOP_FILE": str(stop), "XDG_CONFIG_HOME": os.environ["XDG_CONFIG_HOME"]}
+    nodes = two_nodes(msrun, port, env=env)
+    wait_running(msrun.cwd / "logs", 1, "msrun_status_node0.json")
     old = hashlib.sha256(f"msrun:127.0.0.1:{port}:2".encode()).hexdigest()[:32]
     forged = wire.Channel.connect("127.0.0.1", port, timeout=5)
     with pytest.raises(wire.AuthError):
         forged.handshake({**AGENT, "pid": 1}, old, 5)
     assert forged.recv(5)["t"] == "refused"
+    stop.touch()
     jobs = [msrun.finish(n, timeout=60) for n in nodes]
     assert [j.returncode for j in jobs] == [0, 0], [j.stderr for j in jobs]
     secret = tmp_path / "config" / "msrun" / "secret"
@@ -110,7 +120,8 @@ def _as_nobody(attack) -> str:
 def test_another_user_can_neither_read_the_token_nor_join_nor_abort(msrun):
     msrun.script("slow.py", SLOW)
     port = free_port()
-    nodes = two_nodes(msrun, port, env={"ROUNDS": "60", "XDG_CONFIG_HOME": os.environ["XDG_CONFIG_HOME"]})
+    stop = msrun.cwd / "stop"  # the job runs until the attack is over
+    nodes = two_nodes(msrun, port, env={"STOP_FILE": str(stop), "XDG_CONFIG_HOME": os.environ["XDG_CONFIG_HOME"]})
     status = wait_running(msrun.cwd / "logs", 1, "msrun_status_node0.json")
     rank = next(p["pid"] for p in status["processes"] if p["role"] == "worker")
     secret = os.environ["XDG_CONFIG_HOME"] + "/msrun/secret"
@@ -138,6 +149,7 @@ def test_another_user_can_neither_read_the_token_nor_join_nor_abort(msrun):
         return " | ".join(out)
 
     assert _as_nobody(attack) == "environ: denied | secret: denied | join: refused | magic: dropped"
+    stop.touch()
     jobs = [msrun.finish(n, timeout=90) for n in nodes]
     assert [j.returncode for j in jobs] == [0, 0], [j.stderr for j in jobs]
     assert "belongs to another user" in (msrun.cwd / "logs" / "scheduler.log").read_text()
@@ -162,7 +174,7 @@ def test_a_flood_of_half_hellos_leaves_the_job_and_the_scheduler_alone(msrun):
     msrun.script("slow.py", SLOW)
     port = free_port()
     stop = msrun.cwd / "stop"
-    popen = msrun.start(job_args(2, "slow.py", port=port), env={"ROUNDS": "2000", "STOP_FILE": str(stop)})
+    popen = msrun.start(job_args(2, "slow.py", port=port), env={"STOP_FILE": str(stop)})
     status = wait_running(msrun.cwd / "logs", 2)
     sched = psutil.Process(next(p["pid"] for p in status["processes"] if p["role"] == "scheduler"))
     before = sched.memory_info().rss
@@ -269,3 +281,120 @@ def test_racing_nodes_all_read_one_whole_secret(tmp_path):
         seen = {p.communicate(timeout=30)[0].strip() for p in procs}
         assert len(seen) == 1 and len(seen.pop()) == 64, seen
         assert [p.name for p in (home / "msrun").iterdir()] == ["secret"]
+
+
+GATED_INIT = """
+import os, time
+from pytest_msrun import cluster
+print("started", flush=True)
+while not os.path.exists(os.environ["GO_FILE"]):
+    time.sleep(0.02)  # pacing: wait for the test's go, while a flood is on
+cluster.init()
+cluster.barrier()
+assert cluster.all_gather_object(cluster.get_rank()) == list(range(cluster.get_group_size()))
+print("finished", flush=True)
+"""
+
+
+def test_a_flood_of_complete_hellos_during_init_costs_the_job_nothing(msrun):
+    """Token-less but complete hellos, as fast as they can be made, while 4 ranks init(): a
+    client that answered its challenge is never shed, and one shed earlier tries again."""
+    import threading
+
+    _more_fds()
+    msrun.script("gated.py", GATED_INIT)
+    port = free_port()
+    go = msrun.cwd / "go"
+    popen = msrun.start(job_args(4, "gated.py", port=port), env={"GO_FILE": str(go)})
+    wait_running(msrun.cwd / "logs", 4)
+    stop = threading.Event()
+    sent = [0]
+
+    def flood() -> None:
+        hello = wire.encode({"t": "hello", "kind": "rank", "rank": 0, "world": 4, "nonce": "n" * 32})
+        held = []
+        while not stop.is_set():
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=2)
+                s.sendall(hello)
+                held.append(s)
+                sent[0] += 1
+            except OSError:
+                pass
+            if len(held) > 600:
+                held.pop(0).close()
+        for s in held:
+            s.close()
+
+    flooder = threading.Thread(target=flood, daemon=True)
+    flooder.start()
+    wait_for(lambda: sent[0] >= 300, timeout=30)  # the flood is on before the ranks start to init
+    go.touch()
+    job = msrun.finish(popen, timeout=120)
+    stop.set()
+    flooder.join(timeout=30)
+    assert job.returncode == 0, job.stdout + job.stderr
+    for rank in range(4):
+        assert "finished" in job.log(f"worker_{rank}.log")
+    # what the control plane did about it is on the console and in the status file, not only its log
+    assert "Control plane: dropped " in job.stderr and "unauthenticated connection(s)" in job.stderr
+    status = json.loads((job.log_dir / "msrun_status.json").read_text())
+    assert status["notices"] and all(n.startswith("dropped ") for n in status["notices"])
+    record("a flood of complete hellos during init() of 4 ranks", "job exit 0", f"{sent[0]} hellos")
+
+
+def test_a_client_with_a_wrong_token_is_said_on_every_nodes_console(msrun):
+    msrun.script("slow.py", SLOW)
+    port = free_port()
+    stop = msrun.cwd / "stop"
+    env = {"STOP_FILE": str(stop), "MSRUN_JOB_TOKEN": "the-right-token"}
+    nodes = two_nodes(msrun, port, env)
+    statuses = [msrun.cwd / "logs" / "msrun_status_node0.json", msrun.cwd / "logs2" / "msrun_status_node1.json"]
+    wait_for(lambda: all(p.exists() for p in statuses), timeout=60)
+    channel = wire.Channel.connect("127.0.0.1", port, timeout=10)
+    with pytest.raises(wire.AuthError, match="bad job token"):
+        channel.handshake({**AGENT, "node_rank": 5}, "a-wrong-token", 10)
+    channel.close()
+    stop.touch()
+    jobs = [msrun.finish(p) for p in nodes]
+    for job, path in zip(jobs, statuses):
+        assert job.returncode == 0, job.stderr
+        said = "dropped 1 unauthenticated connection(s) (1 so far): refused: bad job token"
+        assert f"Control plane: {said}" in job.stderr
+        assert any(n.startswith(said) for n in json.loads(path.read_text())["notices"])
+
+
+@pytest.mark.parametrize("problem", ["world-readable", "unreadable", "missing"])
+def test_a_token_file_others_can_read_or_that_cannot_be_read_stops_msrun(msrun, tmp_path, problem):
+    """As ssh with a key file: exit 2 naming the file and the fix, nothing started."""
+    secret = tmp_path / "token"
+    if problem != "missing":
+        secret.write_text("s" * 40 + "\n")
+        secret.chmod(0o644 if problem == "world-readable" else 0o000)
+    if problem == "unreadable" and os.geteuid() == 0:
+        pytest.skip("root reads any file")
+    msrun.script("t.py", "print('ran')\n")
+    job = msrun.run(job_args(2, "t.py"), env={"MSRUN_JOB_TOKEN_FILE": str(secret)})
+    assert job.returncode == 2, job.stdout + job.stderr
+    assert f"MSRUN_JOB_TOKEN_FILE={secret}" in job.stderr
+    assert ("chmod 600" in job.stderr) if problem != "missing" else ("cannot be read" in job.stderr)
+    assert "Start worker" not in job.stdout and not (msrun.cwd / "logs").exists()
+
+
+def test_the_users_secret_readable_by_others_stops_a_multi_node_job(msrun, tmp_path):
+    config = tmp_path / "config"
+    (config / "msrun").mkdir(parents=True)
+    secret = config / "msrun" / "secret"
+    secret.write_text("s" * 64 + "\n")
+    secret.chmod(0o640)
+    msrun.script("t.py", "print('ran')\n")
+    args = [
+        "--worker_num=2",
+        "--local_worker_num=1",
+        "--node_rank=0",
+        f"--master_port={free_port()}",
+        "--log_dir=logs",
+        "t.py",
+    ]
+    job = msrun.run(args, env={"XDG_CONFIG_HOME": str(config)})
+    assert job.returncode == 2 and f"the msrun secret {secret}" in job.stderr and "chmod 600" in job.stderr

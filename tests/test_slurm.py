@@ -31,8 +31,8 @@ everyone = cluster.all_gather_object({"rank": rank, "host": socket.gethostname()
 cluster.barrier()
 with open(os.path.join(os.environ["DUMP_DIR"], f"rank{rank}.json"), "w") as fh:
     json.dump({"everyone": everyone, "size": cluster.get_group_size(), "env": dict(os.environ)}, fh)
+cluster.barrier()  # every rank wrote what it saw before FAIL_RANK fails
 if os.environ.get("FAIL_RANK") == str(rank):
-    time.sleep(0.3)
     sys.exit(3)
 hold = float(os.environ.get("HOLD", "0"))
 if hold:

@@ -60,9 +60,20 @@ def test_tail_no_tail_subprocess(msrun):
     import psutil
     from conftest import wait_running
 
-    msrun.script("slow.py", "import time\nprint('started', flush=True)\ntime.sleep(2)\n")
+    release = msrun.cwd / "release"  # the job runs until its processes were listed
+    msrun.script(
+        "slow.py",
+        f"""
+        import os, time
+        print('started', flush=True)
+        deadline = time.monotonic() + 120
+        while not os.path.exists({str(release)!r}) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        """,
+    )
     popen = msrun.start(job_args(2, "slow.py"))
     wait_running(msrun.cwd / "logs", 2)
     names = [c.name() for c in psutil.Process(popen.pid).children(recursive=True)]
-    assert "tail" not in names
+    assert names and "tail" not in names
+    release.touch()
     assert msrun.finish(popen).returncode == 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import random
 import socket
 import threading
 import time
@@ -48,6 +49,18 @@ NOT_INITED = (
     "Distributed Communication has not been inited.You can't invoke this interface yet. "
     "Please call `init()` method first."
 )
+
+
+HISTORY_LIMIT = 4096
+# The collectives this process ran, newest last: (op, seq, entered, returned, error) on the wall
+# clock. What a test's report shows of its ranks (the pytest plugin reads it after each phase).
+history: list[tuple[str, int, float, float, str]] = []
+
+
+def _remember(op: str, seq: int, entered: float, error: str) -> None:
+    history.append((op, seq, entered, time.time(), error))
+    if len(history) > HISTORY_LIMIT:
+        del history[: HISTORY_LIMIT // 2]
 
 
 class ClusterError(RuntimeError):
@@ -89,35 +102,46 @@ class _Group:
             return data
         with self.lock:
             self.seq += 1
-            seq = self.seq
-            msg: dict[str, Any] = {"t": "coll", "op": op, "seq": seq, "src": src}
-            if data is not None:
-                msg["data"] = wire.pack_data(data)
+            seq, entered = self.seq, time.time()
             try:
-                self.channel.send(msg)
-            except OSError as exc:
+                result = self._exchange(op, seq, data, src, timeout)
+            except ClusterError as exc:
+                _remember(op, seq, entered, str(exc))
+                raise
+            _remember(op, seq, entered, "")
+            return result
+
+    def _exchange(self, op: str, seq: int, data: bytes | None, src: int, timeout: float | None) -> Any:
+        """Send this rank's part of collective ``seq``; wait for its result."""
+        assert self.channel is not None
+        msg: dict[str, Any] = {"t": "coll", "op": op, "seq": seq, "src": src}
+        if data is not None:
+            msg["data"] = wire.pack_data(data)
+        try:
+            self.channel.send(msg)
+        except OSError as exc:
+            raise ClusterError(f"{op}: lost the scheduler connection ({exc})") from None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                reply = self.channel.recv(remaining)
+            except socket.timeout:
+                raise ClusterError(f"{op} timed out after {timeout:g} s on rank {self.rank}") from None
+            except (OSError, wire.ProtocolError) as exc:
                 raise ClusterError(f"{op}: lost the scheduler connection ({exc})") from None
-            deadline = None if timeout is None else time.monotonic() + timeout
-            while True:
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                try:
-                    reply = self.channel.recv(remaining)
-                except socket.timeout:
-                    raise ClusterError(f"{op} timed out after {timeout:g} s on rank {self.rank}") from None
-                except (OSError, wire.ProtocolError) as exc:
-                    raise ClusterError(f"{op}: lost the scheduler connection ({exc})") from None
-                kind = reply.get("t")
-                if kind == "abort":
-                    raise ClusterAborted(f"job aborted: {reply.get('reason')}")
-                if kind == "error":
-                    raise ClusterError(f"{op} failed on rank {self.rank}: {reply.get('reason')}")
-                if kind == "coll" and reply.get("seq") == seq:
-                    data_out = reply.get("data")
-                    if op == "gather":
-                        if not isinstance(data_out, list):
-                            raise ClusterError(f"{op} on rank {self.rank}: malformed reply from the scheduler")
-                        return [wire.unpack_data(d) for d in data_out]
-                    return None if data_out is None else wire.unpack_data(data_out)
+            kind = reply.get("t")
+            if kind == "abort":
+                raise ClusterAborted(f"job aborted: {reply.get('reason')}")
+            if kind == "error":
+                raise ClusterError(f"{op} failed on rank {self.rank}: {reply.get('reason')}")
+            if kind == "coll" and reply.get("seq") == seq:
+                data_out = reply.get("data")
+                if op == "gather":
+                    if not isinstance(data_out, list):
+                        raise ClusterError(f"{op} on rank {self.rank}: malformed reply from the scheduler")
+                    return [wire.unpack_data(d) for d in data_out]
+                return None if data_out is None else wire.unpack_data(data_out)
 
     def close(self) -> None:
         if self.channel is not None:
@@ -187,6 +211,7 @@ def init(timeout: float | None = None) -> None:
             topo = _env_int("MS_TOPO_TIMEOUT", 600, env)
             timeout = None if topo < 0 else float(topo)
         deadline = time.monotonic() + (timeout if timeout is not None else 10**9)
+        backoff = 0.05
         while True:
             channel = _connect(env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"]), deadline)
             try:
@@ -200,17 +225,22 @@ def init(timeout: float | None = None) -> None:
                 channel.close()
                 raise ClusterError(f"init() failed on rank {rank}: {exc}") from None
             except (OSError, socket.timeout, wire.ProtocolError) as exc:
-                # Dropped before it could authenticate (a flood of other connections): again.
+                # Dropped before its welcome (a flood of other connections, a scheduler that
+                # could not run for a while): again, backing off, until the cluster timeout.
                 channel.close()
                 if time.monotonic() >= deadline:
                     raise ClusterError(f"init() failed on rank {rank}: {exc}") from None
-                time.sleep(0.05)
+                time.sleep(min(backoff, max(0.0, deadline - time.monotonic())) * (0.5 + random.random()))
+                backoff = min(2.0, backoff * 2)
         while True:
             try:
                 reply = channel.recv(max(0.0, deadline - time.monotonic()))
             except socket.timeout:
                 channel.close()
-                raise ClusterError(f"init() timed out after {timeout:g} s waiting for all {world} ranks") from None
+                raise ClusterError(
+                    f"init() timed out after {timeout:g} s waiting for all {world} ranks "
+                    "(MS_TOPO_TIMEOUT, which msrun sets from --cluster_time_out)"
+                ) from None
             except (OSError, wire.ProtocolError) as exc:
                 channel.close()
                 raise ClusterError(f"init(): lost the scheduler connection ({exc})") from None

@@ -6,8 +6,10 @@ are limited to :data:`HELLO_LIMIT` bytes; afterwards to :func:`message_limit`.
 
 Authentication is a challenge-response over the job's token, which never crosses the wire: the
 client's ``hello`` carries a nonce; the scheduler answers ``challenge`` with its own nonce and
-a proof that it knows the token; the client checks it and answers ``auth`` with its proof. A
-recorded conversation does not let anyone open another connection.
+a proof that it knows the token; the client checks it and answers ``auth`` with its proof; the
+scheduler confirms with ``welcome`` (its pid and host). A recorded conversation does not let
+anyone open another connection, and a client knows it is in - not merely that it has spoken -
+before it relies on the connection (one dropped before the ``welcome`` is tried again).
 """
 
 from __future__ import annotations
@@ -164,17 +166,27 @@ class Channel:
     def fileno(self) -> int:
         return self.sock.fileno()
 
-    def handshake(self, hello: dict[str, Any], token: str, timeout: float) -> None:
-        """Send ``hello`` and, when the job has a token, answer the scheduler's challenge.
+    def handshake(self, hello: dict[str, Any], token: str, timeout: float) -> dict[str, Any]:
+        """Send ``hello``, answer the scheduler's challenge (when the job has a token) and wait for
+        its ``welcome``, which is returned.
 
         Raises :class:`AuthError` if the scheduler cannot prove it knows the token (someone else
         is listening at that address) or refuses ours; ``socket.timeout`` or :class:`PeerClosed`
-        if it does not answer.
+        if it does not answer (a client dropped before its welcome may try again).
         """
+        deadline = time.monotonic() + timeout
         nonce = new_nonce()
         self.send({**hello, "nonce": nonce})
-        if not token:
-            return
+        if token:
+            self._challenge(hello, token, nonce, timeout)
+        reply = self.recv(max(0.0, deadline - time.monotonic()))
+        if reply.get("t") == "refused":
+            raise AuthError(str(reply.get("reason")))
+        if reply.get("t") != "welcome":
+            raise AuthError(f"the scheduler answered {reply.get('t')!r} instead of welcoming this client")
+        return reply
+
+    def _challenge(self, hello: dict[str, Any], token: str, nonce: str, timeout: float) -> None:
         reply = self.recv(timeout)
         if reply.get("t") == "refused":
             raise AuthError(str(reply.get("reason")))

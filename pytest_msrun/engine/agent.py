@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 
 from pytest_msrun.control import wire
+from pytest_msrun.control.transport import env_seconds
 from pytest_msrun.engine import console, errorfile, processes, timeline
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.containment import JobGuard
@@ -32,8 +33,10 @@ from pytest_msrun.engine.plan import LaunchPlan, NodeFacts, ProcessSpec, RankAss
 from pytest_msrun.engine.policy import EXIT_LAUNCH_ERROR, Ending, Policy
 from pytest_msrun.engine.ports import LaunchError, claim
 from pytest_msrun.engine.processes import Child, Launch, ProcessGroup
+from pytest_msrun.engine.progress import StatusLine
 from pytest_msrun.engine.status import STATUS_FILE, JobStatus, ProcessStatus, node_status_file
 from pytest_msrun.engine.tail import LogTailer, prefix_for
+from pytest_msrun.engine.trace import TraceObserver
 from pytest_msrun.record import replace
 
 TYPE_CHECKING = False
@@ -44,12 +47,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Agent", "JobResult"]
 
-
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return default
+SPAWN_SLICE = 0.05  # s of starting workers between two turns of the event loop
 
 
 class Agent:
@@ -78,7 +76,7 @@ class Agent:
         self.policy = Policy()
         self.tailer: LogTailer | None = None
         self.term_grace = processes.term_grace()
-        self.node_timeout = _env_float("MS_NODE_TIMEOUT", 30.0)
+        self.node_timeout = env_seconds(dict(os.environ), "MS_NODE_TIMEOUT", 30.0, allow_negative=True)
         self.started = time.time()
         self.status_name: str | None = STATUS_FILE if not cfg.multi_node else None
         self.observers: list[Observer] = [
@@ -87,6 +85,12 @@ class Agent:
         ]
         if cfg.join and not detached:
             self.observers.append(ReporterObserver())
+        self.notices: list[str] = []  # what the control plane said to every node
+        self.status_line = StatusLine(enabled=None if cfg.join and not detached else False)
+        self.trace: TraceObserver | None = None
+        if cfg.trace:
+            self.trace = TraceObserver(cfg.trace, facts.job_id, facts.hostname, max(0, cfg.node_rank))
+            self.observers.append(self.trace)
 
     # ------------------------------------------------------------------ public API (also for dryrun)
     def emit(self, event: JobEvent, payload: Any = None) -> None:
@@ -102,9 +106,10 @@ class Agent:
         """Start one process of the plan."""
         if spec.error_file:
             errorfile.clear(spec.error_file)
+        trace_env = self.trace.child_env if self.trace is not None else {}
         launch = Launch(
             argv=spec.command,
-            env={**spec.env, **(extra_env or {})},
+            env={**spec.env, **trace_env, **(extra_env or {})},
             log_path=spec.log_path,
             stdin_devnull=spec.role == Role.SCHEDULER or self.detached,
             pass_fds=pass_fds,
@@ -124,6 +129,7 @@ class Agent:
     def conclude(self, ending: Ending, extra: dict[str, Any] | None = None) -> JobResult:
         """Stop everything this node started, then report how the job ended."""
         graceful = ending.state is JobState.SUCCEEDED
+        self.status_line.clear()
         timeline.mark(f"ending: {ending.state}")
         self.emit(JobEvent.ENDING, ending)
         self.teardown(graceful)
@@ -138,9 +144,17 @@ class Agent:
             self._job_end_reports(result)
         self.emit(JobEvent.ENDED, result)
         timeline.mark("reported")
+        self._finish_trace()
         if self.link is not None:
             self.link.close()
         return result
+
+    def _finish_trace(self) -> None:
+        if self.trace is not None:
+            line = self.trace.finish()
+            if line:
+                console.err_block(line)
+            self.trace = None
 
     def _job_end_reports(self, result: JobResult) -> None:
         """What the job's reporters say; the first verdict one gives is the job's exit status."""
@@ -184,6 +198,7 @@ class Agent:
             failures=[f.to_json() for f in sorted(self.policy.failures, key=lambda f: f.at)],
             stop_reason=reason,
             containment=self.guard.describe(),
+            notices=list(self.notices),
             worker_num=plan.worker_num if plan is not None else None,
             scheduler_mode=str(plan.scheduler_mode) if plan is not None else None,
             extra=dict(extra or {}),
@@ -223,29 +238,50 @@ class Agent:
         if self.status_name is None:  # a node of a multi-node job, named by its index once known
             index = self.assignment.node_index if self.assignment else self.cfg.node_rank
             self.status_name = node_status_file(index) if index >= 0 else f"msrun_status_{self.facts.hostname}.json"
+        self._place_trace(plan)
         if plan.dry_run:
             from pytest_msrun.engine.dryrun import DryRunSupervisor
 
             return DryRunSupervisor(self, plan).run()
-        self._start_workers(plan)
+        ending = self._start_workers(plan)
+        if ending is not None:  # a worker failed, an abort came, a signal, while the others started
+            return self.conclude(ending)
         if plan.scheduler_mode.has_control_plane and self.link is None:
             # Ranks known before start: the workers are already starting while this node registers
             # (their own connections wait in the listening socket until the control plane is up).
             outcome = self._join_control_plane(plan)
             if outcome is not None:
                 return self._joining_failed(outcome)
+            self._place_trace(plan)
         self.console_done(0)
         return self.conclude(self._supervise())
+
+    def _place_trace(self, plan: LaunchPlan) -> None:
+        """Where this node's trace events go, once the link (if any) is up."""
+        if self.trace is not None and (self.link is not None or not plan.ranks_pending):
+            index = self.assignment.node_index if self.assignment else max(0, self.cfg.node_rank)
+            self.trace.place(index, plan.scheduler is not None, self.link)
 
     @property
     def workers_started(self) -> bool:
         return any(c.tag.role == Role.WORKER for c in self.group.children)
 
-    def _start_workers(self, plan: LaunchPlan) -> None:
-        for spec in plan.workers:
+    def _start_workers(self, plan: LaunchPlan) -> Ending | None:
+        """Start this node's workers, serving the event loop between them (every
+        :data:`SPAWN_SLICE` s): on a loaded machine starting 128 workers can take a minute, and the
+        node keeps heartbeating and hears of failures meanwhile. The :class:`Ending` one decided, if any."""
+        serve_at = time.monotonic() + SPAWN_SLICE
+        ending: Ending | None = None
+        for i, spec in enumerate(plan.workers):
             if self.loop.signal_received is not None:
                 break
             self.start(spec)
+            self.status_line.show(f"started {i + 1}/{len(plan.workers)} workers on this node")
+            if time.monotonic() >= serve_at:
+                ending = self._serve_while_starting()
+                if ending is not None:
+                    break
+                serve_at = time.monotonic() + SPAWN_SLICE
         if self.cfg.bind_core.enabled or self.cfg.bind_numa.enabled:
             self.observers.append(BindingsObserver(self.facts.hostname, self.facts.topology))
         self.emit(JobEvent.SPAWNED, list(self.group.children))
@@ -254,6 +290,22 @@ class Agent:
             if tailed:
                 self.tailer = LogTailer(tailed)
                 self.tailer.start()
+        return ending
+
+    def _serve_while_starting(self) -> Ending | None:
+        """One turn of the event loop between two spawns: heartbeat, exits, messages, signals."""
+        if self.link is not None and self.link.up:
+            silent = self.link.beat()
+            if silent:
+                return self.policy.lost(f"Lost the scheduler: {silent}.")
+        scheduler = next((c for c in self.group.children if c.tag.role == Role.SCHEDULER), None)
+        for event in self.loop.poll(0):
+            if event.kind is EventKind.SIGNALLED:
+                return None  # the spawn loop stops; supervision ends the job as usual
+            ending = self._on_event(event, scheduler)
+            if ending is not None:
+                return ending
+        return None
 
     def _joining_failed(self, outcome: str | Ending) -> JobResult:
         if isinstance(outcome, Ending):  # a worker's exit ended the job while this node registered
@@ -262,12 +314,14 @@ class Agent:
         return self._launch_error(outcome, self.policy.remote_code or code)
 
     def _launch_error(self, message: str, code: int) -> JobResult:
+        self.status_line.clear()
         console.err_block(f"msrun: error: {message}")
         self.teardown(graceful=False)
         result = JobResult(code, JobState.ERROR, [], [])
         if self.group.children:  # something had started: say how it ended
             result.status = self.snapshot(JobState.ERROR, code, reason=message)
             self.emit(JobEvent.ENDED, result)
+        self._finish_trace()
         self.console_done(code)
         return result
 
@@ -355,6 +409,8 @@ class Agent:
         return None
 
     def _assignment(self, msg: dict[str, Any]) -> str | None:
+        if self._told(msg):
+            return None
         if msg.get("t") != "assign":
             ending = self.policy.message(msg)
             return ending.reason if ending is not None else None
@@ -416,6 +472,8 @@ class Agent:
                 self.link.defer({"t": "failed", "reason": ending.reason, "code": min(255, ending.code)})
             return ending
         if event.kind is EventKind.MESSAGE:
+            if self._told(event.message):
+                return None
             return self.policy.message(event.message)
         if event.kind is EventKind.LINK_CLOSED:
             if (self.link is None or not self.link.done_sent_at) and scheduler is None:
@@ -423,6 +481,29 @@ class Agent:
             if self.link is not None:
                 self.link.close()
         return None
+
+    def _told(self, msg: dict[str, Any]) -> bool:
+        """A message for the console, not the policy: a notice, progress. Whether it was one."""
+        kind = msg.get("t")
+        if kind == "notice":
+            self._notice(str(msg.get("text", ""))[:2000])
+        elif kind == "progress":
+            if msg.get("done"):
+                self.status_line.clear()
+            else:
+                self.status_line.show(str(msg.get("text", ""))[:200])
+        else:
+            return False
+        return True
+
+    def _notice(self, text: str) -> None:
+        """The control plane tells every node (a dropped connection, a refused node): said on this
+        console and kept in the status file."""
+        if text and len(self.notices) < 100:
+            self.notices.append(text)
+            console.warning(f"Control plane: {text}")
+            if self.trace is not None:
+                self.trace.notice(text)
 
     # ------------------------------------------------------------------ teardown
     def teardown(self, graceful: bool) -> None:

@@ -45,10 +45,20 @@ OWNED_VARS = (
     "MSRUN_TASK_PYTHON",
     "MSRUN_ORIG_PYTHONPATH",
     "MSRUN_ERROR_FILE",
+    "MSRUN_TRACE",  # a traced job's processes are not traced jobs themselves (a nested msrun)
+    "MSRUN_TRACE_SPOOL",
 )
 # Internal variables that are not part of msrun's interface and never shown as "exported".
 INTERNAL_VARS = frozenset(
-    {"MSRUN_JOB_TOKEN", "MSRUN_LISTEN_FD", "MSRUN_PLUGIN_ROLE", "MSRUN_TASK_PYTHON", "MSRUN_ORIG_PYTHONPATH"}
+    {
+        "MSRUN_JOB_TOKEN",
+        "MSRUN_LISTEN_FD",
+        "MSRUN_PLUGIN_ROLE",
+        "MSRUN_TASK_PYTHON",
+        "MSRUN_ORIG_PYTHONPATH",
+        "MSRUN_TRACE",
+        "MSRUN_TRACE_SPOOL",
+    }
 )
 # What a dry-run worker gets from the launcher, as MindSpore's msrun exports it (plus the
 # variables every child of this launcher gets: PYTHONUNBUFFERED and the MSRUN_* ones).

@@ -15,11 +15,13 @@ from pytest_msrun.engine.config import (
     SCHEDULER_MODES,
     ConfigError,
     LaunchConfig,
+    check_environment,
     parse_join,
+    trace_path,
     validate,
 )
 from pytest_msrun.engine.containment import JobGuard
-from pytest_msrun.engine.jobtoken import job_token
+from pytest_msrun.engine.jobtoken import TokenError, job_token
 from pytest_msrun.engine.kinds import SchedulerMode
 from pytest_msrun.engine.plan import LaunchPlan, NodeFacts, ProcessSpec, build_plan
 from pytest_msrun.engine.taskcmd import task_argv, task_python
@@ -28,6 +30,8 @@ from pytest_msrun.pathsearch import which
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from typing import NoReturn
+
     from pytest_msrun.binding.topology import Topology
     from pytest_msrun.engine.slurm import Inferred
 
@@ -76,7 +80,17 @@ DEFAULTS: dict[str, object] = {
     "sim_concurrency": 0,
     "scheduler": "auto",
     "dist_port": -1,
+    "trace": "",
 }
+
+
+class _Parser(argparse.ArgumentParser):
+    """``usage: pmsrun`` (this command's name), but errors in MindSpore's words - ``msrun: error:``
+    - so scripts that look for msrun's error lines find ours."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"msrun: error: {message}\n")
 
 
 class _Formatter(argparse.HelpFormatter):
@@ -94,8 +108,8 @@ class _Formatter(argparse.HelpFormatter):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="msrun",
+    p = _Parser(
+        prog="pmsrun",
         formatter_class=_Formatter,
         description="Start a distributed job: one scheduler plus N workers per node (MindSpore msrun compatible).",
     )
@@ -153,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=_UNSET,
         help="port exported as MASTER_PORT for torch env:// (default master_port+1)",
     )
+    p.add_argument(
+        "--trace",
+        default=_UNSET,
+        metavar="FILE",
+        help="write the job's timeline to FILE in the Chrome trace format (Perfetto); also MSRUN_TRACE=FILE",
+    )
     p.add_argument("task_script", help="a .py script, python, python3, pytest, or another command")
     p.add_argument("task_script_args", nargs=argparse.REMAINDER, help="arguments passed to the task")
     return p
@@ -208,6 +228,7 @@ def config_from_args(ns: argparse.Namespace, env: dict[str, str]) -> tuple[Launc
         scheduler=ns.scheduler,
         print_plan=ns.print_plan,
         dist_port=ns.dist_port,
+        trace=trace_path(ns.trace, env),
         given=given,
         slurm=slurm,
     )
@@ -314,14 +335,17 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str], job_id: str) -> NodeFac
     python = task_python(argv)
     topology, tools = binding_facts(cfg, env)
     mode = SchedulerMode.NONE if cfg.dry_run else SchedulerMode(cfg.scheduler)
-    token = job_token(
-        multi_node=cfg.multi_node,
-        master_ip=master_ip,
-        master_port=cfg.master_port,
-        worker_num=cfg.worker_num,
-        env=env,
-        scope=f"slurm {cfg.slurm.step.job_id}.{cfg.slurm.step.step_id}" if cfg.slurm is not None else "",
-    )
+    try:
+        token = job_token(
+            multi_node=cfg.multi_node,
+            master_ip=master_ip,
+            master_port=cfg.master_port,
+            worker_num=cfg.worker_num,
+            env=env,
+            scope=f"slurm {cfg.slurm.step.job_id}.{cfg.slurm.step.step_id}" if cfg.slurm is not None else "",
+        )
+    except TokenError as exc:
+        raise ConfigError("", str(exc)) from None
     if token.warning and mode.has_control_plane:
         console.warning(token.warning)
     return NodeFacts(
@@ -358,6 +382,7 @@ def plan_from_args(
         if isinstance(getattr(ns, name, None), list):  # argparse turns "--flag=--" into []
             parser.error(f"argument --{name}: expected one value")
     try:
+        check_environment(env)
         cfg, notes = config_from_args(ns, env)
         for text in validate(cfg) + notes:
             console.warning(text)

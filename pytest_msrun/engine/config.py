@@ -8,6 +8,7 @@ prints as ``msrun: error: argument --flag: ...`` with exit status 2.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 from pytest_msrun.binding.flags import BindSpec
 from pytest_msrun.engine.kinds import SchedulerMode
@@ -38,6 +39,40 @@ class ConfigError(ValueError):
         return f"argument --{self.flag}: {self.message}" if self.flag else self.message
 
 
+SWITCHES = ("1", "0", "on", "off", "true", "false", "yes", "no", "")
+
+
+def check_environment(env: dict[str, str]) -> None:
+    """Every variable msrun reads, parsed once before anything starts: :class:`ConfigError` names
+    the first malformed one and what it takes (so no part of the job dies of it later)."""
+
+    def seconds(name: str, low: float, note: str = "") -> None:
+        text = env.get(name, "").strip()
+        if not text:
+            return
+        try:
+            value = float(text)
+        except ValueError:
+            value = float("nan")
+        if not (value == value and abs(value) != float("inf") and value >= low):
+            limit = " > 0" if low > 0 else (" >= 0" if low == 0 else "")
+            raise ConfigError("", f"{name}={text!r}: must be a number of seconds{limit}{note}; fix it or unset it")
+
+    seconds("MSRUN_TERM_TIMEOUT", 0.0)
+    seconds("MSRUN_AUTH_TIMEOUT", 1e-9)
+    seconds("MS_NODE_TIMEOUT", float("-inf"), " (0 or less: no heartbeat timeout)")
+    text = env.get("MSRUN_MAX_MESSAGE_BYTES", "").strip()
+    if text and not (text.isdigit() and int(text) >= 16384):
+        raise ConfigError("", f"MSRUN_MAX_MESSAGE_BYTES={text!r}: must be a byte count >= 16384; fix it or unset it")
+    cgroup = env.get("MSRUN_CGROUP", "").strip().lower()
+    if cgroup not in ("", "auto", "v2", "freezer", "off", "0", "no", "false"):
+        raise ConfigError("", f"MSRUN_CGROUP={cgroup!r}: must be auto, v2, freezer or off")
+    for name in ("MSRUN_ERROR_FILES", "MSRUN_SLURM"):
+        value = env.get(name, "").strip().lower()
+        if value not in SWITCHES:
+            raise ConfigError("", f"{name}={value!r}: must be 1 or 0 (on/off)")
+
+
 @record
 class LaunchConfig:
     """The 15 msrun options plus this project's few extensions."""
@@ -66,6 +101,7 @@ class LaunchConfig:
     scheduler: str = "auto"
     print_plan: bool = False
     dist_port: int = -1
+    trace: str = ""  # --trace / MSRUN_TRACE: the job's Chrome trace file, absolute ("" = not traced)
     # the flags given on the command line (the others hold their defaults); None: all given
     given: frozenset[str] | None = None
     # the flags taken from the Slurm step msrun runs in (pytest_msrun.engine.slurm.Inferred)
@@ -111,11 +147,36 @@ def parse_tail_list(value: str) -> list[int] | None:
     return out
 
 
+TRACE_ENV = "MSRUN_TRACE"
+
+
+def trace_path(flag: str, env: Mapping[str, str]) -> str:
+    """The trace file asked for (``--trace`` wins over ``MSRUN_TRACE``), absolute; "" for none."""
+    path = (flag or env.get(TRACE_ENV, "")).strip()
+    return os.path.abspath(path) if path else ""
+
+
+def trace_problem(path: str) -> str:
+    """Why ``path`` cannot take a trace ("" when it can)."""
+    where = os.path.dirname(path) or "."
+    if os.path.isdir(path):
+        return f"{path} is a directory; name a file (job.trace.json)"
+    if not os.path.isdir(where):
+        return f"the directory {where} does not exist; create it or name another file"
+    if not os.access(where, os.W_OK | os.X_OK):
+        return f"the directory {where} is not writable; name another file"
+    return ""
+
+
 def validate(cfg: LaunchConfig) -> list[str]:
     """Check every option; return warnings. Raises :class:`ConfigError` on the first bad value."""
     warnings: list[str] = []
     if not cfg.task_script:
         raise ConfigError("", "the following arguments are required: task_script")
+    if cfg.trace:
+        problem = trace_problem(cfg.trace)
+        if problem:
+            raise ConfigError("trace", f"{problem} (the trace file: --trace or {TRACE_ENV})")
     if cfg.worker_num <= 0:
         raise ConfigError("worker_num", f"must be greater than 0, got {cfg.worker_num}")
     if cfg.worker_num > MAX_WORKERS:

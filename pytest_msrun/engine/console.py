@@ -11,9 +11,42 @@ import shlex
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 LEVELS = {"DEBUG": 0, "INFO": 1, "WARNING": 2, "ERROR": 3}
 _lock = threading.Lock()
+# A live status line on stderr (pytest_msrun.engine.progress): what clears it before another line.
+_status_clearer: list[Callable[[], str]] = []
+
+
+def _clear_status() -> None:
+    """Called with the lock held, before any other line is written."""
+    if _status_clearer:
+        text = _status_clearer[0]()
+        if text:
+            sys.stderr.write(text)
+
+
+def clear_status() -> None:
+    """Take the live status line away (before output written elsewhere: tailed logs)."""
+    if _status_clearer:
+        with _lock:
+            try:
+                _clear_status()
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+
+
+def status(text: str, clearer: Callable[[], str] | None) -> None:
+    """Write the live status line ``text`` (no newline); ``clearer`` says how to take it away."""
+    with _lock:
+        _status_clearer[:] = [clearer] if clearer is not None else []
+        try:
+            sys.stderr.write(text)
+            sys.stderr.flush()
+        except (OSError, ValueError):
+            pass
 
 
 def threshold() -> int:
@@ -32,6 +65,7 @@ def log(level: str, message: str) -> None:
     line = f"[{level}] ME({os.getpid()}:{threading.get_ident() % 1000000},MainProcess):{stamp} [msrun] {message}\n"
     with _lock:
         try:
+            _clear_status()
             sys.stderr.write(line)
             sys.stderr.flush()
         except (OSError, ValueError):
@@ -54,6 +88,7 @@ def out(line: str) -> None:
     """A stdout line, flushed (msrun's ``print``)."""
     with _lock:
         try:
+            _clear_status()
             sys.stdout.write(line + "\n")
             sys.stdout.flush()
         except (OSError, ValueError):
@@ -63,6 +98,7 @@ def out(line: str) -> None:
 def err_block(text: str) -> None:
     with _lock:
         try:
+            _clear_status()
             sys.stderr.write(text if text.endswith("\n") else text + "\n")
             sys.stderr.flush()
         except (OSError, ValueError):

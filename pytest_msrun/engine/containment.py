@@ -16,7 +16,7 @@ removes the empty cgroup:
 Where no cgroup is writable (a container without cgroup delegation, no root), the fallback does
 not depend on process groups either: every child inherits ``MSRUN_JOB_ID``, and the watchdog
 kills every process whose environment carries this job's id, repeating until none is left. What
-that misses - a process that clears its environment, or another user's - is stated in the README.
+that misses - a process that clears its environment, or another user's - is stated in docs/launcher.md (No survivor).
 ``MSRUN_CGROUP`` picks: ``auto`` (default: v2, else v1 freezer, else the sweep), ``v2``,
 ``freezer``, or ``off`` (the sweep only).
 """

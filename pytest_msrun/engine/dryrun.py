@@ -70,9 +70,12 @@ class DryRunSupervisor:
                 agent.policy.exited(child, child.tag.label, child.tag.log_path, True, error)
         agent.group.forget(child)  # memory stays flat however many ranks run
         now = time.monotonic()
-        if now >= self.next_progress or self.finished == self.total:
+        failed = len(self.failed_ranks)
+        line = agent.status_line
+        if line.enabled and self.finished < self.total:  # a terminal: one live line
+            line.show(f"dry run: {self.finished}/{self.total} simulated ranks finished, {failed} failed")
+        elif now >= self.next_progress or self.finished == self.total:  # a log: a line now and then
             self.next_progress = now + self.PROGRESS_SECONDS
-            failed = len(self.failed_ranks)
             console.out(f"msrun: dry run: {self.finished}/{self.total} simulated ranks finished, {failed} failed")
 
     def run(self) -> JobResult:

@@ -12,8 +12,11 @@ Where it comes from, first match wins (msrun's command line is unchanged):
 From a secret, each job's token is an HMAC of the job's port and size (not its address: nodes may
 name the master differently) and, inside Slurm, the job and step ids, so a token seen in one job's
 environment opens no job on another port. The token reaches the job's processes only through
-their environment, which only their user (and root) can read. Where no secret is available, the
-job runs unauthenticated and msrun says so loudly.
+their environment, which only their user (and root) can read. A secret file that exists but
+others may read, that belongs to another user, or that cannot be read stops msrun before anything
+starts (:class:`TokenError`, as ssh refuses such a key file): a secret that may be known is no
+secret. Only where no secret exists at all (and none can be made) does the job run
+unauthenticated, and msrun says so loudly.
 """
 
 from __future__ import annotations
@@ -25,6 +28,10 @@ from pytest_msrun.record import record
 
 TOKEN_ENV = "MSRUN_JOB_TOKEN"
 TOKEN_FILE_ENV = "MSRUN_JOB_TOKEN_FILE"
+
+
+class TokenError(ValueError):
+    """A secret file msrun must not use: it names the file and the fix."""
 
 
 @record
@@ -54,13 +61,13 @@ def _read_secret(path: str) -> tuple[str, str]:
         with open(path, encoding="utf-8") as fh:
             secret = fh.read().strip()
     except OSError as exc:
-        return "", f"cannot read {path}: {exc.strerror or exc}"
+        return "", f"cannot be read ({exc.strerror or exc}); make it a file of yours: chmod 600 {path}"
     if st.st_uid != os.getuid():
-        return "", f"{path} belongs to another user"
+        return "", f"belongs to another user (uid {st.st_uid}); use a file of your own, mode 600"
     if st.st_mode & 0o077:
-        return "", f"{path} is readable by other users (chmod 600 {path})"
+        return "", f"others may read it (mode {st.st_mode & 0o777:o}); run: chmod 600 {path}"
     if len(secret) < 16:
-        return "", f"{path} holds fewer than 16 characters"
+        return "", "holds fewer than 16 characters; write a long random secret into it (mode 600)"
     return secret, ""
 
 
@@ -104,14 +111,16 @@ def job_token(
     path = env.get(TOKEN_FILE_ENV, "")
     if path:
         secret, problem = _read_secret(path)
-        if secret:
-            return JobToken(derive(secret, *identity), f"{TOKEN_FILE_ENV}={path}")
-        return JobToken("", "none", _unauthenticated(problem, master_ip, master_port))
+        if not secret:
+            raise TokenError(f"{TOKEN_FILE_ENV}={path}: {problem}")
+        return JobToken(derive(secret, *identity), f"{TOKEN_FILE_ENV}={path}")
     if not multi_node:
         return JobToken(os.urandom(16).hex(), "random, this job only")
     secret, problem = user_secret(env)
     if secret:
         return JobToken(derive(secret, *identity), f"this user's secret {secret_path(env)}")
+    if os.path.exists(secret_path(env)):  # there, but unusable: fail closed
+        raise TokenError(f"the msrun secret {secret_path(env)}: {problem}")
     return JobToken("", "none", _unauthenticated(problem, master_ip, master_port))
 
 

@@ -61,6 +61,7 @@ class JobStatus:
     failures: list[dict[str, Any]] = field(default_factory=list)
     stop_reason: str = ""  # why msrun tore the job down ("" when it ended by itself)
     containment: str = ""  # what keeps the job's processes killable as one (its cgroup, or the sweep)
+    notices: list[str] = field(default_factory=list)  # what the control plane told every node (drops, refusals)
     worker_num: int | None = None
     scheduler_mode: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. a dry run's summary

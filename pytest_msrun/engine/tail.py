@@ -10,6 +10,8 @@ import os
 import sys
 import threading
 
+from pytest_msrun.engine import console
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import BinaryIO
@@ -58,6 +60,7 @@ class LogTailer:
     def _emit(self, chunks: list[bytes]) -> None:
         if chunks:
             try:
+                console.clear_status()
                 sys.stdout.flush()
                 self.out.write(b"".join(chunks))
                 self.out.flush()

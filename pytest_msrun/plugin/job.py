@@ -34,6 +34,7 @@ from pytest_msrun.engine.status import STATUS_FILE, node_status_file, read_statu
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, SHARED_TMP_ENV, records_path, stacks_path
 from pytest_msrun.plugin.verdict import RankEnd
+from pytest_msrun.proc import running
 
 STACK_WAIT = 2.0
 CLI = "pmsrun"  # how a user types this project's msrun
@@ -470,15 +471,6 @@ def _ends_with_finish(path: str) -> bool:
     except OSError:
         return False
     return bool(tail) and b'"kind": "finish"' in tail[-1]
-
-
-def running(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
-    except (OSError, IndexError):
-        return False
 
 
 def _read(path: str) -> str:

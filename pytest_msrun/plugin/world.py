@@ -27,10 +27,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_msrun.plugin.job import JobRun, Launched, TestJob, TestPaths, running
+from pytest_msrun.plugin.job import JobRun, Launched, TestJob, TestPaths
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.serve import WORLD_ENV, WORLD_TOKEN_ENV, Channel
 from pytest_msrun.plugin.verdict import RankEnd
+from pytest_msrun.proc import running
 
 MAX_WORLDS = 2  # worlds alive at once per controller (each holds its ranks' processes)
 FAILURE_GRACE = 0.5  # s the other ranks may still finish a test one rank failed (a fresh job's teardown gap)

@@ -8,7 +8,7 @@ def compute():
         time.sleep(0.1)
 
 
-@pytest.mark.msrun(worker_num=4, timeout=5)
+@pytest.mark.msrun(worker_num=4, timeout=10)
 def test_stuck(rank, msrun):
     msrun.barrier()
     if rank == 3:

@@ -56,6 +56,23 @@ def _install():
     sys.excepthook = hook
 
 
+def _trace_start():
+    """A traced job (``MSRUN_TRACE_SPOOL``): when this rank's Python ran its first line."""
+    spool, rank = os.environ.get("MSRUN_TRACE_SPOOL", ""), os.environ.get("RANK_ID", "")
+    if not (spool and rank.isdigit()):
+        return
+    import time
+
+    # one JSON line, written without importing json (this runs before every rank's first line)
+    pid, ts = 1000 + int(rank), int(time.time() * 1_000_000)
+    line = f'{{"name":"python started","ph":"i","s":"t","pid":{pid},"tid":0,"ts":{ts}}}\n'
+    fd = os.open(os.path.join(spool, f"rank{rank}-{os.getpid()}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
 def _leave():
     parts = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if _HERE in parts:
@@ -81,6 +98,7 @@ def _chain():
 
 try:
     _install()
+    _trace_start()
     _leave()
 except Exception:
     pass

@@ -1,0 +1,197 @@
+"""A job's timeline in the Chrome Trace Event Format (Perfetto, ``chrome://tracing``).
+
+Every process of a traced job appends its events as JSON lines to a spool file of its own
+(:class:`Recorder`); the node that hosts the control plane merges the spool into one trace when
+the job has ended (:func:`merge`). With tracing off no recorder exists: nothing is recorded and a
+would-be event costs one ``is None`` test.
+
+Lanes are the format's processes: :data:`MSRUN_PID` (one thread per ``msrun`` node),
+:data:`CONTROL_PID` (the control plane) and ``RANK_PID + r`` for rank ``r``. Times are
+microseconds of the wall clock of the host that runs the control plane: an agent on another host
+shifts its events by its clock's offset from the scheduler's, estimated over its handshake and
+heartbeats (:class:`ClockOffset`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+SPOOL_ENV = "MSRUN_TRACE_SPOOL"  # the directory a traced job's processes append their events to
+MSRUN_PID, CONTROL_PID, RANK_PID = 1, 2, 1000
+
+
+def us(t: float) -> int:
+    """Seconds since the epoch -> the format's microseconds."""
+    return int(t * 1_000_000)
+
+
+def span(name: str, pid: int, tid: int, start: float, end: float, args: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A complete event (``ph: X``): ``name`` from ``start`` to ``end`` on lane ``pid``/``tid``."""
+    ev: dict[str, Any] = {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": us(start)}
+    ev["dur"] = max(0, us(end) - ev["ts"])
+    if args:
+        ev["args"] = args
+    return ev
+
+
+def instant(
+    name: str, pid: int, tid: int, at: float, args: dict[str, Any] | None = None, scope: str = "t"
+) -> dict[str, Any]:
+    """An instant event; ``scope`` ``g`` draws it across every lane (the first failure)."""
+    ev: dict[str, Any] = {"name": name, "ph": "i", "s": scope, "pid": pid, "tid": tid, "ts": us(at)}
+    if args:
+        ev["args"] = args
+    return ev
+
+
+def lane(pid: int, name: str, sort: int) -> list[dict[str, Any]]:
+    """Metadata naming a lane and placing it (msrun, the control plane, then ranks in order)."""
+    return [
+        {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": name}},
+        {"name": "process_sort_index", "ph": "M", "pid": pid, "tid": 0, "args": {"sort_index": sort}},
+    ]
+
+
+def rank_lane(rank: int, host: str, pid: int) -> list[dict[str, Any]]:
+    return lane(RANK_PID + rank, f"rank {rank} ({host}, pid {pid})", 10 + rank)
+
+
+def thread(pid: int, tid: int, name: str) -> dict[str, Any]:
+    return {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
+
+
+def shifted(events: list[dict[str, Any]], offset: float) -> list[dict[str, Any]]:
+    """``events`` on a clock ``offset`` seconds behind the control plane's (metadata has no time)."""
+    delta = us(offset)
+    if not delta:
+        return events
+    return [({**ev, "ts": ev["ts"] + delta} if "ts" in ev else ev) for ev in events]
+
+
+class ClockOffset:
+    """How far this host's clock is behind the control plane's (Cristian's algorithm): each
+    exchange sent at ``sent`` and answered at ``received``, carrying the other side's time
+    ``theirs``, bounds the offset within half its round trip; the shortest round trip wins."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+        self.rtt = float("inf")
+
+    def sample(self, sent: float, theirs: float, received: float) -> None:
+        rtt = received - sent
+        if 0 <= rtt < self.rtt:
+            self.rtt = rtt
+            self.offset = theirs - (sent + received) / 2
+
+    @property
+    def known(self) -> bool:
+        return self.rtt != float("inf")
+
+
+class Recorder:
+    """Appends events to one spool file, buffered; :meth:`flush` at turns of the event loop."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fh = open(path, "a", encoding="utf-8", buffering=1 << 16)  # noqa: SIM115 - lives as long as the process
+
+    def add(self, ev: dict[str, Any]) -> None:
+        self.fh.write(json.dumps(ev, separators=(",", ":")) + "\n")
+
+    def extend(self, events: list[dict[str, Any]]) -> None:
+        for ev in events:
+            self.add(ev)
+
+    def flush(self) -> None:
+        try:
+            self.fh.flush()
+        except (OSError, ValueError):
+            pass
+
+    def close(self) -> None:
+        try:
+            self.fh.close()
+        except OSError:
+            pass
+
+
+def recorder_from_env(env: dict[str, str], name: str) -> Recorder | None:
+    """This process's recorder (``<spool>/<name>.jsonl``), or None when the job is not traced."""
+    spool = env.get(SPOOL_ENV, "")
+    if not spool or not os.path.isdir(spool):
+        return None
+    try:
+        return Recorder(os.path.join(spool, f"{name}.jsonl"))
+    except OSError:
+        return None
+
+
+def read_file(path: str) -> list[dict[str, Any]]:
+    """The events of one spool file; a torn line (a killed process) is skipped."""
+    events: list[dict[str, Any]] = []
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                try:
+                    ev = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(ev, dict) and "ph" in ev:
+                    events.append(ev)
+    except OSError:
+        pass
+    return events
+
+
+def read_spool(spool: str) -> list[dict[str, Any]]:
+    """Every event in ``spool``'s files."""
+    try:
+        names = sorted(os.listdir(spool))
+    except OSError:
+        return []
+    return [ev for name in names if name.endswith(".jsonl") for ev in read_file(os.path.join(spool, name))]
+
+
+def _lines(path: str) -> list[str]:
+    """A spool file's whole lines: only its last can be torn (its process killed mid-write)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            lines = [line.strip() for line in fh if line.strip()]
+    except OSError:
+        return []
+    if lines:
+        try:
+            json.loads(lines[-1])
+        except ValueError:
+            lines.pop()
+    return [line for line in lines if line.startswith("{") and line.endswith("}")]
+
+
+def merge(spool: str, out: str, meta: dict[str, Any]) -> int:
+    """Write the trace of every event in ``spool`` to ``out`` (atomically); returns how many.
+
+    The spool's lines are copied as they are (each is already one event's JSON): metadata first,
+    then the events in the order each process wrote them - viewers order by time themselves."""
+    try:
+        names = sorted(n for n in os.listdir(spool) if n.endswith(".jsonl"))
+    except OSError:
+        names = []
+    head: list[str] = []
+    body: list[str] = []
+    for name in names:
+        for line in _lines(os.path.join(spool, name)):
+            (head if '"ph":"M"' in line else body).append(line)
+    tmp = f"{out}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write('{"traceEvents":[')
+        fh.write(",\n".join([*dict.fromkeys(head), *body]))
+        fh.write('],"displayTimeUnit":"ms","otherData":')
+        fh.write(json.dumps(meta, separators=(",", ":")))
+        fh.write("}\n")
+    os.replace(tmp, out)
+    return len(body)
