@@ -42,10 +42,27 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption(
         "--msrun-report",
         dest="msrun_report",
+        default=None,
+        metavar="FILE.html",
+        help="write one self-contained HTML page of the marked tests: verdicts, every rank's timeline "
+        "(phases, collectives, the first failure), outputs, logs, reproduce commands (first and all: "
+        "the same as --msrun-detail, as before)",
+    )
+    group.addoption(
+        "--msrun-detail",
+        dest="msrun_detail",
         choices=("first", "all"),
         default=None,
         help="failure detail: the first failing rank's traceback and one line per other failing rank "
         "(first, default), or every failing rank's traceback (all)",
+    )
+    group.addoption(
+        "--msrun-trace",
+        dest="msrun_trace",
+        default=None,
+        metavar="DIR",
+        help="keep each marked test's job trace (Chrome trace format, for Perfetto) in DIR: one file per "
+        "fresh job, one per warm world",
     )
     group.addoption(
         "--msrun-inprocess",
@@ -82,7 +99,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("msrun_exit_timeout", "seconds ranks may take to exit (see --msrun-exit-timeout)", default="60")
     parser.addini("msrun_worlds", "warm or fresh (see --msrun-worlds)", default="warm")
     parser.addini("msrun_leaks", "warn, error or off (see --msrun-leaks)", default="warn")
-    parser.addini("msrun_report", "failure detail: first or all", default="first")
+    parser.addini("msrun_report", "failure detail: first or all (see --msrun-detail)", default="first")
     parser.addini("msrun_devices", "devices jobs may use (see --msrun-devices)", default="auto")
 
 
@@ -97,6 +114,10 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
     ends, so a rank that crashes loses it. A rank's stdout and stderr are already its log file:
     tests write there directly and each phase's part of the log becomes its captured output.
     """
+    if os.environ.get("MSRUN_COV") and roles.detect(os.environ) == roles.RANK:
+        from pytest_msrun.plugin.covdata import start_in_rank
+
+        start_in_rank(dict(os.environ))  # the controller runs --cov: measured before conftests load
     ns = early_config.known_args_namespace
     use = (
         roles.detect(os.environ) == roles.RANK and getattr(ns, "capture", "fd") in ("fd", "sys") and _stdout_is_a_file()

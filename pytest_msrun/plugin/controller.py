@@ -27,12 +27,13 @@ import pytest
 
 from pytest_msrun.engine.slurm import allocation
 from pytest_msrun.pathsearch import which
-from pytest_msrun.plugin import options
+from pytest_msrun.plugin import covdata, options
 from pytest_msrun.plugin.job import TestJob, TestPaths
 from pytest_msrun.plugin.marker import MARKER, MarkerError, MsrunSpec, default_timeout, spec_for
 from pytest_msrun.plugin.merge import Merger
 from pytest_msrun.plugin.pool import DeviceShortage, ResourcePool, inventory
 from pytest_msrun.plugin.runner import Attempt, FreshAttempt, TestRecord, WarmAttempt
+from pytest_msrun.plugin.timeline import REPORT_ATTR, SessionReport, test_entry
 from pytest_msrun.plugin.world import MAX_WORLDS, World, eligible, world_key
 
 DEFAULT_EXIT_TIMEOUT = 60.0
@@ -58,6 +59,46 @@ def _node_path(item: pytest.Item) -> str:
     return f"{path}::{rest}" if path is not None and rest else item.nodeid
 
 
+PYTEST_TIMEOUT = pytest.StashKey[float]()  # pytest-timeout's timeout for a marked item
+
+
+def _report_options(config: pytest.Config) -> tuple[str, SessionReport | None]:
+    """The failure detail (``--msrun-detail``; ``--msrun-report=first|all`` as before) and the HTML
+    page ``--msrun-report=FILE.html`` asks for (written by the process that reports the session)."""
+    report = config.getoption("msrun_report")
+    detail = config.getoption("msrun_detail") or config.getini("msrun_report") or "first"
+    if report in ("first", "all"):
+        return (config.getoption("msrun_detail") or report), None
+    if detail not in ("first", "all"):
+        raise pytest.UsageError(f"msrun_report = {detail!r} in the ini file: use first or all")
+    if report is None:
+        return detail, None
+    if not report.lower().endswith((".html", ".htm")) or os.path.isdir(report):
+        raise pytest.UsageError(
+            f"--msrun-report={report}: name an HTML file (report.html) for the page, or first/all for the "
+            "failure detail (also --msrun-detail)"
+        )
+    where = os.path.dirname(os.path.abspath(report))
+    if not os.path.isdir(where):
+        raise pytest.UsageError(f"--msrun-report={report}: the directory {where} does not exist")
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller process writes the page
+        return detail, None
+    command = " ".join(["pytest", *config.invocation_params.args])
+    return detail, SessionReport(report, command)
+
+
+def _trace_dir(config: pytest.Config) -> str:
+    value = config.getoption("msrun_trace")
+    if not value:
+        return ""
+    path = os.path.abspath(value)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise pytest.UsageError(f"--msrun-trace={value}: cannot use it as a directory ({exc})") from None
+    return path
+
+
 def exit_timeout(config: pytest.Config) -> float:
     """Seconds the ranks may take to exit once every rank's pytest session ended."""
     value = config.getoption("msrun_exit_timeout") or config.getini("msrun_exit_timeout") or DEFAULT_EXIT_TIMEOUT
@@ -69,7 +110,10 @@ class Controller:
 
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
-        self.style = config.getoption("msrun_report") or config.getini("msrun_report") or "first"
+        self.style, self.html = _report_options(config)
+        self.trace_dir = _trace_dir(config)
+        # each test's timeline rides on its teardown report (the HTML page, pytest-html's extras)
+        self.timelines = self.html is not None or config.pluginmanager.hasplugin("html")
         self.timeout = default_timeout(config)
         self.exit_timeout = exit_timeout(config)
         devices = config.getoption("msrun_devices") or config.getini("msrun_devices") or "auto"
@@ -111,6 +155,15 @@ class Controller:
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         self.stop_worlds()
+        if self.html is not None:
+            path = self.html.write()
+            reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+            if reporter is not None:
+                reporter.write_sep("-", f"msrun: HTML report of {len(self.html.entries)} marked test(s): {path}")
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if self.html is not None:
+            self.html.add(report)
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.stop_worlds()
@@ -122,7 +175,35 @@ class Controller:
             world.stop()
             self.pool.release(world.lease)
 
-    def pytest_report_header(self, config: pytest.Config) -> str | None:
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        """Under pytest-randomly, marked tests of one world shape run together (in their shuffled
+        order): an order shuffled across shapes would start a world for nearly every test."""
+        if not (self.warm and config.pluginmanager.hasplugin("randomly")):
+            return
+        blocks: dict[Any, list[pytest.Item]] = {}
+        order: list[Any] = []
+        for item in items:
+            key = self.key_of(item)
+            slot = ("shape", key) if key is not None else ("item", id(item))
+            if slot not in blocks:
+                blocks[slot] = []
+                order.append(slot)
+            blocks[slot].append(item)
+        items[:] = [item for slot in order for item in blocks[slot]]
+
+    def pytest_report_header(self, config: pytest.Config) -> str | list[str] | None:
+        lines = []
+        seed = getattr(config.option, "randomly_seed", None)
+        if config.pluginmanager.hasplugin("randomly") and isinstance(seed, int):
+            lines.append(
+                f"msrun: pytest-randomly: marked tests run grouped by world shape; rank r of a job reseeds "
+                f"with {seed} + r (every rank collects in the order of {seed})"
+            )
+        other = self._header_note(config)
+        return [*lines, other] if other else (lines or None)
+
+    def _header_note(self, config: pytest.Config) -> str | None:
         if getattr(config.option, "usepdb", False):
             return (
                 "msrun: --pdb cannot enter ranks in other processes; add --msrun-inprocess to debug marked tests here"
@@ -155,12 +236,32 @@ class Controller:
             item.ihook.pytest_runtest_logreport(report=report)
 
     def run_item(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
-        """Run ``item`` on its ranks and report it, phase by phase."""
+        """Run ``item`` on its ranks and report it, phase by phase - again, as a whole job on a
+        fresh world, while pytest-rerunfailures grants the failing test reruns."""
+        reruns = self._reruns(item)
+        for attempt_no in range(reruns + 1):
+            if not self._run_once(item, nextitem, rerun=attempt_no < reruns, count=attempt_no):
+                return
+
+    def _reruns(self, item: pytest.Item) -> int:
+        """How often pytest-rerunfailures reruns ``item`` when it fails (0 without the plugin)."""
+        if not self.config.pluginmanager.hasplugin("rerunfailures"):
+            return 0
+        try:
+            from pytest_rerunfailures import get_reruns_count  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+            return int(get_reruns_count(item) or 0)
+        except Exception:  # its internals moved: no reruns rather than a broken session
+            return 0
+
+    def _run_once(self, item: pytest.Item, nextitem: pytest.Item | None, rerun: bool, count: int) -> bool:
+        """One run of ``item``; with ``rerun`` a failure is reported as pytest-rerunfailures does
+        (outcome ``rerun``) and True returned: run it again. False: the test is reported."""
         try:
             spec = spec_for(item)
         except MarkerError as exc:
             self._log(item, [self._simple(item, "setup", "failed", str(exc))])
-            return
+            return False
         assert spec is not None
         key = self.key_of(item)
         skip = self._static_skip(item)
@@ -172,23 +273,76 @@ class Controller:
         if attempt is None:
             if skip is not None:
                 self._log(item, [self._simple(item, "setup", "skipped", skip)])
-                return
+                return False
             attempt = self._fresh_attempt(item, spec, note)
             if attempt is None:
-                return
+                return False
         cwd = str(self.config.invocation_params.dir)
         record = attempt.record
         first = record.verdict()
-        self._log(item, Merger(item, record, self.style, cwd).reports(first, ("setup", "call")))
+        setup_call = Merger(item, record, self.style, cwd).reports(first, ("setup", "call"))
+        failed_early = any(r.failed for r in setup_call)
+        if not rerun:
+            self._log(item, setup_call)
         next_id = self.world_next(item, nextitem, key) if attempt.warm and key is not None else None
+        if rerun and failed_early:
+            next_id = None  # the rerun gets a fresh world
         record = attempt.finish(next_id, self.exit_timeout)
         final = record.verdict()
-        teardown = Merger(item, record, self.style, cwd).reports(final, ("teardown",))
+        merger = Merger(item, record, self.style, cwd)
+        teardown = merger.reports(final, ("teardown",))
         if record.leaks and self.leaks != "off":
             self._report_leaks(item, teardown, record.leaks)
-        self._log(item, teardown)
+        if teardown:  # junitxml writes the properties of a test's last report: the earlier phases' too
+            have = {name for name, _ in teardown[-1].user_properties}
+            for report in setup_call:
+                for name, value in report.user_properties:
+                    if name.startswith("msrun_") and name not in have:
+                        teardown[-1].user_properties.append((name, value))
+                        have.add(name)
+        if self.timelines and teardown:
+            self._attach_timeline(teardown[-1], merger, record, final, [*setup_call, *teardown], attempt, key)
+        again = False
+        if rerun:
+            reports = [*setup_call, *teardown]
+            for report in reports:
+                report.rerun = count  # type: ignore[attr-defined]
+            failed = next((i for i, r in enumerate(reports) if r.failed), None)
+            if failed is not None:  # as pytest-rerunfailures reports it: up to the failure, marked "rerun"
+                reports[failed].outcome = "rerun"  # type: ignore[assignment]
+                reports = reports[: failed + 1]
+                again = True
+            self._log(item, reports)
+        else:
+            self._log(item, teardown)
         if attempt.warm and key is not None:
             self._after_warm(item, key, next_id)
+        return again
+
+    def _attach_timeline(
+        self,
+        report: pytest.TestReport,
+        merger: Merger,
+        record: TestRecord,
+        verdict: Any,
+        reports: list[pytest.TestReport],
+        attempt: Attempt,
+        key: tuple | None,
+    ) -> None:
+        """The test's timeline on its last report: for the HTML page, and pytest-html's extras."""
+        entry = test_entry(merger, record, verdict, reports, "warm" if attempt.warm else "fresh")
+        world = self.worlds.get(key) if key is not None else None
+        entry["world"] = str(world.job.job_dir) if attempt.warm and world is not None else ""
+        setattr(report, REPORT_ATTR, entry)
+        if self.config.pluginmanager.hasplugin("html"):
+            try:
+                from pytest_html import extras  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+                from pytest_msrun.plugin.htmlpage import render_test
+
+                report.extras = [*getattr(report, "extras", []), extras.html(render_test(entry))]  # type: ignore[attr-defined]
+            except ImportError:
+                pass
 
     def _fresh_attempt(self, item: pytest.Item, spec: MsrunSpec, note: str) -> FreshAttempt | None:
         try:
@@ -199,9 +353,29 @@ class Controller:
             return None
         try:
             job = self._new_job(item, spec, lease.ports, self._device_env(lease.devices))
-            return FreshAttempt(item.nodeid, job, self._timeout(spec), self.exit_timeout, note)
+            return FreshAttempt(item.nodeid, job, self._test_timeout(item, spec), self.exit_timeout, note)
         finally:
             self.pool.release(lease)
+
+    def _test_timeout(self, item: pytest.Item, spec: MsrunSpec) -> float:
+        """The test's own timeout: pytest-timeout's for the item when it is active, else ours."""
+        return item.stash.get(PYTEST_TIMEOUT, None) or self._timeout(spec)
+
+    # pytest-timeout (when installed): a marked test's timeout is its job's, on the job's clock (from
+    # the test's start, not its world's), ending in the grouped hang report; its own timer, which
+    # would interrupt the controller, is not armed for marked tests.
+    @pytest.hookimpl(optionalhook=True, tryfirst=True)
+    def pytest_timeout_set_timer(self, item: pytest.Item, settings: Any) -> bool | None:
+        if item.get_closest_marker(MARKER) is None:
+            return None
+        timeout = getattr(settings, "timeout", None)
+        if timeout:
+            item.stash[PYTEST_TIMEOUT] = float(timeout)
+        return True
+
+    @pytest.hookimpl(optionalhook=True, tryfirst=True)
+    def pytest_timeout_cancel_timer(self, item: pytest.Item) -> bool | None:
+        return True if item.get_closest_marker(MARKER) is not None else None
 
     def _timeout(self, spec: MsrunSpec) -> float:
         return spec.timeout or self.timeout
@@ -213,16 +387,32 @@ class Controller:
 
     def _new_job(self, item: pytest.Item, spec: MsrunSpec, ports: list[int], extra_env: dict[str, str]) -> TestJob:
         job_dir = self._test_dir(item)
+        if self.trace_dir:  # one trace per job: a fresh test's, or a warm world's (named by its first test)
+            name = f"{_safe_name(item.nodeid)}-{job_dir.name}.trace.json"
+            extra_env = {**extra_env, "MSRUN_TRACE": os.path.join(self.trace_dir, name)}
         return TestJob(
             nodeid=_node_path(item),
             spec=spec,
             job_dir=job_dir,
             ports=ports,
-            rank_args=self.args,
-            extra_env={**extra_env, **options.ship(self.config, str(job_dir / "pytest-options.json"))},
+            rank_args=[*self.args, *self._unused_plugins()],
+            extra_env={
+                **extra_env,
+                **options.ship(self.config, str(job_dir / "pytest-options.json")),
+                **covdata.rank_env(self.config),
+            },
             live_output=getattr(self.config.option, "capture", "fd") == "no",
             cluster=self.cluster,
         )
+
+    def _unused_plugins(self) -> list[str]:
+        """Plugins the ranks need not load: hypothesis's, when no collected test module imported
+        hypothesis (its plugin is installed with it and costs every rank ~0.3 s to start)."""
+        import sys
+
+        if "hypothesis" in sys.modules or not self.config.pluginmanager.has_plugin("hypothesispytest"):
+            return []
+        return ["-p", "no:hypothesispytest"]
 
     def _test_dir(self, item: pytest.Item):
         factory = self.config._tmp_path_factory  # type: ignore[attr-defined]
@@ -295,7 +485,8 @@ class Controller:
             paths = TestPaths(self._test_dir(item), world.job.log_dir)
             paths.make()
             ranks = world.job.expected_ranks()
-            attempt = WarmAttempt(item.nodeid, world, paths, ranks, self._timeout(spec), self.exit_timeout)
+            timeout = self._test_timeout(item, spec)
+            attempt = WarmAttempt(item.nodeid, world, paths, ranks, timeout, self.exit_timeout)
             self.last_item[key] = item
             if attempt.missing:  # a rank did not collect it (it differs from this process's collection)
                 attempt.finish(None, self.exit_timeout)

@@ -1,11 +1,16 @@
 """Fixtures for tests that run as ranks: ``rank``, ``world_size``, ``local_rank``, ``msrun``,
 ``msrun_tmp_path``. Outside a job (a plain test, or ``--msrun-inprocess``) they describe a
-world of one rank."""
+world of one rank.
+
+``rank``, ``world_size``, ``local_rank`` and ``msrun`` are session-scoped - a rank's identity
+does not change while its process lives - so fixtures of any scope can use them (a module
+fixture of a warm world, say); ``msrun.tmp_path`` is the current test's shared directory."""
 
 from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,9 +31,14 @@ class MsrunContext:
     world_size: int
     local_rank: int
     local_world_size: int
-    tmp_path: Path
+    shared_dir: Callable[[], Path]
     log_dir: Path | None
     env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def tmp_path(self) -> Path:
+        """A directory shared by every rank for the test running now (see ``msrun_tmp_path``)."""
+        return self.shared_dir()
 
     @property
     def is_dryrun(self) -> bool:
@@ -55,51 +65,71 @@ class MsrunContext:
         return self._group().broadcast_object(obj, src, timeout)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def rank() -> int:
     """This process's global rank (0 outside a job)."""
     return current_rank()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def world_size() -> int:
     """Number of ranks in the job (1 outside a job)."""
     return current_world()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def local_rank() -> int:
     """This rank's index on its node."""
     return current_local_rank()
 
 
-@pytest.fixture
-def msrun_tmp_path(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
-    """A directory shared by every rank of the job running this test (``tmp_path`` outside a job)."""
+def _job_shared_dir(nodeid: str, name: str) -> Path:
+    """In a rank: the directory every rank of this job sees for test ``nodeid``."""
     shared = os.environ.get(SHARED_TMP_ENV)
-    if shared and role() == RANK:
+    if shared:
         path = Path(shared)
-    elif role() == RANK:
-        digest = hashlib.sha1(request.node.nodeid.encode()).hexdigest()[:12]
+    else:  # suite mode (msrun ... pytest): one per test under the job's log directory
+        digest = hashlib.sha1(nodeid.encode()).hexdigest()[:12]
         base = os.path.abspath(os.environ.get("MSRUN_LOG_DIR") or ".")
-        path = Path(base) / "msrun_shared" / f"{request.node.name[:40]}-{digest}"
-    else:
-        return tmp_path
+        path = Path(base) / "msrun_shared" / f"{name[:40]}-{digest}"
     path.mkdir(parents=True, exist_ok=True)
     return path
 
 
 @pytest.fixture
-def msrun(msrun_tmp_path: Path) -> MsrunContext:
+def msrun_tmp_path(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    """A directory shared by every rank of the job running this test (``tmp_path`` outside a job)."""
+    if role() != RANK:
+        return tmp_path
+    return _job_shared_dir(request.node.nodeid, request.node.name)
+
+
+def _current_test() -> tuple[str, str]:
+    """The node id and name of the test running now (pytest's ``PYTEST_CURRENT_TEST``)."""
+    nodeid = os.environ.get("PYTEST_CURRENT_TEST", "session").rsplit(" (", 1)[0]
+    return nodeid, nodeid.rsplit("::", 1)[-1]
+
+
+@pytest.fixture(scope="session")
+def msrun(tmp_path_factory: pytest.TempPathFactory) -> MsrunContext:
     """Rank, sizes, environment, log dir, shared tmp dir and collectives of this test's job."""
     in_job = role() == RANK
     log_dir = os.environ.get("MSRUN_LOG_DIR") if in_job else None
+    outside: list[Path] = []
+
+    def shared_dir() -> Path:
+        if in_job:
+            return _job_shared_dir(*_current_test())
+        if not outside:  # a world of one: a directory of this session
+            outside.append(tmp_path_factory.mktemp("msrun_shared"))
+        return outside[0]
+
     return MsrunContext(
         rank=current_rank(),
         world_size=current_world(),
         local_rank=current_local_rank(),
         local_world_size=current_local_world(),
-        tmp_path=msrun_tmp_path,
+        shared_dir=shared_dir,
         log_dir=Path(os.path.abspath(log_dir or ".")) if in_job else None,
         env={k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) and k != "MSRUN_JOB_TOKEN"}
         if in_job

@@ -208,6 +208,7 @@ class Merger:
         present: dict[int, pytest.TestReport],
         window: tuple[float, float],
         died: list[int] | None = None,
+        failing: list[int] | None = None,
         **extra: Any,
     ) -> pytest.TestReport:
         if isinstance(longrepr, list):  # a skip location (path, lineno, reason) that went through JSON
@@ -220,6 +221,17 @@ class Merger:
             props.append(("msrun_note", self.run.note))
             if phase == "call" or (phase == "setup" and outcome != "passed"):
                 sections.append(("msrun", self.run.note))
+        if failing:  # junitxml and other report consumers: which ranks failed, the first one first
+            props.append(("msrun_failing_ranks", ",".join(map(str, failing))))
+            if getattr(self.config.option, "usepdb", False):
+                sections.append(
+                    (
+                        "msrun --pdb",
+                        "--pdb cannot stop in ranks: they are other processes. To debug this test in this "
+                        "process, add --msrun-inprocess (it runs as rank 0 of a one-rank world); to see a "
+                        "rank fail again, run the job of the 'reproduce' section.",
+                    )
+                )
         hosts = self._hosts()
         if hosts:  # a job across hosts: where each rank ran
             props.append(("msrun_hosts", {str(r): h for r, h in hosts.items()}))
@@ -275,7 +287,7 @@ class Merger:
                 f"msrun job timed out after {self.run.timeout:g} s in the {phase.phase} phase "
                 f"(ranks {ranks_text(stuck)} had not finished); where each rank was, then every rank's stack"
             )
-            root = self._hang_text(stuck)
+            root = self.hang_text(stuck)
             crash = self._crash_location(f"msrun job timed out after {self.run.timeout:g} s")
             shown_stacks = set()
             for issue in issues[:MAX_RANK_SECTIONS]:
@@ -335,9 +347,10 @@ class Merger:
         sections.append(("msrun logs", f"{logs}\nmsrun: {', '.join(self.run.msrun_logs)}"))
         sections.append(("reproduce", self.reproduce))
         longrepr = MergedLongrepr(headline, root, sections, crash)
-        return self._make(phase.phase, "failed", longrepr, present, window, died=died)
+        failing = sorted({i.rank for i in issues}) or sorted(phase.stopped)
+        return self._make(phase.phase, "failed", longrepr, present, window, died=died, failing=failing)
 
-    def _hang_text(self, stuck: list[int]) -> str:
+    def hang_text(self, stuck: list[int]) -> str:
         main_threads = {r: self.logs[r].main_thread for r in self.ranks}
         no_stack = {r: self.end(r).describe(True) for r in self.ranks if r not in self.run.stacks}
         return diagnosis(self.run.stacks, main_threads, self.ranks, self.run.state, no_stack)

@@ -14,6 +14,7 @@ in the report.
 from __future__ import annotations
 
 import faulthandler
+import hashlib
 import os
 import signal
 import stat
@@ -85,6 +86,7 @@ class RankPlugin:
         self.controlled = bool(env.get(REPORT_DIR_ENV))
         if self.controlled:  # the controller's options, before any other plugin is configured
             options.apply(config)
+        self.randomly_seed = self._common_seed(config)
         self.log = log_file() if log_capture else None  # capture through the log
         self.phase_offset: int | None = None
         self.current: tuple[str, str] | None = None  # (nodeid, phase) running now
@@ -162,9 +164,50 @@ class RankPlugin:
                     )
                 )
 
+    # pytest-timeout in a rank the controller runs: the controller times the marked test (its job's
+    # timeout, stacks of every rank); a timer of the rank's own would cut that report short.
+    @pytest.hookimpl(optionalhook=True, tryfirst=True)
+    def pytest_timeout_set_timer(self, item: pytest.Item, settings: Any) -> bool | None:
+        return True if self.controlled else None
+
+    @pytest.hookimpl(optionalhook=True, tryfirst=True)
+    def pytest_timeout_cancel_timer(self, item: pytest.Item) -> bool | None:
+        return True if self.controlled else None
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+        """pytest-rerunfailures in a rank the controller runs: no rank reruns a test on its own
+        (the others would not, and wait in its collectives); the controller reruns the whole job."""
+        if not (self.controlled and item.config.pluginmanager.hasplugin("rerunfailures")):
+            return None
+        from _pytest.runner import runtestprotocol
+
+        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        runtestprotocol(item, nextitem=nextitem)
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        return True
+
+    def _common_seed(self, config: pytest.Config) -> int | None:
+        """pytest-randomly's seed, the same on every rank: the controller's, the one given, or one
+        derived from the job (each rank drawing its own would order a suite differently on each)."""
+        seed = getattr(config.option, "randomly_seed", None)
+        if seed is None:
+            return None  # pytest-randomly is not installed
+        if seed == "default":
+            job = os.environ.get("MSRUN_JOB_ID", "")
+            if job:
+                config.option.randomly_seed = seed = int(hashlib.sha256(job.encode()).hexdigest()[:8], 16)
+        return seed if isinstance(seed, int) else None
+
     @pytest.hookimpl(trylast=True)
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         self._write("collected", nodeids=[item.nodeid for item in session.items])
+        config = session.config
+        seed = getattr(config.option, "randomly_seed", None)
+        if config.pluginmanager.hasplugin("randomly") and isinstance(seed, int):
+            # the same order on every rank (collection is done); now each rank its own random
+            # streams: pytest-randomly reseeds random, numpy, ... before each test with seed + rank
+            config.option.randomly_seed = seed + self.rank
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed or report.skipped:  # a module skipped at collection skips its tests here
@@ -229,6 +272,10 @@ class RankPlugin:
         except (OSError, ValueError, AttributeError):  # no usable stderr
             pass
         self._close()
+        if "pytest_msrun.plugin.covdata" in sys.modules:  # measured for the controller's --cov
+            from pytest_msrun.plugin.covdata import stop
+
+            stop()
 
     def _close(self) -> None:
         """Close the records. Every thread's stack still lands in the stacks file on SIGUSR1 until the
@@ -272,11 +319,17 @@ class RankPlugin:
     def _phase(self, item: pytest.Item, when: str) -> Generator[None, None, None]:
         self.current = (item.nodeid, when)
         start = log_offset()
+        began = time.time()
         self._write("phase", nodeid=item.nodeid, when=when, offset=start)
         try:
             yield
         finally:
             self.current = None
+            self._collectives(item.nodeid, when, began)
+            if when == "teardown" and "pytest_msrun.plugin.covdata" in sys.modules:
+                from pytest_msrun.plugin.covdata import flush
+
+                flush()
             if self.log is not None and start is not None:
                 sys.stdout.flush()
                 sys.stderr.flush()
@@ -284,6 +337,15 @@ class RankPlugin:
                 if text:
                     # stdout and stderr are one file in a rank: its output, in order
                     item.add_report_section(when, "stdout", text)
+
+    def _collectives(self, nodeid: str, when: str, began: float) -> None:
+        """The builtin collectives this rank ran in the phase (for the timeline of its report)."""
+        cluster = sys.modules.get("pytest_msrun.control.cluster")
+        if cluster is None:
+            return
+        spans = [list(entry) for entry in cluster.history if entry[2] >= began]
+        if spans:
+            self._write("collectives", nodeid=nodeid, when=when, spans=spans[-512:])
 
     @pytest.hookimpl(hookwrapper=True, tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:

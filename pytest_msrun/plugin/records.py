@@ -93,6 +93,7 @@ class RankTest:
     more: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # when -> subtests, world-end teardown
     stamps: dict[str, float] = field(default_factory=dict)
     timeout: dict[str, Any] | None = None
+    collectives: list[list[Any]] = field(default_factory=list)  # [op, seq, entered, returned, error, when]
 
     def all_reports(self, when: str) -> list[dict[str, Any]]:
         """Every report of phase ``when``: its own, then its subtests' and late ones."""
@@ -171,6 +172,12 @@ def load_rank_log(path: str, rank: int) -> RankLog:
             else:
                 test.reports[when] = data
                 test.stamps[when] = float(record.get("ts", 0.0))
+        elif kind == "collectives":
+            nodeid, when = str(record.get("nodeid")), str(record.get("when"))
+            spans = record.get("spans")
+            if isinstance(spans, list):
+                test = out.tests.setdefault(nodeid, RankTest(nodeid))
+                test.collectives += [[*span, when] for span in spans if isinstance(span, list) and len(span) == 5]
         elif kind == "timeout":
             nodeid = str(record.get("nodeid"))
             out.tests.setdefault(nodeid, RankTest(nodeid)).timeout = record

@@ -216,6 +216,18 @@ def _group_state() -> int | None:
     return None if group is None else int(group.seq)
 
 
+def _group_fds() -> set[int]:
+    """The world's own connection to its control plane (``cluster.init()``, the ``msrun``
+    fixture's collectives): it serves every test of the world, no test leaked it."""
+    cluster = sys.modules.get("pytest_msrun.control.cluster")
+    group = getattr(cluster, "_group", None) if cluster is not None else None
+    channel = getattr(group, "channel", None)
+    try:
+        return {channel.fileno()} if channel is not None else set()
+    except (OSError, ValueError):
+        return set()
+
+
 def _fds() -> dict[int, str]:
     """Open descriptors and what they point at (a number reused for another file counts as new)."""
     out: dict[int, str] = {}
@@ -352,7 +364,7 @@ class WorldServer:
             with ImportWatch(snapshot):
                 item.ihook.pytest_runtest_protocol(item=item, nextitem=self.next)
         finally:
-            leaks, lingering = snapshot.leaks(ignore_fds={writer.fh.fileno()})
+            leaks, lingering = snapshot.leaks(ignore_fds={writer.fh.fileno(), *_group_fds()})
             snapshot.restore()
             self.snapshot = self.next = None
         return {"failed": plugin.test_failed, "leaks": leaks, "lingering": lingering, "group": _group_state()}

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from pytest_msrun.engine.hooks import JobReport
 from pytest_msrun.engine.status import JobStatus
@@ -43,6 +44,9 @@ def job_report(status: JobStatus) -> JobReport | None:
     invocations), node 0 prints one table of every node's ranks, after waiting briefly for the
     other nodes' final status; the other nodes print one line saying so (and keep msrun's status)."""
     directory = os.path.abspath(status.log_dir or ".")
+    dry_run = status.extra.get("dry_run") if isinstance(status.extra, dict) else None
+    if isinstance(dry_run, dict):
+        return _dry_run_report(directory, status, dry_run)
     statuses = [status]
     local = [p.rank for p in status.workers if p.rank is not None]
     several = bool(status.worker_num) and len(local) < (status.worker_num or 0)
@@ -78,6 +82,37 @@ def job_report(status: JobStatus) -> JobReport | None:
     if verdict != code:
         text += f"\nmsrun: exit status {verdict}, as the pytest results above decide (the processes' own: {code})"
     return JobReport(text, verdict)
+
+
+def _dry_run_report(directory: str, status: JobStatus, summary: dict[str, Any]) -> JobReport | None:
+    """A dry run's table: its simulated ranks ran in waves and were forgotten as they ended (the
+    status lists none), so they are found by their records; those the summary lists failed."""
+    import glob
+
+    from pytest_msrun.cpulist import parse_id_list
+
+    try:
+        failed = set(parse_id_list(str(summary.get("failed_ranks") or ""), "rank", 1 << 30))
+    except ValueError:
+        failed = set()
+    logs: dict[int, RankLog] = {}
+    ends: dict[int, RankEnd] = {}
+    for path in glob.glob(os.path.join(directory, "pytest_rank*.jsonl")):
+        digits = os.path.basename(path)[len("pytest_rank") : -len(".jsonl")]
+        if not digits.isdigit():
+            continue
+        rank = int(digits)
+        log = load_rank_log(path, rank)
+        if not log.started or log.start_ts < status.started - 1:
+            continue  # records of an earlier job
+        logs[rank] = log
+        ends[rank] = RankEnd(returncode=1 if rank in failed else 0, pid=log.pid, log=log.log, host=status.host)
+    if not logs:
+        return None
+    table = render(directory, logs, ends)
+    code = status.exit_code or 0
+    verdict = 0 if table.passed else (code or 1)
+    return JobReport(table.text, verdict)
 
 
 def _explained(status: JobStatus, ends: dict[int, RankEnd]) -> bool:

@@ -1,0 +1,250 @@
+"""Open a local HTML file in headless Chromium: the DOM after its scripts ran, a screenshot, and
+the network requests it tried.
+
+Chromium's proxy is a listening socket on 127.0.0.1 that only records and closes connections,
+and ``--proxy-bypass-list=<-loopback>`` sends even loopback requests there: any request the
+page makes (http, https, websocket, localhost) arrives as a recorded connection and fails.
+The browser's own services would be recorded too, so they are switched off
+(``--disable-sync``, the network time query) or pointed at the closed port 127.0.0.1:1, the
+one address the proxy is bypassed for (the component updater, the Google account endpoint):
+on an empty page no connection arrives.
+
+Chromium keeps its profile, cache, HOME, XDG dirs and TMPDIR under ``out_dir`` (TMPDIR in a
+short /dev/shm directory, removed afterwards, where ``out_dir`` is too long a path for the
+socket Chromium binds there), runs in a session of its own and is killed as a process group
+afterwards, then anything still running with its profile: nothing is left in /tmp or running.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+NAMES = ("chromium", "chromium-browser", "google-chrome")
+TIMEOUT = 60.0
+CLOSED = "127.0.0.1:1"  # nothing listens on port 1: the browser's own service URLs point here
+# Chromium binds its singleton socket at $TMPDIR/org.chromium.Chromium.XXXXXX/SingletonSocket,
+# and a socket path has at most 107 bytes: a TMPDIR longer than this aborts Chromium.
+TMPDIR_MAX = 107 - len("/org.chromium.Chromium.XXXXXX/SingletonSocket")
+
+
+def find_chromium() -> str | None:
+    """The first of chromium, chromium-browser, google-chrome on PATH, or None."""
+    for name in NAMES:
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+@dataclass
+class Page:
+    dom: str  # the serialized DOM after scripts ran (--dump-dom)
+    requests: int  # connections that reached the recording proxy: network requests tried
+    lines: list[str] = field(default_factory=list)  # their first lines ("GET http://...", "CONNECT ...")
+    screenshot: Path | None = None
+
+
+class _RecordingProxy:
+    """Accepts, records (the request line) and closes every connection."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.1)
+        self.port: int = self.sock.getsockname()[1]
+        self.lines: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _record(self, conn: socket.socket) -> None:
+        with conn:
+            conn.settimeout(1.0)
+            try:
+                head = conn.recv(4096)
+            except OSError:
+                head = b""
+            self.lines.append(head.split(b"\r\n", 1)[0].decode("latin-1") or "(no request line)")
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                continue
+            self._record(conn)
+
+    def close(self) -> list[str]:
+        self._stop.set()
+        self._thread.join(5)
+        self.sock.setblocking(False)
+        while True:  # connections still in the backlog count too
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                break
+            self._record(conn)
+        self.sock.close()
+        return self.lines
+
+
+@contextmanager
+def _tmpdir(out_dir: Path) -> Iterator[Path]:
+    """``out_dir``; where its path is too long for Chromium's socket, a short directory in
+    /dev/shm (where Chromium keeps its shared memory anyway), removed afterwards."""
+    if len(os.fsencode(out_dir)) <= TMPDIR_MAX:
+        yield out_dir
+        return
+    short = Path(tempfile.mkdtemp(prefix="chromium-", dir="/dev/shm"))
+    try:
+        yield short
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def _env(out_dir: Path, tmp: Path) -> dict[str, str]:
+    home, runtime = out_dir / "home", out_dir / "runtime"
+    home.mkdir(parents=True, exist_ok=True)
+    runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DBUS_")}
+    env.update(
+        HOME=str(home),
+        TMPDIR=str(tmp),
+        XDG_CONFIG_HOME=str(home / ".config"),
+        XDG_CACHE_HOME=str(home / ".cache"),
+        XDG_DATA_HOME=str(home / ".local" / "share"),
+        XDG_RUNTIME_DIR=str(runtime),
+    )
+    return env
+
+
+def _holding(profile: Path) -> list[psutil.Process]:
+    """Live processes with ``profile`` on their command line."""
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if proc.info["status"] != psutil.STATUS_ZOMBIE and any(
+                str(profile) in a for a in proc.info["cmdline"] or ()
+            ):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def _kill(proc: subprocess.Popen[str], profile: Path) -> None:
+    """Kill Chromium's process group (zygotes, renderers, utilities), then anything still
+    running with its profile; wait until they are gone."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+    for left in _holding(profile):
+        try:
+            left.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(_holding(profile), timeout=5)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # until init reaped the group's orphans
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+
+
+def _run(chromium: str, headless: str, args: list[str], out_dir: Path, port: int) -> subprocess.CompletedProcess[str]:
+    profile = out_dir / "profile"
+    cmd = [
+        chromium,
+        headless,
+        "--no-sandbox",  # the tests run as root
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-extensions",
+        "--disable-features=NetworkTimeServiceQuerying",
+        "--disable-dev-shm-usage",  # shared memory files under TMPDIR, not in a small /dev/shm
+        "--disable-breakpad",
+        "--no-first-run",
+        "--no-default-browser-check",
+        f"--user-data-dir={profile}",
+        f"--disk-cache-dir={out_dir / 'cache'}",
+        f"--crash-dumps-dir={out_dir / 'crash'}",
+        f"--proxy-server=127.0.0.1:{port}",
+        f"--proxy-bypass-list=<-loopback>;{CLOSED}",
+        f"--component-updater=url-source=http://{CLOSED}/",
+        f"--gaia-url=http://{CLOSED}/",
+        *args,
+    ]
+    with _tmpdir(out_dir) as tmp:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(out_dir, tmp),
+            cwd=out_dir,
+            start_new_session=True,
+        )
+        try:
+            stdout, stderr = proc.communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            _kill(proc, profile)
+            proc.communicate()
+            raise
+        finally:
+            _kill(proc, profile)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _chromium(chromium: str, args: list[str], out_dir: Path, port: int) -> subprocess.CompletedProcess[str]:
+    """Run with ``--headless=new``; with the old ``--headless`` where that mode is unknown."""
+    done = _run(chromium, "--headless=new", args, out_dir, port)
+    if done.returncode != 0 and "headless" in done.stderr.lower():
+        done = _run(chromium, "--headless", args, out_dir, port)
+    return done
+
+
+def open_page(html_path: Path, out_dir: Path, screenshot: Path | None = None) -> Page:
+    """Load ``html_path`` in headless Chromium (state under ``out_dir``): the DOM after its
+    scripts ran, and the requests it tried. With ``screenshot`` a second run saves a 1280x1600
+    PNG there (its requests are counted too)."""
+    chromium = find_chromium()
+    if chromium is None:
+        raise RuntimeError(f"no Chromium on PATH (tried {', '.join(NAMES)})")
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    url = Path(html_path).resolve().as_uri()
+    budget = "--virtual-time-budget=2000"
+    proxy = _RecordingProxy()
+    try:
+        done = _chromium(chromium, [budget, "--dump-dom", url], out_dir, proxy.port)
+        if done.returncode != 0 or "<html" not in done.stdout:
+            raise RuntimeError(f"chromium failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
+        dom = done.stdout
+        if screenshot is not None:
+            shot = Path(screenshot).resolve()
+            args = [budget, "--hide-scrollbars", "--window-size=1280,1600", f"--screenshot={shot}", url]
+            done = _chromium(chromium, args, out_dir, proxy.port)
+            if done.returncode != 0 or not shot.is_file():
+                raise RuntimeError(f"chromium took no screenshot (exit {done.returncode}):\n{done.stderr[-3000:]}")
+    finally:
+        lines = proxy.close()
+    return Page(dom=dom, requests=len(lines), lines=lines, screenshot=screenshot)

@@ -1,0 +1,318 @@
+"""At home in the pytest ecosystem: fixtures of any scope, other plugins, our command's name."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import free_port as pytester_port
+
+SCOPES = """
+import pytest
+
+@pytest.fixture(scope="module")
+def shard(rank, world_size, msrun):
+    return (rank, world_size, msrun.rank)
+
+@pytest.mark.msrun(worker_num=2)
+def test_a(shard, msrun, rank):
+    assert shard == (rank, 2, rank)
+    (msrun.tmp_path / f"a{rank}").touch()
+    msrun.barrier()
+    assert sorted(p.name for p in msrun.tmp_path.iterdir()) == ["a0", "a1"]
+
+@pytest.mark.msrun(worker_num=2)
+def test_b(shard, msrun, rank, msrun_tmp_path):
+    msrun.barrier()
+    assert msrun.tmp_path == msrun_tmp_path and list(msrun.tmp_path.iterdir()) == []
+"""
+
+
+@pytest.mark.parametrize("worlds", ["warm", "fresh"])
+def test_rank_fixtures_serve_fixtures_of_any_scope(pytester: pytest.Pytester, worlds: str) -> None:
+    """``rank``, ``world_size`` and ``msrun`` in a module fixture (what warm worlds invite): no
+    ScopeMismatch; ``msrun.tmp_path`` is still each test's own shared directory; the world's own
+    control-plane connection is not a leak of the test that first used it."""
+    pytester.makepyfile(test_scopes=SCOPES)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--msrun-worlds={worlds}", "-W", "error")
+    result.assert_outcomes(passed=2)
+    assert "MsrunLeakWarning" not in result.stdout.str()
+
+
+def test_our_command_names_itself_and_errors_stay_msruns() -> None:
+    out = subprocess.run([sys.executable, "-m", "pytest_msrun", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.startswith("usage: pmsrun ")
+    argv = [sys.executable, "-m", "pytest_msrun", "--worker_num=0", "x.py"]
+    bad = subprocess.run(argv, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("usage: pmsrun ")
+    assert bad.stderr.splitlines()[-1] == "msrun: error: argument --worker_num: must be greater than 0, got 0"
+
+
+SHAPES = """
+import random
+import pytest
+
+CASES = [pytest.param(n, i, marks=pytest.mark.msrun(worker_num=n), id=f"{n}-{i}") for n in (1, 2, 3) for i in range(4)]
+
+@pytest.mark.parametrize("n,i", CASES)
+def test_shapes(n, i, world_size):
+    assert world_size == n
+
+@pytest.mark.msrun(worker_num=2)
+def test_seeds(rank, msrun, request):
+    seeds = msrun.all_gather(request.config.getoption("randomly_seed"))
+    assert seeds[1] == seeds[0] + 1, "each rank reseeds with its own: the session's seed plus its rank"
+    drawn = msrun.all_gather(random.random())
+    assert drawn[0] != drawn[1]
+"""
+
+
+def test_randomly_groups_worlds_by_shape_and_seeds_each_rank(pytester: pytest.Pytester) -> None:
+    """pytest-randomly shuffles 13 marked tests of 3 shapes: 3 worlds start, not one per test, and
+    each rank reseeds ``random`` differently (the seed plus its rank, said in the header)."""
+    pytest.importorskip("pytest_randomly")
+    pytester.makepyfile(test_shapes=SHAPES)
+    result = pytester.runpytest_subprocess("-p", "randomly", "-p", "no:cacheprovider", "-v")
+    result.assert_outcomes(passed=13)
+    result.stdout.fnmatch_lines(["*msrun: pytest-randomly: marked tests run grouped by world shape*"])
+    worlds = list(pytester.path.glob("**/msrun.log"))
+    assert len(worlds) == 3, [str(w) for w in worlds]
+    order = [line.split("::")[1].split()[0] for line in result.stdout.lines if "::test_" in line and "PASSED" in line]
+    shapes = [2 if name.startswith("test_seeds") else int(name.split("[")[1].split("-")[0]) for name in order]
+    runs = [s for k, s in enumerate(shapes) if k == 0 or s != shapes[k - 1]]
+    assert len(runs) == len(set(runs)), f"each shape's tests run together: {shapes}"
+
+
+SUITE = """
+import pytest
+from pytest_msrun import cluster
+
+@pytest.mark.parametrize("i", range(8))
+def test_collective_per_test(i):
+    cluster.init()
+    assert cluster.all_gather_object(i) == [i, i], "every rank runs the same test at the same time"
+"""
+
+
+def test_randomly_in_suite_mode_orders_every_rank_alike(pytester: pytest.Pytester) -> None:
+    """``pmsrun … pytest`` with pytest-randomly: every rank shuffles the suite the same way (a seed
+    of the job), so per-test collectives meet."""
+    pytest.importorskip("pytest_randomly")
+    pytester.makepyfile(test_suite=SUITE)
+    port = str(pytester_port())
+    argv = [sys.executable, "-m", "pytest_msrun", "--worker_num=2", "--local_worker_num=2", "--join=True"]
+    argv += [f"--master_port={port}", "--log_dir=logs", "--scheduler=builtin", "pytest", "-p", "randomly", "-q"]
+    env = {**os.environ, "PYTEST_ADDOPTS": ""}
+    run = subprocess.run(
+        [*argv, "test_suite.py"], cwd=pytester.path, capture_output=True, text=True, env=env, timeout=120
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+HANGS = """
+import time
+import pytest
+
+@pytest.mark.msrun(worker_num=2)
+def test_hangs(rank):
+    while True:
+        time.sleep(0.1)
+
+@pytest.mark.msrun(worker_num=2)
+def test_after(rank):
+    pass
+
+def test_plain():
+    pass
+"""
+
+
+@pytest.mark.parametrize(
+    "how", [["--timeout=5"], ["-o", "timeout=5", "--msrun-timeout=5"]], ids=["option", "ini-equal"]
+)
+def test_pytest_timeout_times_a_marked_test_as_its_job(pytester: pytest.Pytester, how: list[str]) -> None:
+    """pytest-timeout's timeout of a marked test is its job's: the test fails with the grouped hang
+    report, the session goes on (it used to end in an INTERNALERROR: its timer fired in the
+    controller). Set in the ini file, and equal to ours, it is the same."""
+    pytest.importorskip("pytest_timeout")
+    pytester.makepyfile(test_hangs=HANGS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *how)
+    result.assert_outcomes(failed=1, passed=2)
+    text = result.stdout.str()
+    assert "INTERNALERROR" not in text and "msrun job timed out after 5 s" in text, text
+    assert "stack of rank 0 at the timeout" in text
+
+
+SLOW_WORLD = """
+import os, time
+if os.environ.get("MSRUN_PLUGIN_ROLE") == "worker":
+    time.sleep(3)  # the world's start: not the test's time
+"""
+
+
+def test_pytest_timeout_counts_from_the_tests_start_not_its_worlds(pytester: pytest.Pytester) -> None:
+    pytest.importorskip("pytest_timeout")
+    pytester.makeconftest(SLOW_WORLD)
+    pytester.makepyfile(
+        test_quick="""
+        import time
+        import pytest
+
+        @pytest.mark.msrun(worker_num=2)
+        def test_half_a_second(rank):
+            time.sleep(0.5)
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--timeout=2.5")
+    result.assert_outcomes(passed=1)
+
+
+FLAKY = """
+import os
+import pytest
+
+def runs(name, rank):
+    path = os.path.join(os.environ["RUNS_DIR"], f"{name}-{rank}")
+    count = int(open(path).read()) + 1 if os.path.exists(path) else 1
+    with open(path, "w") as fh:
+        fh.write(str(count))
+    return count
+
+@pytest.mark.msrun(worker_num=2)
+def test_fails_only_its_first_time(rank, msrun):
+    first = runs("flaky", rank) == 1
+    msrun.barrier()  # a rank rerunning alone would wait here for ever
+    assert not (first and rank == 1), "rank 1 fails the first run"
+
+@pytest.mark.msrun(worker_num=2)
+def test_always_fails_on_rank_0(rank, msrun):
+    runs("broken", rank)
+    msrun.barrier()
+    assert rank != 0
+"""
+
+
+@pytest.mark.parametrize("worlds", ["warm", "fresh"])
+def test_rerunfailures_reruns_the_whole_job(
+    pytester: pytest.Pytester, worlds: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--reruns 2``: the controller reruns a failing marked test as a whole job (ranks never on
+    their own), reported as pytest-rerunfailures does: ``rerun`` for each failed run but the last."""
+    pytest.importorskip("pytest_rerunfailures")
+    pytester.makepyfile(test_flaky=FLAKY)
+    runs = pytester.path / "runs"
+    runs.mkdir()
+    monkeypatch.setenv("RUNS_DIR", str(runs))
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--reruns", "2", f"--msrun-worlds={worlds}")
+    outcomes = result.parseoutcomes()
+    assert (outcomes.get("passed"), outcomes.get("failed"), outcomes.get("rerun")) == (1, 1, 3), result.stdout.str()
+    counts = {p.name: int(p.read_text()) for p in runs.iterdir()}
+    assert counts == {"flaky-0": 2, "flaky-1": 2, "broken-0": 3, "broken-1": 3}, "every rank ran every attempt"
+
+
+PKG = {
+    "pkg/__init__.py": "",
+    "pkg/work.py": """
+def only_in_ranks(rank):
+    if rank == 0:
+        return "zero"
+    return "other"
+
+
+def in_a_world_that_dies(rank):
+    return rank + 1
+""",
+}
+COVERED = """
+import os
+import pytest
+from pkg import work
+
+@pytest.mark.msrun(worker_num=2)
+def test_ranks_run_it(rank):
+    assert work.only_in_ranks(rank) in ("zero", "other")
+
+@pytest.mark.msrun(worker_num=2)
+def test_then_the_world_dies(rank):
+    assert work.in_a_world_that_dies(rank) == rank + 1
+
+@pytest.mark.msrun(worker_num=2)
+def test_crash(rank):
+    os._exit(3)  # the world dies here, after the others ran in it
+"""
+
+
+def test_cov_counts_lines_run_in_ranks(pytester: pytest.Pytester) -> None:
+    """``--cov``: lines run only in ranks count, with no configuration, and a world that crashed
+    after them keeps what its earlier tests ran."""
+    pytest.importorskip("pytest_cov")
+    for name, text in PKG.items():
+        path = pytester.path / name
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    pytester.makepyfile(test_covered=COVERED)
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "--cov=pkg", "--cov-report=term-missing", "--import-mode=prepend"
+    )
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.re_match_lines([r"pkg/work\.py\s+\d+\s+0\s+100%"])
+    assert not list(pytester.path.glob(".coverage.*")), "every rank's data was combined"
+
+
+FAILS_ON_RANK_1 = """
+import pytest
+
+@pytest.mark.msrun(worker_num=2)
+def test_one_rank_fails(rank):
+    assert rank != 1
+"""
+
+
+def test_junitxml_names_the_failing_ranks_and_pdb_is_explained_on_the_test(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_fails=FAILS_ON_RANK_1)
+    xml = pytester.path / "junit.xml"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--junitxml={xml}", "--pdb", "-q")
+    result.assert_outcomes(failed=1)
+    assert '<property name="msrun_failing_ranks" value="1"' in xml.read_text()
+    result.stdout.fnmatch_lines(["*msrun --pdb*", "*--pdb cannot stop in ranks*--msrun-inprocess*"])
+
+
+def test_ranks_load_hypothesis_only_when_a_test_uses_it(pytester: pytest.Pytester) -> None:
+    pytest.importorskip("hypothesis")
+    check = """
+    import sys
+    import pytest
+    {imports}
+
+    @pytest.mark.msrun(worker_num=1)
+    def test_rank(rank):
+        assert ("_hypothesis_pytestplugin" in sys.modules) is {expected}
+    """
+    pytester.makepyfile(test_plain=check.format(imports="", expected=False))
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+    pytester.makepyfile(test_plain=check.format(imports="import hypothesis", expected=True))
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+def test_dry_run_suite_prints_the_table_at_once(pytester: pytest.Pytester) -> None:
+    """``pmsrun --sim_level=1 … pytest``: the simulated ranks' table, and its exit status, without
+    waiting for other nodes' status files (a dry run's ranks are listed by their records)."""
+    pytester.makepyfile(
+        test_dry="""
+        import os
+
+        def test_ok():
+            pass
+
+        def test_rank_2_fails():
+            assert os.environ["RANK_ID"] != "2"
+        """
+    )
+    argv = [sys.executable, "-m", "pytest_msrun", "--worker_num=4", "--local_worker_num=4", "--sim_level=1"]
+    argv += ["--join=True", "--log_dir=logs", "pytest", "-q", "-p", "no:cacheprovider", "test_dry.py"]
+    run = subprocess.run(argv, cwd=pytester.path, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "test_dry.py::test_ok" in run.stdout and "msrun: 2 test(s): 1 passed, 1 failed" in run.stdout, run.stdout
+    assert "no final status from the nodes" not in run.stdout

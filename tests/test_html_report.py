@@ -1,0 +1,144 @@
+"""``--msrun-report=FILE.html``: one self-contained page of the marked tests, checked in a real
+browser (headless Chromium), and ``--msrun-trace=DIR``.
+
+``MSRUN_SCREENSHOT=docs/html-report.png python -m pytest tests/test_html_report.py -k browser``
+refreshes the README's screenshot from this very test.
+"""
+
+from __future__ import annotations
+
+import html.parser
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from browser import open_page
+
+REPO = Path(__file__).resolve().parents[1]
+
+TESTS = """
+import pytest
+
+@pytest.mark.msrun(worker_num=4)
+def test_all_ranks_agree(rank, msrun):
+    msrun.barrier()
+    assert msrun.all_gather(rank) == [0, 1, 2, 3]
+    print(f"rank {rank} agrees", flush=True)
+
+@pytest.mark.msrun(worker_num=4)
+def test_rank_two_disagrees(rank, msrun):
+    msrun.barrier()
+    value = msrun.broadcast(41 if rank == 0 else None, src=0)
+    if rank == 2:
+        print("rank 2 is about to fail <script>alert(1)</script>", flush=True)
+        assert value == 42, "rank 2 expected the answer"
+"""
+
+
+class _Sections(html.parser.HTMLParser):
+    """The page's test sections and their lanes, as the DOM has them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tests: list[dict[str, str]] = []
+        self.lanes: list[list[str]] = []
+        self.scripts = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = dict(attrs)
+        classes = (a.get("class") or "").split()
+        if tag == "section" and "msrun-test" in classes:
+            self.tests.append({k: v or "" for k, v in a.items()})
+            self.lanes.append([])
+        elif tag == "g" and "lane" in classes and self.lanes:
+            self.lanes[-1].append(a.get("data-rank") or "")
+        elif tag == "script" and a.get("src"):
+            self.scripts += 1
+
+
+def _session(pytester: pytest.Pytester, *args: str) -> tuple[pytest.RunResult, Path]:
+    pytester.makepyfile(test_agree=TESTS)
+    page = pytester.path / "report.html"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--msrun-report={page}", *args)
+    result.assert_outcomes(passed=1, failed=1)
+    assert page.exists(), result.stdout.str()
+    result.stdout.fnmatch_lines([f"*msrun: HTML report of 2 marked test(s): {page}*"])
+    return result, page
+
+
+@pytest.mark.parametrize("worlds", ["warm", "fresh"])
+def test_the_page_has_every_test_rank_and_the_failure(pytester: pytest.Pytester, worlds: str) -> None:
+    _, page = _session(pytester, f"--msrun-worlds={worlds}")
+    text = page.read_text()
+    assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", text), "nothing fetched from the network"
+    assert "<script>alert(1)</script>" not in text and "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+    parsed = _Sections()
+    parsed.feed(text)
+    assert [t["data-nodeid"] for t in parsed.tests] == [
+        "test_agree.py::test_all_ranks_agree",
+        "test_agree.py::test_rank_two_disagrees",
+    ]
+    assert [t["data-outcome"] for t in parsed.tests] == ["passed", "failed"]
+    assert parsed.lanes == [["0", "1", "2", "3"]] * 2 and parsed.scripts == 0
+    assert "first failure: rank 2 in call" in text and "rank 2 expected the answer" in text
+    for name in ("barrier", "gather", "bcast"):  # numbered in the world's order (warm worlds go on counting)
+        assert re.search(rf"\b{name} #\d+", text), name
+    assert "pmsrun" in text or "python -m pytest_msrun" in text, "the reproduce command"
+
+
+@pytest.mark.browser
+def test_the_page_in_a_real_browser(pytester: pytest.Pytester, tmp_path_factory: pytest.TempPathFactory) -> None:
+    _, page = _session(pytester)
+    out = tmp_path_factory.mktemp("browser")
+    shot = out / "report.png"
+    seen = open_page(page, out, screenshot=shot)
+    assert seen.requests == 0, f"the page made network requests: {seen.lines}"
+    dom = seen.dom
+    assert 'data-ready="1"' in dom, "the page's script ran"
+    parsed = _Sections()
+    parsed.feed(dom)
+    assert [t["data-outcome"] for t in parsed.tests] == ["passed", "failed"]
+    assert parsed.lanes == [["0", "1", "2", "3"]] * 2
+    assert "test_all_ranks_agree" in dom and "test_rank_two_disagrees" in dom
+    assert "first failure: rank 2 in call" in dom
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
+    target = os.environ.get("MSRUN_SCREENSHOT")
+    if target:  # refresh the README's screenshot from this run
+        shutil.copyfile(shot, REPO / target)
+
+
+def test_trace_dir_keeps_each_jobs_trace(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_agree=TESTS)
+    traces = pytester.path / "traces"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--msrun-trace={traces}", "--msrun-worlds=fresh")
+    result.assert_outcomes(passed=1, failed=1)
+    files = sorted(traces.glob("*.trace.json"))
+    assert [f.name.split("-msrun-")[0] for f in files] == ["test_all_ranks_agree", "test_rank_two_disagrees"]
+    for path in files:
+        events = json.loads(path.read_text())["traceEvents"]
+        lanes = {e["pid"] for e in events if e["name"] == "process_name" and e["pid"] >= 1000}
+        assert len(lanes) == 4
+
+
+def test_report_values_are_checked(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_agree=TESTS)
+    result = pytester.runpytest_subprocess("--msrun-report=report.txt")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--msrun-report=report.txt: name an HTML file*"])
+    result = pytester.runpytest_subprocess("--msrun-report=all", "--collect-only")
+    assert result.ret == 0, "first/all still set the failure detail, as before"
+
+
+def test_pytest_html_rows_carry_each_marked_tests_timeline(pytester: pytest.Pytester) -> None:
+    """With pytest-html, each marked test's row has its timeline (an extra), its page stays whole."""
+    pytest.importorskip("pytest_html")
+    pytester.makepyfile(test_agree=TESTS)
+    page = pytester.path / "pytest-html.html"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--html={page}", "--self-contained-html")
+    result.assert_outcomes(passed=1, failed=1)
+    text = page.read_text()
+    # pytest-html keeps its rows as JSON in the page: our fragment is in each marked test's extras
+    assert text.count("msrun-test") >= 2 and "first failure: rank 2 in call" in text
