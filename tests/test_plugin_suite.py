@@ -175,10 +175,12 @@ def test_suite_applies_the_marker_timeout_and_says_who_is_stuck_where(msrun):
     job = msrun.run(job_args(2, "pytest", "-q", "-p", "no:cacheprovider", "suite"), timeout=60)
     out = job.stdout
     assert job.returncode == 124, out + job.stderr
-    # both ranks run out of time (rank 1 may be stopped first): each is caught where it was
-    assert re.search(r"test_hangs\s+timeout\s+(timeout|stopped)\s+failed", out), out
-    failed = r"FAILED suite/test_t.py::test_hangs on rank\(s\) 0(, 1)?: rank \d timed out after 3 s in the call"
-    assert re.search(failed, out), out
+    # whichever rank's clock runs out first times out (on a loaded machine rank 1's may, its test
+    # having begun first); the other is stopped or times out too; each is caught where it was
+    assert re.search(r"test_hangs\s+(timeout\s+(timeout|stopped)|stopped\s+timeout)\s+failed", out), out
+    failed = r"FAILED suite/test_t.py::test_hangs on rank\(s\) (0|1|0, 1): rank (\d) timed out after 3 s in the call"
+    found = re.search(failed, out)
+    assert found, out
     assert re.search(r"rank 0: compute\(\) at test_t.py:8 <- test_hangs\(\) at test_t.py:14", out), out
     # rank 1 waits in the barrier - or, when the control plane saw rank 0 go before msrun stopped
     # rank 1 (a loaded machine), it is already reporting that barrier's failure (pytest's frames);
@@ -191,7 +193,8 @@ def test_suite_applies_the_marker_timeout_and_says_who_is_stuck_where(msrun):
     )
     assert re.search(rank_1, out), out
     assert "rank 1 entered barrier #2; not there: 0" in out
-    assert "timed out after 3 s on rank 0" in job.log("worker_0.log")
+    first = found.group(2)
+    assert f"timed out after 3 s on rank {first}" in job.log(f"worker_{first}.log")
 
 
 def test_task_scheduler_runs_no_test(msrun):

@@ -112,8 +112,13 @@ def test_it(rank, msrun_tmp_path):
             f"every_rank_passes_then_{name}_at_exit",
             f"""
 @pytest.mark.msrun(worker_num=2)
-def test_it(rank):
-    atexit.register({how})
+def test_it(rank, msrun_tmp_path):
+    def at_exit():  # once every rank's session is over (none is still in its test), then {name}
+        (msrun_tmp_path / f"exiting{{rank}}").touch()
+        wait_for(lambda: len(list(msrun_tmp_path.glob("exiting*"))) == 2)
+        ({how})()
+
+    atexit.register(at_exit)
 """,
             counts={"passed": 1, "errors": 1},
             patterns=(r"reported every phase, then " + words,),

@@ -97,6 +97,8 @@ class RankPlugin:
         self.failed_any = False
         self.real_failure = False  # a failure other than a strict xfail that passed
         self.collect_skipped = False
+        self.skipped_collectors: set[str] = set()
+        self.session: pytest.Session | None = None
         self.stacks: IO[str] | None = None
         self.default_timeout = 0.0
         # MindSpore's own msrun runs the task (this pytest) as its scheduler too: not a rank
@@ -140,6 +142,7 @@ class RankPlugin:
 
     # ---------------------------------------------------------------- session
     def pytest_sessionstart(self, session: pytest.Session) -> None:
+        self.session = session
         self._write_start()
 
     def _write_start(self) -> None:
@@ -180,6 +183,13 @@ class RankPlugin:
         (the others would not, and wait in its collectives); the controller reruns the whole job."""
         if not (self.controlled and item.config.pluginmanager.hasplugin("rerunfailures")):
             return None
+        try:
+            from pytest_rerunfailures import get_reruns_count  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+            if not get_reruns_count(item):
+                return None  # nothing to rerun: pytest's own protocol, untouched
+        except Exception:
+            pass
         from _pytest.runner import runtestprotocol
 
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
@@ -213,8 +223,21 @@ class RankPlugin:
         if report.failed or report.skipped:  # a module skipped at collection skips its tests here
             if report.skipped:
                 self.collect_skipped = True
+                path = report.nodeid.split("::", 1)[0]
+                self.skipped_collectors.add(os.path.normpath(os.path.join(str(self.config.rootpath), path)))
             data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
             self._write("collect", data=data)
+        if report.nodeid == "" and self.controlled and self.session is not None:
+            # The session's own report comes before pytest checks that every requested test was
+            # found: one inside a module this rank skipped at collection is skipped, not "not
+            # found" (a usage error, exit 4, would make msrun stop the other ranks).
+            notfound = getattr(self.session, "_notfound", None)
+            if isinstance(notfound, list):
+                notfound[:] = [
+                    (arg, cols)
+                    for arg, cols in notfound
+                    if os.path.normpath(str(arg).split("::", 1)[0]) not in self.skipped_collectors
+                ]
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.failed:
