@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_env, installed_python, machine, seconds  # noqa: E402
+from common import interpreter, machine, seconds  # noqa: E402
 
 RANK = """
 import os, sys, time
@@ -142,10 +142,7 @@ def main() -> int:
     failed = []
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
-        if args.here:
-            python, env = sys.executable, bench_env(scratch)
-        else:
-            python, env = installed_python(scratch), bench_env(scratch, checkout=False)
+        python, env = interpreter(scratch, args.here)
         (scratch / "rank.py").write_text(RANK)
         (scratch / "spawner.py").write_text(SPAWNER)
         rng = random.Random(1)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_env, installed_python, machine, seconds  # noqa: E402
+from common import interpreter, machine, seconds  # noqa: E402
 
 RANK = """
 from pytest_msrun import cluster
@@ -91,10 +91,7 @@ def main() -> int:
     leftovers = 0
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
-        if args.here:
-            python, env = sys.executable, bench_env(scratch)
-        else:
-            python, env = installed_python(scratch), bench_env(scratch, checkout=False)
+        python, env = interpreter(scratch, args.here)
         env["SOAK_MARK"] = mark
         (scratch / "rank.py").write_text(RANK)
         order = ["quiet", "loaded"] * (args.jobs // 2)

@@ -60,6 +60,14 @@ def installed_python(scratch: Path) -> str:
     return str(python)
 
 
+def interpreter(scratch: Path, here: bool) -> tuple[str, dict[str, str]]:
+    """The Python to bench with and its environment: this interpreter and checkout (``--here``), or
+    a fresh venv with this checkout installed as a user would (``pip install .``)."""
+    if here:
+        return sys.executable, bench_env(scratch)
+    return installed_python(scratch), bench_env(scratch, checkout=False)
+
+
 def machine() -> str:
     model = ""
     try:

@@ -5,12 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import free_port as pytester_port
 
 SCOPES = """
 import pytest
+from pathlib import Path
 
 @pytest.fixture(scope="module")
 def shard(rank, world_size, msrun):
@@ -53,6 +55,7 @@ def test_our_command_names_itself_and_errors_stay_msruns() -> None:
 SHAPES = """
 import random
 import pytest
+from pathlib import Path
 
 CASES = [pytest.param(n, i, marks=pytest.mark.msrun(worker_num=n), id=f"{n}-{i}") for n in (1, 2, 3) for i in range(4)]
 
@@ -87,6 +90,7 @@ def test_randomly_groups_worlds_by_shape_and_seeds_each_rank(pytester: pytest.Py
 
 SUITE = """
 import pytest
+from pathlib import Path
 from pytest_msrun import cluster
 
 @pytest.mark.parametrize("i", range(8))
@@ -114,6 +118,7 @@ def test_randomly_in_suite_mode_orders_every_rank_alike(pytester: pytest.Pyteste
 HANGS = """
 import time
 import pytest
+from pathlib import Path
 
 @pytest.mark.msrun(worker_num=2)
 def test_hangs(rank):
@@ -172,6 +177,7 @@ def test_pytest_timeout_counts_from_the_tests_start_not_its_worlds(pytester: pyt
 FLAKY = """
 import os
 import pytest
+from pathlib import Path
 
 def runs(name, rank):
     path = os.path.join(os.environ["RUNS_DIR"], f"{name}-{rank}")
@@ -228,6 +234,7 @@ def in_a_world_that_dies(rank):
 COVERED = """
 import os
 import pytest
+from pathlib import Path
 from pkg import work
 
 @pytest.mark.msrun(worker_num=2)
@@ -263,6 +270,7 @@ def test_cov_counts_lines_run_in_ranks(pytester: pytest.Pytester) -> None:
 
 FAILS_ON_RANK_1 = """
 import pytest
+from pathlib import Path
 
 @pytest.mark.msrun(worker_num=2)
 def test_one_rank_fails(rank):
@@ -316,3 +324,29 @@ def test_dry_run_suite_prints_the_table_at_once(pytester: pytest.Pytester) -> No
     assert run.returncode == 1, run.stdout + run.stderr
     assert "test_dry.py::test_ok" in run.stdout and "msrun: 2 test(s): 1 passed, 1 failed" in run.stdout, run.stdout
     assert "no final status from the nodes" not in run.stdout
+
+
+def test_a_warm_tests_log_paths_point_at_its_own_folder(pytester: pytest.Pytester) -> None:
+    """In a warm world the report names each rank's part of the log for this test, in the test's
+    own folder - not the world's log, which every test of the world shares."""
+    pytester.makepyfile(
+        test_two="""
+        import pytest
+
+        @pytest.mark.msrun(worker_num=2)
+        def test_first(rank):
+            print(f"first test on rank {rank}")
+
+        @pytest.mark.msrun(worker_num=2)
+        def test_second(rank):
+            print(f"second test on rank {rank}")
+            assert rank == 0
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    (line,) = [ln for ln in result.stdout.lines if ln.startswith("rank 1: /")]
+    log = line.split(": ", 1)[1]
+    assert "/msrun-test_second" in log and log.endswith("/logs/worker_1.log"), line
+    text = Path(log).read_text()
+    assert "second test on rank 1" in text and "first test on rank 1" not in text

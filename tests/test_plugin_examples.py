@@ -181,5 +181,6 @@ def test_example(pytester: pytest.Pytester, monkeypatch, example, args, outcomes
     left = wait_gone(mark)
     assert not left, f"leftover processes: {[p.cmdline() for p in left]}"
     if example == "segfault":
-        (log,) = pytester.path.glob("**/logs/worker_1.log")
-        assert "rank 1 wrote this just before it crashed" in log.read_text()
+        # the job's log (fresh), or the world's and the test's own part of it (warm)
+        logs = list(pytester.path.glob("**/logs/worker_1.log"))
+        assert logs and all("rank 1 wrote this just before it crashed" in log.read_text() for log in logs)

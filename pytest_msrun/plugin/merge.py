@@ -61,6 +61,7 @@ class Merger:
         self.style = style
         self.reproduce = record.run.reproduce(cwd)
         self.log_dir = record.log_dir
+        self.own_logs = record.own_logs
         self.capture = getattr(self.config.option, "capture", "fd") != "no"
         self._reports: dict[int, pytest.TestReport | None] = {}
 
@@ -74,7 +75,12 @@ class Merger:
         return hosts if len(set(hosts.values())) > 1 else {}
 
     def log_path(self, rank: int) -> str:
+        """The rank's whole log (a warm world's: every test of the world)."""
         return self.end(rank).log or self.logs[rank].log or os.path.join(self.log_dir, f"worker_{rank}.log")
+
+    def shown_log(self, rank: int) -> str:
+        """The log a report names: the test's own part of it in a warm world, else the whole log."""
+        return self.own_logs.get(rank) or self.log_path(rank)
 
     def _report(self, data: dict[str, Any]) -> pytest.TestReport | None:
         """The TestReport of a record (converted once: pytest's conversion changes the dict)."""
@@ -340,7 +346,7 @@ class Merger:
             shown = self.ranks
         hosts = self._hosts()
         logs = "\n".join(
-            f"rank {r}" + (f" on {hosts[r]}" if r in hosts else "") + f": {self.log_path(r)}" for r in shown
+            f"rank {r}" + (f" on {hosts[r]}" if r in hosts else "") + f": {self.shown_log(r)}" for r in shown
         )
         if len(self.ranks) > len(shown):
             logs += f"\n(every rank: {self.log_dir}/worker_<rank>.log)"

@@ -348,6 +348,10 @@ class RankPlugin:
             yield
         finally:
             self.current = None
+            if when == "teardown" and start is not None:  # where this test's part of the log ends
+                sys.stdout.flush()
+                sys.stderr.flush()
+                self._write("phase_end", nodeid=item.nodeid, when=when, offset=log_offset())
             self._collectives(item.nodeid, when, began)
             if when == "teardown" and "pytest_msrun.plugin.covdata" in sys.modules:
                 from pytest_msrun.plugin.covdata import flush

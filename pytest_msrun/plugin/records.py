@@ -94,6 +94,12 @@ class RankTest:
     stamps: dict[str, float] = field(default_factory=dict)
     timeout: dict[str, Any] | None = None
     collectives: list[list[Any]] = field(default_factory=list)  # [op, seq, entered, returned, error, when]
+    log_end: int | None = None  # where the rank's log stood when the test's teardown ended
+
+    def log_span(self) -> tuple[int, int | None] | None:
+        """The test's part of the rank's log: from its setup's start to its teardown's end."""
+        first = next((self.started[w].offset for w in PHASES if w in self.started), None)
+        return (first, self.log_end) if first is not None else None
 
     def all_reports(self, when: str) -> list[dict[str, Any]]:
         """Every report of phase ``when``: its own, then its subtests' and late ones."""
@@ -172,6 +178,11 @@ def load_rank_log(path: str, rank: int) -> RankLog:
             else:
                 test.reports[when] = data
                 test.stamps[when] = float(record.get("ts", 0.0))
+        elif kind == "phase_end":
+            nodeid = str(record.get("nodeid"))
+            end = record.get("offset")
+            if isinstance(end, int):
+                out.tests.setdefault(nodeid, RankTest(nodeid)).log_end = end
         elif kind == "collectives":
             nodeid, when = str(record.get("nodeid")), str(record.get("when"))
             spans = record.get("spans")

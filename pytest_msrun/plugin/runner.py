@@ -31,6 +31,7 @@ class TestRecord:
     run: JobRun
     log_dir: str
     leaks: dict[int, list[str]] = field(default_factory=dict)
+    own_logs: dict[int, str] = field(default_factory=dict)  # a warm test's part of each rank's log
 
     @classmethod
     def load(cls, nodeid: str, ranks: list[int], paths: TestPaths, run: JobRun) -> TestRecord:
@@ -97,6 +98,7 @@ class WarmAttempt:
         self.ranks = ranks
         self.test: WarmTest = world.begin(paths, nodeid, timeout, exit_timeout)
         self.record = TestRecord.load(nodeid, ranks, paths, self.test.run)
+        self._own_logs(self.record)  # so far (setup and call); completed with the teardown in finish()
 
     @property
     def missing(self) -> bool:
@@ -120,4 +122,27 @@ class WarmAttempt:
         run = self.test.finish(next_id, exit_timeout)
         record = TestRecord.load(self.nodeid, self.ranks, self.paths, run)
         record.leaks = self.test.leaks
+        self._own_logs(record)
         return record
+
+    def _own_logs(self, record: TestRecord) -> None:
+        """Each rank's part of the world's log, in the test's own folder (``logs/worker_<rank>.log``):
+        what reports point at, instead of a log every test of the world shares."""
+        folder = self.paths.job_dir / "logs"
+        for rank, end in list(record.run.ranks.items()):
+            log = record.logs.get(rank)
+            test = log.tests.get(self.nodeid) if log is not None else None
+            span = test.log_span() if test is not None else None
+            source = end.log or (log.log if log is not None else "")
+            if span is None or not source:
+                continue
+            try:
+                with open(source, "rb") as fh:
+                    fh.seek(span[0])
+                    part = fh.read() if span[1] is None else fh.read(max(0, span[1] - span[0]))
+                folder.mkdir(parents=True, exist_ok=True)
+                target = folder / f"worker_{rank}.log"
+                target.write_bytes(part)
+            except OSError:
+                continue
+            record.own_logs[rank] = str(target)

@@ -121,7 +121,7 @@ def test_entry(
                 "rank": rank,
                 "host": (end.host if end is not None and end.host else os.uname().nodename),
                 "pid": end.pid if end is not None and end.pid else (log.pid if log is not None else None),
-                "log": merger.log_path(rank),
+                "log": merger.shown_log(rank),
                 "outcome": verdict.cells.get(rank, ""),
                 "output": output[-OUTPUT_LIMIT:],
                 "spans": _rank_spans(record, rank),
