@@ -290,6 +290,12 @@ def test_it(rank, msrun_tmp_path):
 @pytest.fixture(scope="module")
 def resource():
     yield
+    # every rank is done with the test before any fails this teardown (a rank whose session ended
+    # first would have msrun stop one still in its call, on a loaded machine)
+    ready = os.path.join(os.environ.get("MSRUN_LOG_DIR", "."), "teardown-barrier")
+    os.makedirs(ready, exist_ok=True)
+    open(os.path.join(ready, str(RANK)), "w").close()
+    wait_for(lambda: len(os.listdir(ready)) == 2)
     raise RuntimeError("module fixture teardown failed")
 
 

@@ -106,9 +106,10 @@ class WarmAttempt:
 
     def left_before(self) -> list[int]:
         """The ranks whose leaving ended the world before they began this test (the world was
-        already dying when it was sent): not this test's failure."""
-        if not (self.world.dead or self.world.lost):
-            return []
+        already dying when it was sent): not this test's failure. Judged from the ranks' own
+        ends, whether or not the world has noticed yet (on a loaded machine msrun may reap a rank
+        killed between tests only after the next test was sent): a rank that ended by itself and
+        left no record of this test never began it."""
         causes = set(self.world.lost) | {
             rank
             for rank, end in self.record.run.ranks.items()
