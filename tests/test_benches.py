@@ -74,5 +74,5 @@ def test_bench_runs_and_leaves_the_checkout_alone(name):
     )
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr  # 1: a target missed under load
     for text in ("machine:", *expected):
-        assert text in proc.stdout, proc.stdout
+        assert text in proc.stdout, proc.stdout + proc.stderr
     assert _tree() == before, "a bench wrote into the checkout"
