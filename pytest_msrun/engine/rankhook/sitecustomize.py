@@ -63,7 +63,8 @@ def _trace_start():
         return
     import time
 
-    # one JSON line, written without importing json (this runs before every rank's first line)
+    # one JSON line (lane 1000 + rank: control/tracelog.RANK_PID, which this standard-library-only
+    # hook cannot import), written without importing json (this runs before every rank's first line)
     pid, ts = 1000 + int(rank), int(time.time() * 1_000_000)
     line = f'{{"name":"python started","ph":"i","s":"t","pid":{pid},"tid":0,"ts":{ts}}}\n'
     fd = os.open(os.path.join(spool, f"rank{rank}-{os.getpid()}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
