@@ -281,7 +281,10 @@ class TestJob:
             deadline = time.monotonic() + timeout
             finished = FinishWatch(str(self.report_dir), self.expected_ranks())
             exit_deadline: float | None = None
-            while any(p.poll() is None for p in procs):
+            while True:
+                alive = [p for p in procs if p.poll() is None]  # one look: a process may end any time
+                if not alive:
+                    break
                 now = time.monotonic()
                 if now >= deadline:
                     timed_out = True
@@ -291,9 +294,8 @@ class TestJob:
                 if exit_deadline is not None and now >= exit_deadline:
                     hung = self.running_ranks()
                     break
-                waiting = next(p for p in procs if p.poll() is None)
                 try:
-                    waiting.wait(timeout=min(0.1, max(0.0, deadline - now)))
+                    alive[0].wait(timeout=min(0.1, max(0.0, deadline - now)))
                 except subprocess.TimeoutExpired:
                     pass
         except BaseException:  # Ctrl+C or pytest.exit while waiting: leave nothing running
