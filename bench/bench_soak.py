@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interpreter, machine, seconds  # noqa: E402
+from common import interpreter, machine, pmsrun, seconds  # noqa: E402
 
 RANK = """
 from pytest_msrun import cluster
@@ -55,7 +55,7 @@ def run_job(python: str, env: dict[str, str], scratch: Path, ranks: int, nodes: 
     with socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [python, "-m", "pytest_msrun", f"--worker_num={ranks}", f"--local_worker_num={ranks // nodes}"]
+    cmd = [*pmsrun(python), f"--worker_num={ranks}", f"--local_worker_num={ranks // nodes}"]
     cmd += [f"--master_port={port}", "--join=True", "--cluster_time_out=300"]
     token = os.urandom(16).hex()  # the same on every node of the job
     t0 = time.perf_counter()

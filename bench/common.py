@@ -57,7 +57,23 @@ def installed_python(scratch: Path) -> str:
         check=True,
         env={**os.environ, "PIP_NO_WARN_SCRIPT_LOCATION": "1"},
     )
+    # ``--target`` puts no scripts in the venv: write ``pmsrun`` as pip's console-script template does
+    script = venv / "bin" / "pmsrun"
+    script.write_text(
+        f"#!{python}\nimport re\nimport sys\nfrom pytest_msrun.entry import run\n"
+        "if __name__ == '__main__':\n"
+        "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
+        "    sys.exit(run())\n"
+    )
+    script.chmod(0o755)
     return str(python)
+
+
+def pmsrun(python: str) -> list[str]:
+    """The command users type: the installed ``pmsrun`` script beside ``python`` when there is one
+    (a fresh install), else ``python -m pytest_msrun`` (``--here``)."""
+    script = Path(python).parent / "pmsrun"
+    return [str(script)] if script.exists() else [python, "-m", "pytest_msrun"]
 
 
 def interpreter(scratch: Path, here: bool) -> tuple[str, dict[str, str]]:

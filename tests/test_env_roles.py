@@ -84,17 +84,26 @@ def test_task_mode_scheduler_and_worker_env(msrun, env_dump):
         assert (job.log_dir / name).exists()
 
 
-def test_builtin_scheduler_env_read_from_proc(msrun, env_dump):
-    release = msrun.cwd / "release"  # the job runs until its scheduler's environment was read
+def test_builtin_scheduler_is_a_fork_of_msrun_with_the_scheduler_environment(msrun, env_dump):
+    """The builtin control plane runs in a fork of msrun (no second interpreter): a process of its
+    own, named ``msrun-scheduler``, whose environment is the scheduler's. /proc/<pid>/environ shows
+    the block the process was exec'd with - msrun's - so the environment is read from the plan,
+    and the fork's own ``os.environ`` is checked in test_fork_call_gives_a_fresh_process."""
+    release = msrun.cwd / "release"  # the job runs until its scheduler was looked at
     popen = msrun.start(job_args(2, "env_dump.py"), env={"RELEASE_FILE": str(release)})
     status = wait_for(lambda: (st := read_status(msrun.cwd / "logs")) and st["state"] == "running" and st)
     sched = next(p for p in status["processes"] if p["role"] == "scheduler")
-    env = psutil.Process(sched["pid"]).environ()
-    assert env["MS_ROLE"] == "MS_SCHED" and env["RANK_ID"] == "0" and env["MS_WORKER_NUM"] == "2"
-    assert "DEVICE_ID" not in env
+    proc = psutil.Process(sched["pid"])
+    assert proc.name() == "msrun-scheduler" and proc.ppid() == popen.pid
+    assert os.getsid(proc.pid) == proc.pid  # a session (and process group) of its own, as every child
     release.touch()
     job = msrun.finish(popen)
     assert job.returncode == 0, job.stderr
+    plan = msrun.run(["--print_plan", *job_args(2, "env_dump.py")])
+    (planned,) = [p for p in json.loads(plan.stdout)["processes"] if p["role"] == "scheduler"]
+    env = planned["exported"]
+    assert env["MS_ROLE"] == "MS_SCHED" and env["RANK_ID"] == "0" and env["MS_WORKER_NUM"] == "2"
+    assert "DEVICE_ID" not in env
 
 
 def test_log_dir_created_private(msrun, env_dump):

@@ -80,7 +80,10 @@ def test_failing_four_rank_job_gives_a_trace_of_every_rank_collective_and_the_fa
         assert {"spawn", "python started", "init() joined", "process", "exit"} <= set(mine), sorted(mine)
         assert mine["spawn"]["ts"] <= mine["python started"]["ts"] <= mine["init() joined"]["ts"] <= mine["exit"]["ts"]
         end = mine["exit"]["args"]
-        assert end == {"exit code": 1, "pid": pids[2], "stopped by msrun": False} if rank == 2 else end["signal"]
+        if rank == 2:
+            assert end == {"exit code": 1, "pid": pids[2], "stopped by msrun": False}
+        else:  # stopped by msrun's signal, or - on a loaded machine - ended first by barrier #4's error
+            assert end["pid"] == pids[rank] and ("signal" in end or end["exit code"] == 1), end
     stops = [ev for ev in events if ev["pid"] == tracelog.MSRUN_PID and ev["name"].startswith("stop:")]
     assert stops and "rank 2" in stops[0]["args"]["reason"]
     assert not [p for p in msrun.cwd.iterdir() if ".spool-" in p.name], "the spool is removed"

@@ -36,6 +36,7 @@ from pytest_msrun.control import tracelog
 from pytest_msrun.control.group import COLLECTIVE_OPS, RankGroup
 from pytest_msrun.control.registry import NodeInfo, NodeRegistry
 from pytest_msrun.control.transport import (
+    AGENT_FD_ENV,
     CLIENT_KINDS,
     DEFAULT_AUTH_TIMEOUT,
     ConfigError,
@@ -122,10 +123,10 @@ class Agents:
             if isinstance(at, float):
                 reply.update(echo=at, now=time.time())
             sched.transport.send(conn, reply)
-        elif kind == "trace":  # a node on another host: its events, already on this clock
-            events = msg.get("ev")
-            if sched.trace is not None and isinstance(events, list):
-                sched.trace.extend([ev for ev in events if isinstance(ev, dict)])
+        elif kind == "trace":  # a node that does not write the trace: its events, on this clock, encoded
+            lines = msg.get("lines")
+            if sched.trace is not None and isinstance(lines, str):
+                sched.trace.add_lines(lines)
         elif kind == "done":
             log(f"agent done: {node.describe()}")
             sched.transport.send(conn, {"t": "done_ack"})  # it may close now: it will not count as lost
@@ -169,7 +170,10 @@ class Agents:
 
     def node_ips(self) -> set[str]:
         out = set()
-        for conn in self.by_conn:
+        for conn, node in self.by_conn.items():
+            if conn.local:  # msrun's socketpair: its node's address, as it told it
+                out.add(node.ip)
+                continue
             try:
                 out.add(str(conn.sock.getpeername()[0]))
             except OSError:
@@ -191,11 +195,11 @@ class Ranks:
 
     def deliver(self, sends: Sends) -> None:
         for ranks, msg in sends:
-            if self.sched.trace is not None and msg.get("t") in ("coll", "error"):
-                self._trace_end(msg)
             conns = [self.conn_of[r] for r in ranks if r in self.conn_of]
             if conns:
                 self.sched.transport.broadcast(conns, msg)
+            if self.sched.trace is not None and msg.get("t") in ("coll", "error"):
+                self._trace_end(msg)  # after the release: tracing never delays a collective
 
     def _trace_end(self, msg: dict[str, Any]) -> None:
         """A collective completed or failed: a span on every rank in it, from its entry to now,
@@ -452,6 +456,8 @@ class Scheduler:
         return self.relay
 
     def local_peer(self, conn: Conn) -> bool:
+        if conn.local:
+            return True
         from pytest_msrun.netaddr import is_local_address
 
         try:
@@ -620,6 +626,13 @@ def main(env: dict[str, str] | None = None) -> int:
         env=env,
         auth_timeout=auth_timeout,
     )
+    agent_fd = env.get(AGENT_FD_ENV)
+    if agent_fd:  # msrun forked this process and kept the other end (see engine/agent.py)
+        try:
+            sched.transport.adopt_local(socket.socket(fileno=int(agent_fd)))
+        except (ValueError, OSError) as exc:
+            log(f"cannot use {AGENT_FD_ENV}={agent_fd}: {exc!r}")
+            return 1
     return sched.run()
 
 

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 SPOOL_ENV = "MSRUN_TRACE_SPOOL"  # the directory a traced job's processes append their events to
 MSRUN_PID, CONTROL_PID, RANK_PID = 1, 2, 1000
+_dumps = json.JSONEncoder(separators=(",", ":")).encode  # one encoder: json.dumps with options builds one per call
 
 
 def us(t: float) -> int:
@@ -93,6 +94,11 @@ class ClockOffset:
         return self.rtt != float("inf")
 
 
+def encode(events: list[dict[str, Any]]) -> str:
+    """Events as the spool's JSON lines (one per event, no trailing newline)."""
+    return "\n".join(map(_dumps, events))
+
+
 class Recorder:
     """Appends events to one spool file, buffered; :meth:`flush` at turns of the event loop."""
 
@@ -101,11 +107,17 @@ class Recorder:
         self.fh = open(path, "a", encoding="utf-8", buffering=1 << 16)  # noqa: SIM115 - lives as long as the process
 
     def add(self, ev: dict[str, Any]) -> None:
-        self.fh.write(json.dumps(ev, separators=(",", ":")) + "\n")
+        self.fh.write(_dumps(ev) + "\n")
 
     def extend(self, events: list[dict[str, Any]]) -> None:
         for ev in events:
             self.add(ev)
+
+    def add_lines(self, text: str) -> None:
+        """Events another process encoded (:func:`encode`); lines that are not one JSON object
+        each are dropped when the trace is merged."""
+        if text:
+            self.fh.write(text if text.endswith("\n") else text + "\n")
 
     def flush(self) -> None:
         try:

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 PENDING_FLOOR = 256  # unauthenticated connections kept at most: max(this, 2 x worker_num)
 ACCEPT_PAUSE = 0.1  # out of file descriptors with nothing to shed: stop accepting this long
 MINDSPORE_MAGIC = b"RPC"  # the first bytes of every MindSpore RPC message (see msbridge)
+AGENT_FD_ENV = "MSRUN_AGENT_FD"  # the scheduler's end of a socketpair to the msrun that forked it
 CLIENT_KINDS = ("agent", "rank", "observer")  # authenticated clients of our own protocol
 DEFAULT_AUTH_TIMEOUT = 5.0
 
@@ -109,6 +110,7 @@ class Conn:
         "draining",
         "writing",
         "deadline",
+        "local",
     )
 
     def __init__(self, sock: socket.socket, peer: str, now: float) -> None:
@@ -130,6 +132,7 @@ class Conn:
         self.draining = 0.0  # when closing: until then, read and discard (so the close is no RST)
         self.writing = False  # registered for EVENT_WRITE (output is waiting)
         self.deadline = 0.0  # loop-clock time by which it must have authenticated (0: none)
+        self.local = False  # msrun's end of a socketpair it made when it forked this process
 
 
 class Transport:
@@ -256,7 +259,7 @@ class Transport:
                 self.drop(conn, "first message is not a hello")
                 return
             conn.hello = msg
-            if not self.token:  # an unauthenticated job (msrun warned loudly when it started)
+            if not self.token or conn.local:  # an unauthenticated job (msrun warned loudly), or msrun itself
                 self._welcome(conn, msg)
                 return
             conn.nonce = wire.new_nonce()
@@ -351,6 +354,16 @@ class Transport:
             self.conns[sock.fileno()] = conn
             self.pending[conn] = None
             self.sel.register(sock, selectors.EVENT_READ, conn)
+
+    def adopt_local(self, sock: socket.socket) -> Conn:
+        """The connection msrun made when it forked this process (a socketpair): only msrun holds
+        the other end, so its hello is welcomed without a challenge; it is never shed."""
+        sock.setblocking(False)
+        conn = Conn(sock, "msrun (socketpair)", self.clock.now)
+        conn.head = None  # our protocol, not MindSpore's
+        conn.local = True
+        self.adopt(sock, conn)
+        return conn
 
     def adopt(self, sock: socket.socket, conn: Conn) -> None:
         """Watch a connection this process opened itself (to the MindSpore scheduler)."""

@@ -83,6 +83,18 @@ class ControlLink:
         self.joined = True
         return ""
 
+    def adopt(self, sock: Any, hello: dict[str, Any], scheduler_pid: int) -> None:
+        """Registered over the socketpair msrun made when it forked the control plane: nothing
+        to authenticate (only the two processes hold its ends) and no welcome to wait for - the
+        hello is sent, and what the control plane answers is read in the event loop."""
+        self.channel = wire.Channel(sock)
+        self.channel.send({**hello, "nonce": ""})
+        now = time.time()
+        self.offset.sample(now, now, now)  # one host, one clock
+        self.scheduler_pid = scheduler_pid
+        self.last_seen = self.clock.tick()
+        self.joined = True
+
     def flush_queued(self) -> None:
         """Send what was said before this node registered (workers may start first)."""
         queued, self.queued = self.queued, []
@@ -91,7 +103,7 @@ class ControlLink:
 
     def read(self) -> list[dict[str, Any]]:
         assert self.channel is not None
-        messages = self.channel.poll()
+        messages = [m for m in self.channel.poll() if m.get("t") != "welcome"]  # (a socketpair's)
         self.last_seen = self.clock.now
         for msg in messages:
             if msg.get("t") == "hb":

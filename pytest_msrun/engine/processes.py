@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 
@@ -125,6 +126,85 @@ def spawn_pid(
             os.sched_setaffinity(0, saved)
 
 
+def fork_call(
+    call: str,
+    env: Mapping[str, str],
+    *,
+    stdin_fd: int | None = None,
+    output_fd: int | None = None,
+    keep_fds: tuple[int, ...] = (),
+    cpus: list[int] | None = None,
+) -> int:
+    """Run ``call`` (``"module:function"``, called with the environment as a dict and returning
+    the exit status) in a forked copy of this process, in a session of its own; returns its pid.
+
+    What ``posix_spawn`` of a Python program would give, minus an interpreter's start-up and its
+    imports: signals at their defaults and unblocked, fds 0-2 as given, every other descriptor
+    closed but ``keep_fds``, ``os.environ`` replaced by ``env`` (in the child only). Call it with
+    no other thread running (a fork copies only the calling thread, not the locks others hold)."""
+    for stream in (sys.stdout, sys.stderr):  # what is buffered here must not be written twice
+        with contextlib.suppress(OSError, ValueError):
+            stream.flush()
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        os.setsid()
+        with contextlib.suppress(ValueError, OSError):
+            signal.set_wakeup_fd(-1)
+        for sig in signal.valid_signals():
+            if sig not in (signal.SIGKILL, signal.SIGSTOP):
+                with contextlib.suppress(OSError, ValueError):
+                    signal.signal(sig, signal.SIG_DFL)
+        # as a fresh interpreter has them: KeyboardInterrupt, and EPIPE / EFBIG rather than death
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig in _DEFAULT_IN_CHILD:
+            signal.signal(sig, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
+        if stdin_fd is not None:
+            os.dup2(stdin_fd, 0)
+        if output_fd is not None:
+            os.dup2(output_fd, 1)
+            os.dup2(output_fd, 2)
+        import io
+
+        # fresh streams on fds 0-2: this process's may be anything (pytest's capture, say)
+        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
+        for name, fd in (("stdout", 1), ("stderr", 2)):
+            stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", line_buffering=True)
+            setattr(sys, name, stream)
+        low = 3
+        for fd in sorted(keep_fds):
+            os.closerange(low, fd)
+            os.set_inheritable(fd, False)
+            low = fd + 1
+        os.closerange(low, 1 << 16)
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        os.environ.clear()  # this is the child: the launcher's own environment is untouched
+        os.environ.update(env)
+        module, _, function = call.partition(":")
+        with contextlib.suppress(OSError), open("/proc/self/comm", "w") as fh:  # what ps and top show
+            fh.write(f"msrun-{module.rsplit('.', 1)[-1]}"[:15])
+        import importlib
+
+        result = getattr(importlib.import_module(module), function)(dict(env))
+        code = result if isinstance(result, int) else 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        import traceback
+
+        with contextlib.suppress(Exception):
+            traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
 @record(frozen=True)
 class Launch:
     """What to start: the full command (binding prefix included), its environment and log."""
@@ -135,6 +215,7 @@ class Launch:
     stdin_devnull: bool = True  # else the launcher's stdin (a worker of a --join=True job)
     pass_fds: tuple[int, ...] = ()  # made inheritable for this child (others stay closed)
     in_child_cpus: list[int] | None = None  # bind in the child (no taskset)
+    call: str = ""  # "module:function" run in a fork of this process (``argv`` is what it stands for)
 
 
 @record(eq=False)
@@ -196,7 +277,17 @@ def spawn(launch: Launch, tag: Any = None) -> Child:
     for fd in launch.pass_fds:
         os.set_inheritable(fd, True)
     try:
-        pid = spawn_pid(launch.argv, launch.env, stdin_fd=null, output_fd=log, cpus=launch.in_child_cpus)
+        if launch.call:
+            pid = fork_call(
+                launch.call,
+                launch.env,
+                stdin_fd=null,
+                output_fd=log,
+                keep_fds=launch.pass_fds,
+                cpus=launch.in_child_cpus,
+            )
+        else:
+            pid = spawn_pid(launch.argv, launch.env, stdin_fd=null, output_fd=log, cpus=launch.in_child_cpus)
     finally:
         for fd in launch.pass_fds:
             with contextlib.suppress(OSError):

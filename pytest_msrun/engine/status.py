@@ -98,13 +98,28 @@ class JobStatus:
         return cls(processes=procs, extra=extra, **base)
 
 
+_encode = json.JSONEncoder().encode  # the C encoder (json.dump with indent runs in pure Python)
+
+
+def encode_status(doc: dict[str, Any]) -> str:
+    """``doc`` as JSON a person can read - one top-level key per line, one process per line -
+    written by the C encoder: ``indent=2`` costs ~1.5 ms per write, on msrun's critical path."""
+    lines = []
+    for key, value in doc.items():
+        if key == "processes" and isinstance(value, list) and value:
+            inner = ",\n    ".join(map(_encode, value))
+            lines.append(f"  {_encode(key)}: [\n    {inner}\n  ]")
+        else:
+            lines.append(f"  {_encode(key)}: {_encode(value)}")
+    return "{\n" + ",\n".join(lines) + "\n}\n"
+
+
 def write_status(log_dir: str, status: JobStatus, name: str = STATUS_FILE) -> None:
     path = status_path(log_dir, name)
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump({**status.to_json(), "updated": time.time()}, fh, indent=2)
-            fh.write("\n")
+            fh.write(encode_status({**status.to_json(), "updated": time.time()}))
         os.replace(tmp, path)
     except OSError:
         try:

@@ -116,13 +116,15 @@ class TraceObserver:
                 self.ship()
 
     def ship(self) -> None:
-        """Send what is waiting, on the control plane's clock (not the writer; link up)."""
+        """Send what is waiting (not the writer; link up), on the control plane's clock and as
+        the spool's JSON lines: the control plane appends them as they are. Called when the
+        workers started, when a batch is full, before this node says it is done, and at the end."""
         link = self.link
         if self.writer or link is None or not link.up or not self.outbox:
             return
         events, self.outbox = tracelog.shifted(self.outbox, link.offset.offset), []
         for i in range(0, len(events), SEND_BATCH):
-            link.send({"t": "trace", "ev": events[i : i + SEND_BATCH]})
+            link.send({"t": "trace", "lines": tracelog.encode(events[i : i + SEND_BATCH])})
 
     def mark(self, name: str, args: dict[str, Any] | None = None, scope: str = "t") -> None:
         self.add(tracelog.instant(name, tracelog.MSRUN_PID, self.node, time.time(), args, scope))
@@ -170,7 +172,7 @@ class TraceObserver:
                         rank, proc.name, proc.pid, proc.started, proc.ended, proc.returncode, proc.terminated_by_msrun
                     )
             self.mark(f"job ended: {payload.state} ({payload.exit_code})", {"exit code": payload.exit_code})
-        if event is not JobEvent.PROCESS_STARTED:  # starts go in one batch, when every worker started
+        if event in (JobEvent.SPAWNED, JobEvent.ENDING, JobEvent.ENDED):  # exits go in batches (:meth:`ship`)
             self.ship()
 
     def _exited(

@@ -1,0 +1,100 @@
+"""``processes.fork_call``: a function run in a fork of this process, as if a fresh interpreter
+had been exec'd for it (the builtin control plane starts this way)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from conftest import wait_for
+
+from pytest_msrun.engine import processes
+
+
+def report(env: dict[str, str]) -> int:
+    """Run in the fork: write what the process looks like, exit with the status asked for."""
+    keep = int(env["KEEP_FD"])
+    facts = {
+        "environ": dict(os.environ),
+        "argument": env,
+        "sid": os.getsid(0),
+        "pid": os.getpid(),
+        "handlers": {
+            name: str(signal.getsignal(getattr(signal, name))) for name in ("SIGTERM", "SIGINT", "SIGPIPE", "SIGCHLD")
+        },
+        "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, ())),
+        "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
+        "keep_inheritable": os.get_inheritable(keep),
+        "comm": Path("/proc/self/comm").read_text().strip(),
+    }
+    print("to the log")
+    with open(env["OUT"], "w") as fh:
+        json.dump(facts, fh)
+    return int(env["CODE"])
+
+
+def failing(env: dict[str, str]) -> int:
+    raise RuntimeError("fails on purpose")
+
+
+def _wait(pid: int) -> int:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError("the fork did not end")
+
+
+def test_fork_call_gives_a_fresh_process(tmp_path):
+    out, log = tmp_path / "facts.json", tmp_path / "child.log"
+    keep_r, keep_w = os.pipe()
+    stray = os.open(os.devnull, os.O_RDONLY)  # inheritable or not, it must not reach the child
+    os.set_inheritable(stray, True)
+    log_fd = os.open(log, os.O_WRONLY | os.O_CREAT, 0o600)
+    env = {"OUT": str(out), "CODE": "7", "KEEP_FD": str(keep_r), "ONLY_HERE": "yes"}
+    old = signal.signal(signal.SIGTERM, lambda *_: None)  # a launcher's handler is not the child's
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    try:
+        pid = processes.fork_call(f"{__name__}:report", env, output_fd=log_fd, keep_fds=(keep_r,))
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+        for fd in (keep_w, stray, log_fd):
+            os.close(fd)
+    try:
+        assert _wait(pid) == 7
+    finally:
+        os.close(keep_r)
+    facts = json.loads(out.read_text())
+    assert facts["environ"] == env == facts["argument"]
+    assert "ONLY_HERE" not in os.environ  # the launcher's own environment is untouched
+    assert facts["sid"] == facts["pid"] == pid
+    assert facts["handlers"] == {
+        "SIGTERM": str(signal.SIG_DFL),
+        "SIGINT": str(signal.default_int_handler),
+        "SIGPIPE": str(signal.SIG_IGN),  # as Python has it at start-up: EPIPE, not death
+        "SIGCHLD": str(signal.SIG_DFL),
+    }
+    assert facts["blocked"] == []
+    opened = set(facts["fds"]) - {0, 1, 2}
+    assert opened - {keep_r} == {max(opened - {keep_r})}  # the one listdir itself had open
+    assert keep_r in opened and facts["keep_inheritable"] is False
+    assert facts["comm"] == "msrun-test_fork_call"[:15]
+    assert log.read_text() == "to the log\n"
+
+
+def test_fork_call_reports_an_exception_in_the_log_and_exits_1(tmp_path):
+    log = tmp_path / "child.log"
+    log_fd = os.open(log, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        pid = processes.fork_call(f"{__name__}:failing", {}, output_fd=log_fd)
+    finally:
+        os.close(log_fd)
+    assert _wait(pid) == 1
+    wait_for(lambda: "RuntimeError: fails on purpose" in log.read_text())
