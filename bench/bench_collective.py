@@ -19,7 +19,8 @@ last rank entering ``init()`` to the last all-gather returning).
 With ``--trace`` every round also runs the job traced (``MSRUN_TRACE``, written by node 0, the
 other nodes shipping their events over the control plane) and reports what tracing costs: the
 traced job against the same round's untraced one, the median of those paired ratios (target:
-<= 2 % at 256 ranks); the trace must load and hold every rank's lane.
+<= 2 % at 256 ranks) and, steadier on a busy machine, the same for the CPU time of all the job's
+processes; the trace must load and hold every rank's lane.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import resource
 import statistics
 import subprocess
 import sys
@@ -61,6 +63,7 @@ RATIO_TARGET = 2.0
 RATIO_AT = 512  # ranks: the size the ratio target is for (every size must exit 0)
 TRACE_TARGET = 0.02  # tracing's cost, as a share of the job's wall time
 TRACE_AT = 256
+CPU: dict[str, float] = {}  # job tag -> CPU seconds (user + system) of all its processes
 
 
 def floor(python: str, env: dict[str, str], scratch: Path, n: int, nodes: int) -> float:
@@ -101,6 +104,7 @@ def job(
         job_env["MSRUN_TRACE"] = str(trace_file)
     cmd = [*pmsrun(python), f"--worker_num={n}", f"--local_worker_num={n // nodes}"]
     cmd += [f"--master_port={port}", "--join=True", "--cluster_time_out=600"]
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     procs = [
         subprocess.Popen(
@@ -118,6 +122,8 @@ def job(
     ]
     codes = [p.wait() for p in procs]
     wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process of the job, reaped by its msrun
+    CPU[tag] = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     if any(codes):
         raise SystemExit(f"the job failed: exit codes {codes} (logs in {scratch})")
     if trace:
@@ -181,6 +187,8 @@ def main() -> int:
                     f"          traced job {seconds(traced)}  tracing costs {cost * 100:+.1f} % of the job "
                     f"[{q[0] * 100:+.1f}..{q[2] * 100:+.1f}] (median of {len(paired)} paired rounds)"
                 )
+                cpu = sorted(CPU[f"{n}-{i}-traced"] / CPU[f"{n}-{i}"] - 1 for i in range(len(traced)))
+                line += f", CPU of all its processes {statistics.median(cpu) * 100:+.1f} %"
                 if n == TRACE_AT:
                     ok = cost <= TRACE_TARGET
                     line += f"  target <= {TRACE_TARGET * 100:.0f} %: {'PASS' if ok else 'FAIL'}"

@@ -202,3 +202,31 @@ def test_perfetto_opener_serves_the_trace_once_to_the_ui(tmp_path):
             time.sleep(0.05)
     server.join(timeout=30)
     assert result == [True]
+
+
+@given(
+    st.text(max_size=20),
+    st.dictionaries(st.integers(1000, 5000), st.floats(1e9, 2e9), max_size=6),
+    st.floats(1e9, 2e9),
+    st.dictionaries(st.text(max_size=5), st.integers() | st.text(max_size=5) | st.lists(st.integers(), max_size=3)),
+)
+def test_spans_of_a_collective_are_the_spans_one_by_one(name, starts, end, args):
+    lines = tracelog.spans(name, starts, 0, end, args)
+    got = [json.loads(line) for line in lines.splitlines()] if starts else []
+    assert got == [tracelog.span(name, pid, 0, at, end, args) for pid, at in starts.items()]
+
+
+def test_follower_reads_whole_lines_once_and_a_torn_last_line_only_at_the_end(tmp_path):
+    path = tmp_path / "ranks.jsonl"
+    follower = tracelog.Follower(str(path))
+    assert follower.read() == []  # no file yet: no rank has started
+    a = tracelog.instant("python started", tracelog.RANK_PID, 0, 1.0)
+    b = tracelog.instant("python started", tracelog.RANK_PID + 1, 0, 2.0)
+    path.write_text(json.dumps(a) + "\n" + json.dumps(b)[:10])  # rank 1's line half written
+    assert follower.read() == [a]
+    with path.open("a") as fh:
+        fh.write(json.dumps(b)[10:] + "\n")
+    assert follower.read() == [b] and follower.read() == []
+    with path.open("a") as fh:
+        fh.write('{"name":"torn')  # a line whose writer died mid-write
+    assert follower.read(final=True) == []

@@ -219,8 +219,7 @@ class Ranks:
         args: dict[str, Any] = {"seq": seq, "op": op, "waited for": waited_for}
         if msg["t"] == "error":
             args = {**args, "error": msg.get("reason", ""), "not there": missing}
-        for rank, at in entered.items():
-            trace.add(tracelog.span(name, tracelog.RANK_PID + rank, 0, at, now, args))
+        trace.add_lines(tracelog.spans(name, {tracelog.RANK_PID + r: at for r, at in entered.items()}, 0, now, args))
         trace.add(tracelog.span(name, tracelog.CONTROL_PID, 1, min(entered.values()), now, args))
 
     def hello(self, conn: Conn, msg: dict[str, Any]) -> None:

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 SPOOL_ENV = "MSRUN_TRACE_SPOOL"  # the directory a traced job's processes append their events to
+RANKS_FILE = "ranks.jsonl"  # in the spool: the line each rank's Python appends when it starts (the rank hook)
 MSRUN_PID, CONTROL_PID, RANK_PID = 1, 2, 1000
 _dumps = json.JSONEncoder(separators=(",", ":")).encode  # one encoder: json.dumps with options builds one per call
 
@@ -38,6 +39,19 @@ def span(name: str, pid: int, tid: int, start: float, end: float, args: dict[str
     if args:
         ev["args"] = args
     return ev
+
+
+def spans(name: str, starts: dict[int, float], tid: int, end: float, args: dict[str, Any]) -> str:
+    """One :func:`span` per lane (``starts``: lane -> its start), all ending at ``end`` with the
+    same name and args, as encoded lines: the name and args are encoded once (a collective of
+    1024 ranks is 1024 spans)."""
+    tail = f',"args":{_dumps(args)}}}' if args else "}"
+    head, stop = f'{{"name":{_dumps(name)},"ph":"X","pid":', us(end)
+    out = []
+    for pid, start in starts.items():
+        ts = us(start)
+        out.append(f'{head}{pid},"tid":{tid},"ts":{ts},"dur":{max(0, stop - ts)}{tail}')
+    return "\n".join(out)
 
 
 def instant(
@@ -160,13 +174,47 @@ def read_file(path: str) -> list[dict[str, Any]]:
     return events
 
 
-def read_spool(spool: str) -> list[dict[str, Any]]:
-    """Every event in ``spool``'s files."""
+def read_spool(spool: str, skip: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Every event in ``spool``'s files (but those named in ``skip``)."""
     try:
         names = sorted(os.listdir(spool))
     except OSError:
         return []
-    return [ev for name in names if name.endswith(".jsonl") for ev in read_file(os.path.join(spool, name))]
+    return [
+        ev
+        for name in names
+        if name.endswith(".jsonl") and name not in skip
+        for ev in read_file(os.path.join(spool, name))
+    ]
+
+
+class Follower:
+    """Reads a file others append whole lines to, from where it stopped last time."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.offset = 0
+
+    def read(self, final: bool = False) -> list[dict[str, Any]]:
+        """The events of the lines appended since; a line still being written waits for the next
+        call (``final``: there is no next call - a torn last line is dropped)."""
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except OSError:
+            return []
+        end = len(data) if final else data.rfind(b"\n") + 1
+        self.offset += end
+        events = []
+        for line in data[:end].splitlines():
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(ev, dict) and "ph" in ev:
+                events.append(ev)
+        return events
 
 
 def _lines(path: str) -> list[str]:

@@ -15,7 +15,6 @@ estimated (:class:`~pytest_msrun.control.tracelog.ClockOffset`).
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import time
 
@@ -62,6 +61,7 @@ class TraceObserver:
         self.recorder: tracelog.Recorder | None = tracelog.Recorder(os.path.join(self.spool, "msrun.jsonl"))
         self.broken = False
         self.exited: set[int] = set()  # pids whose end is recorded
+        self.ranks = tracelog.Follower(os.path.join(self.spool, tracelog.RANKS_FILE))  # shipped from here on
 
     # ------------------------------------------------------------------ where events go
     @property
@@ -84,7 +84,7 @@ class TraceObserver:
         if self.recorder is not None:
             self.recorder.close()
             self.recorder = None
-        self.outbox = tracelog.read_spool(self.spool) + self.outbox
+        self.outbox = tracelog.read_spool(self.spool, skip=(tracelog.RANKS_FILE,)) + self.outbox
         self._forget(os.path.join(self.spool, "msrun.jsonl"))
         self.ship()
 
@@ -93,18 +93,6 @@ class TraceObserver:
             os.unlink(path)
         except OSError:
             pass
-
-    def _pull_rank(self, rank: int) -> None:
-        """Not the writer: ship what rank ``rank``'s processes recorded (they have ended)."""
-        prefix = f"rank{rank}-"
-        try:
-            names = [n for n in os.listdir(self.spool) if n.startswith(prefix)]
-        except OSError:
-            return
-        for name in names:
-            path = os.path.join(self.spool, name)
-            self.outbox += tracelog.read_file(path)
-            self._forget(path)
 
     def add(self, ev: dict[str, Any]) -> None:
         if self.writer:
@@ -120,7 +108,10 @@ class TraceObserver:
         the spool's JSON lines: the control plane appends them as they are. Called when the
         workers started, when a batch is full, before this node says it is done, and at the end."""
         link = self.link
-        if self.writer or link is None or not link.up or not self.outbox:
+        if self.writer or link is None or not link.up:
+            return
+        self.outbox += self.ranks.read()  # what this node's ranks recorded since
+        if not self.outbox:
             return
         events, self.outbox = tracelog.shifted(self.outbox, link.offset.offset), []
         for i in range(0, len(events), SEND_BATCH):
@@ -196,8 +187,6 @@ class TraceObserver:
         lane = tracelog.RANK_PID + rank
         self.add(tracelog.span("process", lane, 0, started, at, args))
         self.add(tracelog.instant("exit", lane, 0, at, args))
-        if not self.writer:
-            self._pull_rank(rank)
 
     def _ending(self, ending: Ending) -> None:
         first = ending.first
@@ -224,7 +213,8 @@ class TraceObserver:
         Returns a line for msrun's console ("" when this node writes nothing)."""
         try:
             if not self.writer:
-                self.outbox += tracelog.read_spool(self.spool)
+                self.outbox += tracelog.read_spool(self.spool, skip=(tracelog.RANKS_FILE,))
+                self.outbox += self.ranks.read(final=True)
                 self.ship()  # if the control plane is still there to take it
                 return ""
             if self.recorder is not None:
@@ -243,4 +233,6 @@ class TraceObserver:
         except OSError as exc:
             return f"msrun: could not write the trace {self.path}: {exc}"
         finally:
+            import shutil
+
             shutil.rmtree(self.spool, ignore_errors=True)

@@ -67,7 +67,9 @@ def _trace_start():
     # hook cannot import), written without importing json (this runs before every rank's first line)
     pid, ts = 1000 + int(rank), int(time.time() * 1_000_000)
     line = f'{{"name":"python started","ph":"i","s":"t","pid":{pid},"tid":0,"ts":{ts}}}\n'
-    fd = os.open(os.path.join(spool, f"rank{rank}-{os.getpid()}.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    # every rank of the node appends to one file (control/tracelog.RANKS_FILE): one write() of one
+    # line with O_APPEND, which lands whole, after the others' lines
+    fd = os.open(os.path.join(spool, "ranks.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     try:
         os.write(fd, line.encode())
     finally:
