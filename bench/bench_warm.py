@@ -1,5 +1,7 @@
 """Warm worlds: per-test cost of a trivial 2-rank marked test over the same test unmarked.
 
+    python bench/bench_warm.py [--tests 20] [--runs 5] [--no-torch] [--no-extras]
+
 Interleaved, shuffled sessions of the same files in one invocation:
 
 * warm (the default): ``(T(N marked) - T(1 marked)) / (N - 1)`` minus the same difference of plain
@@ -7,7 +9,11 @@ Interleaved, shuffled sessions of the same files in one invocation:
   is reported separately as ``T(1 marked) - T(1 plain)``;
 * fresh (``--msrun-worlds=fresh``, a job per test): ``(T(N marked) - T(N plain)) / N``;
 * PyTorch's ``MultiProcContinuousTest`` (world size 2, gloo), the same difference as warm, when
-  torch and expecttest are installed.
+  torch and expecttest are installed;
+* three shapes of three 2-rank tests each, with the next shape's world started ahead (the default)
+  and with ``--msrun-prefetch=off``, against one shape's three tests (one world's start plus its
+  tests; target: three shapes within 1.2x of it - reachable only where the CPUs can start a
+  world beside a running test).
 
 Then, once each: a file of 20 where test 5 segfaults on rank 1 (how many of tests 6-20 pass, here
 and under MultiProcContinuousTest's poison pill), and 20 tests sharing a module fixture that takes
@@ -28,6 +34,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_env, interleaved, machine, ms  # noqa: E402
+
+
+def cpus() -> int:
+    return len(os.sched_getaffinity(0))
+
 
 PLUGIN = ["-p", "pytest_msrun.pytest_plugin"]
 
@@ -109,6 +120,16 @@ def session(
     return wall, proc.stdout
 
 
+def shapes(k: int, names: str) -> str:
+    """``k`` trivial 2-rank tests for each shape named in ``names`` (the shapes differ by ``env``)."""
+    return "import pytest\n\n" + "".join(
+        f"@pytest.mark.msrun(worker_num=2, env={{'SHAPE': '{name}'}})\n"
+        f"def test_{name}_{i}(rank):\n    assert rank in (0, 1)\n\n"
+        for name in names
+        for i in range(k)
+    )
+
+
 def has_continuous() -> bool:
     probe = "from torch.testing._internal.common_distributed import MultiProcContinuousTest"
     return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
@@ -139,6 +160,8 @@ def main() -> int:
             "test_plain_1.py": plain(1),
             "test_marked_n.py": marked(n),
             "test_marked_1.py": marked(1),
+            "test_shapes_3.py": shapes(3, "abc"),
+            "test_shapes_1.py": shapes(3, "a"),
             "test_crash.py": CRASH,
             "test_fixture.py": FIXTURE,
         }
@@ -154,6 +177,9 @@ def main() -> int:
             "warm_n": lambda i: session(["test_marked_n.py"], d, env)[0],
             "warm_1": lambda i: session(["test_marked_1.py"], d, env)[0],
             "fresh_n": lambda i: session(["test_marked_n.py", "--msrun-worlds=fresh"], d, env)[0],
+            "one_shape": lambda i: session(["test_shapes_1.py"], d, env)[0],
+            "three_ahead": lambda i: session(["test_shapes_3.py"], d, env)[0],
+            "three_serial": lambda i: session(["test_shapes_3.py", "--msrun-prefetch=off"], d, env)[0],
         }
         if torch:
             contenders["mpc_n"] = lambda i: session(["test_mpc_n.py"], d, env, plugin=False)[0]
@@ -194,8 +220,18 @@ def main() -> int:
         mpc = [m - p for m, p in zip(diff("mpc_n", "mpc_1", n - 1), plain_step)]
         rows.append(("MultiProcContinuousTest, one more test (gloo)", ms(mpc)))
         rows.append(("MultiProcContinuousTest, its first test", ms(diff("mpc_1", "plain_1", 1))))
+    one = statistics.median(t["one_shape"])
+    rows.append(("one shape, 3 tests (one world's start plus its tests)", ms(t["one_shape"])))
+    rows.append(("three shapes, 3 tests each, next world started ahead", ms(t["three_ahead"])))
+    rows.append(("three shapes, --msrun-prefetch=off", ms(t["three_serial"])))
     for what, value in rows:
         print(f"  {what:<60} {value}")
+    ahead = statistics.median(t["three_ahead"]) / one
+    serial = statistics.median(t["three_serial"]) / one
+    print(
+        f"  three shapes / one shape: {ahead:.2f}x started ahead, {serial:.2f}x without "
+        f"(target <= 1.20x: {'PASS' if ahead <= 1.2 else 'FAIL'}; {cpus()} CPUs)"
+    )
     for what, value in extra:
         print(f"  {what:<60} {value}")
     ok = statistics.median(warm) <= 0.050

@@ -88,6 +88,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "per marked test (as msrun(isolated=True) does for one test)",
     )
     group.addoption(
+        "--msrun-prefetch",
+        dest="msrun_prefetch",
+        choices=("on", "off"),
+        default=None,
+        help="on (default): while a test runs in its warm world, start the world of the next shape "
+        "the session will need (within the limit of two worlds, when its ranks fit this machine's "
+        "CPUs), so its start-up overlaps the test; off: each world starts when its first test comes",
+    )
+    group.addoption(
         "--msrun-leaks",
         dest="msrun_leaks",
         choices=("warn", "error", "off"),
@@ -98,6 +107,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("msrun_timeout", "default timeout in seconds of a marked test's job", default="300")
     parser.addini("msrun_exit_timeout", "seconds ranks may take to exit (see --msrun-exit-timeout)", default="60")
     parser.addini("msrun_worlds", "warm or fresh (see --msrun-worlds)", default="warm")
+    parser.addini("msrun_prefetch", "on or off (see --msrun-prefetch)", default="on")
     parser.addini("msrun_leaks", "warn, error or off (see --msrun-leaks)", default="warn")
     parser.addini("msrun_report", "failure detail: first or all (see --msrun-detail)", default="first")
     parser.addini("msrun_devices", "devices jobs may use (see --msrun-devices)", default="auto")

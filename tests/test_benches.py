@@ -56,7 +56,7 @@ BENCHES = {
     ),
     "warm worlds": (
         ["bench_warm.py", "--tests", "3", "--runs", "1", "--no-torch", "--no-extras"],
-        ["one more test in a warm world", "the first test of a world", "fresh job per test", "target:"],
+        ["one more test in a warm world", "the first test of a world", "fresh job per test", "three shapes", "target:"],
     ),
     "dry run": (
         ["bench_dryrun.py", "--ranks", "16", "--small", "8"],

@@ -325,3 +325,43 @@ def test_mindspore_init(rank, i):
 def test_mindspore_jobs_run_warm_without_blaming_its_import(pytester, monkeypatch):
     result = _run(pytester, monkeypatch, MINDSPORE)
     result.assert_outcomes(passed=3)  # no warning: MindSpore's threads and files are its import's
+
+
+PREFETCH = """
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+if os.environ.get("WORLD_SIZE") == "1":  # a rank of the one-rank world: it exists
+    Path(os.environ["ONE_RANK_WORLD"]).touch()
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_two_ranks_see_the_next_shape_start(rank):
+    deadline = time.monotonic() + float(os.environ["WAIT"])
+    while not Path(os.environ["ONE_RANK_WORLD"]).exists():
+        assert time.monotonic() < deadline, "the one-rank world did not start during this test"
+        time.sleep(0.05)
+
+
+@pytest.mark.msrun(worker_num=1)
+def test_one_rank(rank):
+    assert rank == 0
+"""
+
+
+def test_the_next_shapes_world_starts_while_a_test_runs(pytester, monkeypatch):
+    monkeypatch.setenv("ONE_RANK_WORLD", str(pytester.path / "one-rank-world"))
+    monkeypatch.setenv("WAIT", "120")
+    result = _run(pytester, monkeypatch, PREFETCH, "-p", "no:randomly")
+    result.assert_outcomes(passed=2)
+
+
+def test_prefetch_off_starts_each_world_when_its_first_test_comes(pytester, monkeypatch):
+    monkeypatch.setenv("ONE_RANK_WORLD", str(pytester.path / "one-rank-world"))
+    monkeypatch.setenv("WAIT", "3")  # it never appears during the first test: no race to lose
+    result = _run(pytester, monkeypatch, PREFETCH, "-p", "no:randomly", "--msrun-prefetch=off")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*the one-rank world did not start during this test*"])

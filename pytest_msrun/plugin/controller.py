@@ -52,6 +52,14 @@ def _safe_name(nodeid: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:60] or "test"
 
 
+def _cpus() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 def _node_path(item: pytest.Item) -> str:
     """The item's node id with an absolute file path, so ranks find it from any directory."""
     path = getattr(item, "path", None)
@@ -126,6 +134,10 @@ class Controller:
         self.cluster = allocation(os.environ) if which("srun") else None
         self.warm = (config.getoption("msrun_worlds") or config.getini("msrun_worlds") or "warm") == "warm"
         self.leaks = config.getoption("msrun_leaks") or config.getini("msrun_leaks") or "warn"
+        prefetch = config.getoption("msrun_prefetch") or config.getini("msrun_prefetch") or "on"
+        if prefetch not in ("on", "off"):
+            raise pytest.UsageError(f"msrun_prefetch = {prefetch!r} in the ini file: use on or off")
+        self.prefetch = self.warm and prefetch == "on"
         self.xdist_worker = hasattr(config, "workerinput")  # xdist hands this process its items one by one
         self.worlds: dict[tuple, World] = {}
         self.last_item: dict[tuple, pytest.Item] = {}  # each live world's last test
@@ -269,7 +281,7 @@ class Controller:
         note = ""
         if key is not None and (skip is None or self.expecting.get(key) == item.nodeid):
             # a skipped test its world kept fixtures for still goes there: its ranks skip it and tear down
-            attempt, note = self._warm_attempt(item, spec, key)
+            attempt, note = self._warm_attempt(item, spec, key, nextitem)
         if attempt is None:
             if skip is not None:
                 self._log(item, [self._simple(item, "setup", "skipped", skip)])
@@ -473,7 +485,9 @@ class Controller:
                     return None
         return None
 
-    def _warm_attempt(self, item: pytest.Item, spec: MsrunSpec, key: tuple) -> tuple[WarmAttempt | None, str]:
+    def _warm_attempt(
+        self, item: pytest.Item, spec: MsrunSpec, key: tuple, nextitem: pytest.Item | None
+    ) -> tuple[WarmAttempt | None, str]:
         """The test in its world (None, and why, when it must run as a fresh job). A world found
         dying when the test reached it (its ranks left before they began it) is reported on the
         test it ran before, and the test gets a new world."""
@@ -482,6 +496,7 @@ class Controller:
             if world is None:
                 return None, why
             before, before_item = world.last, self.last_item.get(key)
+            self._prefetch(item, nextitem, key)
             paths = TestPaths(self._test_dir(item), world.job.log_dir)
             paths.make()
             ranks = world.job.expected_ranks()
@@ -501,10 +516,16 @@ class Controller:
         return None, "ran as a fresh job: its warm world ended before the test reached it, twice"
 
     def _world_for(self, item: pytest.Item, spec: MsrunSpec, key: tuple) -> tuple[World | None, str]:
-        """The live world of ``key``, or a new one (None and why when it cannot start)."""
+        """The live world of ``key`` (connected now if it was started ahead), or a new one (None
+        and why when it cannot start)."""
         world = self.worlds.get(key)
         if world is not None:
             why = world.check()
+            if not why and not world.connected:
+                why = self._connect(world, self._timeout(spec))
+                if why:
+                    self.worlds.pop(key)
+                    return None, f"ran as a fresh job: its warm world did not start ({why})"
             if not why:
                 return world, ""
             self._end_outside(key, why)  # never used for this test: its end is the last test's
@@ -515,18 +536,49 @@ class Controller:
             lease = self.pool.lease(ports=2, devices=spec.devices, inv=self.inventory, wait=self._timeout(spec))
         except DeviceShortage:
             return None, ""
-        job = self._new_job(item, spec, lease.ports, self._device_env(lease.devices))
-        job.nodeids = [_node_path(i) for i in item.session.items if self.key_of(i) == key]
-        timeout = self._timeout(spec)
-        world = World(key, job, lease, max(1, min(600, int(timeout))))
-        problem = world.connect(time.monotonic() + timeout)
+        world = self._start_world(item, spec, key, lease)
+        problem = self._connect(world, self._timeout(spec))
         if problem:  # a fresh job of this test reports what went wrong, the way it always has
-            world.dead = problem
-            world.stop()
-            self.pool.release(lease)
             return None, f"ran as a fresh job: its warm world did not start ({problem})"
         self.worlds[key] = world
         return world, ""
+
+    def _start_world(self, item: pytest.Item, spec: MsrunSpec, key: tuple, lease: Any) -> World:
+        """Launch the world of ``key`` (its first test: ``item``) without waiting for it."""
+        job = self._new_job(item, spec, lease.ports, self._device_env(lease.devices))
+        job.nodeids = [_node_path(i) for i in item.session.items if self.key_of(i) == key]
+        return World(key, job, lease, max(1, min(600, int(self._timeout(spec)))))
+
+    def _connect(self, world: World, timeout: float) -> str:
+        """Wait until every rank of ``world`` is there; "" or why not (the world is then stopped)."""
+        problem = world.connect(time.monotonic() + timeout)
+        if problem:
+            world.dead = problem
+            world.stop()
+            self.pool.release(world.lease)
+        return problem
+
+    def _prefetch(self, item: pytest.Item, nextitem: pytest.Item | None, key: tuple) -> None:
+        """Start the world of the next shape this process will need while ``item`` runs (its
+        start-up then overlaps the test): only within :data:`MAX_WORLDS` (nothing is evicted for
+        it), when its ranks on this host are no more than its CPUs, and with free devices now."""
+        if not self.prefetch or len(self.worlds) >= MAX_WORLDS:
+            return
+        for future in self._future(item, nextitem):
+            other = self.key_of(future)
+            if other is None or other == key or self._static_skip(future) is not None:
+                continue
+            if other in self.worlds:
+                return
+            spec = spec_for(future)
+            if spec is None or max(spec.node_sizes()) > _cpus():
+                return
+            try:
+                lease = self.pool.lease(ports=2, devices=spec.devices, inv=self.inventory, wait=0)
+            except DeviceShortage:
+                return
+            self.worlds[other] = self._start_world(future, spec, other, lease)
+            return
 
     def _after_warm(self, item: pytest.Item, key: tuple, next_id: str | None) -> None:
         world = self.worlds.get(key)

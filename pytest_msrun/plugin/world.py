@@ -123,6 +123,8 @@ class World:
         self.last: WarmTest | None = None  # the last test it ran
         self.last_used = time.monotonic()
         self.created = time.time()
+        self.connected = False  # every rank connected (a world started ahead is not, until needed)
+        self.claimed = 0.0  # when its first test asked for it (it may have been started ahead)
 
     @property
     def ranks(self) -> list[int]:
@@ -130,6 +132,7 @@ class World:
 
     def connect(self, deadline: float) -> str:
         """Wait for every rank to connect; "" or why the world did not come up."""
+        self.claimed = self.claimed or time.time()
         sel = selectors.DefaultSelector()
         sel.register(self.server, selectors.EVENT_READ)
         try:
@@ -157,6 +160,7 @@ class World:
                         continue
                     conn.settimeout(None)
                     self.channels[rank] = channel
+            self.connected = True
             return ""
         finally:
             sel.close()
@@ -191,7 +195,8 @@ class World:
         the others finishing it as in a fresh job, so the run is complete at once."""
         self.tests += 1
         self.last_used = time.monotonic()
-        started = self.created if self.tests == 1 else time.time()  # the first test's setup starts the world
+        # the first test's setup starts the world - or, started ahead, waits for it from its request
+        started = max(self.created, self.claimed) if self.tests == 1 else time.time()
         deadline = time.monotonic() + timeout
         msg = {"t": "run", "nodeid": nodeid, "report_dir": str(paths.report_dir), "shared_dir": str(paths.shared_dir)}
         test = WarmTest(self, paths, nodeid, started, deadline, timeout, JobRun([], [], False, timeout, started, 0.0))
