@@ -300,21 +300,12 @@ class Agent:
         """Start this node's workers, serving the event loop between them (every
         :data:`SPAWN_SLICE` s): on a loaded machine starting 128 workers can take a minute, and the
         node keeps heartbeating and hears of failures meanwhile. The :class:`Ending` one decided, if any."""
-        tailer = None
-        if self.cfg.join and not self.detached and any(s.tail for s in plan.workers):
-            # Its thread started first, while the CPUs are idle (a thread's start waits until it
-            # runs: behind N starting workers, milliseconds); each log is added once its worker
-            # started (and truncated it), and is read from its start.
-            tailer = self.tailer = LogTailer([])
-            tailer.start()
         serve_at = time.monotonic() + SPAWN_SLICE
         ending: Ending | None = None
         for i, spec in enumerate(plan.workers):
             if self.loop.signal_received is not None:
                 break
             self.start(spec)
-            if tailer is not None and spec.tail:
-                tailer.add(prefix_for(spec.rank, spec.local_index), spec.log_path)
             self.status_line.show(f"started {i + 1}/{len(plan.workers)} workers on this node")
             if time.monotonic() >= serve_at:
                 ending = self._serve_while_starting()
@@ -324,6 +315,11 @@ class Agent:
         if self.cfg.bind_core.enabled or self.cfg.bind_numa.enabled:
             self.observers.append(BindingsObserver(self.facts.hostname, self.facts.topology))
         self.emit(JobEvent.SPAWNED, list(self.group.children))
+        if self.cfg.join and not self.detached:
+            tailed = [(prefix_for(s.rank, s.local_index), s.log_path) for s in plan.workers if s.tail]
+            if tailed:
+                self.tailer = LogTailer(tailed)
+                self.tailer.start()
         return ending
 
     def _serve_while_starting(self) -> Ending | None:
