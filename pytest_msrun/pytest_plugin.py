@@ -93,8 +93,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         choices=("on", "off"),
         default=None,
         help="on (default): while a test runs in its warm world, start the world of the next shape "
-        "the session will need (within the limit of two worlds, when its ranks fit this machine's "
-        "CPUs), so its start-up overlaps the test; off: each world starts when its first test comes",
+        "the session will need (within the limit of two worlds, when its ranks and the live worlds' fit "
+        "this machine's CPUs), so its start-up overlaps the test; off: each world starts when its first "
+        "test comes",
     )
     group.addoption(
         "--msrun-leaks",

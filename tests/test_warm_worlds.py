@@ -3,6 +3,7 @@ and the world replaced after a crash, a hang or a failure inside it."""
 
 from __future__ import annotations
 
+import os
 import re
 import uuid
 
@@ -334,34 +335,46 @@ from pathlib import Path
 
 import pytest
 
-if os.environ.get("WORLD_SIZE") == "1":  # a rank of the one-rank world: it exists
-    Path(os.environ["ONE_RANK_WORLD"]).touch()
+if os.environ.get("SHAPE") == "b":  # a rank of the second shape's world: it exists
+    Path(os.environ["B_WORLD"]).touch()
 
 
-@pytest.mark.msrun(worker_num=2)
-def test_two_ranks_see_the_next_shape_start(rank):
+@pytest.mark.msrun(worker_num={a})
+def test_a_sees_the_next_shape_start(rank):
     deadline = time.monotonic() + float(os.environ["WAIT"])
-    while not Path(os.environ["ONE_RANK_WORLD"]).exists():
-        assert time.monotonic() < deadline, "the one-rank world did not start during this test"
+    while not Path(os.environ["B_WORLD"]).exists():
+        assert time.monotonic() < deadline, "the second shape's world did not start during this test"
         time.sleep(0.05)
 
 
-@pytest.mark.msrun(worker_num=1)
-def test_one_rank(rank):
+@pytest.mark.msrun(worker_num=1, env={{"SHAPE": "b"}})
+def test_b(rank):
     assert rank == 0
 """
 
 
+def _cpus() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+@pytest.mark.skipif(_cpus() < 2, reason="a world is started ahead only where a CPU is left for it")
 def test_the_next_shapes_world_starts_while_a_test_runs(pytester, monkeypatch):
-    monkeypatch.setenv("ONE_RANK_WORLD", str(pytester.path / "one-rank-world"))
+    monkeypatch.setenv("B_WORLD", str(pytester.path / "b-world"))
     monkeypatch.setenv("WAIT", "120")
-    result = _run(pytester, monkeypatch, PREFETCH, "-p", "no:randomly")
+    result = _run(pytester, monkeypatch, PREFETCH.format(a=1), "-p", "no:randomly")
     result.assert_outcomes(passed=2)
 
 
-def test_prefetch_off_starts_each_world_when_its_first_test_comes(pytester, monkeypatch):
-    monkeypatch.setenv("ONE_RANK_WORLD", str(pytester.path / "one-rank-world"))
+@pytest.mark.parametrize(
+    "why, a, option",
+    [
+        ("off", 1, "--msrun-prefetch=off"),
+        ("no CPU left", _cpus(), "--msrun-prefetch=on"),  # the first world's ranks take every CPU
+    ],
+)
+def test_no_world_is_started_ahead_when_off_or_no_cpu_is_left(pytester, monkeypatch, why, a, option):
+    monkeypatch.setenv("B_WORLD", str(pytester.path / "b-world"))
     monkeypatch.setenv("WAIT", "3")  # it never appears during the first test: no race to lose
-    result = _run(pytester, monkeypatch, PREFETCH, "-p", "no:randomly", "--msrun-prefetch=off")
+    result = _run(pytester, monkeypatch, PREFETCH.format(a=a), "-p", "no:randomly", option)
     result.assert_outcomes(passed=1, failed=1)
-    result.stdout.fnmatch_lines(["*the one-rank world did not start during this test*"])
+    result.stdout.fnmatch_lines(["*the second shape's world did not start during this test*"])

@@ -561,7 +561,8 @@ class Controller:
     def _prefetch(self, item: pytest.Item, nextitem: pytest.Item | None, key: tuple) -> None:
         """Start the world of the next shape this process will need while ``item`` runs (its
         start-up then overlaps the test): only within :data:`MAX_WORLDS` (nothing is evicted for
-        it), when its ranks on this host are no more than its CPUs, and with free devices now."""
+        it), when its ranks and those of the live worlds are no more than this host's CPUs (a
+        world started beside a busy one only slows both), and with free devices now."""
         if not self.prefetch or len(self.worlds) >= MAX_WORLDS:
             return
         for future in self._future(item, nextitem):
@@ -571,7 +572,8 @@ class Controller:
             if other in self.worlds:
                 return
             spec = spec_for(future)
-            if spec is None or max(spec.node_sizes()) > _cpus():
+            busy = sum(world.job.spec.worker_num for world in self.worlds.values())
+            if spec is None or busy + spec.worker_num > _cpus():  # no CPU left to start it beside them
                 return
             try:
                 lease = self.pool.lease(ports=2, devices=spec.devices, inv=self.inventory, wait=0)
