@@ -19,6 +19,7 @@ import os
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Iterable
     from typing import Any
 
 SPOOL_ENV = "MSRUN_TRACE_SPOOL"  # the directory a traced job's processes append their events to
@@ -157,21 +158,26 @@ def recorder_from_env(env: dict[str, str], name: str) -> Recorder | None:
         return None
 
 
+def _events(lines: Iterable[str | bytes]) -> list[dict[str, Any]]:
+    """The events among spool lines; a line that is not one event (torn: a killed process) is skipped."""
+    events: list[dict[str, Any]] = []
+    for line in lines:
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(ev, dict) and "ph" in ev:
+            events.append(ev)
+    return events
+
+
 def read_file(path: str) -> list[dict[str, Any]]:
     """The events of one spool file; a torn line (a killed process) is skipped."""
-    events: list[dict[str, Any]] = []
     try:
         with open(path, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(ev, dict) and "ph" in ev:
-                    events.append(ev)
+            return _events(fh)
     except OSError:
-        pass
-    return events
+        return []
 
 
 def read_spool(spool: str, skip: tuple[str, ...] = ()) -> list[dict[str, Any]]:
@@ -206,15 +212,7 @@ class Follower:
             return []
         end = len(data) if final else data.rfind(b"\n") + 1
         self.offset += end
-        events = []
-        for line in data[:end].splitlines():
-            try:
-                ev = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(ev, dict) and "ph" in ev:
-                events.append(ev)
-        return events
+        return _events(data[:end].splitlines())
 
 
 def _lines(path: str) -> list[str]:

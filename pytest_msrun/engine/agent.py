@@ -114,8 +114,9 @@ class Agent:
         spec: ProcessSpec,
         extra_env: dict[str, str] | None = None,
         pass_fds: tuple[int, ...] = (),
+        call: str = "",
     ) -> Child:
-        """Start one process of the plan."""
+        """Start one process of the plan (``call``: in a fork of msrun, see :meth:`_forkable`)."""
         if spec.error_file:
             errorfile.clear(spec.error_file)
         trace_env = self.trace.child_env if self.trace is not None else {}
@@ -126,7 +127,7 @@ class Agent:
             stdin_devnull=spec.role == Role.SCHEDULER or self.detached,
             pass_fds=pass_fds,
             in_child_cpus=spec.in_child_cpus,
-            call=self._forkable(spec),
+            call=call,
         )
         child = self.group.start(launch, spec)
         timeline.mark(f"started {spec.label}")
@@ -371,14 +372,15 @@ class Agent:
             env["MSRUN_LISTEN_FD"] = str(listener.fileno())
             fds += (listener.fileno(),)
         theirs = None
-        if self._forkable(spec):  # this node registers over a socketpair: no connect, no challenge
+        call = self._forkable(spec)
+        if call:  # this node registers over a socketpair: no connect, no challenge
             import socket
 
             self.control_sock, theirs = socket.socketpair()
             env[AGENT_FD_ENV] = str(theirs.fileno())
             fds += (theirs.fileno(),)
         try:
-            self.start(spec, env, fds)
+            self.start(spec, env, fds, call)
         except BaseException:
             if self.control_sock is not None:
                 self.control_sock.close()
