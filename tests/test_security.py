@@ -5,6 +5,7 @@ Part of the reliability tier: each scenario records what it measured.
 
 from __future__ import annotations
 
+import encodings.idna  # noqa: F401 - a forked attacker (user nobody) may not read this stdlib to import it
 import hashlib
 import json
 import os

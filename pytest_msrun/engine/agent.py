@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from enum import Enum
 
 from pytest_msrun.control import wire
 from pytest_msrun.control.transport import AGENT_FD_ENV, env_seconds
@@ -57,6 +58,16 @@ if TYPE_CHECKING:
 __all__ = ["Agent", "JobResult"]
 
 SPAWN_SLICE = 0.05  # s of starting workers between two turns of the event loop
+REGISTER_RETRY = 0.2  # s between two attempts to reach the control plane
+
+
+class Stage(Enum):
+    """Where one node's run is; the stages of :meth:`Agent._drive`'s loop."""
+
+    REGISTERING = "registering"  # joining the control plane
+    ASSIGNING = "assigning"  # waiting for the ranks the control plane gives this node
+    STARTING = "starting"  # starting this node's workers, a slice per turn
+    SUPERVISING = "supervising"  # until the policy says the job ended
 
 
 class Agent:
@@ -83,6 +94,9 @@ class Agent:
         self.link: ControlLink | None = None
         self.assignment: RankAssignment | None = None
         self.control_sock: Any = None  # this end of a socketpair to the control plane we forked
+        self.stage = Stage.STARTING
+        self._register_by = 0.0  # when registering gives up (--cluster_time_out)
+        self._spawn_said = False
         self.policy = Policy()
         self.tailer: LogTailer | None = None
         self.term_grace = processes.term_grace()
@@ -260,32 +274,128 @@ class Agent:
         self._make_log_dir()
         if plan.scheduler is not None:
             self._start_scheduler(plan.scheduler, ports.listener)
-        if plan.ranks_pending:  # several nodes: the control plane places this node's workers first
-            outcome = self._join_control_plane(plan)
+        return self._drive(plan)
+
+    def _drive(self, plan: LaunchPlan) -> JobResult:
+        """Registration, assignment, starting and supervision as the stages of one loop.
+
+        Every turn, whatever the stage: a signal is acted on, the heartbeat is sent, the stage
+        takes one bounded step (one connection attempt, :data:`SPAWN_SLICE` s of spawning, one
+        look at the job's state) and every event is served - so a node starting 128 workers on a
+        busy machine still heartbeats and hears of a failure. The order of stages: with ranks the
+        control plane assigns (several nodes, no ``--node_rank``), register, be assigned, start,
+        supervise; else start, register while the workers start up (their connections wait in
+        the listener), supervise.
+        """
+        stage = Stage.REGISTERING if plan.ranks_pending else Stage.STARTING
+        if stage is Stage.STARTING:
+            self._ranks_known(plan)
+            if plan.dry_run:
+                return self._dry_run(plan)
+        self.stage = stage
+        todo = list(plan.workers)
+        while True:
+            stage = self.stage
+            scheduler = next((c for c in self.group.children if c.tag.role == Role.SCHEDULER), None)
+            outcome = self._interrupted(stage)
+            if outcome is None:
+                outcome = self._heartbeat(stage)
+            wait: float | None = 0.0  # a stage that moved on, or is starting workers, does not wait
             if outcome is not None:
-                return self._joining_failed(outcome)
-            assert self.assignment is not None
-            plan = self.plan = assign(plan, self.assignment, self.facts.job_id)
+                pass
+            elif stage is Stage.REGISTERING:
+                outcome = self._register(plan)
+                if self.stage is stage:
+                    wait = REGISTER_RETRY
+            elif stage is Stage.ASSIGNING:
+                if self.assignment is None:
+                    wait = self.link.hb_interval if self.link is not None else REGISTER_RETRY
+                else:
+                    plan = self.plan = assign(plan, self.assignment, self.facts.job_id)
+                    self._ranks_known(plan)
+                    if plan.dry_run:
+                        return self._dry_run(plan)
+                    todo = list(plan.workers)
+                    self.stage = Stage.STARTING
+            elif stage is Stage.STARTING:
+                if not self._start_slice(todo):
+                    self._spawned(plan)
+                    self._next_after_start(plan)
+            else:
+                outcome = self._supervision_step()
+                if outcome is None:
+                    link = self.link
+                    wait = link.hb_interval if link is not None and link.up else None
+            if outcome is None:
+                for event in self.loop.poll(wait):
+                    if event.kind is EventKind.SIGNALLED:
+                        break  # acted on at the top of the next turn, in the stage it came in
+                    outcome = self._serve(event, stage, scheduler)
+                    if outcome is not None:
+                        break
+            if outcome is not None:
+                if stage is Stage.STARTING:
+                    self._spawned(plan)  # msrun's "spawned" line, the status file, the tailer
+                return self._ended_by(outcome)
+
+    def _interrupted(self, stage: Stage) -> str | Ending | None:
+        """A signal to msrun: a launch error while no worker runs yet, else the job's ending."""
+        signum = self.loop.signal_received
+        if signum is None:
+            return None
+        if stage in (Stage.REGISTERING, Stage.ASSIGNING) and not self.workers_started:
+            waiting = "the scheduler" if stage is Stage.REGISTERING else "the other nodes"
+            return f"interrupted by {signal.Signals(signum).name} while waiting for {waiting}"
+        return self.policy.signalled(signum)
+
+    def _heartbeat(self, stage: Stage) -> str | Ending | None:
+        link = self.link
+        if link is None or not link.up or (stage is Stage.SUPERVISING and link.finished):
+            return None
+        silent = link.beat()
+        if not silent:
+            return None
+        if not self.workers_started:
+            return silent
+        return self.policy.lost(f"Lost the scheduler: {silent}.")
+
+    def _serve(self, event: Event, stage: Stage, scheduler: Child | None) -> str | Ending | None:
+        """One event, read as its stage reads it: before any worker runs, the scheduler's exit or
+        its closed connection is a launch error and its messages may carry the assignment."""
+        early = stage in (Stage.REGISTERING, Stage.ASSIGNING) and not self.workers_started
+        if early and event.kind is EventKind.EXITED and event.child is not None:
+            how = processes.describe_returncode(event.child.returncode or 0)
+            return f"the scheduler process {how} before this node was assigned its ranks"
+        if stage is Stage.ASSIGNING:
+            if event.kind is EventKind.LINK_CLOSED:
+                return f"the scheduler closed the connection ({event.reason})"
+            if event.kind is EventKind.MESSAGE:
+                return self._assignment(event.message)
+        return self._on_event(event, scheduler)
+
+    def _ranks_known(self, plan: LaunchPlan) -> None:
+        """This node's ranks are known: its status file is named, its trace placed."""
         if self.status_name is None:  # a node of a multi-node job, named by its index once known
             index = self.assignment.node_index if self.assignment else self.cfg.node_rank
             self.status_name = node_status_file(index) if index >= 0 else f"msrun_status_{self.facts.hostname}.json"
         self._place_trace(plan)
-        if plan.dry_run:
-            from pytest_msrun.engine.dryrun import DryRunSupervisor
 
-            return DryRunSupervisor(self, plan).run()
-        ending = self._start_workers(plan)
-        if ending is not None:  # a worker failed, an abort came, a signal, while the others started
-            return self.conclude(ending)
+    def _dry_run(self, plan: LaunchPlan) -> JobResult:
+        from pytest_msrun.engine.dryrun import DryRunSupervisor
+
+        return DryRunSupervisor(self, plan).run()
+
+    def _next_after_start(self, plan: LaunchPlan) -> None:
         if plan.scheduler_mode.has_control_plane and self.link is None:
-            # Ranks known before start: the workers are already starting while this node registers
-            # (their own connections wait in the listening socket until the control plane is up).
-            outcome = self._join_control_plane(plan)
-            if outcome is not None:
-                return self._joining_failed(outcome)
-            self._place_trace(plan)
+            self.stage = Stage.REGISTERING
+        else:
+            self._supervising()
+
+    def _supervising(self) -> None:
+        self.stage = Stage.SUPERVISING
+        if self.several_nodes:
+            self.policy.host = self.facts.hostname
         self.console_done(0)
-        return self.conclude(self._supervise())
 
     def _place_trace(self, plan: LaunchPlan) -> None:
         """Where this node's trace events go, once the link (if any) is up."""
@@ -297,22 +407,23 @@ class Agent:
     def workers_started(self) -> bool:
         return any(c.tag.role == Role.WORKER for c in self.group.children)
 
-    def _start_workers(self, plan: LaunchPlan) -> Ending | None:
-        """Start this node's workers, serving the event loop between them (every
-        :data:`SPAWN_SLICE` s): on a loaded machine starting 128 workers can take a minute, and the
-        node keeps heartbeating and hears of failures meanwhile. The :class:`Ending` one decided, if any."""
-        serve_at = time.monotonic() + SPAWN_SLICE
-        ending: Ending | None = None
-        for i, spec in enumerate(plan.workers):
-            if self.loop.signal_received is not None:
+    def _start_slice(self, todo: list[ProcessSpec]) -> bool:
+        """Start workers for up to :data:`SPAWN_SLICE` s (at least one); whether any are left.
+        Starting 128 workers on a loaded machine can take a minute: the loop turns between slices."""
+        total = len(self.plan.workers) if self.plan is not None else len(todo)
+        until = time.monotonic() + SPAWN_SLICE
+        while todo and self.loop.signal_received is None:
+            self.start(todo.pop(0))
+            self.status_line.show(f"started {total - len(todo)}/{total} workers on this node")
+            if time.monotonic() >= until:
                 break
-            self.start(spec)
-            self.status_line.show(f"started {i + 1}/{len(plan.workers)} workers on this node")
-            if time.monotonic() >= serve_at:
-                ending = self._serve_while_starting()
-                if ending is not None:
-                    break
-                serve_at = time.monotonic() + SPAWN_SLICE
+        return bool(todo) and self.loop.signal_received is None
+
+    def _spawned(self, plan: LaunchPlan) -> None:
+        """Every worker of this node was started (or starting stopped): say so once."""
+        if self._spawn_said:
+            return
+        self._spawn_said = True
         if self.cfg.bind_core.enabled or self.cfg.bind_numa.enabled:
             self.observers.append(BindingsObserver(self.facts.hostname, self.facts.topology))
         self.emit(JobEvent.SPAWNED, list(self.group.children))
@@ -321,25 +432,10 @@ class Agent:
             if tailed:
                 self.tailer = LogTailer(tailed)
                 self.tailer.start()
-        return ending
 
-    def _serve_while_starting(self) -> Ending | None:
-        """One turn of the event loop between two spawns: heartbeat, exits, messages, signals."""
-        if self.link is not None and self.link.up:
-            silent = self.link.beat()
-            if silent:
-                return self.policy.lost(f"Lost the scheduler: {silent}.")
-        scheduler = next((c for c in self.group.children if c.tag.role == Role.SCHEDULER), None)
-        for event in self.loop.poll(0):
-            if event.kind is EventKind.SIGNALLED:
-                return None  # the spawn loop stops; supervision ends the job as usual
-            ending = self._on_event(event, scheduler)
-            if ending is not None:
-                return ending
-        return None
-
-    def _joining_failed(self, outcome: str | Ending) -> JobResult:
-        if isinstance(outcome, Ending):  # a worker's exit ended the job while this node registered
+    def _ended_by(self, outcome: str | Ending) -> JobResult:
+        """Conclude the job (an :class:`Ending`), or report why it could not start (a message)."""
+        if isinstance(outcome, Ending):
             return self.conclude(outcome)
         code = 128 + self.loop.signal_received if self.loop.signal_received else EXIT_LAUNCH_ERROR
         return self._launch_error(outcome, self.policy.remote_code or code)
@@ -392,13 +488,16 @@ class Agent:
                     sock.close()
 
     # ------------------------------------------------------------------ the control plane
-    def _join_control_plane(self, plan: LaunchPlan) -> str | Ending | None:
-        """Register with the control plane (and, on several nodes, wait for this node's ranks).
-
-        Returns None when joined, else why not: an error, or - workers already running - the
-        :class:`Ending` a worker's exit decided meanwhile."""
+    def _register(self, plan: LaunchPlan) -> str | None:
+        """The registering stage's step: one attempt to join the control plane (over the
+        socketpair when msrun forked it: at once). None when joined or to be retried, else why
+        this node cannot join."""
         cfg = self.cfg
-        self.link = ControlLink(self.facts.master_ip, self.facts.master_port, self.facts.job_token, self.node_timeout)
+        if self.link is None:
+            facts = self.facts
+            self.link = ControlLink(facts.master_ip, facts.master_port, facts.job_token, self.node_timeout)
+            self._register_by = time.monotonic() + (cfg.cluster_time_out if cfg.cluster_time_out >= 0 else 10**9)
+        link = self.link
         hello = {
             "t": "hello",
             "kind": "agent",
@@ -409,55 +508,30 @@ class Agent:
             "pid": os.getpid(),
             "hosts_scheduler": plan.hosts_scheduler,
         }
-        deadline = time.monotonic() + (cfg.cluster_time_out if cfg.cluster_time_out >= 0 else 10**9)
-        last: str | None = ""
         scheduler = next((c for c in self.group.children if c.tag.role == Role.SCHEDULER), None)
         if self.control_sock is not None and scheduler is not None:
-            self.link.adopt(self.control_sock, hello, scheduler.pid)
+            link.adopt(self.control_sock, hello, scheduler.pid)
             self.control_sock = None
-        while not self.link.joined:
+        else:
             try:
-                last = self.link.try_register(hello, max(0.2, min(5.0, deadline - time.monotonic())))
+                last = link.try_register(hello, max(0.2, min(5.0, self._register_by - time.monotonic())))
             except wire.AuthError as exc:
-                return f"the scheduler at {self.link.where} refused this node: {exc}"
-            if not last:
-                break
-            if time.monotonic() >= deadline:
-                return (
-                    f"cannot reach the scheduler at {self.link.where} within "
-                    f"--cluster_time_out={cfg.cluster_time_out}: {last}"
-                )
-            for event in self.loop.poll(0.2):
-                if event.kind is EventKind.SIGNALLED:
-                    return f"interrupted by {signal.Signals(event.signum).name} while waiting for the scheduler"
-                if event.kind is EventKind.EXITED and event.child is not None:
-                    if self.workers_started:  # the job runs: its policy decides, as it will after joining
-                        ending = self._on_event(event, None)
-                        if ending is not None:
-                            return ending
-                        continue
-                    how = processes.describe_returncode(event.child.returncode or 0)
-                    return f"the scheduler process {how} before this node registered"
-        self.loop.attach(self.link)
+                return f"the scheduler at {link.where} refused this node: {exc}"
+            if last:
+                if time.monotonic() >= self._register_by:
+                    within = f"--cluster_time_out={cfg.cluster_time_out}"
+                    return f"cannot reach the scheduler at {link.where} within {within}: {last}"
+                return None
+        self.loop.attach(link)
         timeline.mark("registered with the control plane")
-        self.link.flush_queued()
-        if self.detached and plan.ranks_pending:
-            self.console_done(0)
-        while plan.ranks_pending and self.assignment is None:
-            silent = self.link.beat()
-            if silent:
-                return silent
-            for event in self.loop.poll(self.link.hb_interval):
-                if event.kind is EventKind.SIGNALLED:
-                    return "interrupted by a signal while waiting for the other nodes"
-                if event.kind is EventKind.EXITED and event.child is not None:
-                    return f"the scheduler process {processes.describe_returncode(event.child.returncode or 0)}"
-                if event.kind is EventKind.LINK_CLOSED:
-                    return f"the scheduler closed the connection ({event.reason})"
-                if event.kind is EventKind.MESSAGE:
-                    error = self._assignment(event.message)
-                    if error:
-                        return error
+        link.flush_queued()
+        if plan.ranks_pending:  # the control plane places this node's workers next
+            if self.detached:
+                self.console_done(0)
+            self.stage = Stage.ASSIGNING
+        else:
+            self._place_trace(plan)
+            self._supervising()
         return None
 
     def _assignment(self, msg: dict[str, Any]) -> str | None:
@@ -482,30 +556,20 @@ class Agent:
         return self.assignment is not None and (self.assignment.node_count or 1) > 1
 
     # ------------------------------------------------------------------ supervision
-    def _supervise(self) -> Ending:
-        """Until the policy says the job ended: success, the first failure, a signal, a lost link."""
-        if self.several_nodes:
-            self.policy.host = self.facts.hostname
+    def _supervision_step(self) -> Ending | None:
+        """The supervising stage's step: this node's ``done`` once its workers succeeded, and the
+        job's success once the policy sees it (the first failure, a signal or a lost link end it
+        through events)."""
         link = self.link
-        while True:
-            if self.loop.signal_received is not None:
-                return self.policy.signalled(self.loop.signal_received)
-            workers = [c for c in self.group.children if c.tag.role == Role.WORKER]
-            scheduler = next((c for c in self.group.children if c.tag.role == Role.SCHEDULER), None)
-            if workers and all(c.returncode == 0 for c in workers) and link is not None:
-                if self.trace is not None:
-                    self.trace.ship()  # this node's events reach the trace before its "done"
-                link.send_done()
-            if self.policy.succeeded(workers, scheduler, link is None or link.finished):
-                return Ending(0, JobState.SUCCEEDED)
-            if link is not None and not link.finished:
-                silent = link.beat()
-                if silent:
-                    return self.policy.lost(f"Lost the scheduler: {silent}.")
-            for event in self.loop.poll(link.hb_interval if link is not None and link.up else None):
-                ending = self._on_event(event, scheduler)
-                if ending is not None:
-                    return ending
+        workers = [c for c in self.group.children if c.tag.role == Role.WORKER]
+        scheduler = next((c for c in self.group.children if c.tag.role == Role.SCHEDULER), None)
+        if workers and all(c.returncode == 0 for c in workers) and link is not None:
+            if self.trace is not None:
+                self.trace.ship()  # this node's events reach the trace before its "done"
+            link.send_done()
+        if self.policy.succeeded(workers, scheduler, link is None or link.finished):
+            return Ending(0, JobState.SUCCEEDED)
+        return None
 
     def _on_event(self, event: Event, scheduler: Child | None) -> Ending | None:
         """Every event of a running job, dispatched in one place."""
