@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import signal
 import time
 
+import psutil
 import pytest
 from conftest import FAULTY, free_port, read_status, wait_for
 
@@ -198,6 +200,34 @@ def test_failure_on_one_node_tears_down_every_node(msrun, faulty_sleep, failing_
     origin, other = (ja, jb) if failing_node == "master" else (jb, ja)
     assert f"rank {fail_rank} (worker_{fail_rank}.log" in origin.stderr
     assert "job aborted by the scheduler" in other.stderr and f"rank {fail_rank} exited with code 3" in other.stderr
+
+
+def _registered(msrun, count=1):
+    log = msrun.cwd / "logs" / "scheduler.log"
+    wait_for(lambda: log.exists() and log.read_text().count("agent registered") >= count)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_node_waiting_for_its_ranks_stops_on_a_signal(msrun, env_dump, signum):
+    node = _node(msrun, free_port(), 2, 4)
+    _registered(msrun)  # waiting for the other node's registration, which never comes
+    node.send_signal(signum)
+    job = msrun.finish(node, timeout=30)
+    assert job.returncode == 128 + signum, job.stderr
+    name = signal.Signals(signum).name
+    assert f"msrun: error: interrupted by {name} while waiting for the other nodes" in job.stderr
+    assert "Start worker" not in job.stdout and not list(msrun.dump.iterdir())
+
+
+def test_the_scheduler_ending_before_the_assignment_is_a_launch_error(msrun, env_dump):
+    node = _node(msrun, free_port(), 2, 4)
+    _registered(msrun)
+    scheduler = next(p for p in psutil.Process(node.pid).children() if p.name() == "msrun-scheduler")
+    scheduler.kill()
+    job = msrun.finish(node, timeout=30)
+    assert job.returncode == 1, job.stderr
+    assert "the scheduler process was killed by SIGKILL (exit status 137) before this node was assigned" in job.stderr
+    assert "Start worker" not in job.stdout and not list(msrun.dump.iterdir())
 
 
 def test_node_status_files(msrun, env_dump):

@@ -3,7 +3,9 @@
 The rooms: ports (:mod:`.ports`), the plan (:mod:`.plan`), the processes (:mod:`.processes`),
 one event loop for exits, signals and the control plane (:mod:`.loop`), the link to the control
 plane (:mod:`.link`), the decisions (:mod:`.policy`) and the output (:mod:`.observers`). The
-agent wires them together; :mod:`.dryrun` supervises simulated ranks with the same public API.
+agent wires them together in one loop whose stages are registering, being assigned ranks,
+starting the workers and supervising them (:meth:`Agent._drive`); :mod:`.dryrun` supervises
+simulated ranks with the same public API.
 """
 
 from __future__ import annotations
@@ -364,10 +366,13 @@ class Agent:
         its closed connection is a launch error and its messages may carry the assignment."""
         early = stage in (Stage.REGISTERING, Stage.ASSIGNING) and not self.workers_started
         if early and event.kind is EventKind.EXITED and event.child is not None:
-            how = processes.describe_returncode(event.child.returncode or 0)
-            return f"the scheduler process {how} before this node was assigned its ranks"
+            return _scheduler_ended(event.child.returncode or 0)
         if stage is Stage.ASSIGNING:
             if event.kind is EventKind.LINK_CLOSED:
+                # its connection closes as it dies, a moment before its exit can be seen
+                code = scheduler.peek_end(timeout=1.0) if scheduler is not None else None
+                if code is not None:
+                    return _scheduler_ended(code)
                 return f"the scheduler closed the connection ({event.reason})"
             if event.kind is EventKind.MESSAGE:
                 return self._assignment(event.message)
@@ -642,3 +647,8 @@ class Agent:
         hit = self.group.sweep()
         if hit and graceful:
             console.warning(f"Killed {len(hit)} leftover process(es) started by the job: {hit}.")
+
+
+def _scheduler_ended(returncode: int) -> str:
+    how = processes.describe_returncode(returncode)
+    return f"the scheduler process {'was ' if returncode < 0 else ''}{how} before this node was assigned its ranks"

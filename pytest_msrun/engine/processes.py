@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import signal
 import sys
 import time
@@ -250,6 +251,22 @@ class Child:
             with contextlib.suppress(OSError):
                 os.close(self.pidfd)
         return True
+
+    def peek_end(self, timeout: float = 0.0) -> int | None:
+        """The return code once the child ended, waiting up to ``timeout`` s, without collecting
+        it: its exit still comes as an event of the loop."""
+        if self.returncode is not None:
+            return self.returncode
+        if timeout > 0 and self.pidfd is not None:
+            with contextlib.suppress(OSError, ValueError):
+                select.select([self.pidfd], [], [], timeout)
+        try:
+            info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return None
+        if info is None or info.si_pid == 0:
+            return None
+        return -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
 
 
 def exit_status(returncode: int) -> int:
