@@ -225,6 +225,70 @@ def test_it(rank, skip_on_1):
         suite_patterns=(r"test_it\s+skipped\s+skipped\s+skipped",),
     ),
     Scenario(
+        "rank_1_skips_at_collection_and_ends_first_rank_0_skips_in_the_body",
+        """
+SHARED = os.path.join(os.environ.get("MSRUN_LOG_DIR", "."), "collection-skip")
+if RANK == 1:
+    os.makedirs(SHARED, exist_ok=True)
+    with open(os.path.join(SHARED, "pid1.tmp"), "w") as fh:
+        fh.write(str(os.getpid()))
+    os.rename(os.path.join(SHARED, "pid1.tmp"), os.path.join(SHARED, "pid1"))
+    pytest.skip("rank 1 skips the module", allow_module_level=True)
+
+
+def test_it():
+    from pathlib import Path
+
+    assert wait_for(lambda: gone(peer_pid(Path(SHARED), 1))), "rank 1's session never ended"
+    pytest.skip("rank 0 skips in the body")
+""",
+        suite_ok=True,
+        suite_patterns=(r"test_it\s+skipped\s+skipped\s+skipped",),
+        modes=("suite",),
+    ),
+    Scenario(
+        "a_function_fixture_teardown_fails_under_x",
+        """
+@pytest.fixture
+def fx():
+    yield
+    raise RuntimeError("teardown boom")
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_it(rank, fx):
+    pass
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_after(rank):
+    pass
+""",
+        counts={"passed": 1, "errors": 1},  # once, on the test whose fixture failed; -x stops there
+        patterns=(r"teardown boom",),
+        suite_patterns=(r"teardown boom|error",),
+        args=("-x",),
+    ),
+    Scenario(
+        "rank_1_runs_out_of_time_while_rank_0_waits_for_its_teardown_in_the_world",
+        """
+@pytest.mark.msrun(worker_num=2)
+def test_it(rank):
+    if rank == 1:
+        wait_for(lambda: False, 60.0)  # past the 15 s timeout
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_after(rank):
+    pass
+""",
+        counts={"failed": 1, "passed": 1},
+        never=("errors",),  # rank 0 waited for the controller: no "hangs at exit" blamed on it
+        patterns=(r"in the call phase \(ranks 1 had not finished\)",),
+        args=("--msrun-timeout=15",),
+        modes=("warm",),
+    ),
+    Scenario(
         "every_rank_skips_at_collection",
         """
 if os.environ.get("RANK_ID"):
@@ -248,7 +312,8 @@ def test_it(rank):
 @pytest.mark.msrun(worker_num=2)
 def test_it(rank, msrun_tmp_path):
     if rank == {slow}:
-        (msrun_tmp_path / "other-done").exists() or wait_for((msrun_tmp_path / "done").exists, 3.0)
+        wait_for((msrun_tmp_path / "done").exists)
+        time.sleep(1.5)  # still in the call well after the other rank reported (a warm world's failure grace: 0.5 s)
     else:
         (msrun_tmp_path / "done").write_text("")
     assert rank != 0

@@ -153,7 +153,18 @@ def test_leaves_a_thread_a_child_and_a_file(rank, tmp_path):
 
 
 @pytest.mark.msrun(worker_num=2)
-def test_clean(rank):
+def test_leaves_a_detached_process(rank):
+    subprocess.run(["sh", "-c", "sleep 3 >/dev/null 2>&1 </dev/null &"], check=True)
+
+
+@pytest.fixture
+def teardown_skips():
+    yield
+    pytest.skip("in the teardown")  # pytest then leaves PYTEST_CURRENT_TEST set: not the test's leak
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_clean(rank, teardown_skips):
     pass
 
 
@@ -173,7 +184,7 @@ threading.Thread(target=time.sleep, args=(5,), name="pool", daemon=True).start()
 def test_leaks_are_reported_on_the_test_that_caused_them(pytester, monkeypatch):
     pytester.makepyfile(lib_with_a_pool=POOL)
     result = _run(pytester, monkeypatch, LEAKS)
-    result.assert_outcomes(passed=6, warnings=3)
+    result.assert_outcomes(passed=7, warnings=4)
     text = result.stdout.str()
     assert "test_sets_env left behind in its warm world" in text
     for rank in (0, 1):
@@ -181,6 +192,8 @@ def test_leaks_are_reported_on_the_test_that_caused_them(pytester, monkeypatch):
     assert "test_leaves_a_thread_a_child_and_a_file left behind" in text
     assert "thread 'lingering' still running (daemon)" in text
     assert re.search(r"child process \d+ \(sleep\) still running", text)
+    detached = r"test_leaves_a_detached_process left behind in its warm world:\s+rank 0: child process \d+ \(sleep\)"
+    assert re.search(detached, text)
     assert re.search(r"file descriptor \d+ left open \(.*open\.txt\)", text)
     assert re.search(r"test_sees_clean_env left behind in its warm world:\s+rank 0: working directory changed", text)
     assert "test_clean left behind" not in text and "test_cwd_restored left behind" not in text
@@ -190,10 +203,10 @@ def test_leaks_are_reported_on_the_test_that_caused_them(pytester, monkeypatch):
 def test_leaks_can_fail_the_test_or_be_ignored(pytester, monkeypatch):
     pytester.makepyfile(lib_with_a_pool=POOL)
     result = _run(pytester, monkeypatch, LEAKS, "--msrun-leaks=error")
-    result.assert_outcomes(passed=6, errors=3)  # the call passed, the teardown failed
+    result.assert_outcomes(passed=7, errors=4)  # the call passed, the teardown failed
     assert "(--msrun-leaks=error; isolated=True runs the test in a fresh job)" in result.stdout.str()
     result = _run(pytester, monkeypatch, LEAKS, "--msrun-leaks=off")
-    result.assert_outcomes(passed=6)
+    result.assert_outcomes(passed=7)
 
 
 SHAPES = """

@@ -34,6 +34,7 @@ from pytest_msrun.plugin.merge import Merger
 from pytest_msrun.plugin.pool import DeviceShortage, ResourcePool, inventory
 from pytest_msrun.plugin.runner import Attempt, FreshAttempt, TestRecord, WarmAttempt
 from pytest_msrun.plugin.timeline import REPORT_ATTR, SessionReport, test_entry
+from pytest_msrun.plugin.verdict import TestVerdict
 from pytest_msrun.plugin.world import MAX_WORLDS, World, eligible, world_key
 
 DEFAULT_EXIT_TIMEOUT = 60.0
@@ -328,6 +329,9 @@ class Controller:
         else:
             self._log(item, teardown)
         if attempt.warm and key is not None:
+            world = self.worlds.get(key)
+            if world is not None and world.last is not None:  # a late judgement repeats none of them
+                world.last.reported = _teardown_failures(final)
             self._after_warm(item, key, next_id)
         return again
 
@@ -624,6 +628,8 @@ class Controller:
         record = TestRecord.load(item.nodeid, world.job.expected_ranks(), last.paths, late)
         verdict = record.verdict()
         cwd = str(self.config.invocation_params.dir)
+        if _teardown_failures(verdict) <= last.reported:
+            return  # nothing the test's own teardown report did not say already
         reports = [r for r in Merger(item, record, self.style, cwd).reports(verdict, ("teardown",)) if r.failed]
         if not reports:
             return
@@ -671,3 +677,13 @@ class Controller:
             longrepr=longrepr,
             when=when,  # type: ignore[arg-type]
         )
+
+
+def _teardown_failures(verdict: TestVerdict) -> set[tuple[int, str, str]]:
+    """What failed a test's teardown, rank by rank: (rank, kind, summary)."""
+    return {
+        (issue.rank, issue.kind, issue.summary)
+        for phase in verdict.phases
+        if phase.phase == "teardown"
+        for issue in [*phase.issues, *([phase.cause] if phase.cause else [])]
+    } | {(-1, "rule", phase.message) for phase in verdict.phases if phase.phase == "teardown" and phase.message}

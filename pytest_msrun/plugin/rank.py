@@ -94,6 +94,9 @@ class RankPlugin:
         self.writer: RecordWriter | None = None
         self.session_writer: RecordWriter | None = None  # a warm world's, while a test's records are open
         self.test_failed = False
+        # a failure other than a strict xfail that passed, in the open test: what would end a fresh
+        # job's rank with a non-zero status (and so stop the others)
+        self.test_real_failure = False
         self.failed_any = False
         self.real_failure = False  # a failure other than a strict xfail that passed
         self.collect_skipped = False
@@ -243,7 +246,7 @@ class RankPlugin:
         if report.failed:
             self.test_failed = self.failed_any = True
             if not _strict_xpass(report):
-                self.real_failure = True
+                self.real_failure = self.test_real_failure = True
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
         self._write("report", data=data)
 
@@ -255,7 +258,7 @@ class RankPlugin:
         status = int(exitstatus)
         if self.writer is not None and (
             (status == pytest.ExitCode.TESTS_FAILED and self.failed_any and not self.real_failure)
-            or (status == pytest.ExitCode.NO_TESTS_COLLECTED and self.collect_skipped and self.controlled)
+            or (status == pytest.ExitCode.NO_TESTS_COLLECTED and self.collect_skipped)
         ):
             session.exitstatus = status = pytest.ExitCode.OK
         self._write("finish", exitstatus=status)
@@ -266,7 +269,7 @@ class RankPlugin:
         self.end_test()
         self.session_writer = self.writer
         self.writer = RecordWriter(records_path(report_dir, self.rank), self.rank, self.world)
-        self.test_failed = False
+        self.test_failed = self.test_real_failure = False
         self._write_start()
         self._write("collected", nodeids=[nodeid])
         return self.writer

@@ -41,6 +41,7 @@ from pytest_msrun.plugin.records import SHARED_TMP_ENV
 
 WORLD_ENV = "MSRUN_WORLD"
 WORLD_TOKEN_ENV = "MSRUN_WORLD_TOKEN"
+PYTEST_OWN_ENV = "PYTEST_CURRENT_TEST"  # pytest itself leaves it set after a teardown that raised
 SETTLE = 0.2  # seconds a thread or child the test started may take to finish after it
 
 
@@ -127,7 +128,7 @@ class Snapshot:
             if fd not in ignore_fds and before.fds.get(fd) != target and (fd, target) not in owned.fds:
                 out.append(f"file descriptor {fd} left open ({target})")
         env, expected = dict(os.environ), self._expected_env()
-        for key in sorted(set(env) | set(expected)):
+        for key in sorted((set(env) | set(expected)) - {PYTEST_OWN_ENV}):
             if env.get(key) != expected.get(key):
                 how = "set" if key not in expected else ("removed" if key not in env else "changed")
                 out.append(f"environment variable {key} {how}")
@@ -243,7 +244,20 @@ def _fds() -> dict[int, str]:
     return out
 
 
+def _adopt_orphans() -> None:
+    """Make this rank a child subreaper: what a test starts and detaches (``cmd &`` in a shell it
+    ran) re-parents to the rank - where the leak check sees it - instead of to msrun, unseen until
+    it kills the rank during another test."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
 def _children() -> list[int]:
+    """This process's children still running (with orphans it adopted as a subreaper)."""
     out: list[int] = []
     try:
         tasks = os.listdir("/proc/self/task")
@@ -255,7 +269,18 @@ def _children() -> list[int]:
                 out += [int(p) for p in fh.read().split()]
         except OSError:
             continue
-    return out
+    return [pid for pid in out if not _ended(pid)]
+
+
+def _ended(pid: int) -> bool:
+    """Whether ``pid`` (a child) has ended - a zombie not yet waited for. It is left to whoever
+    started it (a fixture's ``Popen`` still reads its status); an adopted orphan's goes to msrun
+    with the rank."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
 
 
 def _comm(pid: int) -> str:
@@ -319,6 +344,7 @@ class WorldServer:
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtestloop(self, session: pytest.Session) -> bool:
         self.items = {item.nodeid: item for item in session.items}
+        _adopt_orphans()
         sock = socket.create_connection(self.address, timeout=30)
         sock.settimeout(None)
         self.channel = channel = Channel(sock)
@@ -374,7 +400,8 @@ class WorldServer:
     def pytest_runtest_teardown(self, item: pytest.Item, nextitem: Any) -> Generator[None, None, None]:
         """Before the teardown: say the call is over, learn which test comes next."""
         if self.next is not None and nextitem is self.next and self.channel is not None:
-            self.channel.send({"t": "called", "nodeid": item.nodeid, "failed": self.rank_plugin.test_failed})
+            # "failed": what would end this rank in a fresh job (a strict xfail that passed would not)
+            self.channel.send({"t": "called", "nodeid": item.nodeid, "failed": self.rank_plugin.test_real_failure})
             answer = self.channel.receive()
             if answer is None or answer.get("t") != "teardown":
                 self.quit = True  # the controller is gone, or ends the world now: tear everything down
@@ -409,6 +436,6 @@ class WorldServer:
         call = CallInfo.from_call(teardown, when="teardown", reraise=get_reraise_exceptions(item.config))
         if call.excinfo is not None:
             report = item.ihook.pytest_runtest_makereport(item=item, call=call)
-            self.rank_plugin.test_failed = True
+            self.rank_plugin.test_failed = self.rank_plugin.test_real_failure = True
             data = item.config.hook.pytest_report_to_serializable(config=item.config, report=report)
             self.rank_plugin.write_late(data)

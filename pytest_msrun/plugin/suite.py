@@ -66,6 +66,7 @@ def job_report(status: JobStatus) -> JobReport | None:
     table = render(directory, logs, ends)
     text = table.text
     passed = table.passed
+    missing: list[int] = []
     if several:
         missing = sorted(set(range(status.worker_num or 0)) - {p.rank for n in statuses for p in n.workers})
         if missing:
@@ -79,6 +80,8 @@ def job_report(status: JobStatus) -> JobReport | None:
         passed = False
         text += f"\nmsrun: the job itself failed ({status.stop_reason or status.state}) although every test passed"
     verdict = 0 if passed else (code or 1)
+    if table.none_ran and not missing and code in (0, NO_TESTS_COLLECTED):
+        verdict = NO_TESTS_COLLECTED  # pytest's status when it ran nothing (every rank skipped at collection)
     if verdict != code:
         text += f"\nmsrun: exit status {verdict}, as the pytest results above decide (the processes' own: {code})"
     return JobReport(text, verdict)
@@ -121,6 +124,7 @@ def _explained(status: JobStatus, ends: dict[int, RankEnd]) -> bool:
     return bool(status.failures) and all(isinstance(f, dict) and f.get("label") in labels for f in status.failures)
 
 
+NO_TESTS_COLLECTED = 5  # pytest.ExitCode.NO_TESTS_COLLECTED (msrun's side imports no pytest)
 SIBLING_WAIT = 10.0  # how long node 0 waits for the other nodes' final status
 
 
@@ -170,6 +174,7 @@ class Table:
 
     text: str
     passed: bool
+    none_ran: bool = False  # no test ran on any rank and nothing failed: pytest's exit status 5
 
 
 def verdicts(logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> list[TestVerdict]:
@@ -242,7 +247,7 @@ def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -
         lines.append("msrun: hosts: " + "; ".join(f"{h}: ranks {ranks_text(r)}" for h, r in hosts.items()))
     lines.append(_totals(judged))
     passed = bool(judged) and all(v.passing for v in judged) and not collect_errors and not never
-    return Table("\n".join(lines), passed)
+    return Table("\n".join(lines), passed, not judged and not collect_errors and not never)
 
 
 def _explain(v: TestVerdict, directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> list[str]:

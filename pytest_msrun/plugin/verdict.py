@@ -64,6 +64,9 @@ class RankEnd:
     stop_reason: str = ""  # why msrun stopped the job ("rank 1 exited with code 3", "msrun received SIGTERM")
     host: str = ""  # the host the rank ran on
     alive: bool = False  # a warm world's rank that finished the test and serves the next one
+    # a warm world's rank that was waiting for the controller (to tear the test down, or for the
+    # next one) when the world was stopped because another rank ran out of time: not due its teardown
+    held: bool = False
     died_at: float | None = None  # when it crashed, from its error file or fatal-error dump
 
     @classmethod
@@ -325,7 +328,7 @@ class Judge:
         if phase == "call":
             setup = reports.get("setup")
             return setup is not None and setup.get("outcome") == "passed"
-        return "setup" in reports
+        return "setup" in reports and ("teardown" in reports or not self.end(rank).held)
 
     def _rank_timed_out(self, rank: int) -> bool:
         return self.timed_out or self.test(rank).timeout is not None
@@ -364,7 +367,7 @@ class Judge:
             return None
         end, log = self.end(rank), self.logs.get(rank) or RankLog(rank)
         at = self._at(rank)
-        if end.alive:
+        if end.alive or end.held:
             return None
         head = f"rank {rank} reported every phase, then"
         if log.exit_hang is not None:

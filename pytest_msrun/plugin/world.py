@@ -18,6 +18,7 @@ sessions). A world found dead before a test is sent is never used for it.
 
 from __future__ import annotations
 
+import dataclasses
 import hmac
 import os
 import selectors
@@ -69,6 +70,7 @@ class WarmTest:
     run: JobRun  # what setup and call left (every rank done with its call, or the world ended)
     missing: bool = False  # a rank did not collect the test: run it as a fresh job instead
     leaks: dict[int, list[str]] = field(default_factory=dict)
+    reported: set[tuple[int, str, str]] = field(default_factory=set)  # its teardown's reported failures
 
     def finish(self, next_id: str | None, exit_timeout: float) -> JobRun:
         """The teardown (keeping what ``next_id`` shares with this test; ``None`` ends the world),
@@ -81,7 +83,7 @@ class WarmTest:
         groups = {repr(reply.get("group")) for reply in replies.values()}
         lingering = any(reply.get("lingering") for reply in replies.values())
         if timed_out:
-            return world.stop_on_timeout(self)
+            return world.stop_on_timeout(self, set(replies))
         if world.dead:  # a rank died in the teardown
             world.stop()
             return world.job_run(self, False)
@@ -207,7 +209,7 @@ class World:
             test.run = self.job_run(test, False)
             return test
         if timed_out:
-            test.run = self.stop_on_timeout(test)
+            test.run = self.stop_on_timeout(test, set(replies))
             return test
         if self.lost and not self.dead:
             test.run = test.finish(None, exit_timeout)
@@ -315,8 +317,9 @@ class World:
             return False
         return declare_finished(host, port, token, sorted(finished), "finished its test", timeout=1.0)
 
-    def stop_on_timeout(self, test: WarmTest) -> JobRun:
-        """The test ran out of time: where every rank is (control plane, stacks), then the world ends."""
+    def stop_on_timeout(self, test: WarmTest, waiting: set[int]) -> JobRun:
+        """The test ran out of time: where every rank is (control plane, stacks), then the world ends.
+        ``waiting``: the ranks that had answered and waited for the controller (not stuck)."""
         self.dead = f"the test ran out of time ({test.timeout:g} s)"
         state = None
         if self.job.has_control_plane():
@@ -326,6 +329,8 @@ class World:
         stacks = self.job.collect_stacks()
         self.stop()
         run = self.job_run(test, True)
+        for rank in waiting & set(run.ranks):
+            run.ranks[rank] = dataclasses.replace(run.ranks[rank], held=True)
         run.stacks, run.state = stacks, state
         return run
 
