@@ -252,6 +252,12 @@ def test_it():
 @pytest.fixture
 def fx():
     yield
+    # every rank is done with the call before any fails this teardown (a rank failing first would
+    # have msrun stop one still in its call, on a loaded machine: a failed call, rightly)
+    ready = os.path.join(os.environ.get("MSRUN_LOG_DIR", "."), "fx-teardown-barrier")
+    os.makedirs(ready, exist_ok=True)
+    open(os.path.join(ready, str(RANK)), "w").close()
+    wait_for(lambda: len(os.listdir(ready)) == 2)
     raise RuntimeError("teardown boom")
 
 
@@ -287,6 +293,47 @@ def test_after(rank):
         patterns=(r"in the call phase \(ranks 1 had not finished\)",),
         args=("--msrun-timeout=15",),
         modes=("warm",),
+    ),
+    Scenario(
+        "a_strict_xfail_failing_slowly_on_rank_0_under_x_then_a_collective",
+        """
+@pytest.mark.xfail(strict=True, reason="fails on rank 0")
+@pytest.mark.msrun(worker_num=2)
+def test_it(rank, msrun_tmp_path):
+    if rank == 0:
+        wait_for((msrun_tmp_path / "done").exists)
+        time.sleep(1.5)  # still in the call well after rank 1's strict XPASS (a warm world's failure grace: 0.5 s)
+    else:
+        (msrun_tmp_path / "done").write_text("")
+    assert rank != 0
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_after(rank, msrun):
+    msrun.barrier()  # every rank goes on: -x did not stop rank 1 for a test that is XFAIL
+""",
+        counts={"xfailed": 1, "passed": 1},
+        never=("failed", "errors"),
+        suite_ok=True,
+        suite_patterns=(r"test_after\s+passed\s+passed\s+passed",),
+        args=("-x",),
+    ),
+    Scenario(
+        "a_fixture_teardown_skips_on_every_rank",
+        """
+@pytest.fixture
+def skipper():
+    yield
+    pytest.skip("skip in teardown")
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_it(rank, skipper):
+    pass
+""",
+        counts={"passed": 1, "skipped": 1},  # as pytest counts it: the call passed, the teardown skipped
+        suite_ok=True,
+        suite_patterns=(r"test_it\s+passed\s+passed\s+passed",),
     ),
     Scenario(
         "every_rank_skips_at_collection",
@@ -414,7 +461,7 @@ SUITES = [s for s in SCENARIOS if "suite" in s.modes]
 @pytest.mark.parametrize("scenario", SUITES, ids=[s.name for s in SUITES])
 def test_suite_mode(msrun, scenario: Scenario):
     msrun.script("test_scenario.py", _source(scenario))
-    args = [a for a in scenario.args if a.startswith("--msrun-timeout")]
+    args = [a for a in scenario.args if a.startswith(("--msrun-timeout", "-x", "--maxfail"))]
     job = msrun.run(job_args(2, "pytest", "-q", "-p", "no:cacheprovider", *args, "test_scenario.py"), timeout=120)
     out = job.stdout + job.stderr
     assert "msrun: pytest results of 2 rank(s)" in job.stdout, out

@@ -242,7 +242,18 @@ class RankPlugin:
                     if os.path.normpath(str(arg).split("::", 1)[0]) not in self.skipped_collectors
                 ]
 
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> Generator[None, None, None]:
+        """A strict xfail that passed on this rank fails the test only if it passed on every rank
+        (else the test is XFAIL): in a suite it does not count towards ``-x``/``--maxfail`` here,
+        so this rank goes on with the others (pytest's session counts it; its limit moves by one)."""
+        maxfail = getattr(self.config.option, "maxfail", 0) or 0
+        if report.failed and _strict_xpass(report) and not self.controlled and maxfail:
+            self.config.option.maxfail = maxfail + 1
+        self._record_report(report)
+        return (yield)
+
+    def _record_report(self, report: pytest.TestReport) -> None:
         if report.failed:
             self.test_failed = self.failed_any = True
             if not _strict_xpass(report):

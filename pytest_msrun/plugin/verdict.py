@@ -559,6 +559,11 @@ class Judge:
             if phase in merged:
                 out.append(merged[phase])
                 continue
+            if phase == "teardown" and any(r.get("outcome") == "skipped" for r in present[phase].values()):
+                # pytest.skip() in a fixture's teardown: pytest reports that teardown as skipped
+                # (the test keeps its outcome); so does the merged report, on any rank's word
+                out.append(PhaseVerdict(phase, "skipped", present[phase]))
+                continue
             if present[phase] or (phase == "setup" and merged):
                 out.append(PhaseVerdict(phase, "passed", present[phase]))
         return out
