@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import textwrap
 import xml.etree.ElementTree as ET
@@ -252,3 +253,50 @@ def test_suite_with_basetemp_gives_each_rank_its_own(msrun):
     assert job.returncode == 0, job.stdout + job.stderr
     for rank in (0, 1):
         assert (msrun.cwd / "bt" / f"rank{rank}").is_dir()
+
+
+LAST_FAILED = """
+import os
+
+import pytest
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_good(rank):
+    pass
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_bad(rank):
+    assert os.environ.get("FIXED") or rank == 0
+
+
+def test_plain():
+    pass
+"""
+
+
+def test_last_failed_selects_the_same_tests_on_every_rank(msrun):
+    """--lf in a suite: every rank selects from the cache as the job found it, and the job's own
+    verdicts (not one rank's) become the next last-failed set."""
+    msrun.script("test_lf.py", LAST_FAILED)
+    lastfailed = msrun.cwd / ".pytest_cache" / "v" / "cache" / "lastfailed"
+
+    def run(*env: str) -> tuple[int, str]:
+        job = msrun.run(
+            job_args(2, "pytest", "-q", "-p", "no:randomly", "--lf", "test_lf.py"), env=dict(e.split("=") for e in env)
+        )
+        out = job.stdout
+        return job.returncode, out[out.index("msrun: pytest results of 2 rank(s)") :]
+
+    code, table = run()  # nothing failed before: every test
+    assert code == 1 and "msrun: 3 test(s): 2 passed, 1 failed" in table, table
+    assert json.loads(lastfailed.read_text()) == {"test_lf.py::test_bad": True}
+    for _ in range(2):  # the failing test only, on both ranks; the set stays as the table says
+        code, table = run()
+        assert code == 1 and re.search(r"test_lf.py::test_bad\s+passed\s+failed\s+failed", table), table
+        assert "test_good" not in table and "msrun: 1 test(s): 1 failed" in table, table
+        assert json.loads(lastfailed.read_text()) == {"test_lf.py::test_bad": True}
+    code, table = run("FIXED=1")
+    assert code == 0 and "msrun: 1 test(s): 1 passed" in table, table
+    assert json.loads(lastfailed.read_text()) == {}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import faulthandler
 import hashlib
+import json
 import os
 import signal
 import stat
@@ -29,7 +30,15 @@ import pytest
 from pytest_msrun.plugin import options
 from pytest_msrun.plugin.env import current_rank, current_world
 from pytest_msrun.plugin.marker import MARKER, MarkerError, default_timeout, marked_specs, spec_for
-from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, RecordWriter, records_path, stacks_path
+from pytest_msrun.plugin.records import (
+    BASETEMP_ENV,
+    CACHE_FILE,
+    LASTFAILED,
+    REPORT_DIR_ENV,
+    RecordWriter,
+    records_path,
+    stacks_path,
+)
 from pytest_msrun.plugin.serve import WORLD_ENV, WORLD_TOKEN_ENV, world_address
 
 TIMEOUT_EXIT = 124  # a rank that ran out of time ends with timeout(1)'s status
@@ -102,6 +111,7 @@ class RankPlugin:
         self.collect_skipped = False
         self.skipped_collectors: set[str] = set()
         self.session: pytest.Session | None = None
+        self.records_dir = ""
         self.stacks: IO[str] | None = None
         self.default_timeout = 0.0
         # MindSpore's own msrun runs the task (this pytest) as its scheduler too: not a rank
@@ -109,6 +119,7 @@ class RankPlugin:
         if not records:
             return
         directory = env.get(REPORT_DIR_ENV) or os.path.abspath(env.get("MSRUN_LOG_DIR") or ".")
+        self.records_dir = directory
         self.writer = RecordWriter(records_path(directory, self.rank), self.rank, self.world)
         # Every thread's stack lands in this file on SIGUSR1 (the controller's timeout) and on
         # SIGTERM (msrun tearing the job down), which then still ends the process.
@@ -147,6 +158,25 @@ class RankPlugin:
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         self.session = session
         self._write_start()
+        cache = getattr(session.config, "cache", None)
+        if cache is not None and self.writer is not None and not self.controlled:
+            self._hold_lastfailed(cache)
+
+    def _hold_lastfailed(self, cache: Any) -> None:
+        """In a suite, ranks select ``--lf``/``--ff`` tests from the cache as the job found it and
+        none writes its last-failed set: a rank that ended first would change what a later one
+        selects. msrun writes it from the job's table (:func:`~pytest_msrun.plugin.suite.update_lastfailed`)."""
+        original = cache.set
+
+        def set_all_but_lastfailed(key: str, value: object) -> None:
+            if key != LASTFAILED:
+                original(key, value)
+
+        cache.set = set_all_but_lastfailed
+        if self.rank == 0:
+            held = {"cache_dir": str(cache._cachedir), "lastfailed": cache.get(LASTFAILED, {})}
+            with open(os.path.join(self.records_dir, CACHE_FILE), "w", encoding="utf-8") as fh:
+                json.dump(held, fh)
 
     def _write_start(self) -> None:
         self._write(

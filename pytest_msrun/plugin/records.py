@@ -27,6 +27,8 @@ from typing import IO, Any
 
 REPORT_DIR_ENV = "MSRUN_PYTEST_REPORT_DIR"
 SHARED_TMP_ENV = "MSRUN_PYTEST_SHARED_TMP"
+CACHE_FILE = "pytest_cache.json"  # a suite's rank 0: its cache directory and last-failed set as the job began
+LASTFAILED = "cache/lastfailed"  # pytest's cache key of the last-failed set
 BASETEMP_ENV = "MSRUN_PYTEST_BASETEMP"
 PHASES = ("setup", "call", "teardown")
 

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_msrun.engine.hooks import JobReport
 from pytest_msrun.engine.status import JobStatus
 from pytest_msrun.plugin.hang import diagnosis
-from pytest_msrun.plugin.records import RankLog, load_rank_log, records_path, stacks_path
+from pytest_msrun.plugin.records import CACHE_FILE, LASTFAILED, RankLog, load_rank_log, records_path, stacks_path
 from pytest_msrun.plugin.verdict import RankEnd, TestVerdict, judge, ranks_text
 
 REPORTER = "pytest_msrun.plugin.suite:job_report"
@@ -64,6 +64,7 @@ def job_report(status: JobStatus) -> JobReport | None:
     if not logs:
         return None
     table = render(directory, logs, ends)
+    update_lastfailed(directory, table.outcomes)
     text = table.text
     passed = table.passed
     missing: list[int] = []
@@ -85,6 +86,39 @@ def job_report(status: JobStatus) -> JobReport | None:
     if verdict != code:
         text += f"\nmsrun: exit status {verdict}, as the pytest results above decide (the processes' own: {code})"
     return JobReport(text, verdict)
+
+
+PASSING = ("passed", "skipped", "xfailed", "xpassed")
+
+
+def update_lastfailed(directory: str, outcomes: dict[str, str]) -> None:
+    """pytest's last-failed set (``--lf``, ``--ff``) from the job's verdicts: in a suite no rank
+    writes it (one that ended first would change what a later one selects), msrun does, once,
+    as pytest's own cache plugin would from these results."""
+    import json
+
+    try:
+        with open(os.path.join(directory, CACHE_FILE), encoding="utf-8") as fh:
+            held = json.load(fh)
+        cache_dir, lastfailed = str(held["cache_dir"]), dict(held["lastfailed"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no cache in this suite (-p no:cacheprovider), or not rank 0's records
+    for nodeid, outcome in outcomes.items():
+        if outcome in PASSING:
+            lastfailed.pop(nodeid, None)
+        elif outcome != "not run":
+            lastfailed[nodeid] = True
+    path = os.path.join(cache_dir, "v", *LASTFAILED.split("/"))
+    try:
+        new = not os.path.isdir(cache_dir)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if new:
+            with open(os.path.join(cache_dir, ".gitignore"), "w", encoding="utf-8") as fh:
+                fh.write("# Created by pytest automatically.\n*\n")
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(lastfailed, ensure_ascii=False, indent=2, sort_keys=True))
+    except OSError:
+        pass
 
 
 def _dry_run_report(directory: str, status: JobStatus, summary: dict[str, Any]) -> JobReport | None:
@@ -175,6 +209,7 @@ class Table:
     text: str
     passed: bool
     none_ran: bool = False  # no test ran on any rank and nothing failed: pytest's exit status 5
+    outcomes: dict[str, str] = field(default_factory=dict)  # nodeid -> the test's verdict
 
 
 def verdicts(logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> list[TestVerdict]:
@@ -247,7 +282,8 @@ def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -
         lines.append("msrun: hosts: " + "; ".join(f"{h}: ranks {ranks_text(r)}" for h, r in hosts.items()))
     lines.append(_totals(judged))
     passed = bool(judged) and all(v.passing for v in judged) and not collect_errors and not never
-    return Table("\n".join(lines), passed, not judged and not collect_errors and not never)
+    none_ran = not judged and not collect_errors and not never
+    return Table("\n".join(lines), passed, none_ran, {v.nodeid: v.outcome for v in judged})
 
 
 def _explain(v: TestVerdict, directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> list[str]:
