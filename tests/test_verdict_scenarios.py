@@ -336,6 +336,26 @@ def test_it(rank, skipper):
         suite_patterns=(r"test_it\s+passed\s+passed\s+passed",),
     ),
     Scenario(
+        "rank_1_runs_out_of_time_in_a_test_rank_0_then_waits_for_it_in_the_next",
+        """
+@pytest.mark.msrun(worker_num=2)
+def test_hang(rank):
+    if rank == 1:
+        wait_for(lambda: False, 60.0)  # past the 10 s timeout
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_after(rank, msrun):
+    msrun.barrier()  # rank 0 waits here for rank 1, which is still in test_hang
+""",
+        suite_patterns=(
+            r"test_hang\s+passed\s+timeout\s+failed",  # the root cause is rank 1's, in test_hang
+            r"test_after\s+stopped\s+not run\s+incomplete",
+        ),
+        args=("--msrun-timeout=10",),
+        modes=("suite",),
+    ),
+    Scenario(
         "every_rank_skips_at_collection",
         """
 if os.environ.get("RANK_ID"):

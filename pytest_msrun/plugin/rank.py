@@ -42,6 +42,7 @@ from pytest_msrun.plugin.records import (
 from pytest_msrun.plugin.serve import WORLD_ENV, WORLD_TOKEN_ENV, world_address
 
 TIMEOUT_EXIT = 124  # a rank that ran out of time ends with timeout(1)'s status
+WAITER_GRACE = 3.0  # s a rank that timed out waiting for others gives them to end first
 STRICT_XPASS = "[XPASS(strict)]"
 
 
@@ -480,8 +481,26 @@ class RankPlugin:
             sys.stderr.flush()
         except (OSError, ValueError):
             pass
-        time.sleep(0.05)
+        # Waiting for ranks that have not come (in a suite: a rank stuck in an earlier test, whose
+        # own clock runs out about now): let them end first - the first to end is the job's root
+        # cause, and it is theirs. msrun's teardown ends this rank meanwhile if they do.
+        time.sleep(WAITER_GRACE if _waiting_for_others(state, self.rank, self.world) else 0.05)
         os._exit(TIMEOUT_EXIT)
+
+
+def _waiting_for_others(state: Any, rank: int, world: int) -> bool:
+    """Whether the control plane's ``state`` shows ``rank`` waiting for ranks not there yet: to
+    form the group, or in a collective."""
+    if not isinstance(state, dict):
+        return False
+    everyone = set(range(world))
+    joined = set(state.get("joined") or [])
+    if not state.get("ready") and rank in joined and everyone - joined:
+        return True
+    return any(
+        isinstance(c, dict) and rank in (c.get("ranks") or []) and everyone - set(c.get("ranks") or [])
+        for c in state.get("collectives") or []
+    )
 
 
 class SchedulerRolePlugin:

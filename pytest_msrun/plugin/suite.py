@@ -269,7 +269,7 @@ def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -
         where = logs[rank].last_test
         did = "finish" if logs[rank].started else "start"
         lines.append(
-            f"rank {rank}: its pytest session did not {did} - it {end.describe(False)}"
+            f"rank {rank}: its pytest session did not {did} - it {_was(end.describe(False))}"
             + (f" in {where}" if where else "")
         )
     never = [r for r in unfinished if not logs[r].tests]  # died before its first test (not in any row)
@@ -328,3 +328,8 @@ def _totals(verdicts: list[TestVerdict]) -> str:
     parts = [f"{counts[k]} {k}" for k in order if counts.get(k)]
     parts += [f"{n} {k}" for k, n in counts.items() if k not in order]
     return f"msrun: {len(verdicts)} test(s): " + (", ".join(parts) if parts else "none ran")
+
+
+def _was(how: str) -> str:
+    """ "killed by ..." as a predicate: "was killed by ..."."""
+    return f"was {how}" if how.startswith("killed") else how
