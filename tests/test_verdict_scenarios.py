@@ -350,9 +350,29 @@ def test_after(rank, msrun):
 """,
         suite_patterns=(
             r"test_hang\s+passed\s+timeout\s+failed",  # the root cause is rank 1's, in test_hang
-            r"test_after\s+stopped\s+not run\s+incomplete",
+            r"test_after\s+(stopped|timeout)\s+not run\s+incomplete",  # whether rank 0's clock ran out too
         ),
         args=("--msrun-timeout=10",),
+        modes=("suite",),
+    ),
+    Scenario(
+        "rank_1_exits_0_in_a_test_rank_0_then_fails_to_meet_it_in_the_next",
+        """
+@pytest.mark.msrun(worker_num=2)
+def test_it(rank):
+    if rank == 1:
+        os._exit(0)
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_last(rank, msrun):
+    msrun.barrier()  # fails on rank 0: rank 1 has gone (in test_it, which is the failure)
+""",
+        suite_patterns=(
+            r"test_it\s+passed\s+crashed \(exit 0\)\s+failed",
+            r"test_last\s+failed\s+not run\s+incomplete",
+            r"which had ended in test_scenario.py::test_it",
+        ),
         modes=("suite",),
     ),
     Scenario(

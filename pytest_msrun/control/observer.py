@@ -49,3 +49,18 @@ def query_from_env(env: dict[str, str], timeout: float = 2.0) -> dict[str, Any] 
     except (KeyError, ValueError):
         return None
     return query_state(host, port, env.get("MSRUN_JOB_TOKEN", ""), timeout)
+
+
+def waiting_for_others(state: Any, rank: int, world: int) -> bool:
+    """Whether the control plane's ``state`` shows ``rank`` waiting for ranks not there yet: to
+    form the group, or in a collective."""
+    if not isinstance(state, dict):
+        return False
+    everyone = set(range(world))
+    joined = set(state.get("joined") or [])
+    if not state.get("ready") and rank in joined and everyone - joined:
+        return True
+    return any(
+        isinstance(c, dict) and rank in (c.get("ranks") or []) and everyone - set(c.get("ranks") or [])
+        for c in state.get("collectives") or []
+    )

@@ -461,7 +461,7 @@ class RankPlugin:
 
     def _timed_out(self, nodeid: str, seconds: float) -> None:
         """Record where this rank was and what the control plane knew, then end the rank."""
-        from pytest_msrun.control.observer import query_from_env
+        from pytest_msrun.control.observer import query_from_env, waiting_for_others
 
         when = self.current[1] if self.current and self.current[0] == nodeid else "setup"
         stack = ""
@@ -484,23 +484,8 @@ class RankPlugin:
         # Waiting for ranks that have not come (in a suite: a rank stuck in an earlier test, whose
         # own clock runs out about now): let them end first - the first to end is the job's root
         # cause, and it is theirs. msrun's teardown ends this rank meanwhile if they do.
-        time.sleep(WAITER_GRACE if _waiting_for_others(state, self.rank, self.world) else 0.05)
+        time.sleep(WAITER_GRACE if waiting_for_others(state, self.rank, self.world) else 0.05)
         os._exit(TIMEOUT_EXIT)
-
-
-def _waiting_for_others(state: Any, rank: int, world: int) -> bool:
-    """Whether the control plane's ``state`` shows ``rank`` waiting for ranks not there yet: to
-    form the group, or in a collective."""
-    if not isinstance(state, dict):
-        return False
-    everyone = set(range(world))
-    joined = set(state.get("joined") or [])
-    if not state.get("ready") and rank in joined and everyone - joined:
-        return True
-    return any(
-        isinstance(c, dict) and rank in (c.get("ranks") or []) and everyone - set(c.get("ranks") or [])
-        for c in state.get("collectives") or []
-    )
 
 
 class SchedulerRolePlugin:

@@ -159,6 +159,7 @@ class TestVerdict:
     cells: dict[int, str]  # rank -> passed | failed | error | skipped | xfailed | crashed (...) | ...
     outcome: str  # passed | failed | error | skipped | xfailed | xpassed | incomplete | not run
     not_run: list[int] = field(default_factory=list)
+    note: str = ""  # why an outcome was changed after the rule (suite mode: a failure caused by another test)
 
     @property
     def issues(self) -> list[RankIssue]:
