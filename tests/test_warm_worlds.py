@@ -184,7 +184,7 @@ threading.Thread(target=time.sleep, args=(5,), name="pool", daemon=True).start()
 def test_leaks_are_reported_on_the_test_that_caused_them(pytester, monkeypatch):
     pytester.makepyfile(lib_with_a_pool=POOL)
     result = _run(pytester, monkeypatch, LEAKS)
-    result.assert_outcomes(passed=7, warnings=4)
+    result.assert_outcomes(passed=7, skipped=1, warnings=4)  # skipped: a teardown that skips
     text = result.stdout.str()
     assert "test_sets_env left behind in its warm world" in text
     for rank in (0, 1):
@@ -200,13 +200,51 @@ def test_leaks_are_reported_on_the_test_that_caused_them(pytester, monkeypatch):
     assert "test_first_import_of_a_library_that_starts_a_thread left behind" not in text
 
 
+NEVER_ENDS = """
+import threading, time
+
+
+def _run():
+    while True:
+        time.sleep(0.05)
+
+
+threading.Thread(target=_run, name="never-ends", daemon=False).start()
+"""
+
+IMPORTS_IT = """
+import pytest
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_imports_a_library_that_keeps_the_rank_from_exiting(rank):
+    import lib_never_ends  # noqa: F401 - the library's thread, not this test's leak
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_clean(rank):
+    pass
+"""
+
+
+def test_a_hang_at_exit_an_import_started_is_reported_on_the_importing_test(pytester, monkeypatch):
+    pytester.makepyfile(lib_never_ends=NEVER_ENDS)
+    result = _run(pytester, monkeypatch, IMPORTS_IT, "-rA", "-p", "no:randomly", "--msrun-exit-timeout=3")
+    result.assert_outcomes(passed=2, errors=1)
+    text = result.stdout.str()
+    assert "ERROR test_warm.py::test_imports_a_library_that_keeps_the_rank_from_exiting" in text
+    assert re.search(r"rank \d reported every phase, then did not exit within 3 s", text)
+    assert "ERROR test_warm.py::test_clean" not in text
+    assert "left behind" not in text  # no leak: the world ended after the test, and its exit told
+
+
 def test_leaks_can_fail_the_test_or_be_ignored(pytester, monkeypatch):
     pytester.makepyfile(lib_with_a_pool=POOL)
     result = _run(pytester, monkeypatch, LEAKS, "--msrun-leaks=error")
-    result.assert_outcomes(passed=7, errors=4)  # the call passed, the teardown failed
+    result.assert_outcomes(passed=7, skipped=1, errors=4)  # the call passed, the teardown failed
     assert "(--msrun-leaks=error; isolated=True runs the test in a fresh job)" in result.stdout.str()
     result = _run(pytester, monkeypatch, LEAKS, "--msrun-leaks=off")
-    result.assert_outcomes(passed=7)
+    result.assert_outcomes(passed=7, skipped=1)
 
 
 SHAPES = """
