@@ -397,7 +397,7 @@ class TestJob:
         asked = []
         here = socket.gethostname()
         for rank, end in self.rank_ends().items():
-            if end.pid and end.returncode is None and end.host in ("", here):
+            if end.pid and end.returncode is None and end.host in ("", here) and _catches(end.pid, signal.SIGUSR1):
                 try:
                     os.kill(end.pid, signal.SIGUSR1)
                     asked.append(rank)
@@ -495,3 +495,16 @@ def _pump_rank_lines(stream: IO[bytes], log_fh: IO[bytes]) -> None:
                     pass
     finally:
         log_fh.close()
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` handles ``sig`` now (``SigCgt`` in its status): a rank still starting
+    up has not registered its stack dump yet, and SIGUSR1's default action would kill it."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
