@@ -584,9 +584,16 @@ class Judge:
         ran = [r for r in kinds if r not in skipped]
         if skipped and ran:
             phase = "setup" if any(kinds[r].phase == "setup" for r in skipped) else "call"
-            lowest = min(skipped)
+            reasons: dict[str, list[int]] = {}
+            for r in skipped:
+                reasons.setdefault(kinds[r].reason, []).append(r)
+            why = (
+                next(iter(reasons))
+                if len(reasons) == 1
+                else "; ".join(f"ranks {ranks_text(rs)}: {reason}" for reason, rs in reasons.items())
+            )
             message = (
-                f"skipped on ranks {ranks_text(skipped)} ({kinds[lowest].reason}) but ran on ranks "
+                f"skipped on ranks {ranks_text(skipped)} ({why}) but ran on ranks "
                 f"{ranks_text(ran)}: a test must skip on every rank or on none"
             )
             return {phase: PhaseVerdict(phase, "failed", present[phase], message=message)}
