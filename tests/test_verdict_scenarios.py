@@ -44,6 +44,14 @@ def gone(pid):
     return False
 
 
+def all_ranks_reach(name, count=2):
+    # a barrier through files in the job's log directory (no collective: a teardown may use it)
+    ready = os.path.join(os.environ.get("MSRUN_LOG_DIR", "."), name)
+    os.makedirs(ready, exist_ok=True)
+    open(os.path.join(ready, str(RANK)), "w").close()
+    wait_for(lambda: len(os.listdir(ready)) == count)
+
+
 def peer_pid(shared, rank):
     path = shared / f"pid{rank}"
     wait_for(lambda: path.exists() and path.read_text().strip())  # created, then written
@@ -254,10 +262,7 @@ def fx():
     yield
     # every rank is done with the call before any fails this teardown (a rank failing first would
     # have msrun stop one still in its call, on a loaded machine: a failed call, rightly)
-    ready = os.path.join(os.environ.get("MSRUN_LOG_DIR", "."), "fx-teardown-barrier")
-    os.makedirs(ready, exist_ok=True)
-    open(os.path.join(ready, str(RANK)), "w").close()
-    wait_for(lambda: len(os.listdir(ready)) == 2)
+    all_ranks_reach("fx-teardown-barrier")
     raise RuntimeError("teardown boom")
 
 
@@ -444,10 +449,7 @@ def resource():
     yield
     # every rank is done with the test before any fails this teardown (a rank whose session ended
     # first would have msrun stop one still in its call, on a loaded machine)
-    ready = os.path.join(os.environ.get("MSRUN_LOG_DIR", "."), "teardown-barrier")
-    os.makedirs(ready, exist_ok=True)
-    open(os.path.join(ready, str(RANK)), "w").close()
-    wait_for(lambda: len(os.listdir(ready)) == 2)
+    all_ranks_reach("teardown-barrier")
     raise RuntimeError("module fixture teardown failed")
 
 
