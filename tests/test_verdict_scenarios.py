@@ -474,11 +474,13 @@ def _source(scenario: Scenario) -> str:
     return HEAD + scenario.body
 
 
-@pytest.mark.parametrize("mode", ["fresh", "warm"])
-@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
+PLUGIN_CASES = [
+    pytest.param(s, mode, id=f"{s.name}-{mode}") for s in SCENARIOS for mode in ("fresh", "warm") if mode in s.modes
+]
+
+
+@pytest.mark.parametrize("scenario,mode", PLUGIN_CASES)
 def test_plugin_modes(pytester: pytest.Pytester, monkeypatch, scenario: Scenario, mode: str):
-    if mode not in scenario.modes:
-        pytest.skip(f"{scenario.name} is not a {mode} scenario")
     mark = uuid.uuid4().hex
     monkeypatch.setenv(MARK, mark)
     pytester.makepyfile(test_scenario=_source(scenario))
