@@ -215,6 +215,32 @@ def test_timeout_report_names_the_timeout_not_a_failure(pytester, tracked):
     assert float(case.get("time")) >= 2.0, "launch and job time are the test's duration"
 
 
+def test_a_timeout_does_not_kill_a_rank_still_starting_with_its_stack_request(pytester, tracked):
+    """The stack request (SIGUSR1) goes only to ranks that already catch it: one still importing
+    its conftest would be killed by it, and the diagnosis would say so instead of where it was."""
+    pytester.makeconftest(
+        """
+        import os, time
+        if os.environ.get("RANK_ID") == "1":
+            time.sleep(120)  # rank 1 is still starting when the test runs out of time
+        """
+    )
+    pytester.makepyfile(
+        test_to="""
+        import pytest
+
+        @pytest.mark.msrun(worker_num=2, timeout=5)
+        def test_it(rank):
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("--msrun-worlds=fresh", timeout=120)
+    result.assert_outcomes(errors=1)
+    text = result.stdout.str()
+    assert "msrun job timed out after 5 s" in text
+    assert "SIGUSR1" not in text, text
+
+
 def test_last_failed_and_k_and_durations(pytester, tracked):
     pytester.makepyfile(
         test_lf="""
