@@ -11,7 +11,6 @@ import re
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import psutil
 import pytest
@@ -78,8 +77,15 @@ MODES = [pytest.param(mode, marks=pytest.mark.cgroup(mode), id=mode) for mode in
 
 
 def _cgroups_left(job_id: str) -> list[str]:
-    mounts = containment._mounts().values()
-    return [str(p) for m in mounts for p in Path(m).rglob(f"msrun-{job_id}")]
+    """The job's cgroups still there (other jobs' cgroups may vanish while the tree is walked)."""
+    name = f"msrun-{job_id}"
+    return [
+        os.path.join(root, d)
+        for m in containment._mounts().values()
+        for root, dirs, _ in os.walk(m, onerror=lambda _: None)
+        for d in dirs
+        if d == name
+    ]
 
 
 @pytest.mark.parametrize("mode", MODES)
