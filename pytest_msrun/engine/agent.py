@@ -298,7 +298,7 @@ class Agent:
         todo = list(plan.workers)
         while True:
             stage = self.stage
-            scheduler = next((c for c in self.group.children if c.tag.role == Role.SCHEDULER), None)
+            scheduler = self.scheduler_child
             outcome = self._interrupted(stage)
             if outcome is None:
                 outcome = self._heartbeat(stage)
@@ -409,6 +409,11 @@ class Agent:
             self.trace.place(index, plan.scheduler is not None, self.link)
 
     @property
+    def scheduler_child(self) -> Child | None:
+        """The scheduler process this node started (None: another node hosts it, or none runs)."""
+        return next((c for c in self.group.children if c.tag.role == Role.SCHEDULER), None)
+
+    @property
     def workers_started(self) -> bool:
         return any(c.tag.role == Role.WORKER for c in self.group.children)
 
@@ -513,7 +518,7 @@ class Agent:
             "pid": os.getpid(),
             "hosts_scheduler": plan.hosts_scheduler,
         }
-        scheduler = next((c for c in self.group.children if c.tag.role == Role.SCHEDULER), None)
+        scheduler = self.scheduler_child
         if self.control_sock is not None and scheduler is not None:
             link.adopt(self.control_sock, hello, scheduler.pid)
             self.control_sock = None
@@ -567,7 +572,7 @@ class Agent:
         through events)."""
         link = self.link
         workers = [c for c in self.group.children if c.tag.role == Role.WORKER]
-        scheduler = next((c for c in self.group.children if c.tag.role == Role.SCHEDULER), None)
+        scheduler = self.scheduler_child
         if workers and all(c.returncode == 0 for c in workers) and link is not None:
             if self.trace is not None:
                 self.trace.ship()  # this node's events reach the trace before its "done"
