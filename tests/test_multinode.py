@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import signal
+import socket
+import threading
 import time
 
 import psutil
 import pytest
 from conftest import FAULTY, free_port, read_status, wait_for
+
+from pytest_msrun.control import wire
 
 
 def _node(msrun, port, local, total, extra=(), env=None, script="env_dump.py"):
@@ -228,6 +232,51 @@ def test_the_scheduler_ending_before_the_assignment_is_a_launch_error(msrun, env
     assert job.returncode == 1, job.stderr
     assert "the scheduler process was killed by SIGKILL (exit status 137) before this node was assigned" in job.stderr
     assert "Start worker" not in job.stdout and not list(msrun.dump.iterdir())
+
+
+def _scripted_scheduler(server: socket.socket, token: str, together: bool, said: list[str]) -> None:
+    """A control plane that welcomes one node, assigns it ranks 2..3 of 4 and answers nothing else
+    (no heartbeat echo) until the node is done."""
+    server.settimeout(30)
+    conn, _ = server.accept()
+    with conn:
+        channel = wire.Channel(conn)
+        hello = channel.recv(30)
+        nonce = wire.new_nonce()
+        channel.send({"t": "challenge", "nonce": nonce, "proof": wire.proof(token, "scheduler", hello["nonce"], nonce)})
+        channel.recv(30)  # the node's proof
+        welcome = wire.encode({"t": "welcome", "pid": 0, "host": "elsewhere", "now": time.time()})
+        assign = wire.encode({"t": "assign", "offset": 2, "node_index": 1, "node_count": 2, "job_id": "scripted"})
+        if together:  # read by the node's handshake with its welcome
+            conn.sendall(welcome + assign)
+        else:  # arrives while the node moves from registering to waiting for it
+            conn.sendall(welcome)
+            conn.sendall(assign)
+        while True:
+            msg = channel.recv(60)
+            said.append(str(msg.get("t")))
+            if msg.get("t") == "done":
+                channel.send({"t": "done_ack"})
+                channel.send({"t": "end", "code": 0})
+                return
+
+
+@pytest.mark.parametrize("together", [True, False], ids=["with-the-welcome", "after-the-welcome"])
+def test_an_assignment_sent_with_the_welcome_starts_the_node(msrun, env_dump, together):
+    # The last node to register gets its welcome and its ranks back to back: however they arrive
+    # (one read, or the second while the node moves on to waiting), the node starts its workers -
+    # even from a control plane that sends nothing more (no heartbeat echo would wake it).
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        said: list[str] = []
+        thread = threading.Thread(target=_scripted_scheduler, args=(server, "tok", together, said), daemon=True)
+        thread.start()
+        node = _node(msrun, port, 2, 4, env={"MSRUN_JOB_TOKEN": "tok"})
+        job = msrun.finish(node, timeout=60)
+        thread.join(timeout=10)
+    assert job.returncode == 0, job.stderr
+    assert [int(d["RANK_ID"]) for d in msrun.dumps()] == [2, 3], job.stdout + job.stderr
+    assert "done" in said
 
 
 def test_node_status_files(msrun, env_dump):

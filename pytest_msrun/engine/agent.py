@@ -283,7 +283,8 @@ class Agent:
 
         Every turn, whatever the stage: a signal is acted on, the heartbeat is sent, the stage
         takes one bounded step (one connection attempt, :data:`SPAWN_SLICE` s of spawning, one
-        look at the job's state) and every event is served - so a node starting 128 workers on a
+        look at the job's state) and every event is served, as the stage reached reads it (an
+        assignment may arrive in the turn the node registered) - so a node starting 128 workers on a
         busy machine still heartbeats and hears of a failure. The order of stages: with ranks the
         control plane assigns (several nodes, no ``--node_rank``), register, be assigned, start,
         supervise; else start, register while the workers start up (their connections wait in
@@ -332,11 +333,11 @@ class Agent:
                 for event in self.loop.poll(wait):
                     if event.kind is EventKind.SIGNALLED:
                         break  # acted on at the top of the next turn, in the stage it came in
-                    outcome = self._serve(event, stage, scheduler)
+                    outcome = self._serve(event, self.stage, scheduler)  # as the stage it reached reads it
                     if outcome is not None:
                         break
             if outcome is not None:
-                if stage is Stage.STARTING:
+                if self.stage is Stage.STARTING:
                     self._spawned(plan)  # msrun's "spawned" line, the status file, the tailer
                 return self._ended_by(outcome)
 

@@ -101,6 +101,10 @@ class ControlLink:
         for msg in queued:
             self.send(msg)
 
+    def buffered(self) -> bool:
+        """Whether messages were read from the socket but not yet returned by :meth:`read`."""
+        return self.channel is not None and bool(self.channel.pending)
+
     def read(self) -> list[dict[str, Any]]:
         assert self.channel is not None
         messages = [m for m in self.channel.poll() if m.get("t") != "welcome"]  # (a socketpair's)

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
         def read(self) -> list[dict[str, Any]]: ...
 
+        def buffered(self) -> bool: ...
+
 
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -111,7 +113,13 @@ class EventLoop:
     def poll(self, timeout: float | None) -> list[Event]:
         """Wait up to ``timeout`` seconds (None: until something happens) and return what happened."""
         events: list[Event] = []
-        for key, _ in self.sel.select(timeout):
+        # Messages the link already read (its handshake's read can take the next message with
+        # the welcome) are read now: the socket may never be readable again to announce them.
+        buffered = self.link is not None and self.link.buffered()
+        ready = self.sel.select(0 if buffered else timeout)
+        if buffered and not any(key.data == "link" for key, _ in ready):
+            events.extend(self._read_link())
+        for key, _ in ready:
             if key.data == "signal":
                 with contextlib.suppress(OSError):
                     while os.read(self._wake_r, 512):
