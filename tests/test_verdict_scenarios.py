@@ -1,6 +1,7 @@
-"""Verdicts that must hold in every mode: each scenario runs as marked tests in fresh jobs
-(``--msrun-worlds=fresh``), in warm worlds (the default) and as a suite inside one job
-(``pmsrun ... pytest``), and no mode may call a failing test passed or exit 0 for it.
+"""Verdicts that must hold in every mode: each scenario runs as marked tests in processes of their
+own (``--msrun-worlds=fresh``, and ``isolated=True`` in a warm session: forked from a forking
+world's templates), in warm worlds (the default) and as a suite inside one job (``pmsrun ...
+pytest``), and no mode may call a failing test passed or exit 0 for it.
 
 Ranks synchronise by events (a file the other rank writes, its process going away), never by
 sleeping for the other rank.
@@ -475,7 +476,10 @@ def _source(scenario: Scenario) -> str:
 
 
 PLUGIN_CASES = [
-    pytest.param(s, mode, id=f"{s.name}-{mode}") for s in SCENARIOS for mode in ("fresh", "warm") if mode in s.modes
+    pytest.param(s, mode, id=f"{s.name}-{mode}")
+    for s in SCENARIOS
+    for mode in ("fresh", "isolated", "warm")
+    if mode in s.modes or (mode == "isolated" and "fresh" in s.modes)
 ]
 
 
@@ -483,9 +487,13 @@ PLUGIN_CASES = [
 def test_plugin_modes(pytester: pytest.Pytester, monkeypatch, scenario: Scenario, mode: str):
     mark = uuid.uuid4().hex
     monkeypatch.setenv(MARK, mark)
-    pytester.makepyfile(test_scenario=_source(scenario))
+    source = _source(scenario)
+    if mode == "isolated":  # in a warm session, each marked test isolated=True
+        source = source.replace("@pytest.mark.msrun(", "@pytest.mark.msrun(isolated=True, ")
+    pytester.makepyfile(test_scenario=source)
+    worlds = "fresh" if mode == "fresh" else "warm"
     result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-rA", f"--msrun-worlds={mode}", *scenario.args, timeout=120
+        "-p", "no:cacheprovider", "-rA", f"--msrun-worlds={worlds}", *scenario.args, timeout=120
     )
     text = result.stdout.str()
     counts = result.parseoutcomes()

@@ -35,7 +35,7 @@ from pytest_msrun.plugin.pool import DeviceShortage, ResourcePool, inventory
 from pytest_msrun.plugin.runner import Attempt, FreshAttempt, TestRecord, WarmAttempt
 from pytest_msrun.plugin.timeline import REPORT_ATTR, SessionReport, test_entry
 from pytest_msrun.plugin.verdict import TestVerdict
-from pytest_msrun.plugin.world import MAX_WORLDS, World, eligible, world_key
+from pytest_msrun.plugin.world import FORKING, MAX_WORLDS, World, eligible, world_key
 
 DEFAULT_EXIT_TIMEOUT = 60.0
 
@@ -144,6 +144,7 @@ class Controller:
         self.last_item: dict[tuple, pytest.Item] = {}  # each live world's last test
         self.expecting: dict[tuple, str | None] = {}  # the test each live world's fixtures were kept for
         self._keys: dict[str, tuple | None] = {}
+        self.unforkable: dict[tuple, str] = {}  # forking worlds whose ranks cannot fork, and why
         self._positions: tuple[int, int, dict[str, int]] | None = None
 
     # ---------------------------------------------------------------- the session
@@ -439,14 +440,18 @@ class Controller:
         """The world ``item`` runs in (None: a fresh job of its own)."""
         if item.nodeid not in self._keys:
             key = None
-            if self.warm and item.get_closest_marker(MARKER) is not None:
+            if item.get_closest_marker(MARKER) is not None:
                 try:
                     spec = spec_for(item)
                 except MarkerError:
                     spec = None
                 several_hosts = spec is not None and self.cluster is not None and len(spec.node_sizes()) > 1
                 if spec is not None and eligible(spec) and not several_hosts:
-                    key = world_key(spec, spec.devices)
+                    # isolated: each test in processes of its own, forked from the world's ranks
+                    forking = spec.isolated or not self.warm
+                    key = world_key(spec, spec.devices) + ((FORKING,) if forking else ())
+                    if key in self.unforkable:
+                        key = None
             self._keys[item.nodeid] = key
         return self._keys[item.nodeid]
 
@@ -510,6 +515,11 @@ class Controller:
             if attempt.missing:  # a rank did not collect it (it differs from this process's collection)
                 attempt.finish(None, self.exit_timeout)
                 self._after_warm(item, key, None)
+                why = attempt.test.unforkable
+                if why:  # so are the ranks of every world of its shape: its tests run as fresh jobs
+                    self.unforkable[key] = why
+                    self._keys = {nodeid: k for nodeid, k in self._keys.items() if k != key}
+                    return None, f"ran as a fresh job: {why}"
                 return None, "ran as a fresh job: a rank of its warm world did not collect it"
             left = attempt.left_before()
             if not left or before is None or before_item is None:

@@ -139,11 +139,13 @@ class RankPlugin:
             config.option.xmlpath = f"{base}.rank{self.rank}{ext or '.xml'}"
         address = world_address(env)
         if address is not None and self.controlled:  # a warm world's rank: the controller sends tests
+            from pytest_msrun.plugin.forked import FORK_ENV
             from pytest_msrun.plugin.serve import WorldServer
 
             token = env.pop(WORLD_TOKEN_ENV, "")
             env.pop(WORLD_ENV, None)
-            config.pluginmanager.register(WorldServer(self, address, token), "msrun-world")
+            forking = env.pop(FORK_ENV, "") == "1"
+            config.pluginmanager.register(WorldServer(self, address, token, forking), "msrun-world")
         if not self.controlled:
             self.default_timeout = default_timeout(config)
             # msrun prints one table of every test on every rank when the job ends.

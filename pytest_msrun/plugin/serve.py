@@ -37,6 +37,7 @@ from typing import Any
 
 import pytest
 
+from pytest_msrun.plugin import forked
 from pytest_msrun.plugin.records import SHARED_TMP_ENV
 
 WORLD_ENV = "MSRUN_WORLD"
@@ -299,28 +300,39 @@ def _comm(pid: int) -> str:
 
 
 class Channel:
-    """One JSON object per line, both ways."""
+    """One JSON object per line, both ways. Lines read ahead stay in :attr:`buffer` (the peer may
+    send two in a row - a forked child's ``done``, its template's ``ended``): a reader waiting on the
+    socket must first ask :meth:`has_line`."""
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
-        self.reader = sock.makefile("rb")
+        self.buffer = b""
+        self.eof = False
 
     def send(self, msg: dict[str, Any]) -> None:
         self.sock.sendall(json.dumps(msg).encode() + b"\n")
 
+    def has_line(self) -> bool:
+        return b"\n" in self.buffer
+
     def receive(self) -> dict[str, Any] | None:
-        line = self.reader.readline()
-        if not line:
-            return None
+        while b"\n" not in self.buffer:
+            if self.eof:
+                return None
+            data = self.sock.recv(1 << 16)
+            if not data:
+                self.eof = True
+                continue
+            self.buffer += data
+        line, _, self.buffer = self.buffer.partition(b"\n")
         msg = json.loads(line)
         return msg if isinstance(msg, dict) else None
 
     def close(self) -> None:
-        for closable in (self.reader, self.sock):
-            try:
-                closable.close()
-            except OSError:
-                pass
+        try:
+            self.sock.close()
+        except OSError:
+            pass
 
 
 class LateNext:
@@ -337,10 +349,11 @@ class LateNext:
 class WorldServer:
     """Registered in a rank of a warm world: replaces pytest's run loop with the controller's commands."""
 
-    def __init__(self, rank_plugin: Any, address: tuple[str, int], token: str) -> None:
+    def __init__(self, rank_plugin: Any, address: tuple[str, int], token: str, forking: bool = False) -> None:
         self.rank_plugin = rank_plugin
         self.address = address
         self.token = token
+        self.forking = forking  # a template: each test runs in a child forked for it (:mod:`.forked`)
         self.channel: Channel | None = None
         self.items: dict[str, pytest.Item] = {}
         self.next: LateNext | None = None  # the running test's
@@ -352,6 +365,9 @@ class WorldServer:
     def pytest_runtestloop(self, session: pytest.Session) -> bool:
         self.items = {item.nodeid: item for item in session.items}
         _adopt_orphans()
+        if self.forking:
+            forked.join_group()
+            forked.template_ready()
         sock = socket.create_connection(self.address, timeout=30)
         sock.settimeout(None)
         self.channel = channel = Channel(sock)
@@ -372,6 +388,13 @@ class WorldServer:
                 item = self.items.get(nodeid)
                 if item is None:
                     channel.send({"t": "missing", "nodeid": nodeid})
+                    continue
+                if self.forking:
+                    why = forked.unforkable()
+                    if why:
+                        channel.send({"t": "unforkable", "nodeid": nodeid, "why": why})
+                    else:
+                        self._run_forked(item, msg)
                     continue
                 channel.send({"t": "done", "nodeid": nodeid, **self._run(item, msg)})
         finally:
@@ -402,6 +425,59 @@ class WorldServer:
             self.snapshot = self.next = None
         return {"failed": plugin.test_failed, "leaks": leaks, "lingering": lingering, "group": _group_state()}
 
+    # ---------------------------------------------------------------- a forking world's template
+    def _run_forked(self, item: pytest.Item, msg: dict[str, Any]) -> None:
+        """Run ``item`` in a child of this template; then say how it ended - or, when it ended
+        as a fresh job's rank would not have, end this process the same way."""
+        assert self.channel is not None
+        read_fd, write_fd = os.pipe()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read_fd)
+            self._child(item, msg, write_fd)  # never returns
+        os.close(write_fd)
+        status = forked.wait_forwarding(pid, self.rank_plugin.stacks)
+        info = forked.read_info(read_fd)
+        code = forked.returncode(status)
+        if not info.get("done") or code != info.get("status"):
+            forked.mirror(code)
+        if info.get("quit"):
+            self.quit = True
+        forked.take_group(info.get("group"))
+        retire = forked.retire_reason(info, _children())
+        self.channel.send({"t": "ended", "nodeid": item.nodeid, "pid": pid, "code": code, "retire": retire})
+
+    def _child(self, item: pytest.Item, msg: dict[str, Any], fd: int) -> None:
+        """The forked child: the whole protocol of ``item`` (nothing kept for a next test), its
+        records, its ``done`` - then the end of a process, with pytest's status."""
+        code = 70  # an internal error: the template mirrors it, the world ends visibly
+        try:
+            forked.child_start()
+            plugin = self.rank_plugin
+            plugin.begin_test(str(msg["report_dir"]), item.nodeid)
+            shared = msg.get("shared_dir")
+            if shared:
+                os.environ[SHARED_TMP_ENV] = str(shared)
+            self.next = LateNext()
+            self.last = item
+            item.ihook.pytest_runtest_protocol(item=item, nextitem=self.next)
+            plugin.end_test()
+            code = 1 if plugin.test_real_failure else 0
+            assert self.channel is not None
+            done = {"failed": plugin.test_failed, "leaks": [], "lingering": False, "group": _group_state()}
+            self.channel.send({"t": "done", "nodeid": item.nodeid, **done})
+            info = {"done": True, "status": code, "group": forked.group_state(), "quit": self.quit}
+            forked.tell_parent(fd, {**info, "runtimes": forked.new_runtimes()})
+            forked.child_exit(code)
+        except BaseException:  # noqa: BLE001 - reported in the rank's log; the template mirrors the end
+            import traceback
+
+            traceback.print_exc()
+            code = 70
+        os._exit(code)
+
     # ---------------------------------------------------------------- hooks while a test runs
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_teardown(self, item: pytest.Item, nextitem: Any) -> Generator[None, None, None]:
@@ -412,7 +488,7 @@ class WorldServer:
             answer = self.channel.receive()
             if answer is None or answer.get("t") != "teardown":
                 self.quit = True  # the controller is gone, or ends the world now: tear everything down
-            else:
+            elif not self.forking:  # a forked child keeps nothing: every fixture ends with it
                 following = answer.get("next")
                 self.next.item = self.items.get(str(following)) if following else None
         return (yield)

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pytest_msrun.plugin.forked import FORK_ENV
 from pytest_msrun.plugin.job import JobRun, Launched, TestJob, TestPaths
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.serve import WORLD_ENV, WORLD_TOKEN_ENV, Channel
@@ -53,8 +54,12 @@ def world_key(spec: MsrunSpec, devices: int) -> tuple[Any, ...]:
 
 
 def eligible(spec: MsrunSpec) -> bool:
-    """Whether a test may run in a warm world (dry runs and ``scheduler='task'`` jobs are fresh)."""
-    return not spec.isolated and spec.sim_level is None and spec.scheduler != "task"
+    """Whether a test may run in a world - warm, or forking when it is to be isolated (dry runs and
+    ``scheduler='task'`` jobs are fresh jobs)."""
+    return spec.sim_level is None and spec.scheduler != "task"
+
+
+FORKING = "forking"  # the last element of a forking world's key
 
 
 @dataclass
@@ -69,6 +74,7 @@ class WarmTest:
     timeout: float
     run: JobRun  # what setup and call left (every rank done with its call, or the world ended)
     missing: bool = False  # a rank did not collect the test: run it as a fresh job instead
+    unforkable: str = ""  # why a forking world's ranks cannot fork it: run it as a fresh job instead
     leaks: dict[int, list[str]] = field(default_factory=dict)
     reported: set[tuple[int, str, str]] = field(default_factory=set)  # its teardown's reported failures
 
@@ -87,6 +93,17 @@ class WarmTest:
         if world.dead:  # a rank died in the teardown
             world.stop()
             return world.job_run(self, False)
+        if world.forking and not world.lost:
+            hung = world.await_ends(exit_timeout)
+            if world.dead:  # a child ended as a fresh rank would not: its template ended alike
+                world.stop()
+                return world.job_run(self, False)
+            if hung:  # a child does not end (a thread the test left, an exit handler)
+                stacks = world.job.collect_stacks()
+                world.stop()
+                run = world.job_run(self, False)
+                run.exit_hung, run.exit_timeout, run.stacks = hung, exit_timeout, stacks
+                return run
         if world.lost:
             world.retire("a rank left the world")
         if world.declared or len(groups) > 1:
@@ -110,11 +127,14 @@ class World:
         self.key = key
         self.job = job
         self.lease = lease
+        self.forking = bool(key) and key[-1] == FORKING  # each test in a child forked for it
         self.token = os.urandom(16).hex()
         self.server = socket.create_server(("127.0.0.1", 0))
         self.server.setblocking(False)
         port = self.server.getsockname()[1]
         env = {WORLD_ENV: f"127.0.0.1:{port}", WORLD_TOKEN_ENV: self.token}
+        if self.forking:
+            env[FORK_ENV] = "1"
         self.launched: Launched = job.launch(cluster_time_out, env)
         self.channels: dict[int, Channel] = {}
         self.dead = ""  # why it can run no more tests
@@ -204,8 +224,12 @@ class World:
         test = WarmTest(self, paths, nodeid, started, deadline, timeout, JobRun([], [], False, timeout, started, 0.0))
         self.last = test
         replies, timed_out = self.exchange(msg, "called", deadline, release=True, failure_grace=True)
-        if any(r.get("t") == "missing" for r in replies.values()):
+        refusals = [str(r.get("why")) for r in replies.values() if r.get("t") == "unforkable"]
+        if refusals or any(r.get("t") == "missing" for r in replies.values()):
             test.missing = True
+            test.unforkable = refusals[0] if refusals else ""
+            if refusals:  # no test can fork there (and ranks that could, run this one now)
+                self.stop()
             test.run = self.job_run(test, False)
             return test
         if timed_out:
@@ -220,7 +244,13 @@ class World:
         return test
 
     def exchange(
-        self, msg: dict[str, Any], answer: str, deadline: float, *, release: bool = False, failure_grace: bool = False
+        self,
+        msg: dict[str, Any] | None,
+        answer: str,
+        deadline: float,
+        *,
+        release: bool = False,
+        failure_grace: bool = False,
     ) -> tuple[dict[int, dict[str, Any]], bool]:
         """Send ``msg`` to every rank and collect each one's ``answer`` (or ``missing``); whether the
         deadline passed first. A rank that closes its connection, or the job ending, makes the world
@@ -230,7 +260,7 @@ class World:
         ``release``: ranks waiting in the control plane only for ranks that already answered are
         failed at once (in a fresh job those ranks would have exited)."""
         live = {rank: channel for rank, channel in self.channels.items() if rank not in self.lost}
-        for channel in live.values():
+        for channel in live.values() if msg is not None else ():
             try:
                 channel.send(msg)
             except OSError:
@@ -255,13 +285,18 @@ class World:
                 if self.launched.exited():
                     self.dead = "the world's job ended (a rank died)"
                     break
-                for key, _ in sel.select(timeout=0.05):
-                    rank = key.data
+                waiting = [rank for rank in live if rank not in replies and rank not in self.lost]
+                ready = [rank for rank in waiting if self.channels[rank].has_line()]
+                if not ready:
+                    ready = [key.data for key, _ in sel.select(timeout=0.05)]
+                for rank in ready:
                     try:
                         reply = self.channels[rank].receive()
                     except (OSError, ValueError):
                         reply = None
-                    sel.unregister(key.fileobj)
+                    if reply is not None and reply.get("t") not in (answer, "missing", "unforkable"):
+                        continue  # not the answer awaited (a line read ahead of it)
+                    sel.unregister(self.channels[rank].sock)
                     if reply is None:  # its connection closed: the rank is gone (even with status 0)
                         self.lost.add(rank)
                         self.retire(f"rank {rank} left the world inside a test")
@@ -269,8 +304,6 @@ class World:
                         if self.launched.exited():  # msrun ended the job: a failure (first-failure rule)
                             self.dead = f"rank {rank} ended inside the test"
                             break
-                        continue
-                    if reply.get("t") not in (answer, "missing"):
                         continue
                     replies[rank] = reply
                     if failure_grace and reply.get("failed") and failed_at is None:
@@ -280,6 +313,18 @@ class World:
         finally:
             sel.close()
         return replies, False
+
+    def await_ends(self, exit_timeout: float) -> list[int]:
+        """A forking world's children ending after their test, as processes do (threads joined,
+        exit handlers run): the ranks whose child did not end within ``exit_timeout`` s. A child
+        that ended as a fresh job's rank would not ended its template too (the world is dead)."""
+        replies, timed_out = self.exchange(None, "ended", time.monotonic() + exit_timeout)
+        for reply in replies.values():
+            if reply.get("retire"):
+                self.retire(str(reply["retire"]))
+        if not timed_out:
+            return []
+        return sorted(set(self.channels) - set(replies) - self.lost)
 
     def _settle(self, rank: int, seconds: float = 10.0) -> None:
         """Let a rank that left the world end its process, and msrun record how and act on it (its

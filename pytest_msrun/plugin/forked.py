@@ -1,0 +1,239 @@
+"""Process isolation without a process start-up: a rank of a forking world forks each test.
+
+A forking world is a warm world (:mod:`.serve`) whose ranks never run a test themselves: each is a
+*template* - pytest configured, the plugins loaded, every test of the world collected (its modules
+imported), the control plane's group joined - that forks one child per test. The child runs the
+test through pytest's own protocol with no next test (every fixture, of every scope, is set up
+and torn down in it), answers the controller over the connection it inherited, and ends the way
+a fresh job's rank would: pytest's status (1 when the test failed on this rank, else 0), after
+the threads and exit handlers the test left have run.
+
+The child *is* the rank for that test. What would end a fresh job's rank - the test's process
+crashing, ending before its test did, or ending with another status than its test's - ends the
+template the same way (:func:`mirror`), so msrun sees the rank end as it would have in a fresh
+job (its first-failure rule, its status file, the controller's verdict - all unchanged). A child
+that ends cleanly hands back what it changed of the template's state that outlives it: the
+group's collective counter. A test that left the group, a process running, or started a
+runtime that lives per process (MindSpore's) ends the world after it.
+
+Forking is safe only from a process with one thread: a template in which an import started a
+thread refuses to fork (:func:`unforkable`), and its tests run as fresh jobs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import sys
+import threading
+import weakref
+from typing import Any
+
+FORK_ENV = "MSRUN_WORLD_FORK"  # set in a forking world's ranks
+PER_PROCESS_RUNTIMES = ("mindspore",)  # modules whose runtime joins the job once per process
+
+
+def join_group() -> None:
+    """Join the control plane's group before the first fork, so that every child shares it (a
+    child that joined on its own would leave it when it ends)."""
+    env = os.environ
+    if env.get("MS_ROLE") == "MS_WORKER" and env.get("MSRUN_SCHEDULER") in ("auto", "builtin", "mindspore"):
+        from pytest_msrun.control import cluster
+
+        cluster.init()
+
+
+def unforkable() -> str:
+    """Why this process must not fork ("" when it may): another thread - Python's or a native
+    library's - would be missing in the child, holding whatever lock it held at that moment."""
+    try:
+        threads = len(os.listdir("/proc/self/task"))
+    except OSError:
+        threads = threading.active_count()
+    if threads <= 1:
+        return ""
+    named = sorted(repr(t.name) for t in threading.enumerate() if t is not threading.main_thread())
+    which = f" ({', '.join(named[:3])})" if named else " (a native library's)"
+    return f"its ranks run {threads - 1} thread(s) an import started{which}: forking them is unsafe"
+
+
+def group_state() -> Any:
+    """The group as this process leaves it: its collective counter, None when it never joined,
+    or "left" when it left or holds messages it has not consumed (the group cannot go on)."""
+    cluster = sys.modules.get("pytest_msrun.control.cluster")
+    group = getattr(cluster, "_group", None) if cluster is not None else None
+    if group is None:
+        return "left" if _joined_before else None
+    channel = getattr(group, "channel", None)
+    if channel is None:
+        return int(group.seq)
+    if getattr(channel, "pending", None) or getattr(channel, "eof", False):
+        return "left"
+    return int(group.seq)
+
+
+_joined_before = False
+
+
+def template_ready() -> None:
+    """Called in the template once its group is joined (if at all)."""
+    global _joined_before
+    cluster = sys.modules.get("pytest_msrun.control.cluster")
+    _joined_before = getattr(cluster, "_group", None) is not None
+
+
+# ---------------------------------------------------------------- in the child
+def child_start() -> None:
+    """The child's first steps: it dies with its template, adopts what its test detaches, and
+    runs at its exit only the exit handlers its test registered (the template's are not its own:
+    a module's ``TemporaryDirectory`` must outlive the test that imported it)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+    global _runtimes_at_fork
+    _runtimes_at_fork = runtimes_started()
+    atexit._clear()
+    for info in list(weakref.finalize._registry.values()):  # type: ignore[attr-defined]
+        info.atexit = False
+    weakref.finalize._registered_with_atexit = False  # type: ignore[attr-defined]
+
+
+def child_exit(status: int) -> None:
+    """End the child as the interpreter ends a process: its non-daemon threads are waited for,
+    its exit handlers run, its output flushed - then ``status``."""
+    try:
+        threading._shutdown()  # type: ignore[attr-defined]
+    except BaseException:  # noqa: BLE001 - the process ends regardless
+        pass
+    try:
+        atexit._run_exitfuncs()
+    except BaseException:  # noqa: BLE001
+        pass
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    os._exit(status)
+
+
+def tell_parent(fd: int, info: dict[str, Any]) -> None:
+    try:
+        os.write(fd, json.dumps(info).encode())
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# ---------------------------------------------------------------- in the template
+def wait_forwarding(pid: int, stacks: Any) -> int:
+    """Wait for the child ``pid`` (its wait status); meanwhile a stack request (SIGUSR1) is the
+    child's to answer. The template's own stack dump is registered again afterwards."""
+    import faulthandler
+
+    def forward(signum: int, frame: Any) -> None:
+        try:
+            os.kill(pid, signum)
+        except OSError:
+            pass
+
+    previous = signal.signal(signal.SIGUSR1, forward)
+    try:
+        while True:
+            try:
+                _, status = os.waitpid(pid, 0)
+                return status
+            except ChildProcessError:
+                return 0
+    finally:
+        signal.signal(signal.SIGUSR1, previous if callable(previous) or previous in (0, 1) else signal.SIG_DFL)
+        if stacks is not None:
+            faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+
+
+def read_info(fd: int) -> dict[str, Any]:
+    chunks = []
+    try:
+        while True:
+            data = os.read(fd, 65536)
+            if not data:
+                break
+            chunks.append(data)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    try:
+        info = json.loads(b"".join(chunks) or b"{}")
+    except ValueError:
+        return {}
+    return info if isinstance(info, dict) else {}
+
+
+def returncode(status: int) -> int:
+    """A wait status as ``subprocess`` reports it: the exit status, or minus the signal."""
+    if os.WIFSIGNALED(status):
+        return -os.WTERMSIG(status)
+    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
+
+
+def mirror(code: int) -> None:
+    """End this process as its child ended (``code`` as :func:`returncode` gives it): msrun then
+    sees the rank end as the test's process did."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError, AttributeError):
+            pass
+    if code < 0:
+        signum = -code
+        try:
+            signal.signal(signum, signal.SIG_DFL)
+            if signum != signal.SIGKILL:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+            os.kill(os.getpid(), signum)
+        except (OSError, ValueError):
+            pass
+        os._exit(128 + signum)
+    os._exit(code)
+
+
+def take_group(state: Any) -> None:
+    """The child's collective counter becomes the template's (the next child goes on from it)."""
+    cluster = sys.modules.get("pytest_msrun.control.cluster")
+    group = getattr(cluster, "_group", None) if cluster is not None else None
+    if group is not None and isinstance(state, int):
+        group.seq = state
+
+
+def retire_reason(info: dict[str, Any], leftover: list[int]) -> str:
+    """Why the world cannot serve another test after this child ("" when it can)."""
+    if info.get("group") == "left":
+        return "the test left the control plane's group (or left messages in it)"
+    if leftover:
+        return "the test left a process running on a rank"
+    runtimes = info.get("runtimes") or []
+    if runtimes:
+        return f"the test started {', '.join(runtimes)}, whose runtime joins a job once per process"
+    return ""
+
+
+def runtimes_started() -> list[str]:
+    """The per-process runtimes this process imported."""
+    return [name for name in PER_PROCESS_RUNTIMES if name in sys.modules]
+
+
+def new_runtimes() -> list[str]:
+    """The per-process runtimes the child's test imported (the template had not)."""
+    return [name for name in runtimes_started() if name not in _runtimes_at_fork]
+
+
+_runtimes_at_fork: list[str] = []
