@@ -110,17 +110,27 @@ def test_the_page_in_a_real_browser(pytester: pytest.Pytester, tmp_path_factory:
         shutil.copyfile(shot, REPO / target)
 
 
+TWO_RANKS = """
+
+@pytest.mark.msrun(worker_num=2)
+def test_two_ranks(rank, msrun):
+    msrun.barrier()
+"""
+
+
 def test_trace_dir_keeps_each_jobs_trace(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(test_agree=TESTS)
+    # Each job's trace, named after its first test: here one world per shape (the tests of a shape
+    # share it, each in processes of its own).
+    pytester.makepyfile(test_agree=TESTS + TWO_RANKS)
     traces = pytester.path / "traces"
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--msrun-trace={traces}", "--msrun-worlds=fresh")
-    result.assert_outcomes(passed=1, failed=1)
+    result.assert_outcomes(passed=2, failed=1)
     files = sorted(traces.glob("*.trace.json"))
-    assert [f.name.split("-msrun-")[0] for f in files] == ["test_all_ranks_agree", "test_rank_two_disagrees"]
-    for path in files:
+    assert [f.name.split("-msrun-")[0] for f in files] == ["test_all_ranks_agree", "test_two_ranks"]
+    for path, ranks in zip(files, (4, 2)):
         events = json.loads(path.read_text())["traceEvents"]
         lanes = {e["pid"] for e in events if e["name"] == "process_name" and e["pid"] >= 1000}
-        assert len(lanes) == 4
+        assert len(lanes) == ranks
 
 
 def test_report_values_are_checked(pytester: pytest.Pytester) -> None:

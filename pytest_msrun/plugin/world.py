@@ -260,9 +260,10 @@ class World:
         ``release``: ranks waiting in the control plane only for ranks that already answered are
         failed at once (in a fresh job those ranks would have exited)."""
         live = {rank: channel for rank, channel in self.channels.items() if rank not in self.lost}
-        for channel in live.values() if msg is not None else ():
+        for channel in live.values():
             try:
-                channel.send(msg)
+                if msg is not None:
+                    channel.send(msg)
             except OSError:
                 pass
         replies: dict[int, dict[str, Any]] = {}

@@ -1,0 +1,157 @@
+"""Forking worlds: ``isolated=True`` (and ``--msrun-worlds=fresh``) run each marked test in processes
+of its own, forked from a world's templates - every fixture and every piece of process state new,
+the start-up of Python, pytest and the test modules paid once per world.
+
+What a forked test does to its process ends with it; what it does to the world (the control
+plane's group, a process left running, a per-process runtime) ends the world after it; a template
+that cannot fork safely (a thread an import started) sends its tests to fresh jobs. The verdicts
+of every scenario in this mode are in ``test_verdict_scenarios.py``.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+from conftest import MARK, wait_gone
+
+PIDS = """
+import atexit, os, sys, tempfile
+
+import pytest
+
+HELD = tempfile.TemporaryDirectory()  # the module's (the template's): it outlives every test
+STATE = []
+
+
+@pytest.fixture(scope="module")
+def per_module():
+    with open(os.environ["SETUPS"], "a") as fh:
+        fh.write(f"{os.getpid()}\\n")
+
+
+@pytest.mark.msrun(worker_num=2, isolated=True)
+@pytest.mark.parametrize("i", range(3))
+def test_forked(rank, msrun, per_module, i):
+    assert msrun.all_gather(rank) == [0, 1]  # the group the template joined, shared by its children
+    assert STATE == [] and "LEFT_BY_A_TEST" not in os.environ  # nothing an earlier test did
+    assert os.path.isdir(HELD.name)  # the template's exit handlers did not run in a child
+    STATE.append(i)
+    os.environ["LEFT_BY_A_TEST"] = "1"
+    atexit.register(lambda: open(os.path.join(os.environ["SETUPS"] + f".exit{i}.{rank}"), "w").close())
+    print(f"PID {i} {rank} {os.getpid()} {os.getppid()}")
+"""
+
+
+def _run(pytester, monkeypatch, source: str, *args: str):
+    mark = uuid.uuid4().hex
+    monkeypatch.setenv(MARK, mark)
+    pytester.makepyfile(test_forking=source)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", "-rA", *args, timeout=240)
+    left = wait_gone(mark)
+    assert not left, f"leftover processes: {[p.cmdline() for p in left]}"
+    return result
+
+
+def _pids(text: str) -> dict[tuple[str, str], tuple[str, str]]:
+    return {(m[0], m[1]): (m[2], m[3]) for m in re.findall(r"PID (\w+) (\d) (\d+) (\d+)", text)}
+
+
+def test_each_isolated_test_runs_in_processes_forked_from_one_world(pytester, monkeypatch):
+    setups = pytester.path / "setups.txt"
+    monkeypatch.setenv("SETUPS", str(setups))
+    result = _run(pytester, monkeypatch, PIDS)
+    result.assert_outcomes(passed=3)
+    pids = _pids(result.stdout.str())
+    for rank in ("0", "1"):
+        assert len({pids[(str(i), rank)][0] for i in range(3)}) == 3  # a process per test
+        assert len({pids[(str(i), rank)][1] for i in range(3)}) == 1  # forked from one template
+    assert len(setups.read_text().split()) == 6  # module fixtures: once per test and rank
+    assert len(list(pytester.path.glob("setups.txt.exit*"))) == 6  # each test's exit handlers ran
+
+
+def test_fresh_mode_forks_too(pytester, monkeypatch):
+    monkeypatch.setenv("SETUPS", str(pytester.path / "setups.txt"))
+    result = _run(pytester, monkeypatch, PIDS.replace("isolated=True", "isolated=False"), "--msrun-worlds=fresh")
+    result.assert_outcomes(passed=3)
+    pids = _pids(result.stdout.str())
+    assert len({pids[(str(i), "0")][1] for i in range(3)}) == 1
+
+
+THREADED = """
+import threading
+
+import pytest
+
+threading.Thread(target=threading.Event().wait, name="started-at-import", daemon=True).start()
+
+
+@pytest.mark.msrun(worker_num=2, isolated=True)
+@pytest.mark.parametrize("i", range(2))
+def test_it(rank, i):
+    pass
+"""
+
+
+def test_a_template_an_import_gave_a_thread_sends_its_tests_to_fresh_jobs(pytester, monkeypatch):
+    result = _run(pytester, monkeypatch, THREADED)
+    result.assert_outcomes(passed=2)
+    text = result.stdout.str()
+    assert text.count("ran as a fresh job: its ranks run 1 thread(s) an import started ('started-at-import')") == 1
+    assert "msrun_note" not in text
+
+
+ENDS_THE_WORLD = """
+import os, subprocess
+
+import pytest
+from pytest_msrun.control import cluster
+
+
+@pytest.mark.msrun(worker_num=2, isolated=True)
+@pytest.mark.parametrize("how", ["keeps", "leaves_the_group", "keeps_again", "leaves_a_process", "last"])
+def test_it(rank, msrun, how):
+    msrun.barrier()
+    if how == "leaves_the_group":
+        cluster.finalize()
+    if how == "leaves_a_process":
+        subprocess.Popen(["sleep", "300"], start_new_session=True)
+    print(f"PID {how} {rank} {os.getpid()} {os.getppid()}")
+"""
+
+
+def test_a_test_that_changes_the_world_ends_it(pytester, monkeypatch):
+    result = _run(pytester, monkeypatch, ENDS_THE_WORLD)
+    result.assert_outcomes(passed=5)
+    pids = _pids(result.stdout.str())
+    for rank in ("0", "1"):
+        template = {how: parent for (how, r), (_, parent) in pids.items() if r == rank}
+        assert template["keeps"] == template["leaves_the_group"]  # the world ends after the test
+        assert template["leaves_the_group"] != template["keeps_again"]
+        assert template["keeps_again"] == template["leaves_a_process"] != template["last"]
+
+
+HANGS = """
+import os, time
+
+import pytest
+
+
+@pytest.mark.msrun(worker_num=2, isolated=True, timeout=4)
+def test_hangs_in_its_body(rank):
+    if rank == 1:
+        time.sleep(60)
+
+
+@pytest.mark.msrun(worker_num=2, isolated=True)
+def test_after(rank):
+    pass
+"""
+
+
+def test_a_forked_test_that_times_out_shows_its_own_stack(pytester, monkeypatch):
+    result = _run(pytester, monkeypatch, HANGS)
+    result.assert_outcomes(passed=1, failed=1)
+    text = result.stdout.str()
+    assert "timed out after 4 s" in text
+    assert re.search(r"line \d+ in test_hangs_in_its_body", text), text
