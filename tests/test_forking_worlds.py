@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import uuid
 
+import pytest
 from conftest import MARK, wait_gone
 
 PIDS = """
@@ -155,3 +156,70 @@ def test_a_forked_test_that_times_out_shows_its_own_stack(pytester, monkeypatch)
     text = result.stdout.str()
     assert "timed out after 4 s" in text
     assert re.search(r"line \d+ in test_hangs_in_its_body", text), text
+
+
+TORCH = """
+import os
+
+import pytest
+import torch  # its runtime's native threads are in the template: it forks all the same
+
+
+@pytest.mark.msrun(worker_num=2, isolated=True)
+@pytest.mark.parametrize("i", range(2))
+def test_compute(rank, i):
+    assert torch.ones(64, 64).matmul(torch.ones(64, 64)).sum().item() == 64 * 64 * 64
+    print(f"PID c{i} {rank} {os.getpid()} {os.getppid()}")
+
+
+@pytest.mark.msrun(worker_num=2, isolated=True)
+@pytest.mark.parametrize("i", range(2))
+def test_distributed(rank, world_size, i):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    t = torch.tensor([rank + 1.0])
+    dist.all_reduce(t)
+    assert t.item() == 3.0
+    dist.destroy_process_group()
+    print(f"PID d{i} {rank} {os.getpid()} {os.getppid()}")
+"""
+
+
+@pytest.mark.torch
+def test_torch_tests_fork_and_each_makes_its_own_process_group(pytester, monkeypatch):
+    result = _run(pytester, monkeypatch, TORCH)
+    result.assert_outcomes(passed=4)
+    pids = _pids(result.stdout.str())
+    for rank in ("0", "1"):
+        assert len({pids[(name, rank)][1] for name in ("c0", "c1", "d0", "d1")}) == 1  # one template
+        assert len({pids[(name, rank)][0] for name in ("c0", "c1", "d0", "d1")}) == 4  # a process per test
+    assert "ran as a fresh job" not in result.stdout.str()
+
+
+MINDSPORE = """
+import os
+
+import pytest
+
+
+@pytest.mark.msrun(worker_num=2, isolated=True)
+@pytest.mark.parametrize("i", range(2))
+def test_init(rank, i):
+    from mindspore.communication import get_rank, init
+
+    init()
+    assert get_rank() == rank
+    print(f"PID m{i} {rank} {os.getpid()} {os.getppid()}")
+"""
+
+
+@pytest.mark.mindspore
+def test_mindspore_communication_ends_its_world(pytester, monkeypatch):
+    # MindSpore's ranks register with its scheduler once per process: the world a test initialised
+    # it in ends after that test, and the next test forks from a new one.
+    result = _run(pytester, monkeypatch, MINDSPORE)
+    result.assert_outcomes(passed=2)
+    pids = _pids(result.stdout.str())
+    for rank in ("0", "1"):
+        assert pids[("m0", rank)][1] != pids[("m1", rank)][1]

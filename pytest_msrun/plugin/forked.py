@@ -13,11 +13,12 @@ crashing, ending before its test did, or ending with another status than its tes
 template the same way (:func:`mirror`), so msrun sees the rank end as it would have in a fresh
 job (its first-failure rule, its status file, the controller's verdict - all unchanged). A child
 that ends cleanly hands back what it changed of the template's state that outlives it: the
-group's collective counter. A test that left the group, a process running, or started a
-runtime that lives per process (MindSpore's) ends the world after it.
+group's collective counter. A test that left the group, left a process running, or initialised
+a distributed runtime that joins a job once per process (MindSpore's communication) ends the
+world after it.
 
-Forking is safe only from a process with one thread: a template in which an import started a
-thread refuses to fork (:func:`unforkable`), and its tests run as fresh jobs.
+A template in which an import started a Python thread refuses to fork (:func:`unforkable`), and
+its tests run as fresh jobs.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import weakref
 from typing import Any
 
 FORK_ENV = "MSRUN_WORLD_FORK"  # set in a forking world's ranks
-PER_PROCESS_RUNTIMES = ("mindspore",)  # modules whose runtime joins the job once per process
 
 
 def join_group() -> None:
@@ -46,17 +46,15 @@ def join_group() -> None:
 
 
 def unforkable() -> str:
-    """Why this process must not fork ("" when it may): another thread - Python's or a native
-    library's - would be missing in the child, holding whatever lock it held at that moment."""
-    try:
-        threads = len(os.listdir("/proc/self/task"))
-    except OSError:
-        threads = threading.active_count()
-    if threads <= 1:
+    """Why this process must not fork ("" when it may): a Python thread an import started would be
+    missing in the child, holding whatever it held (a lock, a half-written buffer). The native
+    threads of a library's runtime (torch's, MindSpore's thread pools) are left alone: those
+    runtimes re-create them in a forked child, as every DataLoader worker relies on."""
+    others = [t for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
+    if not others:
         return ""
-    named = sorted(repr(t.name) for t in threading.enumerate() if t is not threading.main_thread())
-    which = f" ({', '.join(named[:3])})" if named else " (a native library's)"
-    return f"its ranks run {threads - 1} thread(s) an import started{which}: forking them is unsafe"
+    names = ", ".join(sorted(repr(t.name) for t in others)[:3])
+    return f"its ranks run {len(others)} thread(s) an import started ({names}): forking them is unsafe"
 
 
 def group_state() -> Any:
@@ -222,17 +220,23 @@ def retire_reason(info: dict[str, Any], leftover: list[int]) -> str:
         return "the test left a process running on a rank"
     runtimes = info.get("runtimes") or []
     if runtimes:
-        return f"the test started {', '.join(runtimes)}, whose runtime joins a job once per process"
+        return f"the test initialised {' and '.join(runtimes)}, which joins a job once per process"
     return ""
 
 
 def runtimes_started() -> list[str]:
-    """The per-process runtimes this process imported."""
-    return [name for name in PER_PROCESS_RUNTIMES if name in sys.modules]
+    """The distributed runtimes this process initialised that join a job once per process (a
+    registration with their own scheduler), so that a world cannot fork another test after one.
+    (torch.distributed is not one: each forked child makes its own group at the job's address.)"""
+    out = []
+    helper = sys.modules.get("mindspore.communication._comm_helper")
+    if helper is not None and getattr(getattr(helper, "GlobalComm", None), "INITED", False):
+        out.append("MindSpore's communication")
+    return out
 
 
 def new_runtimes() -> list[str]:
-    """The per-process runtimes the child's test imported (the template had not)."""
+    """The distributed runtimes the child's test initialised."""
     return [name for name in runtimes_started() if name not in _runtimes_at_fork]
 
 

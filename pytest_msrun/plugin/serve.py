@@ -32,6 +32,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Generator
 from typing import Any
 
@@ -433,7 +434,9 @@ class WorldServer:
         read_fd, write_fd = os.pipe()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
-        pid = os.fork()
+        with warnings.catch_warnings():  # Python >= 3.12 warns of a runtime's native threads
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
         if pid == 0:
             os.close(read_fd)
             self._child(item, msg, write_fd)  # never returns
