@@ -84,8 +84,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         choices=("warm", "fresh"),
         default=None,
         help="warm (default): marked tests of one shape share a long-lived job, each test isolated and "
-        "judged alone, the world restarted after a crash, hang or failure inside it; fresh: a new job "
-        "per marked test (as msrun(isolated=True) does for one test)",
+        "judged alone, the world restarted after a crash, hang or failure inside it; fresh: each marked "
+        "test in processes of its own, forked from its shape's world (as msrun(isolated=True) does for "
+        "one test)",
     )
     group.addoption(
         "--msrun-prefetch",

@@ -242,7 +242,7 @@ def test_leaks_can_fail_the_test_or_be_ignored(pytester, monkeypatch):
     pytester.makepyfile(lib_with_a_pool=POOL)
     result = _run(pytester, monkeypatch, LEAKS, "--msrun-leaks=error")
     result.assert_outcomes(passed=7, skipped=1, errors=4)  # the call passed, the teardown failed
-    assert "(--msrun-leaks=error; isolated=True runs the test in a fresh job)" in result.stdout.str()
+    assert "(--msrun-leaks=error; isolated=True runs the test in processes of its own)" in result.stdout.str()
     result = _run(pytester, monkeypatch, LEAKS, "--msrun-leaks=off")
     result.assert_outcomes(passed=7, skipped=1)
 

@@ -661,7 +661,7 @@ class Controller:
         teardown = next((r for r in reports if r.when == "teardown"), None)
         if teardown is not None and teardown.outcome == "passed":
             teardown.outcome = "failed"
-            teardown.longrepr = text + "\n(--msrun-leaks=error; isolated=True runs the test in a fresh job)"
+            teardown.longrepr = text + "\n(--msrun-leaks=error; isolated=True runs the test in processes of its own)"
 
     def _static_skip(self, item: pytest.Item) -> str | None:
         """A skip/skipif mark that already applies here: no job is started for it."""

@@ -32,8 +32,8 @@ KNOWN = (
 MARKER_HELP = (
     "msrun(worker_num=2, local_worker_num=None, timeout=None, bind_core=False, bind_numa=False, "
     "sim_level=None, sim_rank_id=None, sim_ranks=None, scheduler='auto', env=None, devices=0, isolated=False): "
-    "run the test as a multi-rank msrun job (worker_num=[2, 4] parametrizes; isolated=True: a fresh job, "
-    "never a warm world)"
+    "run the test as a multi-rank msrun job (worker_num=[2, 4] parametrizes; isolated=True: processes of "
+    "its own, forked from a world's templates, never a warm world's)"
 )
 
 
