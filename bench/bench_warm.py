@@ -7,7 +7,8 @@ Interleaved, shuffled sessions of the same files in one invocation:
 * warm (the default): ``(T(N marked) - T(1 marked)) / (N - 1)`` minus the same difference of plain
   sessions - the cost of one more test in a running world; the first test of a world (its start)
   is reported separately as ``T(1 marked) - T(1 plain)``;
-* fresh (``--msrun-worlds=fresh``, a job per test): ``(T(N marked) - T(N plain)) / N``;
+* fresh (``--msrun-worlds=fresh``, processes of its own per test, forked from a world):
+  ``(T(N marked) - T(N plain)) / N``;
 * PyTorch's ``MultiProcContinuousTest`` (world size 2, gloo), the same difference as warm, when
   torch and expecttest are installed;
 * three shapes of three 2-rank tests each, with the next shape's world started ahead (the default)
@@ -204,7 +205,7 @@ def main() -> int:
             warm_fixture, _ = session(["test_fixture.py"], d, env)
             fresh_fixture, _ = session(["test_fixture.py", "--msrun-worlds=fresh"], d, env)
             extra.append(("20 tests sharing a 1 s module fixture, warm", f"{warm_fixture:8.2f} s"))
-            extra.append(("the same, fresh jobs", f"{fresh_fixture:8.2f} s"))
+            extra.append(("the same, --msrun-worlds=fresh", f"{fresh_fixture:8.2f} s"))
 
     def diff(a: str, b: str, div: int) -> list[float]:
         return [(x - y) / div for x, y in zip(t[a], t[b])]
@@ -214,7 +215,7 @@ def main() -> int:
     rows = [
         ("one more test in a warm world (first test excluded)", ms(warm)),
         ("the first test of a world (its start)", ms(diff("warm_1", "plain_1", 1))),
-        ("fresh job per test", ms(diff("fresh_n", "plain_n", n))),
+        ("fresh processes per test (--msrun-worlds=fresh, forked)", ms(diff("fresh_n", "plain_n", n))),
     ]
     if torch:
         mpc = [m - p for m, p in zip(diff("mpc_n", "mpc_1", n - 1), plain_step)]

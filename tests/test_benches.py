@@ -52,11 +52,17 @@ BENCHES = {
     ),
     "plugin": (
         ["bench_plugin.py", "--tests", "1", "--runs", "1"],
-        ["per-test overhead, marked", "like for like", "target:"],
+        ["per-test overhead, marked", "isolated=True (forked per test)", "like for like", "target:"],
     ),
     "warm worlds": (
         ["bench_warm.py", "--tests", "3", "--runs", "1", "--no-torch", "--no-extras"],
-        ["one more test in a warm world", "the first test of a world", "fresh job per test", "three shapes", "target:"],
+        [
+            "one more test in a warm world",
+            "the first test of a world",
+            "fresh processes per test",
+            "three shapes",
+            "target:",
+        ],
     ),
     "dry run": (
         ["bench_dryrun.py", "--ranks", "16", "--small", "8"],
