@@ -251,9 +251,10 @@ def test_crash(rank):
 """
 
 
-def test_cov_counts_lines_run_in_ranks(pytester: pytest.Pytester) -> None:
+@pytest.mark.parametrize("worlds", ["warm", "fresh"])
+def test_cov_counts_lines_run_in_ranks(pytester: pytest.Pytester, worlds: str) -> None:
     """``--cov``: lines run only in ranks count, with no configuration, and a world that crashed
-    after them keeps what its earlier tests ran."""
+    after them keeps what its earlier tests ran (fresh: what each forked test ran)."""
     pytest.importorskip("pytest_cov")
     for name, text in PKG.items():
         path = pytester.path / name
@@ -261,7 +262,12 @@ def test_cov_counts_lines_run_in_ranks(pytester: pytest.Pytester) -> None:
         path.write_text(text)
     pytester.makepyfile(test_covered=COVERED)
     result = pytester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "--cov=pkg", "--cov-report=term-missing", "--import-mode=prepend"
+        "-p",
+        "no:cacheprovider",
+        "--cov=pkg",
+        "--cov-report=term-missing",
+        "--import-mode=prepend",
+        f"--msrun-worlds={worlds}",
     )
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.re_match_lines([r"pkg/work\.py\s+\d+\s+0\s+100%"])

@@ -138,7 +138,7 @@ class Controller:
         prefetch = config.getoption("msrun_prefetch") or config.getini("msrun_prefetch") or "on"
         if prefetch not in ("on", "off"):
             raise pytest.UsageError(f"msrun_prefetch = {prefetch!r} in the ini file: use on or off")
-        self.prefetch = self.warm and prefetch == "on"
+        self.prefetch = prefetch == "on"  # worlds, warm or forking
         self.xdist_worker = hasattr(config, "workerinput")  # xdist hands this process its items one by one
         self.worlds: dict[tuple, World] = {}
         self.last_item: dict[tuple, pytest.Item] = {}  # each live world's last test
@@ -193,7 +193,7 @@ class Controller:
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         """Under pytest-randomly, marked tests of one world shape run together (in their shuffled
         order): an order shuffled across shapes would start a world for nearly every test."""
-        if not (self.warm and config.pluginmanager.hasplugin("randomly")):
+        if not config.pluginmanager.hasplugin("randomly"):
             return
         blocks: dict[Any, list[pytest.Item]] = {}
         order: list[Any] = []
