@@ -142,6 +142,8 @@ def state_lines(state: dict[str, Any] | None) -> list[str]:
     elif not joined:
         out.append("no rank joined the group (cluster.init()): a hang outside the control plane's collectives")
     last = state.get("last", {})
+    if joined and not never and not state.get("collectives") and not last:
+        out.append("every rank joined the group, none entered a collective: a hang outside the control plane's")
     in_coll = {int(r) for c in state.get("collectives", []) for r in c.get("ranks", [])}
     outside = {int(r): what for r, what in last.items() if int(r) not in in_coll}
     by_last: dict[str, list[int]] = {}
