@@ -24,6 +24,7 @@ node ids from its own collection.
 from __future__ import annotations
 
 import builtins
+import gc
 import importlib
 import importlib.util
 import json
@@ -371,6 +372,9 @@ class WorldServer:
             forked.template_ready()
         sock = socket.create_connection(self.address, timeout=30)
         sock.settimeout(None)
+        # Two messages in a row (a forked child's "done", its template's "ended") must not wait
+        # for the first one's delayed acknowledgement (Nagle: 40 ms a test)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.channel = channel = Channel(sock)
         plugin = self.rank_plugin
         channel.send({"t": "hello", "rank": plugin.rank, "pid": os.getpid(), "token": self.token})
@@ -434,6 +438,7 @@ class WorldServer:
         read_fd, write_fd = os.pipe()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
+        gc.freeze()  # the child's collections skip the template's objects: no copy of their pages
         with warnings.catch_warnings():  # Python >= 3.12 warns of a runtime's native threads
             warnings.simplefilter("ignore", DeprecationWarning)
             pid = os.fork()

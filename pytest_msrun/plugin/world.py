@@ -169,6 +169,7 @@ class World:
                     except BlockingIOError:
                         continue
                     conn.setblocking(True)
+                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                     conn.settimeout(10)
                     channel = Channel(conn)
                     try:
