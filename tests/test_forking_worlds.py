@@ -223,3 +223,21 @@ def test_mindspore_communication_ends_its_world(pytester, monkeypatch):
     pids = _pids(result.stdout.str())
     for rank in ("0", "1"):
         assert pids[("m0", rank)][1] != pids[("m1", rank)][1]
+
+
+EXITS = """
+import pytest
+
+
+@pytest.mark.msrun(worker_num=2, isolated=True)
+def test_exits(rank):
+    if rank == 1:
+        pytest.exit("rank 1 stops its session", returncode=3)
+"""
+
+
+def test_pytest_exit_in_a_forked_test_ends_its_rank_with_that_status(pytester, monkeypatch):
+    result = _run(pytester, monkeypatch, EXITS)
+    assert result.ret == 1
+    text = result.stdout.str()
+    assert re.search(r"rank 1 .*exited with code 3", text), text

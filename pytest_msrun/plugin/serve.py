@@ -239,6 +239,23 @@ def _group_fds() -> set[int]:
         return set()
 
 
+def _interrupted_status(exc: BaseException) -> int:
+    """The status a rank's pytest ends with when ``exc`` ends its session inside a test:
+    ``pytest.exit``'s (2 by default), 2 for an interrupt, else 70 (an internal error, with its
+    traceback in the rank's log)."""
+    from _pytest.outcomes import Exit
+
+    if isinstance(exc, Exit):
+        sys.stderr.write(f"!!! {exc.msg} !!!\n")
+        return int(exc.returncode) if exc.returncode is not None else int(pytest.ExitCode.INTERRUPTED)
+    if isinstance(exc, KeyboardInterrupt):
+        return int(pytest.ExitCode.INTERRUPTED)
+    import traceback
+
+    traceback.print_exc()
+    return 70
+
+
 def _fds() -> dict[int, str]:
     """Open descriptors and what they point at (a number reused for another file counts as new)."""
     out: dict[int, str] = {}
@@ -479,11 +496,8 @@ class WorldServer:
             info = {"done": True, "status": code, "group": forked.group_state(), "quit": self.quit}
             forked.tell_parent(fd, {**info, "runtimes": forked.new_runtimes()})
             forked.child_exit(code)
-        except BaseException:  # noqa: BLE001 - reported in the rank's log; the template mirrors the end
-            import traceback
-
-            traceback.print_exc()
-            code = 70
+        except BaseException as exc:  # noqa: BLE001 - the template mirrors the end
+            code = _interrupted_status(exc)
         os._exit(code)
 
     # ---------------------------------------------------------------- hooks while a test runs
