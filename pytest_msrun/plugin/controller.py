@@ -627,9 +627,7 @@ class Controller:
             self.pool.release(world.lease)
         if item is None or last is None:
             return
-        run = world.job_run(last, False)
-        run.exit_hung, run.exit_timeout, run.stacks = hung, self.exit_timeout, stacks
-        self._report_late(item, world, last, run, why)
+        self._report_late(item, world, last, world.ended_run(last, hung, self.exit_timeout, stacks), why)
 
     def _report_late(self, item: pytest.Item, world: World, last: Any, run: Any, why: str) -> None:
         """Judge ``item`` - a world's last test, already reported - again with how the world ended

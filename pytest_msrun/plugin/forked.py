@@ -57,29 +57,25 @@ def unforkable() -> str:
     return f"its ranks run {len(others)} thread(s) an import started ({names}): forking them is unsafe"
 
 
-def group_state() -> Any:
-    """The group as this process leaves it: its collective counter, None when it never joined,
-    or "left" when it left or holds messages it has not consumed (the group cannot go on)."""
+def cluster_group() -> Any:
+    """This process's group in the builtin control plane (``cluster.init()``), or None - without
+    importing the cluster API where nothing used it."""
     cluster = sys.modules.get("pytest_msrun.control.cluster")
-    group = getattr(cluster, "_group", None) if cluster is not None else None
+    return getattr(cluster, "_group", None) if cluster is not None else None
+
+
+def group_state() -> Any:
+    """The group as this child leaves it: its collective counter, None when it never joined,
+    or "left" when it left or holds messages it has not consumed (the group cannot go on)."""
+    group = cluster_group()
     if group is None:
-        return "left" if _joined_before else None
+        return "left" if _joined_at_fork else None
     channel = getattr(group, "channel", None)
     if channel is None:
         return int(group.seq)
     if getattr(channel, "pending", None) or getattr(channel, "eof", False):
         return "left"
     return int(group.seq)
-
-
-_joined_before = False
-
-
-def template_ready() -> None:
-    """Called in the template once its group is joined (if at all)."""
-    global _joined_before
-    cluster = sys.modules.get("pytest_msrun.control.cluster")
-    _joined_before = getattr(cluster, "_group", None) is not None
 
 
 # ---------------------------------------------------------------- in the child
@@ -95,8 +91,9 @@ def child_start() -> None:
         libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
     except (OSError, AttributeError):
         pass
-    global _runtimes_at_fork
+    global _runtimes_at_fork, _joined_at_fork
     _runtimes_at_fork = runtimes_started()
+    _joined_at_fork = cluster_group() is not None
     atexit._clear()
     for info in list(weakref.finalize._registry.values()):  # type: ignore[attr-defined]
         info.atexit = False
@@ -152,7 +149,7 @@ def wait_forwarding(pid: int, stacks: Any) -> int:
             except ChildProcessError:
                 return 0
     finally:
-        signal.signal(signal.SIGUSR1, previous if callable(previous) or previous in (0, 1) else signal.SIG_DFL)
+        signal.signal(signal.SIGUSR1, previous if previous is not None else signal.SIG_DFL)
         if stacks is not None:
             faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
 
@@ -206,8 +203,7 @@ def mirror(code: int) -> None:
 
 def take_group(state: Any) -> None:
     """The child's collective counter becomes the template's (the next child goes on from it)."""
-    cluster = sys.modules.get("pytest_msrun.control.cluster")
-    group = getattr(cluster, "_group", None) if cluster is not None else None
+    group = cluster_group()
     if group is not None and isinstance(state, int):
         group.seq = state
 
@@ -240,4 +236,5 @@ def new_runtimes() -> list[str]:
     return [name for name in runtimes_started() if name not in _runtimes_at_fork]
 
 
-_runtimes_at_fork: list[str] = []
+_runtimes_at_fork: list[str] = []  # what the template had when this child was forked from it
+_joined_at_fork = False

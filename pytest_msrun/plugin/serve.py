@@ -222,17 +222,14 @@ class ImportWatch:
 def _group_state() -> int | None:
     """The builtin control plane's collective counter of this rank (None: not in a group); ranks
     that may go on together have equal ones."""
-    cluster = sys.modules.get("pytest_msrun.control.cluster")
-    group = getattr(cluster, "_group", None) if cluster is not None else None
+    group = forked.cluster_group()
     return None if group is None else int(group.seq)
 
 
 def _group_fds() -> set[int]:
     """The world's own connection to its control plane (``cluster.init()``, the ``msrun``
     fixture's collectives): it serves every test of the world, no test leaked it."""
-    cluster = sys.modules.get("pytest_msrun.control.cluster")
-    group = getattr(cluster, "_group", None) if cluster is not None else None
-    channel = getattr(group, "channel", None)
+    channel = getattr(forked.cluster_group(), "channel", None)
     try:
         return {channel.fileno()} if channel is not None else set()
     except (OSError, ValueError):
@@ -386,7 +383,6 @@ class WorldServer:
         _adopt_orphans()
         if self.forking:
             forked.join_group()
-            forked.template_ready()
         sock = socket.create_connection(self.address, timeout=30)
         sock.settimeout(None)
         # Two messages in a row (a forked child's "done", its template's "ended") must not wait
@@ -477,7 +473,6 @@ class WorldServer:
     def _child(self, item: pytest.Item, msg: dict[str, Any], fd: int) -> None:
         """The forked child: the whole protocol of ``item`` (nothing kept for a next test), its
         records, its ``done`` - then the end of a process, with pytest's status."""
-        code = 70  # an internal error: the template mirrors it, the world ends visibly
         try:
             forked.child_start()
             plugin = self.rank_plugin
@@ -497,8 +492,7 @@ class WorldServer:
             forked.tell_parent(fd, {**info, "runtimes": forked.new_runtimes()})
             forked.child_exit(code)
         except BaseException as exc:  # noqa: BLE001 - the template mirrors the end
-            code = _interrupted_status(exc)
-        os._exit(code)
+            os._exit(_interrupted_status(exc))
 
     # ---------------------------------------------------------------- hooks while a test runs
     @pytest.hookimpl(wrapper=True, tryfirst=True)

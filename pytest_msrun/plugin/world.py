@@ -101,9 +101,7 @@ class WarmTest:
             if hung:  # a child does not end (a thread the test left, an exit handler)
                 stacks = world.job.collect_stacks()
                 world.stop()
-                run = world.job_run(self, False)
-                run.exit_hung, run.exit_timeout, run.stacks = hung, exit_timeout, stacks
-                return run
+                return world.ended_run(self, hung, exit_timeout, stacks)
         if world.lost:
             world.retire("a rank left the world")
         if world.declared or len(groups) > 1:
@@ -114,9 +112,7 @@ class WarmTest:
             world.retire("its last test ran")
         if world.retiring:
             hung, stacks = world.end(exit_timeout)
-            run = world.job_run(self, False)
-            run.exit_hung, run.exit_timeout, run.stacks = hung, exit_timeout, stacks
-            return run
+            return world.ended_run(self, hung, exit_timeout, stacks)
         return world.job_run(self, False)
 
 
@@ -261,12 +257,12 @@ class World:
         ``release``: ranks waiting in the control plane only for ranks that already answered are
         failed at once (in a fresh job those ranks would have exited)."""
         live = {rank: channel for rank, channel in self.channels.items() if rank not in self.lost}
-        for channel in live.values():
-            try:
-                if msg is not None:
+        if msg is not None:
+            for channel in live.values():
+                try:
                     channel.send(msg)
-            except OSError:
-                pass
+                except OSError:
+                    pass
         replies: dict[int, dict[str, Any]] = {}
         sel = selectors.DefaultSelector()
         for rank, channel in live.items():
@@ -399,6 +395,13 @@ class World:
             if live and end.returncode is None and rank not in self.lost:
                 ends[rank] = RankEnd(pid=end.pid, log=end.log, host=end.host, alive=True)
         run.ranks = ends
+        return run
+
+    def ended_run(self, test: WarmTest, hung: list[int], exit_timeout: float, stacks: dict[int, str]) -> JobRun:
+        """The run to judge ``test`` by once the world ended with it: ``hung``, the ranks still
+        running ``exit_timeout`` s after their sessions (or forked tests) ended, with ``stacks``."""
+        run = self.job_run(test, False)
+        run.exit_hung, run.exit_timeout, run.stacks = hung, exit_timeout, stacks
         return run
 
     # ---------------------------------------------------------------- the end
