@@ -2,8 +2,8 @@
 
 ``dataclasses`` imports ``inspect`` (and with it ``ast``, ``dis``, ``tokenize``) and compiles
 each generated method separately: together about a quarter of msrun's start-up before its
-first worker. :func:`record` compiles only ``__init__`` (defaults, default factories,
-``__post_init__``); ``__repr__``, ``__eq__`` and, for ``frozen=True``, immutability and
+first worker. :func:`record` compiles nothing: ``__init__`` is a closure over the class's fields (defaults,
+default factories, ``__post_init__``); ``__repr__``, ``__eq__`` and, for ``frozen=True``, immutability and
 ``__hash__`` are shared functions reading the class's fields. :func:`replace`, :func:`asdict` and
 :func:`fields` work as their ``dataclasses`` namesakes do for these classes.
 
@@ -115,6 +115,48 @@ def _frozen_delattr(self: Any, name: str) -> None:
     raise FrozenInstanceError(f"cannot delete field {name!r}")
 
 
+def _initializer(qualname: str, fields: tuple[Field, ...], frozen: bool, post_init: bool) -> Callable[..., None]:
+    """One ``__init__`` for a record class: a closure over its fields, not generated source -
+    compiling one costs ~1M instructions a class, a quarter of msrun's own start-up."""
+    names = tuple(f.name for f in fields)
+    known = frozenset(names)
+    specs = tuple((f.name, f.default, f.default_factory) for f in fields)
+    limit = len(names)
+    setter = object.__setattr__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if len(args) > limit:
+            raise TypeError(f"{qualname}() takes {limit} positional arguments but {len(args)} were given")
+        if kwargs and not known.issuperset(kwargs):
+            unknown = sorted(set(kwargs) - known)
+            raise TypeError(f"{qualname}() got an unexpected keyword argument {unknown[0]!r}")
+        missing = []
+        for i, (name, default, factory) in enumerate(specs):
+            if i < len(args):
+                if name in kwargs:
+                    raise TypeError(f"{qualname}() got multiple values for argument {name!r}")
+                value = args[i]
+            elif name in kwargs:
+                value = kwargs[name]
+            elif default is not _MISSING:
+                value = default
+            elif factory is not _MISSING:
+                value = factory()
+            else:
+                missing.append(name)
+                continue
+            setter(self, name, value)
+        if missing:
+            raise TypeError(
+                f"{qualname}() missing {len(missing)} required argument(s): {', '.join(map(repr, missing))}"
+            )
+        if post_init:
+            self.__post_init__()
+
+    __init__.__qualname__ = f"{qualname}.__init__"
+    return __init__
+
+
 def _build(cls: type, frozen: bool, eq: bool) -> type:
     fields = _collect(cls)
     seen_default = False
@@ -123,27 +165,8 @@ def _build(cls: type, frozen: bool, eq: bool) -> type:
             seen_default = True
         elif seen_default:
             raise TypeError(f"{cls.__name__}: non-default field {f.name!r} follows a default field")
-    # Only __init__ is generated (its signature is the fields); the other methods are shared.
-    scope: dict[str, Any] = {"_MISSING": _MISSING, "_set": object.__setattr__}
-    params, body = ["self"], []
-    for f in fields:
-        if f.default_factory is not _MISSING:
-            scope[f"_factory_{f.name}"] = f.default_factory
-            params.append(f"{f.name}=_MISSING")
-            value = f"_factory_{f.name}() if {f.name} is _MISSING else {f.name}"
-        elif f.default is not _MISSING:
-            scope[f"_default_{f.name}"] = f.default
-            params.append(f"{f.name}=_default_{f.name}")
-            value = f.name
-        else:
-            params.append(f.name)
-            value = f.name
-        body.append(f"  _set(self, {f.name!r}, {value})" if frozen else f"  self.{f.name} = {value}")
-    if hasattr(cls, "__post_init__"):
-        body.append("  self.__post_init__()")
-    exec("\n".join([f"def __init__({', '.join(params)}):", *(body or ["  pass"])]), scope)
-    init = scope["__init__"]
-    init.__qualname__ = f"{cls.__qualname__}.__init__"
+    # Only __init__ is specific to the class (its fields); the other methods are shared.
+    init = _initializer(cls.__qualname__, tuple(fields), frozen, hasattr(cls, "__post_init__"))
     methods: dict[str, Any] = {"__init__": init, "__repr__": _repr}
     if eq:
         methods["__eq__"] = _eq

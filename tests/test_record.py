@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pytest_msrun.record import FrozenInstanceError, asdict, field, fields, record, replace
 
@@ -98,3 +100,50 @@ def test_inherited_fields_come_first():
         b: int = 2
 
     assert fields(Derived) == ("a", "b") and Derived(1).b == 2
+
+
+def test_constructor_errors_name_the_argument():
+    with pytest.raises(TypeError, match="missing 1 required argument.*'x'"):
+        Point()  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="unexpected keyword argument 'z'"):
+        Point(1, z=2)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="multiple values for argument 'x'"):
+        Point(1, x=2)  # type: ignore[misc]
+    with pytest.raises(TypeError, match="takes 4 positional arguments but 5"):
+        Point(1, 2, (), "", 5)  # type: ignore[call-arg]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    kinds=st.lists(st.sampled_from(["required", "default", "factory"]), max_size=5).map(
+        lambda ks: sorted(ks, key=lambda k: k != "required")
+    ),
+    positional=st.integers(0, 6),
+    keywords=st.sets(st.sampled_from(["f0", "f1", "f2", "f3", "f4", "zz"])),
+)
+def test_construction_agrees_with_dataclasses(kinds, positional, keywords):
+    """Any record class built from required, defaulted and factory fields accepts exactly the
+    calls the same dataclass accepts, and stores the same values (the oracle: ``dataclasses``)."""
+    spec = {f"f{i}": kind for i, kind in enumerate(kinds)}
+
+    def build(make, fld):
+        namespace: dict = {"__annotations__": {name: "int" for name in spec}}
+        for name, kind in spec.items():
+            if kind == "default":
+                namespace[name] = -1
+            elif kind == "factory":
+                namespace[name] = fld(default_factory=lambda: -2)
+        return make(type("C", (), namespace))
+
+    ours, theirs = build(record, field), build(dataclasses.dataclass, dataclasses.field)
+    args = tuple(range(positional))
+    kwargs = {name: 100 + len(name) for name in keywords}
+
+    def outcome(cls):
+        try:
+            obj = cls(*args, **kwargs)
+        except TypeError:
+            return "TypeError"
+        return tuple(getattr(obj, name) for name in spec)
+
+    assert outcome(ours) == outcome(theirs)
