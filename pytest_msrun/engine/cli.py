@@ -2,21 +2,18 @@
 
 from __future__ import annotations
 
-import argparse
 import os
-import socket
 import sys
 from collections.abc import Mapping, Sequence
 
 import pytest_msrun
-from pytest_msrun.binding.flags import BindFlagError, BindingError, BindSpec, parse_bind_value
+from pytest_msrun.binding.flags import BindingError
 from pytest_msrun.engine import console, timeline
+from pytest_msrun.engine.argv import DEFAULTS, UNSET, Arguments, parse_plain
 from pytest_msrun.engine.config import (
-    SCHEDULER_MODES,
     ConfigError,
     LaunchConfig,
     check_environment,
-    parse_join,
     trace_path,
     validate,
 )
@@ -30,164 +27,54 @@ from pytest_msrun.pathsearch import which
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import NoReturn
+    import argparse
+    from typing import NoReturn, Union
 
     from pytest_msrun.binding.topology import Topology
     from pytest_msrun.engine.slurm import Inferred
+
+    Namespace = Union[Arguments, argparse.Namespace]
 
 # The directory that holds the pytest_msrun package (the scheduler runs with -S, without site).
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(pytest_msrun.__file__)))
 
 
-def _join_type(value: str) -> bool:
-    try:
-        return parse_join(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _bind_type(flag: str):
-    def parse(value: str) -> BindSpec:
-        try:
-            return parse_bind_value(value, flag)
-        except BindFlagError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    parse.__name__ = flag
-    return parse
-
-
-_UNSET = object()  # the default of every flag in the parser: tells given flags from defaults
-
-# msrun's defaults (and this launcher's extensions'), applied after parsing.
-DEFAULTS: dict[str, object] = {
-    "worker_num": 8,
-    "local_worker_num": 8,
-    "master_addr": "127.0.0.1",
-    "master_port": 8118,
-    "node_rank": -1,
-    "log_dir": "",
-    "join": False,
-    "cluster_time_out": 600,
-    "bind_core": BindSpec(),
-    "bind_numa": BindSpec(),
-    "sim_level": None,
-    "sim_rank_id": -1,
-    "rank_table_file": "",
-    "worker_log_name": "",
-    "tail_worker_log": "-1",
-    "sim_select": "",
-    "sim_concurrency": 0,
-    "scheduler": "auto",
-    "dist_port": -1,
-    "trace": "",
-}
-
-
-class _Parser(argparse.ArgumentParser):
-    """``usage: pmsrun`` (this command's name), but errors in MindSpore's words - ``msrun: error:``
-    - so scripts that look for msrun's error lines find ours."""
-
-    def error(self, message: str) -> NoReturn:
-        self.print_usage(sys.stderr)
-        self.exit(2, f"msrun: error: {message}\n")
-
-
-class _Formatter(argparse.HelpFormatter):
-    """argparse's formatter, sized without :mod:`shutil`: argparse builds one per flag while the
-    parser is set up, and importing ``shutil`` for the terminal width is a cost on every start."""
-
-    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24, width: int | None = None):
-        if width is None:
-            try:
-                width = int(os.environ.get("COLUMNS", "")) or os.get_terminal_size(1).columns
-            except (ValueError, OSError):
-                width = 80
-            width -= 2
-        super().__init__(prog, indent_increment, max_help_position, width)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="pmsrun",
-        formatter_class=_Formatter,
-        description="Start a distributed job: one scheduler plus N workers per node (MindSpore msrun compatible).",
-    )
-    p.add_argument("--worker_num", type=int, default=_UNSET, help="total number of workers (ranks) (default 8)")
-    p.add_argument("--local_worker_num", type=int, default=_UNSET, help="workers started on this node (default 8)")
-    p.add_argument(
-        "--master_addr", default=_UNSET, help="scheduler address: IPv4, [IPv6] or host name (default 127.0.0.1)"
-    )
-    p.add_argument(
-        "--master_port", type=int, default=_UNSET, help="scheduler port (default 8118; 0 = a free one, single node)"
-    )
-    p.add_argument("--node_rank", type=int, default=_UNSET, help="this node's index (default -1: assign automatically)")
-    p.add_argument("--log_dir", default=_UNSET, help="directory for scheduler.log and worker_<rank>.log (default: cwd)")
-    p.add_argument(
-        "--join",
-        type=_join_type,
-        default=_UNSET,
-        metavar="{True,False}",
-        help="wait for the job, tail logs and return its exit status (default False: detach)",
-    )
-    p.add_argument(
-        "--cluster_time_out",
-        type=int,
-        default=_UNSET,
-        help="seconds to wait for every node (default 600; negative: forever)",
-    )
-    p.add_argument("--bind_core", type=_bind_type("bind_core"), default=_UNSET, help="True, False or a JSON dict")
-    p.add_argument(
-        "--bind_numa", type=_bind_type("bind_numa"), default=_UNSET, help="True, False, a JSON dict or a JSON file"
-    )
-    p.add_argument("--sim_level", type=int, default=_UNSET, choices=[0, 1, 2, 3], help="dry-run simulation level")
-    p.add_argument("--sim_rank_id", type=int, default=_UNSET, help="dry-run a single rank with this id")
-    p.add_argument("--rank_table_file", default=_UNSET, help="rank table file (exported as RANK_TABLE_FILE)")
-    p.add_argument("--worker_log_name", default=_UNSET, help="worker log prefix; {ip} and {hostname} are replaced")
-    p.add_argument("--tail_worker_log", default=_UNSET, help="ranks whose logs are shown with --join=True (-1 = all)")
-    p.add_argument(
-        "--sim_select",
-        default=_UNSET,
-        help="dry run: the simulated ranks to run (N, A-B, first:K, last:K, sample:K[:SEED]; default all)",
-    )
-    p.add_argument(
-        "--sim_concurrency", type=int, default=_UNSET, help="dry run: simulated ranks running at once (0 = CPU count)"
-    )
-    p.add_argument(
-        "--scheduler",
-        default=_UNSET,
-        choices=SCHEDULER_MODES,
-        help="the scheduler process: the builtin control plane (auto: plus a MindSpore scheduler when a MindSpore "
-        "worker connects; mindspore: from the start), or the task itself (task, as MindSpore's msrun)",
-    )
-    p.add_argument("--print_plan", action="store_true", help="print the launch plan as JSON and start nothing")
-    p.add_argument(
-        "--dist_port",
-        type=int,
-        default=_UNSET,
-        help="port exported as MASTER_PORT for torch env:// (default master_port+1)",
-    )
-    p.add_argument(
-        "--trace",
-        default=_UNSET,
-        metavar="FILE",
-        help="write the job's timeline to FILE in the Chrome trace format (Perfetto); also MSRUN_TRACE=FILE",
-    )
-    p.add_argument("task_script", help="a .py script, python, python3, pytest, or another command")
-    p.add_argument("task_script_args", nargs=argparse.REMAINDER, help="arguments passed to the task")
-    return p
+    """msrun's flags for ``argparse`` (imported only when a command line needs it)."""
+    from pytest_msrun.engine.cliparser import build_parser as build
+
+    return build()
 
 
-def apply_defaults(ns: argparse.Namespace) -> frozenset[str]:
+def parse_args(argv: Sequence[str]) -> Namespace:
+    """The command line as msrun reads it: plain ones without argparse, the rest with it (which
+    exits 2 on a usage error, as ``--help`` exits 0)."""
+    plain = parse_plain(argv)
+    if plain is not None:
+        return plain
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    for name in DEFAULTS:
+        if isinstance(getattr(ns, name, None), list):  # argparse turns "--flag=--" into []
+            parser.error(f"argument --{name}: expected one value")
+    return ns
+
+
+def usage_error(message: str) -> NoReturn:
+    """msrun's usage line and ``msrun: error: message`` on stderr; exit status 2."""
+    build_parser().error(message)
+
+
+def apply_defaults(ns: Namespace) -> frozenset[str]:
     """Fill in the defaults of flags not given; return the names of those that were given."""
-    given = frozenset(name for name in DEFAULTS if getattr(ns, name, _UNSET) is not _UNSET)
+    given = frozenset(name for name in DEFAULTS if getattr(ns, name, UNSET) is not UNSET)
     for name, default in DEFAULTS.items():
         if name not in given:
             setattr(ns, name, default)
     return given
 
 
-def config_from_args(ns: argparse.Namespace, env: dict[str, str]) -> tuple[LaunchConfig, list[str]]:
+def config_from_args(ns: Namespace, env: dict[str, str]) -> tuple[LaunchConfig, list[str]]:
     notes: list[str] = []
     given = apply_defaults(ns)
     slurm = infer_from_slurm(ns, given, env)
@@ -235,7 +122,7 @@ def config_from_args(ns: argparse.Namespace, env: dict[str, str]) -> tuple[Launc
     return cfg, notes
 
 
-def infer_from_slurm(ns: argparse.Namespace, given: frozenset[str], env: Mapping[str, str]) -> Inferred | None:
+def infer_from_slurm(ns: Namespace, given: frozenset[str], env: Mapping[str, str]) -> Inferred | None:
     """Inside an ``srun`` step, set the flags not given from the step (see :mod:`.slurm`)."""
     if "SLURM_JOB_ID" not in env and "SLURM_JOBID" not in env:
         return None
@@ -282,7 +169,7 @@ def infer_from_slurm(ns: argparse.Namespace, given: frozenset[str], env: Mapping
 def config_of(argv: list[str], env: dict[str, str]) -> LaunchConfig:
     """The configuration an msrun command line (flags, task, its arguments) describes, as msrun
     reads it, without looking at the machine. Invalid input raises :class:`ConfigError` or exits 2."""
-    cfg, _ = config_from_args(build_parser().parse_args(argv), env)
+    cfg, _ = config_from_args(parse_args(argv), env)
     return cfg
 
 
@@ -351,7 +238,7 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str], job_id: str) -> NodeFac
     return NodeFacts(
         master_ip=master_ip,
         address_is_local=is_local_address(master_ip),
-        hostname=socket.gethostname(),
+        hostname=os.uname().nodename,  # gethostname(2) reads the same, without importing socket
         source_ip=source_ip_towards(master_ip, cfg.master_port),
         task_argv=argv,
         task_python=python,
@@ -376,11 +263,7 @@ def plan_from_args(
 
     Bad input ends here: one ``msrun: error: argument --flag: ...`` line and ``SystemExit(2)``.
     """
-    parser = build_parser()
-    ns = parser.parse_args(argv)
-    for name in DEFAULTS:
-        if isinstance(getattr(ns, name, None), list):  # argparse turns "--flag=--" into []
-            parser.error(f"argument --{name}: expected one value")
+    ns = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         check_environment(env)
         cfg, notes = config_from_args(ns, env)
@@ -393,7 +276,7 @@ def plan_from_args(
         if not cfg.print_plan:
             probe_numactl(plan.processes, facts.topology)
     except (ConfigError, BindingError) as exc:
-        parser.error(str(exc) if isinstance(exc, ConfigError) else f"argument --{exc.flag}: {exc}")
+        usage_error(str(exc) if isinstance(exc, ConfigError) else f"argument --{exc.flag}: {exc}")
     return cfg, facts, plan
 
 

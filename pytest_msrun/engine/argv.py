@@ -1,0 +1,152 @@
+"""msrun's flags as a table, and its command line read without :mod:`argparse` when it is plain.
+
+Importing ``argparse`` and building its parser is ~6% of msrun's start-up. Nearly every command
+line is plain: exact ``--flag=value`` / ``--flag value`` pairs, then the task and its arguments.
+:func:`parse_plain` reads those and declines (returns None) anything else - an abbreviated or
+unknown flag, a value that starts with ``-``, ``--``, ``-h``, ``--print_plan``, a value the flag
+does not accept, a task argument argparse finds ambiguous - which :mod:`.cliparser`
+(``argparse``) then reads, with its errors and help.
+The invariant, tested against ``argparse`` itself: whatever this accepts, argparse accepts and
+reads the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from pytest_msrun.binding.flags import BindSpec, parse_bind_value
+from pytest_msrun.engine.config import SCHEDULER_MODES, SIM_LEVELS, parse_join
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+UNSET = object()  # a flag's value before defaults are applied: tells given flags from defaults
+
+# msrun's defaults (and this launcher's extensions'), applied after parsing.
+DEFAULTS: dict[str, object] = {
+    "worker_num": 8,
+    "local_worker_num": 8,
+    "master_addr": "127.0.0.1",
+    "master_port": 8118,
+    "node_rank": -1,
+    "log_dir": "",
+    "join": False,
+    "cluster_time_out": 600,
+    "bind_core": BindSpec(),
+    "bind_numa": BindSpec(),
+    "sim_level": None,
+    "sim_rank_id": -1,
+    "rank_table_file": "",
+    "worker_log_name": "",
+    "tail_worker_log": "-1",
+    "sim_select": "",
+    "sim_concurrency": 0,
+    "scheduler": "auto",
+    "dist_port": -1,
+    "trace": "",
+}
+
+
+def _text(value: str) -> str:
+    return value
+
+
+def _bind(flag: str) -> Callable[[str], BindSpec]:
+    def parse(value: str) -> BindSpec:
+        return parse_bind_value(value, flag)
+
+    return parse
+
+
+def _one_of(choices: Sequence[object], convert: Callable[[str], object]) -> Callable[[str], object]:
+    def parse(value: str) -> object:
+        result = convert(value)
+        if result not in choices:
+            raise ValueError(f"{value!r} is not one of {list(choices)}")
+        return result
+
+    return parse
+
+
+# Every flag that takes a value: how its value is read (argparse's ``type`` and ``choices``).
+CONVERTERS: dict[str, Callable[[str], object]] = {
+    "worker_num": int,
+    "local_worker_num": int,
+    "master_addr": _text,
+    "master_port": int,
+    "node_rank": int,
+    "log_dir": _text,
+    "join": parse_join,
+    "cluster_time_out": int,
+    "bind_core": _bind("bind_core"),
+    "bind_numa": _bind("bind_numa"),
+    "sim_level": _one_of(SIM_LEVELS, int),
+    "sim_rank_id": int,
+    "rank_table_file": _text,
+    "worker_log_name": _text,
+    "tail_worker_log": _text,
+    "sim_select": _text,
+    "sim_concurrency": int,
+    "scheduler": _one_of(SCHEDULER_MODES, _text),
+    "dist_port": int,
+    "trace": _text,
+}
+
+
+# Every option string of msrun's argparse parser.
+OPTION_STRINGS = ("-h", "--help", "--print_plan", *(f"--{name}" for name in CONVERTERS))
+
+
+def _ambiguous(arg: str) -> bool:
+    """Whether argparse stops at ``arg`` as an ambiguous abbreviation of its options - which it
+    does even among the task's arguments (it classifies every argument before it assigns any)."""
+    if not arg.startswith("--") or arg in OPTION_STRINGS:
+        return False
+    prefix = arg.split("=", 1)[0]
+    return prefix not in OPTION_STRINGS and sum(o.startswith(prefix) for o in OPTION_STRINGS) > 1
+
+
+class Arguments:
+    """The parsed command line: an attribute per flag (``UNSET`` where not given), ``task_script``,
+    ``task_script_args`` and ``print_plan`` - what ``argparse.Namespace`` holds for msrun."""
+
+    def __init__(self, **values: object) -> None:
+        self.__dict__.update(values)
+
+    def __repr__(self) -> str:
+        return f"Arguments({self.__dict__!r})"
+
+    if TYPE_CHECKING:
+
+        def __getattr__(self, name: str) -> Any: ...
+
+
+def parse_plain(argv: Sequence[str]) -> Arguments | None:
+    """The command line read as ``argparse`` would read it, or None when it is not plain."""
+    if "--" in argv:
+        return None
+    values: dict[str, object] = dict.fromkeys(CONVERTERS, UNSET)
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            if not arg or arg.startswith("-") or any(map(_ambiguous, argv[i + 1 :])):
+                return None
+            return Arguments(**values, print_plan=False, task_script=arg, task_script_args=list(argv[i + 1 :]))
+        name, eq, value = arg[2:].partition("=")
+        convert = CONVERTERS.get(name)
+        if convert is None:
+            return None
+        if not eq:
+            if i + 1 == len(argv):
+                return None
+            value = argv[i + 1]
+        if value.startswith("-"):
+            return None
+        try:
+            values[name] = convert(value)
+        except Exception:  # argparse says why, in its words
+            return None
+        i += 1 if eq else 2
+    return None  # no task: a usage error argparse reports

@@ -1,0 +1,129 @@
+"""msrun's flags for :mod:`argparse`: its help, its errors (in msrun's words), and every command
+line :func:`pytest_msrun.engine.argv.parse_plain` declines. Imported only then: building an
+argparse parser is a cost msrun's start does not otherwise pay."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from pytest_msrun.binding.flags import BindFlagError, BindSpec, parse_bind_value
+from pytest_msrun.engine.argv import UNSET as _UNSET
+from pytest_msrun.engine.config import SCHEDULER_MODES, parse_join
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import NoReturn
+
+
+def _join_type(value: str) -> bool:
+    try:
+        return parse_join(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _bind_type(flag: str):
+    def parse(value: str) -> BindSpec:
+        try:
+            return parse_bind_value(value, flag)
+        except BindFlagError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse.__name__ = flag
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    """``usage: pmsrun`` (this command's name), but errors in MindSpore's words - ``msrun: error:``
+    - so scripts that look for msrun's error lines find ours."""
+
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"msrun: error: {message}\n")
+
+
+class _Formatter(argparse.HelpFormatter):
+    """argparse's formatter, sized without :mod:`shutil`: argparse builds one per flag while the
+    parser is set up, and importing ``shutil`` for the terminal width is a cost on every start."""
+
+    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24, width: int | None = None):
+        if width is None:
+            try:
+                width = int(os.environ.get("COLUMNS", "")) or os.get_terminal_size(1).columns
+            except (ValueError, OSError):
+                width = 80
+            width -= 2
+        super().__init__(prog, indent_increment, max_help_position, width)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="pmsrun",
+        formatter_class=_Formatter,
+        description="Start a distributed job: one scheduler plus N workers per node (MindSpore msrun compatible).",
+    )
+    p.add_argument("--worker_num", type=int, default=_UNSET, help="total number of workers (ranks) (default 8)")
+    p.add_argument("--local_worker_num", type=int, default=_UNSET, help="workers started on this node (default 8)")
+    p.add_argument(
+        "--master_addr", default=_UNSET, help="scheduler address: IPv4, [IPv6] or host name (default 127.0.0.1)"
+    )
+    p.add_argument(
+        "--master_port", type=int, default=_UNSET, help="scheduler port (default 8118; 0 = a free one, single node)"
+    )
+    p.add_argument("--node_rank", type=int, default=_UNSET, help="this node's index (default -1: assign automatically)")
+    p.add_argument("--log_dir", default=_UNSET, help="directory for scheduler.log and worker_<rank>.log (default: cwd)")
+    p.add_argument(
+        "--join",
+        type=_join_type,
+        default=_UNSET,
+        metavar="{True,False}",
+        help="wait for the job, tail logs and return its exit status (default False: detach)",
+    )
+    p.add_argument(
+        "--cluster_time_out",
+        type=int,
+        default=_UNSET,
+        help="seconds to wait for every node (default 600; negative: forever)",
+    )
+    p.add_argument("--bind_core", type=_bind_type("bind_core"), default=_UNSET, help="True, False or a JSON dict")
+    p.add_argument(
+        "--bind_numa", type=_bind_type("bind_numa"), default=_UNSET, help="True, False, a JSON dict or a JSON file"
+    )
+    p.add_argument("--sim_level", type=int, default=_UNSET, choices=[0, 1, 2, 3], help="dry-run simulation level")
+    p.add_argument("--sim_rank_id", type=int, default=_UNSET, help="dry-run a single rank with this id")
+    p.add_argument("--rank_table_file", default=_UNSET, help="rank table file (exported as RANK_TABLE_FILE)")
+    p.add_argument("--worker_log_name", default=_UNSET, help="worker log prefix; {ip} and {hostname} are replaced")
+    p.add_argument("--tail_worker_log", default=_UNSET, help="ranks whose logs are shown with --join=True (-1 = all)")
+    p.add_argument(
+        "--sim_select",
+        default=_UNSET,
+        help="dry run: the simulated ranks to run (N, A-B, first:K, last:K, sample:K[:SEED]; default all)",
+    )
+    p.add_argument(
+        "--sim_concurrency", type=int, default=_UNSET, help="dry run: simulated ranks running at once (0 = CPU count)"
+    )
+    p.add_argument(
+        "--scheduler",
+        default=_UNSET,
+        choices=SCHEDULER_MODES,
+        help="the scheduler process: the builtin control plane (auto: plus a MindSpore scheduler when a MindSpore "
+        "worker connects; mindspore: from the start), or the task itself (task, as MindSpore's msrun)",
+    )
+    p.add_argument("--print_plan", action="store_true", help="print the launch plan as JSON and start nothing")
+    p.add_argument(
+        "--dist_port",
+        type=int,
+        default=_UNSET,
+        help="port exported as MASTER_PORT for torch env:// (default master_port+1)",
+    )
+    p.add_argument(
+        "--trace",
+        default=_UNSET,
+        metavar="FILE",
+        help="write the job's timeline to FILE in the Chrome trace format (Perfetto); also MSRUN_TRACE=FILE",
+    )
+    p.add_argument("task_script", help="a .py script, python, python3, pytest, or another command")
+    p.add_argument("task_script_args", nargs=argparse.REMAINDER, help="arguments passed to the task")
+    return p
