@@ -32,6 +32,12 @@ def _launches(argv: list[str]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import gc
+
+    # Start-up allocates module and class objects, none of them garbage: the cyclic collector
+    # would only walk them (~5% of msrun's instructions before its first worker). The agent turns
+    # it back on once the workers are started (``Agent._spawned``).
+    gc.disable()
     from pytest_msrun.engine import timeline
 
     timeline.mark("msrun's first line")

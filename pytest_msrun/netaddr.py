@@ -6,7 +6,9 @@ host can bind a socket to it, which also covers every ``127.0.0.0/8`` and ``::1`
 
 from __future__ import annotations
 
-import socket
+# The C module, not :mod:`socket`: these helpers only open, bind and close sockets, and importing
+# socket (its enums, selectors) is a cost on msrun's start path.
+import _socket
 
 
 class AddressError(ValueError):
@@ -30,10 +32,10 @@ def resolve_master_addr(addr: str) -> str:
         return literal + ("%" + host.split("%", 1)[1] if "%" in host else "")
     try:
         # an ASCII name as bytes: a str makes getaddrinfo import the IDNA codec (~1 ms)
-        infos = socket.getaddrinfo(
-            host.encode() if host.isascii() else host, None, socket.AF_UNSPEC, socket.SOCK_STREAM
+        infos = _socket.getaddrinfo(
+            host.encode() if host.isascii() else host, None, _socket.AF_UNSPEC, _socket.SOCK_STREAM
         )
-    except (socket.gaierror, UnicodeError) as exc:
+    except (_socket.gaierror, UnicodeError) as exc:
         raise AddressError(f"cannot resolve host name {host!r}: {exc}") from None
     if not infos:
         raise AddressError(f"host name {host!r} resolved to no address")
@@ -42,21 +44,21 @@ def resolve_master_addr(addr: str) -> str:
 
 def canonical_ip(text: str) -> str | None:
     """``text`` as the canonical form of the IPv4 or IPv6 literal it is, else None."""
-    for family in (socket.AF_INET, socket.AF_INET6):
+    for family in (_socket.AF_INET, _socket.AF_INET6):
         try:
-            return socket.inet_ntop(family, socket.inet_pton(family, text))
+            return _socket.inet_ntop(family, _socket.inet_pton(family, text))
         except (OSError, ValueError):
             continue
     return None
 
 
-def family_of(ip: str) -> socket.AddressFamily:
-    return socket.AF_INET6 if ":" in ip else socket.AF_INET
+def family_of(ip: str) -> int:
+    return _socket.AF_INET6 if ":" in ip else _socket.AF_INET
 
 
 def is_local_address(ip: str) -> bool:
     """True when a socket can be bound to ``ip`` on this host."""
-    sock = socket.socket(family_of(ip), socket.SOCK_STREAM)
+    sock = _socket.socket(family_of(ip), _socket.SOCK_STREAM)
     try:
         sock.bind((ip, 0))
     except OSError:
@@ -68,7 +70,7 @@ def is_local_address(ip: str) -> bool:
 
 def source_ip_towards(ip: str, port: int = 8117) -> str:
     """The local address the kernel would use to reach ``ip`` (no packet is sent)."""
-    sock = socket.socket(family_of(ip), socket.SOCK_DGRAM)
+    sock = _socket.socket(family_of(ip), _socket.SOCK_DGRAM)
     try:
         sock.connect((ip, port or 8117))
         return str(sock.getsockname()[0])
@@ -80,9 +82,9 @@ def source_ip_towards(ip: str, port: int = 8117) -> str:
 
 def port_is_free(ip: str, port: int) -> bool:
     """True when ``ip:port`` can be bound for listening right now."""
-    sock = socket.socket(family_of(ip), socket.SOCK_STREAM)
+    sock = _socket.socket(family_of(ip), _socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
         sock.bind((ip, port))
     except OSError:
         return False
@@ -94,7 +96,7 @@ def port_is_free(ip: str, port: int) -> bool:
 def free_port(ip: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> int:
     """A port the kernel hands out as free on ``ip`` (ephemeral range), not in ``avoid``."""
     for _ in range(64):
-        sock = socket.socket(family_of(ip), socket.SOCK_STREAM)
+        sock = _socket.socket(family_of(ip), _socket.SOCK_STREAM)
         try:
             sock.bind((ip, 0))
             port = int(sock.getsockname()[1])
@@ -105,11 +107,12 @@ def free_port(ip: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> int:
     raise OSError("no free port found")
 
 
-def listen_socket(ip: str, port: int, backlog: int = 4096) -> socket.socket:
-    """A listening TCP socket on ``ip:port`` (``port`` 0 = any free port)."""
-    sock = socket.socket(family_of(ip), socket.SOCK_STREAM)
+def listen_socket(ip: str, port: int, backlog: int = 4096) -> _socket.socket:
+    """A listening TCP socket on ``ip:port`` (``port`` 0 = any free port); ``_socket``'s - wrap
+    it (``socket.socket(fileno=sock.detach())``) to accept on it."""
+    sock = _socket.socket(family_of(ip), _socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
         sock.bind((ip, port))
         sock.listen(backlog)
     except OSError:
@@ -135,7 +138,7 @@ def _proc_net_addr(ip: str, port: int) -> str:
     return f"{text}:{port:04X}"
 
 
-def local_peer_uid(sock: socket.socket) -> int | None:
+def local_peer_uid(sock: _socket.socket) -> int | None:
     """The uid owning the other end of a connection from this host (None: not found or remote)."""
     import ipaddress  # only here: its import is a cost on msrun's start path
 

@@ -582,7 +582,7 @@ def _listener_from_env(env: dict[str, str]) -> socket.socket:
         return socket.socket(fileno=int(fd))
     from pytest_msrun.netaddr import listen_socket
 
-    return listen_socket(env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"]))
+    return socket.socket(fileno=listen_socket(env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"])).detach())
 
 
 def _more_file_descriptors() -> None:

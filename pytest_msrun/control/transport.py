@@ -26,6 +26,8 @@ import socket
 import time
 
 from pytest_msrun.control import wire
+from pytest_msrun.control.clock import ConfigError, LoopClock, env_seconds
+from pytest_msrun.control.wire import AGENT_FD_ENV
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -46,47 +48,13 @@ if TYPE_CHECKING:
         def on_relay(self, conn: Conn, data: bytes) -> None: ...
 
 
+__all__ = ["AGENT_FD_ENV", "ConfigError", "Conn", "LoopClock", "Transport", "env_seconds"]
+
 PENDING_FLOOR = 256  # unauthenticated connections kept at most: max(this, 2 x worker_num)
 ACCEPT_PAUSE = 0.1  # out of file descriptors with nothing to shed: stop accepting this long
 MINDSPORE_MAGIC = b"RPC"  # the first bytes of every MindSpore RPC message (see msbridge)
-AGENT_FD_ENV = "MSRUN_AGENT_FD"  # the scheduler's end of a socketpair to the msrun that forked it
 CLIENT_KINDS = ("agent", "rank", "observer")  # authenticated clients of our own protocol
 DEFAULT_AUTH_TIMEOUT = 5.0
-
-
-class ConfigError(ValueError):
-    """A control-plane setting (an environment variable) that cannot be used."""
-
-
-def env_seconds(env: dict[str, str], name: str, default: float, *, allow_negative: bool = False) -> float:
-    """A duration from ``env[name]``, or ``default``; :class:`ConfigError` naming the variable if malformed."""
-    text = env.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = float(text)
-    except ValueError:
-        raise ConfigError(f"{name}={text!r} is not a number of seconds") from None
-    if value != value or value in (float("inf"), float("-inf")) or (value < 0 and not allow_negative):
-        raise ConfigError(f"{name}={text!r} must be a finite number of seconds >= 0")
-    return value
-
-
-class LoopClock:
-    """Time as an event loop saw it pass. A gap between two ticks longer than ``step`` - the loop
-    could not run at all: a loaded machine - counts as ``step``, so a deadline does not expire on a
-    peer because this process was starved (a peer that is really gone stays gone: time goes on)."""
-
-    def __init__(self, step: float = 1.0) -> None:
-        self.step = step
-        self.real = time.monotonic()
-        self.now = self.real
-
-    def tick(self) -> float:
-        real = time.monotonic()
-        self.now += min(real - self.real, self.step)
-        self.real = real
-        return self.now
 
 
 class Conn:

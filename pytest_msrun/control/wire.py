@@ -14,9 +14,9 @@ before it relies on the connection (one dropped before the ``welcome`` is tried 
 
 from __future__ import annotations
 
+import _socket  # not socket: msrun's start path reads and writes frames without its import
 import json
 import os
-import socket
 import struct
 import time
 
@@ -29,6 +29,7 @@ try:  # constant-time comparison without importing hmac/hashlib (OpenSSL) on the
 except ImportError:  # pragma: no cover
     from hmac import compare_digest  # type: ignore[no-redef]
 
+AGENT_FD_ENV = "MSRUN_AGENT_FD"  # the scheduler's end of a socketpair to the msrun that forked it
 HEADER = struct.Struct(">I")
 HELLO_LIMIT = 16 * 1024  # the largest frame a client may send before it authenticated
 DEFAULT_MESSAGE_LIMIT = 64 * 1024 * 1024
@@ -154,7 +155,7 @@ def unpack_data(text: Any) -> bytes:
 class Channel:
     """A blocking, message-oriented client connection (used by agents and ranks)."""
 
-    def __init__(self, sock: socket.socket, limit: int | None = None) -> None:
+    def __init__(self, sock: _socket.socket, limit: int | None = None) -> None:
         self.sock = sock
         self.frames = FrameBuffer(limit or message_limit())
         self.pending: list[dict[str, Any]] = []
@@ -164,6 +165,8 @@ class Channel:
     def connect(cls, host: str, port: int, timeout: float) -> Channel:
         # an ASCII host as bytes: a str host makes getaddrinfo import the IDNA codec (~1 ms)
         address: Any = (host.encode() if host.isascii() else host, port)  # getaddrinfo takes bytes too
+        import socket
+
         sock = socket.create_connection(address, timeout=timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return cls(sock)
@@ -220,7 +223,7 @@ class Channel:
                 raise PeerClosed("connection closed by peer")
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             if remaining == 0.0 and deadline is not None:
-                raise socket.timeout("timed out")
+                raise _socket.timeout("timed out")
             self.sock.settimeout(remaining)
             data = self.sock.recv(1 << 20)
             if not data:

@@ -10,6 +10,7 @@ simulated ranks with the same public API.
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from enum import Enum
 
 from pytest_msrun.control import wire
-from pytest_msrun.control.transport import AGENT_FD_ENV, env_seconds
+from pytest_msrun.control.clock import env_seconds
 from pytest_msrun.engine import console, errorfile, processes, timeline
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.containment import JobGuard
@@ -389,6 +390,7 @@ class Agent:
     def _dry_run(self, plan: LaunchPlan) -> JobResult:
         from pytest_msrun.engine.dryrun import DryRunSupervisor
 
+        gc.enable()  # held off while msrun started (see entry.main)
         return DryRunSupervisor(self, plan).run()
 
     def _next_after_start(self, plan: LaunchPlan) -> None:
@@ -435,6 +437,7 @@ class Agent:
         if self._spawn_said:
             return
         self._spawn_said = True
+        gc.enable()  # held off while msrun started (see entry.main): supervision may run for days
         if self.cfg.bind_core.enabled or self.cfg.bind_numa.enabled:
             self.observers.append(BindingsObserver(self.facts.hostname, self.facts.topology))
         self.emit(JobEvent.SPAWNED, list(self.group.children))
@@ -481,10 +484,10 @@ class Agent:
         theirs = None
         call = self._forkable(spec)
         if call:  # this node registers over a socketpair: no connect, no challenge
-            import socket
+            import _socket  # not socket: its import is a cost on msrun's start path
 
-            self.control_sock, theirs = socket.socketpair()
-            env[AGENT_FD_ENV] = str(theirs.fileno())
+            self.control_sock, theirs = _socket.socketpair()
+            env[wire.AGENT_FD_ENV] = str(theirs.fileno())
             fds += (theirs.fileno(),)
         try:
             self.start(spec, env, fds, call)

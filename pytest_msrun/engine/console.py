@@ -6,15 +6,15 @@ its verbosity switch ``GLOG_v`` (0 debug, 1 info, 2 warning - the default, 3 err
 
 from __future__ import annotations
 
+import _thread  # not threading: its import is a cost on every msrun start
 import os
 import shlex
 import sys
-import threading
 import time
 from collections.abc import Callable
 
 LEVELS = {"DEBUG": 0, "INFO": 1, "WARNING": 2, "ERROR": 3}
-_lock = threading.Lock()
+_lock = _thread.allocate_lock()
 # A live status line on stderr (pytest_msrun.engine.progress): what clears it before another line.
 _status_clearer: list[Callable[[], str]] = []
 
@@ -62,7 +62,7 @@ def log(level: str, message: str) -> None:
     now = time.time()
     micros = int(now * 1_000_000) % 1_000_000
     stamp = time.strftime("%Y-%m-%d-%H:%M:%S.", time.localtime(now)) + f"{micros // 1000:03d}.{micros % 1000:03d}"
-    line = f"[{level}] ME({os.getpid()}:{threading.get_ident() % 1000000},MainProcess):{stamp} [msrun] {message}\n"
+    line = f"[{level}] ME({os.getpid()}:{_thread.get_ident() % 1000000},MainProcess):{stamp} [msrun] {message}\n"
     with _lock:
         try:
             _clear_status()

@@ -19,8 +19,8 @@ from __future__ import annotations
 import time
 
 from pytest_msrun.control import wire
+from pytest_msrun.control.clock import LoopClock
 from pytest_msrun.control.tracelog import ClockOffset
-from pytest_msrun.control.transport import LoopClock
 from pytest_msrun.netaddr import format_hostport
 from pytest_msrun.proc import running
 

@@ -1,16 +1,16 @@
 """One event loop for an agent: child exits (pidfds), signals to msrun, the control-plane link.
 
 Exits are seen the moment they happen - a pidfd per child, or SIGCHLD where pidfds are missing -
-never by polling. Events come out typed and ordered: messages from the control plane first (an
+never by polling (``epoll`` directly: :mod:`selectors` is a cost on msrun's start path). Events
+come out typed and ordered: messages from the control plane first (an
 abort the scheduler sent before it exited explains that exit), then exits in the order the
 kernel reported them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import selectors
+import select
 import signal
 from enum import Enum
 
@@ -55,7 +55,8 @@ class EventLoop:
     """Use as a context manager: it installs msrun's signal handlers and restores them after."""
 
     def __init__(self) -> None:
-        self.sel = selectors.DefaultSelector()
+        self.epoll = select.epoll()
+        self.sources: dict[int, Any] = {}  # fd -> "signal", "link" or the Child whose pidfd it is
         self.signal_received: int | None = None
         self.use_pidfd = True
         self.children: list[Child] = []  # watched without a pidfd (SIGCHLD)
@@ -71,19 +72,36 @@ class EventLoop:
         self._old_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
         for sig in (*HANDLED_SIGNALS, signal.SIGCHLD):
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
-        self.sel.register(self._wake_r, selectors.EVENT_READ, "signal")
+        self._register(self._wake_r, "signal")
         return self
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._old_handlers.items():
-            with contextlib.suppress(ValueError, TypeError):
+            try:
                 signal.signal(sig, handler)
-        with contextlib.suppress(ValueError):
+            except (ValueError, TypeError):
+                pass
+        try:
             signal.set_wakeup_fd(self._old_wakeup)
+        except ValueError:
+            pass
         for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
+            try:
                 os.close(fd)
-        self.sel.close()
+            except OSError:
+                pass
+        self.epoll.close()
+
+    def _register(self, fd: int, source: Any) -> None:
+        self.epoll.register(fd, select.EPOLLIN)
+        self.sources[fd] = source
+
+    def _unregister(self, fd: int) -> None:
+        if self.sources.pop(fd, None) is not None:
+            try:
+                self.epoll.unregister(fd)
+            except (ValueError, OSError):  # closed meanwhile
+                pass
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if signum != signal.SIGCHLD and self.signal_received is None:
@@ -93,7 +111,7 @@ class EventLoop:
     def watch(self, child: Child) -> None:
         """Report ``child``'s exit as an event."""
         if child.pidfd is not None:
-            self.sel.register(child.pidfd, selectors.EVENT_READ, child)
+            self._register(child.pidfd, child)
             return
         self.use_pidfd = False
         self.children.append(child)
@@ -101,12 +119,13 @@ class EventLoop:
 
     def attach(self, link: Link) -> None:
         self.link = link
-        self.sel.register(link.fileno(), selectors.EVENT_READ, "link")
+        self._register(link.fileno(), "link")
 
     def detach(self) -> None:
         if self.link is not None:
-            with contextlib.suppress(KeyError, ValueError, OSError):
-                self.sel.unregister(self.link.fileno())
+            fd = next((fd for fd, source in self.sources.items() if source == "link"), None)
+            if fd is not None:
+                self._unregister(fd)
             self.link = None
 
     # ------------------------------------------------------------------ waiting
@@ -116,23 +135,25 @@ class EventLoop:
         # Messages the link already read (its handshake's read can take the next message with
         # the welcome) are read now: the socket may never be readable again to announce them.
         buffered = self.link is not None and self.link.buffered()
-        ready = self.sel.select(0 if buffered else timeout)
-        if buffered and not any(key.data == "link" for key, _ in ready):
+        wait = 0 if buffered else (-1 if timeout is None else timeout)
+        ready = [(fd, self.sources.get(fd)) for fd, _ in self.epoll.poll(wait)]
+        if buffered and not any(source == "link" for _, source in ready):
             events.extend(self._read_link())
-        for key, _ in ready:
-            if key.data == "signal":
-                with contextlib.suppress(OSError):
+        for fd, source in ready:
+            if source == "signal":
+                try:
                     while os.read(self._wake_r, 512):
                         pass
+                except OSError:
+                    pass
                 exited = [c for c in self.children if c.alive and c.reap()]
                 events.extend(Event(EventKind.EXITED, child=c) for c in exited)
-            elif key.data == "link":
+            elif source == "link":
                 events.extend(self._read_link())
-            elif isinstance(key.data, Child):
-                with contextlib.suppress(KeyError, ValueError):
-                    self.sel.unregister(key.fileobj)
-                if key.data.reap():
-                    events.append(Event(EventKind.EXITED, child=key.data))
+            elif isinstance(source, Child):
+                self._unregister(fd)
+                if source.reap():
+                    events.append(Event(EventKind.EXITED, child=source))
         if self.signal_received is not None:
             events.append(Event(EventKind.SIGNALLED, signum=self.signal_received))
         events.sort(key=lambda e: e.kind is not EventKind.MESSAGE)

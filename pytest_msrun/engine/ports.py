@@ -8,8 +8,8 @@ job on this host may already hold it: this node then joins as a worker-only node
 
 from __future__ import annotations
 
+import _socket
 import errno
-import socket
 
 from pytest_msrun.engine import console
 from pytest_msrun.engine.config import LaunchConfig
@@ -33,14 +33,14 @@ class LaunchError(Exception):
 class Ports:
     facts: NodeFacts  # with the ports resolved (0 = a free one)
     hosts_scheduler: bool
-    listener: socket.socket | None = None  # the scheduler's, bound and listening
+    listener: _socket.socket | None = None  # the scheduler's, bound and listening
 
 
 def claim(cfg: LaunchConfig, facts: NodeFacts) -> Ports:
     hosts = facts.address_is_local and not cfg.dry_run
     port, dist = facts.master_port, facts.dist_port
     where = format_hostport(facts.master_ip, port)
-    listener: socket.socket | None = None
+    listener: _socket.socket | None = None
     if hosts and SchedulerMode(facts.scheduler_mode).has_control_plane:
         try:
             listener = listen_socket(facts.master_ip, port)

@@ -13,7 +13,6 @@ control-plane link, so one loop sees everything that can happen.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import select
 import signal
@@ -38,6 +37,19 @@ PR_SET_CHILD_SUBREAPER = 36
 _DEFAULT_IN_CHILD = (signal.SIGPIPE, signal.SIGXFSZ)
 
 _libc: Any = None
+
+
+class _suppress:
+    """``contextlib.suppress``, without importing :mod:`contextlib` on msrun's start path."""
+
+    def __init__(self, *exceptions: type[BaseException]) -> None:
+        self.exceptions = exceptions
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, etype: type[BaseException] | None, value: object, tb: object) -> bool:
+        return etype is not None and issubclass(etype, self.exceptions)
 
 
 def _prctl(option: int, arg: int) -> bool:
@@ -144,7 +156,7 @@ def fork_call(
     closed but ``keep_fds``, ``os.environ`` replaced by ``env`` (in the child only). Call it with
     no other thread running (a fork copies only the calling thread, not the locks others hold)."""
     for stream in (sys.stdout, sys.stderr):  # what is buffered here must not be written twice
-        with contextlib.suppress(OSError, ValueError):
+        with _suppress(OSError, ValueError):
             stream.flush()
     pid = os.fork()
     if pid:
@@ -152,11 +164,14 @@ def fork_call(
     code = 1
     try:
         os.setsid()
-        with contextlib.suppress(ValueError, OSError):
+        import gc
+
+        gc.enable()  # as a fresh interpreter has it (msrun holds it off while it starts)
+        with _suppress(ValueError, OSError):
             signal.set_wakeup_fd(-1)
         for sig in signal.valid_signals():
             if sig not in (signal.SIGKILL, signal.SIGSTOP):
-                with contextlib.suppress(OSError, ValueError):
+                with _suppress(OSError, ValueError):
                     signal.signal(sig, signal.SIG_DFL)
         # as a fresh interpreter has them: KeyboardInterrupt, and EPIPE / EFBIG rather than death
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -186,7 +201,7 @@ def fork_call(
         os.environ.clear()  # this is the child: the launcher's own environment is untouched
         os.environ.update(env)
         module, _, function = call.partition(":")
-        with contextlib.suppress(OSError), open("/proc/self/comm", "w") as fh:  # what ps and top show
+        with _suppress(OSError), open("/proc/self/comm", "w") as fh:  # what ps and top show
             fh.write(f"msrun-{module.rsplit('.', 1)[-1]}"[:15])
         import importlib
 
@@ -197,11 +212,11 @@ def fork_call(
     except BaseException:
         import traceback
 
-        with contextlib.suppress(Exception):
+        with _suppress(Exception):
             traceback.print_exc()
     finally:
         for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
+            with _suppress(Exception):
                 stream.flush()
         os._exit(code)
 
@@ -248,7 +263,7 @@ class Child:
         self.returncode = os.waitstatus_to_exitcode(status)
         self.ended = time.time()
         if self.pidfd is not None:
-            with contextlib.suppress(OSError):
+            with _suppress(OSError):
                 os.close(self.pidfd)
         return True
 
@@ -258,7 +273,7 @@ class Child:
         if self.returncode is not None:
             return self.returncode
         if timeout > 0 and self.pidfd is not None:
-            with contextlib.suppress(OSError, ValueError):
+            with _suppress(OSError, ValueError):
                 select.select([self.pidfd], [], [], timeout)
         try:
             info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -307,7 +322,7 @@ def spawn(launch: Launch, tag: Any = None) -> Child:
             pid = spawn_pid(launch.argv, launch.env, stdin_fd=null, output_fd=log, cpus=launch.in_child_cpus)
     finally:
         for fd in launch.pass_fds:
-            with contextlib.suppress(OSError):
+            with _suppress(OSError):
                 os.set_inheritable(fd, False)
         os.close(log)
         if null is not None:
@@ -330,7 +345,7 @@ def close_inherited_descriptors() -> None:
     for name in names:
         fd = int(name)
         if fd > 2:
-            with contextlib.suppress(OSError):
+            with _suppress(OSError):
                 if os.get_inheritable(fd):
                     os.set_inheritable(fd, False)
 
@@ -389,7 +404,7 @@ def reap_orphans(exclude: Iterable[int] = ()) -> None:
     for pid in children_of(os.getpid()):
         if pid in skip:
             continue
-        with contextlib.suppress(ChildProcessError, OSError):
+        with _suppress(ChildProcessError, OSError):
             os.waitpid(pid, os.WNOHANG)
 
 

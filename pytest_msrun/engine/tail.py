@@ -6,15 +6,15 @@ One thread polls every tailed file from offset 0, so no line is skipped at the s
 
 from __future__ import annotations
 
+import _thread  # not threading: its import is a cost on every msrun start
 import os
 import sys
-import threading
 
 from pytest_msrun.engine import console
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import BinaryIO
+    from typing import Any, BinaryIO
 
 
 class _Tailed:
@@ -53,9 +53,10 @@ class LogTailer:
         self.files = [_Tailed(prefix, path) for prefix, path in files]
         self.interval = interval
         self.out = out if out is not None else sys.stdout.buffer
-        self.stop_event = threading.Event()
-        self.thread: threading.Thread | None = None
-        self.lock = threading.Lock()
+        self.stopping = _thread.allocate_lock()  # held until stop(): the thread waits on it
+        self.stopping.acquire()
+        self.ended: Any = None  # held by the thread while it runs (None: never started)
+        self.lock = _thread.allocate_lock()
 
     def _emit(self, chunks: list[bytes]) -> None:
         if chunks:
@@ -78,7 +79,7 @@ class LogTailer:
         """Start tailing another file (one process of a job that starts processes over time)."""
         with self.lock:
             self.files.append(_Tailed(prefix, path))
-        if self.thread is None:
+        if self.ended is None:
             self.start()
 
     def finish(self, path: str) -> None:
@@ -90,19 +91,25 @@ class LogTailer:
                 self.files.remove(tailed)
 
     def _run(self) -> None:
-        while not self.stop_event.wait(self.interval):
-            self._pump(final=False)
+        try:
+            while not self.stopping.acquire(timeout=self.interval):
+                self._pump(final=False)
+        finally:
+            self.ended.release()
 
     def start(self) -> None:
-        if self.thread is None:
-            self.thread = threading.Thread(target=self._run, name="msrun-tail", daemon=True)
-            self.thread.start()
+        if self.ended is None:
+            self.ended = _thread.allocate_lock()
+            self.ended.acquire()
+            _thread.start_new_thread(self._run, ())
 
     def stop(self) -> None:
         """Stop polling and copy everything that is left, including a last unterminated line."""
-        self.stop_event.set()
-        if self.thread is not None:
-            self.thread.join()
+        if self.stopping.locked():
+            self.stopping.release()
+        if self.ended is not None:
+            self.ended.acquire()  # the thread has ended
+            self.ended.release()
         self._pump(final=True)
         for tailed in self.files:
             tailed.close()
