@@ -98,3 +98,48 @@ def test_fork_call_reports_an_exception_in_the_log_and_exits_1(tmp_path):
         os.close(log_fd)
     assert _wait(pid) == 1
     wait_for(lambda: "RuntimeError: fails on purpose" in log.read_text())
+
+
+def test_once_in_the_cgroup_msrun_runs_one_thread_again():
+    """The thread that moves msrun into the job's cgroup has ended when ``wait`` returns, even when
+    it is held up on its way out after saying it is done: msrun forks its control plane only when it
+    runs one thread (caught alive under load - 3 of 4 runs - it started a second interpreter)."""
+    import _thread
+
+    from pytest_msrun.engine import containment
+
+    class Lagging(containment.Entering):
+        def _run(self, job_id: str, env: dict[str, str] | None) -> None:
+            super()._run(job_id, env)  # done: the main thread may go on
+            time.sleep(0.005)  # ... while this one is descheduled before it ends
+
+    before = _thread._count()
+    for _ in range(5):
+        Lagging("0" * 16, {"MSRUN_CGROUP": "off"}).wait()
+        assert _thread._count() == before
+
+
+def test_the_control_plane_is_a_fork_of_msrun(msrun):
+    """With the builtin control plane, the scheduler process is msrun forked (``msrun-scheduler``
+    in ps), not a second interpreter - in every one of several jobs."""
+    msrun.script(
+        "sibling.py",
+        """
+        import os
+        from pathlib import Path
+
+        parent = os.getppid()
+        comms = []
+        for task in Path(f"/proc/{parent}/task").iterdir():
+            for pid in (task / "children").read_text().split():
+                try:
+                    comms.append(Path(f"/proc/{pid}/comm").read_text().strip())
+                except OSError:
+                    pass
+        Path(os.environ["DUMP_DIR"], "comms").write_text(" ".join(comms))
+        """,
+    )
+    for _ in range(3):
+        job = msrun.run(["--worker_num=1", "--local_worker_num=1", "--master_port=0", "--join=True", "sibling.py"])
+        assert job.returncode == 0, job.stderr
+        assert "msrun-scheduler" in (msrun.dump / "comms").read_text().split()

@@ -390,7 +390,8 @@ class Agent:
     def _dry_run(self, plan: LaunchPlan) -> JobResult:
         from pytest_msrun.engine.dryrun import DryRunSupervisor
 
-        gc.enable()  # held off while msrun started (see entry.main)
+        gc.freeze()  # held off while msrun started (see entry.main)
+        gc.enable()
         return DryRunSupervisor(self, plan).run()
 
     def _next_after_start(self, plan: LaunchPlan) -> None:
@@ -437,7 +438,10 @@ class Agent:
         if self._spawn_said:
             return
         self._spawn_said = True
-        gc.enable()  # held off while msrun started (see entry.main): supervision may run for days
+        # Held off while msrun started (see entry.main); supervision may run for days. What start-up
+        # allocated is long-lived: frozen, so no collection walks it again.
+        gc.freeze()
+        gc.enable()
         if self.cfg.bind_core.enabled or self.cfg.bind_numa.enabled:
             self.observers.append(BindingsObserver(self.facts.hostname, self.facts.topology))
         self.emit(JobEvent.SPAWNED, list(self.group.children))

@@ -187,6 +187,7 @@ class Entering:
     """``create`` on a background thread, so the migration overlaps msrun's own start-up."""
 
     SWITCH_INTERVAL = 0.0002  # while it runs: the main thread imports and must not keep the GIL 5 ms at a time
+    THREAD_END = 0.2  # s to wait for the thread to be gone once it is done (it ends at once when let run)
 
     def __init__(self, job_id: str, env: dict[str, str] | None = None) -> None:
         import _thread  # not threading: this runs before msrun has imported anything
@@ -197,6 +198,7 @@ class Entering:
         sys.setswitchinterval(min(self.interval, self.SWITCH_INTERVAL))
         self.done = _thread.allocate_lock()
         self.done.acquire()
+        self.threads_before = _thread._count()
         _thread.start_new_thread(self._run, (job_id, env))
 
     def _run(self, job_id: str, env: dict[str, str] | None) -> None:
@@ -209,10 +211,18 @@ class Entering:
 
     def wait(self) -> JobCgroup | None:
         """The job's cgroup once this process is inside it (call before starting any process)."""
+        import _thread
         import sys
 
         self.done.acquire()
         self.done.release()
+        # The thread has said it is done but may still be ending, and it needs the GIL to end: let
+        # it go, so that from here on this process runs one thread again - msrun forks its
+        # control plane only then (a fork copies just the calling thread); caught alive, msrun
+        # had to start the control plane as a second interpreter instead.
+        deadline = time.monotonic() + self.THREAD_END
+        while _thread._count() > self.threads_before and time.monotonic() < deadline:
+            time.sleep(0.0001)
         sys.setswitchinterval(self.interval)
         return self.result
 
@@ -351,6 +361,8 @@ class JobGuard:
     def ready(self) -> JobCgroup | None:
         """Wait until this process is inside the job's cgroup (before starting any process)."""
         if self.entering is not None:
+            if self.entering.done.locked():
+                timeline.mark("waiting to be in the job's cgroup")
             self.cgroup = self.entering.wait()
             timeline.mark("in the job's cgroup" if self.cgroup is not None else "no cgroup")
             self.entering = None

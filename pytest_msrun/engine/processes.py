@@ -166,6 +166,7 @@ def fork_call(
         os.setsid()
         import gc
 
+        gc.freeze()  # msrun's start-up objects: never walked here (nor copied by collections)
         gc.enable()  # as a fresh interpreter has it (msrun holds it off while it starts)
         with _suppress(ValueError, OSError):
             signal.set_wakeup_fd(-1)
