@@ -6,9 +6,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import wait_for
 
 from pytest_msrun.engine import processes
@@ -119,27 +122,50 @@ def test_once_in_the_cgroup_msrun_runs_one_thread_again():
         assert _thread._count() == before
 
 
-def test_the_control_plane_is_a_fork_of_msrun(msrun):
-    """With the builtin control plane, the scheduler process is msrun forked (``msrun-scheduler``
-    in ps), not a second interpreter - in every one of several jobs."""
-    msrun.script(
-        "sibling.py",
-        """
-        import os
-        from pathlib import Path
+DRIVER = """
+import sys, time
+from pytest_msrun.engine import containment
 
-        parent = os.getppid()
-        comms = []
-        for task in Path(f"/proc/{parent}/task").iterdir():
-            for pid in (task / "children").read_text().split():
-                try:
-                    comms.append(Path(f"/proc/{pid}/comm").read_text().strip())
-                except OSError:
-                    pass
-        Path(os.environ["DUMP_DIR"], "comms").write_text(" ".join(comms))
-        """,
+create = containment.create
+def slow_create(job_id, env=None):
+    time.sleep(float(sys.argv[1]))  # a grace period as long as on a loaded machine
+    return create(job_id, env)
+
+containment.create = slow_create
+from pytest_msrun.entry import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+SIBLINGS = """
+import os
+from pathlib import Path
+
+comms = []
+for task in Path(f"/proc/{os.getppid()}/task").iterdir():
+    for pid in (task / "children").read_text().split():
+        try:
+            comms.append(Path(f"/proc/{pid}/comm").read_text().strip())
+        except OSError:
+            pass
+Path(os.environ["DUMP_DIR"], "comms").write_text(" ".join(comms))
+"""
+
+
+@pytest.mark.parametrize("entry_delay", [0.0, 0.3])
+def test_the_control_plane_is_a_fork_of_msrun(msrun, entry_delay):
+    """With the builtin control plane, the scheduler process is msrun forked (``msrun-scheduler``
+    in ps), not a second interpreter - also when entering the job's cgroup takes long (msrun had
+    decided before it was inside, with the thread moving it there still running)."""
+    msrun.script("siblings.py", SIBLINGS)
+    driver = msrun.script("driver.py", DRIVER)
+    args = ["--worker_num=1", "--local_worker_num=1", "--master_port=0", "--join=True", "siblings.py"]
+    proc = subprocess.run(
+        [sys.executable, str(driver), str(entry_delay), *args],
+        cwd=msrun.cwd,
+        env=msrun.env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-    for _ in range(3):
-        job = msrun.run(["--worker_num=1", "--local_worker_num=1", "--master_port=0", "--join=True", "sibling.py"])
-        assert job.returncode == 0, job.stderr
-        assert "msrun-scheduler" in (msrun.dump / "comms").read_text().split()
+    assert proc.returncode == 0, proc.stderr
+    assert "msrun-scheduler" in (msrun.dump / "comms").read_text().split()

@@ -486,6 +486,7 @@ class Agent:
             env["MSRUN_LISTEN_FD"] = str(listener.fileno())
             fds += (listener.fileno(),)
         theirs = None
+        self.guard.ready()  # in the job's cgroup first: the thread that moves msrun there has ended
         call = self._forkable(spec)
         if call:  # this node registers over a socketpair: no connect, no challenge
             import _socket  # not socket: its import is a cost on msrun's start path
