@@ -25,11 +25,18 @@ msrun has exited, which it does only after every process of the job is gone.
 ``--torchrun``: ``torchrun --standalone`` with the same workers; most of its time is the
 launcher's own ``import torch`` and the c10d rendezvous, so a bare ``python -c "import torch"``
 is measured beside it.
+
+``--instructions``: what msrun's own process executes for a 2-worker job, counted by valgrind
+(``apt-get install valgrind``) - the same on a loaded machine as on a quiet one, so start-up
+work can be compared where wall times cannot. Beside it: a bare ``python`` (the floor of any
+Python launcher) and the installed ``pmsrun`` script's own first line (``import re``, pip's
+console-script template).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import statistics
 import subprocess
@@ -90,6 +97,47 @@ def failure_latency(cmd: list[str], env: dict[str, str], stamp: Path) -> float:
     return done - float(stamp.read_text())
 
 
+def instructions(cmd: list[str], env: dict[str, str], scratch: Path) -> int:
+    """Instructions executed by ``cmd``'s own process (not its children or forks), by callgrind."""
+    out = scratch / "callgrind"
+    out.mkdir(exist_ok=True)
+    proc = subprocess.run(
+        ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}/cg.%p", *cmd],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    first = re.search(r"^==(\d+)==", proc.stderr, re.M)
+    if proc.returncode != 0 or first is None:
+        raise SystemExit(f"valgrind {cmd[:3]}... exited {proc.returncode}: {proc.stderr[-500:]}")
+    got = re.search(rf"^=={first.group(1)}== Collected : (\d+)", proc.stderr, re.M)
+    shutil.rmtree(out)
+    if got is None:
+        raise SystemExit("valgrind printed no count")
+    return int(got.group(1))
+
+
+def instruction_counts(python: str, env: dict[str, str], scratch: Path, trivial: Path) -> None:
+    if shutil.which("valgrind") is None:
+        print("\ninstructions: valgrind is not installed (apt-get install valgrind) - left out")
+        return
+    first_line = "import re; re.sub(r'(-script\\.pyw|\\.exe)?$', '', 'pmsrun')"
+    job = msrun_cmd(python, 2, scratch / "ir-logs", trivial)
+    for _ in range(2):  # bytecode caches written
+        subprocess.run(job, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
+    rows = {
+        "python (bare interpreter, the floor)": instructions([python, str(trivial)], env, scratch),
+        "python + pmsrun script's import re": instructions([python, "-c", first_line], env, scratch),
+        "pmsrun --join=True, 2 workers (msrun's own process)": instructions(job, env, scratch),
+    }
+    print("\ninstructions executed (valgrind callgrind; independent of load):")
+    floor = rows["python + pmsrun script's import re"]
+    for what, count in rows.items():
+        extra = f"  (+{(count - floor) / 1e6:.1f} M over the script's first line)" if count > floor else ""
+        print(f"  {what:<52} {count / 1e6:8.1f} M{extra}")
+
+
 def diffs(a: list[float], b: list[float]) -> list[float]:
     return [x - y for x, y in zip(a, b)]
 
@@ -102,6 +150,7 @@ def main() -> int:
     ap.add_argument("--torchrun", action="store_true")
     ap.add_argument("--failure-workers", type=int, default=8)
     ap.add_argument("--here", action="store_true", help="this interpreter and checkout, not a fresh install")
+    ap.add_argument("--instructions", action="store_true", help="count msrun's instructions with valgrind")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",") if s]
     mpirun = None if args.no_mpirun else shutil.which("mpirun")
@@ -166,6 +215,8 @@ def main() -> int:
                     f"  pmsrun - mpirun, per round: {ms(paired)}  target pmsrun <= mpirun: {'PASS' if ok else 'FAIL'}"
                 )
                 failed += [] if ok else [f"slower than mpirun N={n}"]
+        if args.instructions:
+            instruction_counts(python, env, scratch, trivial)
         k = args.failure_workers
         fail = [
             failure_latency(msrun_cmd(python, k, scratch / f"f{i}", failing), env, scratch / "stamp")
