@@ -115,41 +115,35 @@ def _frozen_delattr(self: Any, name: str) -> None:
     raise FrozenInstanceError(f"cannot delete field {name!r}")
 
 
-def _initializer(qualname: str, fields: tuple[Field, ...], frozen: bool, post_init: bool) -> Callable[..., None]:
+def _initializer(qualname: str, fields: tuple[Field, ...], post_init: bool) -> Callable[..., None]:
     """One ``__init__`` for a record class: a closure over its fields, not generated source -
-    compiling one costs ~1M instructions a class, a quarter of msrun's own start-up."""
+    compiling one costs ~1M instructions a class, a quarter of msrun's own start-up. The values
+    go into the instance's ``__dict__`` at once (frozen or not: no field has a descriptor)."""
     names = tuple(f.name for f in fields)
     known = frozenset(names)
-    specs = tuple((f.name, f.default, f.default_factory) for f in fields)
+    defaults = {f.name: f.default for f in fields if f.default is not _MISSING}
+    factories = tuple((f.name, f.default_factory) for f in fields if f.default_factory is not _MISSING)
     limit = len(names)
-    setter = object.__setattr__
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-        if len(args) > limit:
-            raise TypeError(f"{qualname}() takes {limit} positional arguments but {len(args)} were given")
-        if kwargs and not known.issuperset(kwargs):
-            unknown = sorted(set(kwargs) - known)
-            raise TypeError(f"{qualname}() got an unexpected keyword argument {unknown[0]!r}")
-        missing = []
-        for i, (name, default, factory) in enumerate(specs):
-            if i < len(args):
+        if args:
+            if len(args) > limit:
+                raise TypeError(f"{qualname}() takes {limit} positional arguments but {len(args)} were given")
+            for name, value in zip(names, args):
                 if name in kwargs:
                     raise TypeError(f"{qualname}() got multiple values for argument {name!r}")
-                value = args[i]
-            elif name in kwargs:
-                value = kwargs[name]
-            elif default is not _MISSING:
-                value = default
-            elif factory is not _MISSING:
-                value = factory()
-            else:
-                missing.append(name)
-                continue
-            setter(self, name, value)
-        if missing:
-            raise TypeError(
-                f"{qualname}() missing {len(missing)} required argument(s): {', '.join(map(repr, missing))}"
-            )
+                kwargs[name] = value
+        if not known.issuperset(kwargs):
+            unknown = sorted(set(kwargs) - known)
+            raise TypeError(f"{qualname}() got an unexpected keyword argument {unknown[0]!r}")
+        values = {**defaults, **kwargs}
+        for name, factory in factories:
+            if name not in kwargs:
+                values[name] = factory()
+        if len(values) < limit:
+            missing = ", ".join(repr(n) for n in names if n not in values)
+            raise TypeError(f"{qualname}() missing {limit - len(values)} required argument(s): {missing}")
+        self.__dict__.update({name: values[name] for name in names})  # in field order, as dataclasses set them
         if post_init:
             self.__post_init__()
 
@@ -166,7 +160,7 @@ def _build(cls: type, frozen: bool, eq: bool) -> type:
         elif seen_default:
             raise TypeError(f"{cls.__name__}: non-default field {f.name!r} follows a default field")
     # Only __init__ is specific to the class (its fields); the other methods are shared.
-    init = _initializer(cls.__qualname__, tuple(fields), frozen, hasattr(cls, "__post_init__"))
+    init = _initializer(cls.__qualname__, tuple(fields), hasattr(cls, "__post_init__"))
     methods: dict[str, Any] = {"__init__": init, "__repr__": _repr}
     if eq:
         methods["__eq__"] = _eq
