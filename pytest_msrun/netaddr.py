@@ -108,8 +108,8 @@ def free_port(ip: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> int:
 
 
 def listen_socket(ip: str, port: int, backlog: int = 4096) -> _socket.socket:
-    """A listening TCP socket on ``ip:port`` (``port`` 0 = any free port); ``_socket``'s - wrap
-    it (``socket.socket(fileno=sock.detach())``) to accept on it."""
+    """A listening TCP socket on ``ip:port`` (``port`` 0 = any free port); ``_socket``'s (accept
+    with ``_accept()``, or wrap it: ``socket.socket(fileno=sock.detach())``)."""
     sock = _socket.socket(family_of(ip), _socket.SOCK_STREAM)
     try:
         sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)

@@ -26,9 +26,9 @@ agent reported success, 1 otherwise.
 
 from __future__ import annotations
 
+import _socket  # not socket: see transport
 import os
 import signal
-import socket
 import sys
 import time
 
@@ -323,7 +323,7 @@ class Scheduler:
 
     def __init__(
         self,
-        listener: socket.socket,
+        listener: _socket.socket,
         *,
         worker_num: int,
         token: str,
@@ -360,7 +360,7 @@ class Scheduler:
         self.progress_due = False
         self.next_progress = 0.0
         if self.trace is not None:
-            where = f"{socket.gethostname()}, pid {os.getpid()}"
+            where = f"{_socket.gethostname()}, pid {os.getpid()}"
             self.trace.extend(tracelog.lane(tracelog.CONTROL_PID, f"control plane ({where})", 1))
             self.trace.add(tracelog.thread(tracelog.CONTROL_PID, 0, "nodes and clients"))
             self.trace.add(tracelog.thread(tracelog.CONTROL_PID, 1, "ranks and collectives"))
@@ -576,13 +576,13 @@ class Scheduler:
         return self.exit_code
 
 
-def _listener_from_env(env: dict[str, str]) -> socket.socket:
+def _listener_from_env(env: dict[str, str]) -> _socket.socket:
     fd = env.get("MSRUN_LISTEN_FD")
     if fd:
-        return socket.socket(fileno=int(fd))
+        return _socket.socket(fileno=int(fd))
     from pytest_msrun.netaddr import listen_socket
 
-    return socket.socket(fileno=listen_socket(env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"])).detach())
+    return listen_socket(env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"]))
 
 
 def _more_file_descriptors() -> None:
@@ -628,7 +628,7 @@ def main(env: dict[str, str] | None = None) -> int:
     agent_fd = env.get(AGENT_FD_ENV)
     if agent_fd:  # msrun forked this process and kept the other end (see engine/agent.py)
         try:
-            sched.transport.adopt_local(socket.socket(fileno=int(agent_fd)))
+            sched.transport.adopt_local(_socket.socket(fileno=int(agent_fd)))
         except (ValueError, OSError) as exc:
             log(f"cannot use {AGENT_FD_ENV}={agent_fd}: {exc!r}")
             return 1

@@ -19,10 +19,10 @@ Deadlines tell attackers from slow friends:
 
 from __future__ import annotations
 
+import _socket  # not socket: its import (enums) is a cost on the forked control plane's start
 import errno
 import os
 import selectors
-import socket
 import time
 
 from pytest_msrun.control import wire
@@ -81,7 +81,7 @@ class Conn:
         "local",
     )
 
-    def __init__(self, sock: socket.socket, peer: str, now: float) -> None:
+    def __init__(self, sock: _socket.socket, peer: str, now: float) -> None:
         self.sock = sock
         self.peer = peer
         self.frames = wire.FrameBuffer()
@@ -108,7 +108,7 @@ class Transport:
 
     def __init__(
         self,
-        listener: socket.socket,
+        listener: _socket.socket,
         handler: Handler,
         *,
         token: str,
@@ -174,7 +174,7 @@ class Transport:
             # message just sent (a refusal, say) before the peer reads it.
             conn.draining = self.clock.now + 2.0
             try:
-                conn.sock.shutdown(socket.SHUT_WR)
+                conn.sock.shutdown(_socket.SHUT_WR)
             except OSError:
                 self.close(conn)
 
@@ -245,7 +245,7 @@ class Transport:
     def _welcome(self, conn: Conn, hello: dict[str, Any]) -> None:
         self.authenticated(conn, str(hello["kind"]))
         # ``now``: the scheduler's clock, from which a client estimates its own clock's offset
-        self.send(conn, {"t": "welcome", "pid": os.getpid(), "host": socket.gethostname(), "now": time.time()})
+        self.send(conn, {"t": "welcome", "pid": os.getpid(), "host": _socket.gethostname(), "now": time.time()})
         self.handler.on_hello(conn, hello)
 
     # ---------------------------------------------------------------- reading
@@ -301,7 +301,7 @@ class Transport:
     def accept(self) -> None:
         while True:
             try:
-                sock, addr = self.listener.accept()
+                fd, addr = self.listener._accept()  # type: ignore[attr-defined]  # socket.accept() does this
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as exc:
@@ -310,9 +310,10 @@ class Transport:
                         continue  # one freed: take the waiting connection
                     self.pause_accepting()  # never spin on a listener we cannot serve
                 return
+            sock = _socket.socket(fileno=fd)
             sock.setblocking(False)
             try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
             except OSError:
                 pass
             if len(self.pending) >= self.max_pending:
@@ -323,7 +324,7 @@ class Transport:
             self.pending[conn] = None
             self.sel.register(sock, selectors.EVENT_READ, conn)
 
-    def adopt_local(self, sock: socket.socket) -> Conn:
+    def adopt_local(self, sock: _socket.socket) -> Conn:
         """The connection msrun made when it forked this process (a socketpair): only msrun holds
         the other end, so its hello is welcomed without a challenge; it is never shed."""
         sock.setblocking(False)
@@ -333,7 +334,7 @@ class Transport:
         self.adopt(sock, conn)
         return conn
 
-    def adopt(self, sock: socket.socket, conn: Conn) -> None:
+    def adopt(self, sock: _socket.socket, conn: Conn) -> None:
         """Watch a connection this process opened itself (to the MindSpore scheduler)."""
         self.conns[sock.fileno()] = conn
         self.sel.register(sock, selectors.EVENT_READ, conn)
