@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
 
     # Start-up allocates module and class objects, none of them garbage: the cyclic collector
     # would only walk them (~5% of msrun's instructions before its first worker). The agent turns
-    # it back on once the workers are started (``Agent._spawned``).
+    # it back on once the workers are started (``Agent._spawned``); at the latest, this does.
+    collecting = gc.isenabled()
     gc.disable()
     from pytest_msrun.engine import timeline
 
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return cli_main(args, guard=guard, job_id=job_id)
     finally:
+        if collecting:
+            gc.enable()
         timeline.mark("done")
         timeline.report()
 
