@@ -39,10 +39,17 @@ def main(argv: list[str] | None = None) -> int:
     # it back on once the workers are started (``Agent._spawned``); at the latest, this does.
     collecting = gc.isenabled()
     gc.disable()
+    try:
+        return _main(sys.argv[1:] if argv is None else argv)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _main(args: list[str]) -> int:
     from pytest_msrun.engine import timeline
 
     timeline.mark("msrun's first line")
-    args = sys.argv[1:] if argv is None else argv
     guard = None
     job_id = os.urandom(8).hex()
     if _launches(args):
@@ -56,8 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return cli_main(args, guard=guard, job_id=job_id)
     finally:
-        if collecting:
-            gc.enable()
         timeline.mark("done")
         timeline.report()
 
