@@ -151,22 +151,18 @@ class Agent:
         self.emit(JobEvent.PROCESS_STARTED, child)
         return child
 
-    def _forkable(self, spec: ProcessSpec) -> str:
+    def _forkable(self, spec: ProcessSpec) -> bool:
         """The builtin control plane runs in a fork of msrun (its code is already imported here)
         rather than a second interpreter: ready ~20 ms sooner, and that much less CPU taken from
         the workers starting beside it. Not when a binding wraps it in a command (numactl), the
-        interpreter differs, or a thread runs here (a fork copies only the calling thread)."""
-        import _thread
-
-        if (
+        interpreter differs, or (checked at the fork) a thread runs here: a fork copies only the
+        calling thread."""
+        return (
             spec.role == Role.SCHEDULER
             and not spec.bind_prefix
             and spec.argv[1:] == ["-S", "-m", SCHEDULER_MODULE]
             and os.path.realpath(spec.argv[0]) == os.path.realpath(sys.executable)
-            and _thread._count() == 0
-        ):
-            return f"{SCHEDULER_MODULE}:main"
-        return ""
+        )
 
     def console_done(self, code: int) -> None:
         """The caller's console is no longer needed (``--join=False``: msrun returns now)."""
@@ -486,8 +482,17 @@ class Agent:
             env["MSRUN_LISTEN_FD"] = str(listener.fileno())
             fds += (listener.fileno(),)
         theirs = None
+        forkable = self._forkable(spec)
+        if forkable:
+            # Its code loaded now, while msrun may still wait to enter the job's cgroup: the fork
+            # then starts with nothing to import beside the workers starting on the same CPUs.
+            import importlib
+
+            importlib.import_module(SCHEDULER_MODULE)
         self.guard.ready()  # in the job's cgroup first: the thread that moves msrun there has ended
-        call = self._forkable(spec)
+        import _thread
+
+        call = f"{SCHEDULER_MODULE}:main" if forkable and _thread._count() == 0 else ""
         if call:  # this node registers over a socketpair: no connect, no challenge
             import _socket  # not socket: its import is a cost on msrun's start path
 
