@@ -8,30 +8,29 @@ import argparse
 import os
 import sys
 
-from pytest_msrun.binding.flags import BindFlagError, BindSpec, parse_bind_value
+from pytest_msrun.binding.flags import BindFlagError
+from pytest_msrun.engine.argv import CONVERTERS
 from pytest_msrun.engine.argv import UNSET as _UNSET
-from pytest_msrun.engine.config import SCHEDULER_MODES, parse_join
+from pytest_msrun.engine.config import SCHEDULER_MODES
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import NoReturn
 
 
-def _join_type(value: str) -> bool:
-    try:
-        return parse_join(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _typed(name: str, errors: type[Exception]) -> Callable[[str], object]:
+    """``--name``'s converter from :data:`~pytest_msrun.engine.argv.CONVERTERS` as an argparse
+    ``type``: its ``errors`` become ``argument --name: <their message>``."""
+    convert = CONVERTERS[name]
 
-
-def _bind_type(flag: str):
-    def parse(value: str) -> BindSpec:
+    def parse(value: str) -> object:
         try:
-            return parse_bind_value(value, flag)
-        except BindFlagError as exc:
+            return convert(value)
+        except errors as exc:
             raise argparse.ArgumentTypeError(str(exc)) from None
 
-    parse.__name__ = flag
+    parse.__name__ = name
     return parse
 
 
@@ -76,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log_dir", default=_UNSET, help="directory for scheduler.log and worker_<rank>.log (default: cwd)")
     p.add_argument(
         "--join",
-        type=_join_type,
+        type=_typed("join", ValueError),
         default=_UNSET,
         metavar="{True,False}",
         help="wait for the job, tail logs and return its exit status (default False: detach)",
@@ -87,9 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=_UNSET,
         help="seconds to wait for every node (default 600; negative: forever)",
     )
-    p.add_argument("--bind_core", type=_bind_type("bind_core"), default=_UNSET, help="True, False or a JSON dict")
     p.add_argument(
-        "--bind_numa", type=_bind_type("bind_numa"), default=_UNSET, help="True, False, a JSON dict or a JSON file"
+        "--bind_core", type=_typed("bind_core", BindFlagError), default=_UNSET, help="True, False or a JSON dict"
+    )
+    p.add_argument(
+        "--bind_numa",
+        type=_typed("bind_numa", BindFlagError),
+        default=_UNSET,
+        help="True, False, a JSON dict or a JSON file",
     )
     p.add_argument("--sim_level", type=int, default=_UNSET, choices=[0, 1, 2, 3], help="dry-run simulation level")
     p.add_argument("--sim_rank_id", type=int, default=_UNSET, help="dry-run a single rank with this id")
