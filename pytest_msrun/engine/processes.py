@@ -69,6 +69,11 @@ def become_subreaper() -> bool:
     return _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
+def die_with_parent(sig: int) -> bool:
+    """This process gets ``sig`` when the thread that forked it ends (``PR_SET_PDEATHSIG``)."""
+    return _prctl(PR_SET_PDEATHSIG, int(sig))
+
+
 def with_parent_death_signal(
     argv: list[str], sig: signal.Signals = signal.SIGTERM
 ) -> tuple[list[str], Callable[[], None] | None]:

@@ -32,6 +32,8 @@ import threading
 import weakref
 from typing import Any
 
+from pytest_msrun.engine import processes
+
 FORK_ENV = "MSRUN_WORLD_FORK"  # set in a forking world's ranks
 
 
@@ -83,14 +85,8 @@ def child_start() -> None:
     """The child's first steps: it dies with its template, adopts what its test detaches, and
     runs at its exit only the exit handlers its test registered (the template's are not its own:
     a module's ``TemporaryDirectory`` must outlive the test that imported it)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):
-        pass
+    processes.die_with_parent(signal.SIGKILL)
+    processes.become_subreaper()
     global _runtimes_at_fork, _joined_at_fork
     _runtimes_at_fork = runtimes_started()
     _joined_at_fork = cluster_group() is not None

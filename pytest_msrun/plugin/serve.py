@@ -39,6 +39,7 @@ from typing import Any
 
 import pytest
 
+from pytest_msrun.engine import processes
 from pytest_msrun.plugin import forked
 from pytest_msrun.plugin.records import SHARED_TMP_ENV
 
@@ -272,12 +273,7 @@ def _adopt_orphans() -> None:
     """Make this rank a child subreaper: what a test starts and detaches (``cmd &`` in a shell it
     ran) re-parents to the rank - where the leak check sees it - instead of to msrun, unseen until
     it kills the rank during another test."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):
-        pass
+    processes.become_subreaper()
 
 
 def _children() -> list[int]:
