@@ -386,8 +386,7 @@ class Agent:
     def _dry_run(self, plan: LaunchPlan) -> JobResult:
         from pytest_msrun.engine.dryrun import DryRunSupervisor
 
-        gc.freeze()  # held off while msrun started (see entry.main)
-        gc.enable()
+        _collect_from_now()
         return DryRunSupervisor(self, plan).run()
 
     def _next_after_start(self, plan: LaunchPlan) -> None:
@@ -434,10 +433,7 @@ class Agent:
         if self._spawn_said:
             return
         self._spawn_said = True
-        # Held off while msrun started (see entry.main); supervision may run for days. What start-up
-        # allocated is long-lived: frozen, so no collection walks it again.
-        gc.freeze()
-        gc.enable()
+        _collect_from_now()
         if self.cfg.bind_core.enabled or self.cfg.bind_numa.enabled:
             self.observers.append(BindingsObserver(self.facts.hostname, self.facts.topology))
         self.emit(JobEvent.SPAWNED, list(self.group.children))
@@ -666,6 +662,14 @@ class Agent:
         hit = self.group.sweep()
         if hit and graceful:
             console.warning(f"Killed {len(hit)} leftover process(es) started by the job: {hit}.")
+
+
+def _collect_from_now() -> None:
+    """msrun has started its job: the cyclic GC, held off while it started (see ``entry.main``),
+    runs again - supervision may last days. What start-up allocated is long-lived: frozen, so no
+    collection walks it again."""
+    gc.freeze()
+    gc.enable()
 
 
 def _scheduler_ended(returncode: int) -> str:
