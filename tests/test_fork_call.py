@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -169,3 +170,51 @@ def test_the_control_plane_is_a_fork_of_msrun(msrun, entry_delay):
     )
     assert proc.returncode == 0, proc.stderr
     assert "msrun-scheduler" in (msrun.dump / "comms").read_text().split()
+
+
+def test_wait_forwarding_lets_the_child_end_first_and_keeps_the_stack_dumps(tmp_path):
+    """A template waiting for its forked child: SIGTERM to their process group ends the child
+    first (the template only learns it arrived); afterwards SIGUSR1 still dumps the template's
+    stacks (a handler set over ``faulthandler``'s would otherwise lose it for good)."""
+    script = tmp_path / "template.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import os, signal, sys, time
+            from pytest_msrun.plugin import forked
+
+            out = {str(tmp_path)!r}
+            stacks = open(os.path.join(out, "stacks"), "w")
+            forked.dump_stacks_on_signals(stacks)
+            pid = os.fork()
+            if pid == 0:
+                def on_term(signum, frame):
+                    time.sleep(0.5)  # slower than the template would be to end
+                    open(os.path.join(out, "child-ended"), "w").close()
+                    os._exit(7)
+                signal.signal(signal.SIGTERM, on_term)
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:  # the template asleep: in its wait for this child
+                    with open(f"/proc/{{os.getppid()}}/stat") as fh:
+                        if fh.read().rsplit(")", 1)[1].split()[0] == "S":
+                            break
+                    time.sleep(0.01)
+                os.killpg(os.getpgrp(), signal.SIGTERM)  # msrun ending the job
+                while True:
+                    time.sleep(1)
+            status, terminated = forked.wait_forwarding(pid, stacks)
+            assert os.path.exists(os.path.join(out, "child-ended"))
+            print(forked.returncode(status), int(terminated), flush=True)
+            os.kill(os.getpid(), signal.SIGUSR1)  # dumped, not the end of the template
+            stacks.flush()
+            print(open(stacks.name).read().count("Current thread") >= 1, flush=True)
+            forked.raise_again(terminated)
+            print("not ended by its SIGTERM", flush=True)
+            """
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60, start_new_session=True
+    )
+    assert proc.stdout.split() == ["7", str(int(signal.SIGTERM)), "True"], proc.stdout + proc.stderr
+    assert proc.returncode == -signal.SIGTERM

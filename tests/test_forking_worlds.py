@@ -241,3 +241,51 @@ def test_pytest_exit_in_a_forked_test_ends_its_rank_with_that_status(pytester, m
     assert result.ret == 1
     text = result.stdout.str()
     assert re.search(r"rank 1 .*exited with code 3", text), text
+
+
+SLOW_TO_END = """
+import os, signal, time
+from pathlib import Path
+
+import pytest
+
+OUT = Path({out!r})
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_ends_slowly(rank):
+    if rank == 0:
+        deadline = time.monotonic() + 60
+        while not (OUT / "ready").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os._exit(3)  # the first failure: msrun ends the job, rank 1 gets SIGTERM
+
+    def on_term(signum, frame):  # like coverage saving its data: slow, and not re-entrant
+        if (OUT / "start").exists():
+            (OUT / "nested").touch()
+            return
+        (OUT / "start").touch()
+        time.sleep(1.0)  # the handler's own work, not a synchronisation
+        (OUT / "end").touch()
+        os._exit(143)
+
+    signal.signal(signal.SIGTERM, on_term)
+    (OUT / "ready").touch()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until msrun ends the job
+        time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("worlds", ["warm", "fresh"])
+def test_a_rank_ending_on_sigterm_finishes_its_handler_once(pytester, monkeypatch, worlds):
+    """msrun tears a job down with one SIGTERM per process and waits its grace: a rank's SIGTERM
+    handler (coverage saving its data) runs once, to its end. In a forking world the template
+    waits for its child (which is the rank) instead of ending first and taking the child with it
+    (its parent-death signal)."""
+    out = pytester.path / "out"
+    out.mkdir()
+    result = _run(pytester, monkeypatch, SLOW_TO_END.format(out=str(out)), f"--msrun-worlds={worlds}")
+    result.assert_outcomes(failed=1)
+    assert (out / "end").exists(), result.stdout.str()
+    assert not (out / "nested").exists(), "a second SIGTERM ran the handler inside the first"

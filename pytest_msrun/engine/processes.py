@@ -455,8 +455,10 @@ class ProcessGroup:
         self.children.remove(child)
 
     def terminate(self, children: Iterable[Child]) -> None:
+        """SIGTERM to each of ``children`` still running - once: a second SIGTERM would run its
+        handler again, inside the first (coverage saving its data twice at once breaks both)."""
         for child in children:
-            if child.alive:
+            if child.alive and not child.terminated_by_us:
                 child.terminated_by_us = True
                 signal_group(child.pid, signal.SIGTERM)
 

@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 COV_ENV = "MSRUN_COV"
 _running: list[Any] = []
+_saving: list[bool] = []  # non-empty while this rank saves its data
+_deferred: list[Any] = []  # coverage's SIGTERM handler, when a SIGTERM came during a save
 
 
 def rank_env(config: pytest.Config) -> dict[str, str]:
@@ -66,26 +68,55 @@ def start_in_rank(env: dict[str, str]) -> None:
     except Exception:  # coverage missing or broken here: the test runs unmeasured, not broken
         return
     _running.append(cov)
+    _hold_sigterm_while_saving()
     import atexit
 
     atexit.register(stop)
 
 
+def _hold_sigterm_while_saving() -> None:
+    """coverage saves its data on SIGTERM; one arriving while this rank saves after a test would
+    run that save inside ours (the data file half-made: both fail, a corrupt file is left). It
+    waits for our save to end instead."""
+    import signal
+
+    handler = signal.getsignal(signal.SIGTERM)
+    if not callable(handler):
+        return
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        if _saving:
+            _deferred.append(lambda: handler(signum, frame))
+            return
+        handler(signum, frame)
+
+    try:
+        signal.signal(signal.SIGTERM, on_sigterm)
+    except ValueError:  # not the main thread
+        pass
+
+
+def _saved(action: Any) -> None:
+    _saving.append(True)
+    try:
+        action()
+    except Exception:
+        pass
+    finally:
+        _saving.pop()
+    while _deferred and not _saving:
+        _deferred.pop(0)()
+
+
 def flush() -> None:
     """Save what was measured so far (after each test: a rank that crashes later keeps it)."""
     for cov in _running:
-        try:
-            cov.save()
-        except Exception:
-            pass
+        _saved(cov.save)
 
 
 def stop() -> None:
     """Save what this rank measured (its session ended)."""
     while _running:
         cov = _running.pop()
-        try:
-            cov.stop()
-            cov.save()
-        except Exception:
-            pass
+        _saved(cov.stop)
+        _saved(cov.save)

@@ -125,29 +125,76 @@ def tell_parent(fd: int, info: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------- in the template
-def wait_forwarding(pid: int, stacks: Any) -> int:
-    """Wait for the child ``pid`` (its wait status); meanwhile a stack request (SIGUSR1) is the
-    child's to answer. The template's own stack dump is registered again afterwards."""
+# Every thread's stack lands in a rank's stacks file on SIGUSR1 (the controller's timeout) and on
+# SIGTERM (msrun tearing the job down), which then still ends the process (chained).
+STACK_SIGNALS = {signal.SIGUSR1: False, signal.SIGTERM: True}  # signal: chain to its handler
+
+
+def dump_stacks_on_signals(stacks: Any) -> None:
+    """Dump every thread's stack into ``stacks`` on :data:`STACK_SIGNALS`."""
     import faulthandler
 
+    for signum, chain in STACK_SIGNALS.items():
+        faulthandler.register(signum, file=stacks, all_threads=True, chain=chain)
+
+
+def wait_forwarding(pid: int, stacks: Any) -> tuple[int, int]:
+    """Wait for the child ``pid``: its wait status, and the terminating signal (SIGTERM) this
+    template got meanwhile (0 if none).
+
+    While it waits, the child is the rank: a stack request (SIGUSR1) is the child's to answer,
+    and SIGTERM ends the child first - the template ends only after it (a template ending first
+    would SIGKILL its child, its parent-death signal, in the middle of what the child does on
+    SIGTERM: coverage saving its data). A SIGTERM to the child's process group reached the child
+    too; one to the template alone is passed on. The caller ends the template after that
+    (:func:`mirror`, or :func:`raise_again`). The stack dumps are registered again afterwards
+    (``faulthandler`` must be unregistered before another handler is set, else its registration
+    is silently lost)."""
+    import faulthandler
+
+    received: list[int] = []
+
     def forward(signum: int, frame: Any) -> None:
+        if signum == signal.SIGTERM:
+            if received:
+                return  # once: the child's handler may not be re-entrant
+            received.append(signum)
+            try:
+                if os.getpgid(pid) == os.getpgrp():
+                    return  # the group's signal reached the child as well
+            except OSError:
+                return
         try:
             os.kill(pid, signum)
         except OSError:
             pass
 
-    previous = signal.signal(signal.SIGUSR1, forward)
+    previous = {}
+    for signum in STACK_SIGNALS:
+        if stacks is not None:
+            faulthandler.unregister(signum)
+        previous[signum] = signal.signal(signum, forward)
     try:
         while True:
             try:
                 _, status = os.waitpid(pid, 0)
-                return status
+                break
             except ChildProcessError:
-                return 0
+                status = 0
+                break
     finally:
-        signal.signal(signal.SIGUSR1, previous if previous is not None else signal.SIG_DFL)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         if stacks is not None:
-            faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+            dump_stacks_on_signals(stacks)
+    return status, (received[0] if received else 0)
+
+
+def raise_again(signum: int) -> None:
+    """Deliver ``signum`` to this process again, now that its child has ended (its own handler
+    runs: a stack dump, coverage saving, the default end)."""
+    if signum:
+        os.kill(os.getpid(), signum)
 
 
 def read_info(fd: int) -> dict[str, Any]:

@@ -17,7 +17,6 @@ import faulthandler
 import hashlib
 import json
 import os
-import signal
 import stat
 import sys
 import threading
@@ -29,6 +28,7 @@ import pytest
 
 from pytest_msrun.plugin import options
 from pytest_msrun.plugin.env import current_rank, current_world
+from pytest_msrun.plugin.forked import dump_stacks_on_signals
 from pytest_msrun.plugin.marker import MARKER, MarkerError, default_timeout, marked_specs, spec_for
 from pytest_msrun.plugin.records import (
     BASETEMP_ENV,
@@ -122,11 +122,8 @@ class RankPlugin:
         directory = env.get(REPORT_DIR_ENV) or os.path.abspath(env.get("MSRUN_LOG_DIR") or ".")
         self.records_dir = directory
         self.writer = RecordWriter(records_path(directory, self.rank), self.rank, self.world)
-        # Every thread's stack lands in this file on SIGUSR1 (the controller's timeout) and on
-        # SIGTERM (msrun tearing the job down), which then still ends the process.
         self.stacks = open(stacks_path(directory, self.rank), "w")  # noqa: SIM115 - lives as long as the session
-        faulthandler.register(signal.SIGUSR1, file=self.stacks, all_threads=True)
-        faulthandler.register(signal.SIGTERM, file=self.stacks, all_threads=True, chain=True)
+        dump_stacks_on_signals(self.stacks)
         # Each rank its own temporary directory under the controller's (or the user's --basetemp):
         # pytest empties a given basetemp at start, so ranks sharing one would delete each other's files.
         basetemp = env.get(BASETEMP_ENV) or getattr(config.option, "basetemp", None)

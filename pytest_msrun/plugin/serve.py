@@ -455,7 +455,7 @@ class WorldServer:
             os.close(read_fd)
             self._child(item, msg, write_fd)  # never returns
         os.close(write_fd)
-        status = forked.wait_forwarding(pid, self.rank_plugin.stacks)
+        status, terminated = forked.wait_forwarding(pid, self.rank_plugin.stacks)
         info = forked.read_info(read_fd)
         code = forked.returncode(status)
         if not info.get("done") or code != info.get("status"):
@@ -465,6 +465,7 @@ class WorldServer:
         forked.take_group(info.get("group"))
         retire = forked.retire_reason(info, _children())
         self.channel.send({"t": "ended", "nodeid": item.nodeid, "pid": pid, "code": code, "retire": retire})
+        forked.raise_again(terminated)  # msrun ended the job while the child finished its test
 
     def _child(self, item: pytest.Item, msg: dict[str, Any], fd: int) -> None:
         """The forked child: the whole protocol of ``item`` (nothing kept for a next test), its
