@@ -305,8 +305,9 @@ import json, os, sys, time
 role = os.environ.get("MS_ROLE", "none")
 rank = os.environ.get("RANK_ID", "x")
 path = os.path.join(os.environ["DUMP_DIR"], f"{role}_{rank}_{os.getpid()}.json")
-with open(path, "w") as fh:
+with open(path + ".part", "w") as fh:
     json.dump({**os.environ, "_argv": json.dumps(sys.argv), "_executable": sys.executable}, fh)
+os.replace(path + ".part", path)  # whole or absent: a test reads it while the job runs
 release = os.environ.get("RELEASE_FILE")
 if release:  # held until the test creates this file (it inspects the running job meanwhile)
     deadline = time.monotonic() + 120

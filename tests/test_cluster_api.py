@@ -99,8 +99,10 @@ try:
     cluster.barrier()
 except cluster.ClusterError as exc:
     print(f"rank {rank} barrier raised after {time.monotonic() - t0:.2f}s: {type(exc).__name__}: {exc}", flush=True)
-    with open(os.path.join(dump, f"raised_{rank}.txt"), "w") as fh:
+    out = os.path.join(dump, f"raised_{rank}.txt")
+    with open(out + ".tmp", "w") as fh:
         fh.write(f"{t0:.6f} {time.monotonic():.6f} {exc}")
+    os.rename(out + ".tmp", out)  # whole or absent: the first to exit 5 ends the job, the other with it
     sys.exit(5)
 print("barrier passed?!", flush=True)
 """

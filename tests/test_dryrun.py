@@ -74,8 +74,10 @@ start = time.time()
 if os.environ.get("STARTED_DIR"):  # tells the test that this rank runs
     open(os.path.join(os.environ["STARTED_DIR"], str(rank)), "w").close()
 time.sleep(float(os.environ.get("HOLD", "0.05")))
-with open(os.path.join(os.environ["DUMP_DIR"], f"t_{rank}.json"), "w") as fh:
+out = os.path.join(os.environ["DUMP_DIR"], f"t_{rank}.json")
+with open(out + ".part", "w") as fh:
     json.dump([rank, start, time.time(), os.environ["RANK_SIZE"]], fh)
+os.replace(out + ".part", out)  # whole or absent
 if rank in [int(r) for r in os.environ.get("FAIL", "").split(",") if r]:
     raise AssertionError(f"strategy broken on rank {rank}")
 """

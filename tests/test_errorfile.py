@@ -14,15 +14,21 @@ from pytest_msrun.engine import errorfile
 from pytest_msrun.engine.errorfile import error_file_for, read_error
 
 RAISER = """
-import os, sys
+import json, os, sys, time
 rank = int(os.environ["RANK_ID"])
-with open(os.path.join(os.environ["DUMP_DIR"], f"rank{rank}.json"), "w") as fh:
-    import json
+dump = os.path.join(os.environ["DUMP_DIR"], f"rank{rank}.json")
+with open(dump + ".part", "w") as fh:
     json.dump({"PYTHONPATH": os.environ.get("PYTHONPATH"), "ERROR_FILE": os.environ.get("MSRUN_ERROR_FILE"),
                "hook_on_path": [p for p in sys.path if "rankhook" in p],
                "user_site": getattr(sys.modules.get("sitecustomize"), "USER_MARK", None)}, fh)
+os.replace(dump + ".part", dump)  # whole or absent
 mode = os.environ.get("MODE", "")
 if rank == 1:
+    # fail only once rank 0 has said what it saw: the failure ends the job, rank 0 with it
+    first = os.path.join(os.environ["DUMP_DIR"], "rank0.json")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(first) and time.monotonic() < deadline:
+        time.sleep(0.01)
     if mode == "custom":
         import errs
         raise errs.Broken("custom failure\\nsecond line")
@@ -46,7 +52,9 @@ def raiser(msrun):
 
 
 def _dumps(msrun) -> dict[int, dict]:
-    return {int(p.stem[4:]): json.loads(p.read_text()) for p in msrun.dump.glob("rank*.json")}
+    dumps = {int(p.stem[4:]): json.loads(p.read_text()) for p in msrun.dump.glob("rank*.json")}
+    assert sorted(dumps) == [0, 1], "each rank wrote what it saw before rank 1 failed"
+    return dumps
 
 
 def test_the_root_cause_comes_from_the_error_file(msrun, raiser):
