@@ -11,10 +11,11 @@ Interleaved, shuffled sessions of the same files in one invocation:
   ``(T(N marked) - T(N plain)) / N``;
 * PyTorch's ``MultiProcContinuousTest`` (world size 2, gloo), the same difference as warm, when
   torch and expecttest are installed;
-* three shapes of three 2-rank tests each, with the next shape's world started ahead (the default)
-  and with ``--msrun-prefetch=off``, against one shape's three tests (one world's start plus its
-  tests; target: three shapes within 1.2x of it - reachable only where the CPUs can start a
-  world beside a running test).
+* three shapes of three 2-rank tests each (they differ in ``env``), with the next shape's world
+  started ahead (the default), with ``--msrun-prefetch=off``, and in one world with
+  ``--msrun-env-scope=test`` (each test's variables set for it alone), against one world's start
+  plus the same nine tests (one shape of nine) and plus three (one shape of three); target: three
+  shapes within 1.2x of one world's start plus its tests.
 
 Then, once each: a file of 20 where test 5 segfaults on rank 1 (how many of tests 6-20 pass, here
 and under MultiProcContinuousTest's poison pill), and 20 tests sharing a module fixture that takes
@@ -163,6 +164,7 @@ def main() -> int:
             "test_marked_1.py": marked(1),
             "test_shapes_3.py": shapes(3, "abc"),
             "test_shapes_1.py": shapes(3, "a"),
+            "test_shapes_9.py": shapes(9, "a"),
             "test_crash.py": CRASH,
             "test_fixture.py": FIXTURE,
         }
@@ -181,6 +183,8 @@ def main() -> int:
             "one_shape": lambda i: session(["test_shapes_1.py"], d, env)[0],
             "three_ahead": lambda i: session(["test_shapes_3.py"], d, env)[0],
             "three_serial": lambda i: session(["test_shapes_3.py", "--msrun-prefetch=off"], d, env)[0],
+            "one_shape_9": lambda i: session(["test_shapes_9.py"], d, env)[0],
+            "three_shared": lambda i: session(["test_shapes_3.py", "--msrun-env-scope=test"], d, env)[0],
         }
         if torch:
             contenders["mpc_n"] = lambda i: session(["test_mpc_n.py"], d, env, plugin=False)[0]
@@ -222,17 +226,22 @@ def main() -> int:
         rows.append(("MultiProcContinuousTest, one more test (gloo)", ms(mpc)))
         rows.append(("MultiProcContinuousTest, its first test", ms(diff("mpc_1", "plain_1", 1))))
     one = statistics.median(t["one_shape"])
-    rows.append(("one shape, 3 tests (one world's start plus its tests)", ms(t["one_shape"])))
+    nine = statistics.median(t["one_shape_9"])
+    rows.append(("one shape, 3 tests (one world's start plus 3 tests)", ms(t["one_shape"])))
+    rows.append(("one shape, 9 tests (one world's start plus 9 tests)", ms(t["one_shape_9"])))
     rows.append(("three shapes, 3 tests each, next world started ahead", ms(t["three_ahead"])))
     rows.append(("three shapes, --msrun-prefetch=off", ms(t["three_serial"])))
+    rows.append(("three shapes, --msrun-env-scope=test (one world)", ms(t["three_shared"])))
     for what, value in rows:
         print(f"  {what:<60} {value}")
-    ahead = statistics.median(t["three_ahead"]) / one
-    serial = statistics.median(t["three_serial"]) / one
-    print(
-        f"  three shapes / one shape: {ahead:.2f}x started ahead, {serial:.2f}x without "
-        f"(target <= 1.20x: {'PASS' if ahead <= 1.2 else 'FAIL'}; {cpus()} CPUs)"
-    )
+    ways = (("three_ahead", "started ahead"), ("three_serial", "prefetch off"), ("three_shared", "env scope test"))
+    for name, label in ways:
+        mine = statistics.median(t[name])
+        verdict = "PASS" if mine / nine <= 1.2 else "FAIL"
+        print(
+            f"  three shapes, {label:<15}: {mine / nine:.2f}x one world with the same 9 tests, "
+            f"{mine / one:.2f}x one world with 3 (target <= 1.20x the first: {verdict}; {cpus()} CPUs)"
+        )
     for what, value in extra:
         print(f"  {what:<60} {value}")
     ok = statistics.median(warm) <= 0.050

@@ -14,6 +14,7 @@ import os
 import pytest
 
 from pytest_msrun.plugin import env as roles
+from pytest_msrun.plugin import envscope
 from pytest_msrun.plugin.fixtures import local_rank, msrun, msrun_tmp_path, rank, world_size
 from pytest_msrun.plugin.marker import MARKER_HELP, PARAM, MarkerError, worker_nums
 
@@ -99,6 +100,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "test comes",
     )
     group.addoption(
+        "--msrun-env-scope",
+        dest="msrun_env_scope",
+        choices=("job", "test"),
+        default=None,
+        help="job (default): a marker's env is its job's environment, each env a world of its own; test: "
+        "tests differing only in env share a world, each with its variables set for its setup, call and "
+        "teardown (variables launchers and native libraries read at start - MSRUN_, MS_, OMP_, CUDA_, ... "
+        "- stay the job's; a test whose variable the ranks read while collecting runs as a fresh job)",
+    )
+    group.addoption(
         "--msrun-leaks",
         dest="msrun_leaks",
         choices=("warn", "error", "off"),
@@ -110,6 +121,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("msrun_exit_timeout", "seconds ranks may take to exit (see --msrun-exit-timeout)", default="60")
     parser.addini("msrun_worlds", "warm or fresh (see --msrun-worlds)", default="warm")
     parser.addini("msrun_prefetch", "on or off (see --msrun-prefetch)", default="on")
+    parser.addini("msrun_env_scope", "job or test (see --msrun-env-scope)", default="job")
     parser.addini("msrun_leaks", "warn, error or off (see --msrun-leaks)", default="warn")
     parser.addini("msrun_report", "failure detail: first or all (see --msrun-detail)", default="first")
     parser.addini("msrun_devices", "devices jobs may use (see --msrun-devices)", default="auto")
@@ -126,6 +138,8 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
     ends, so a rank that crashes loses it. A rank's stdout and stderr are already its log file:
     tests write there directly and each phase's part of the log becomes its captured output.
     """
+    if os.environ.get(envscope.TRACK_ENV) and roles.detect(os.environ) == roles.RANK:
+        envscope.track(os.environ.pop(envscope.TRACK_ENV).split(","))  # a world's rank: what collection reads
     if os.environ.get("MSRUN_COV") and roles.detect(os.environ) == roles.RANK:
         from pytest_msrun.plugin.covdata import start_in_rank
 

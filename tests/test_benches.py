@@ -69,6 +69,7 @@ BENCHES = {
             "the first test of a world",
             "fresh processes per test",
             "three shapes",
+            "three shapes, env scope test",
             "target:",
         ],
     ),

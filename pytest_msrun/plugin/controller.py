@@ -27,7 +27,7 @@ import pytest
 
 from pytest_msrun.engine.slurm import allocation
 from pytest_msrun.pathsearch import which
-from pytest_msrun.plugin import covdata, options
+from pytest_msrun.plugin import covdata, envscope, options
 from pytest_msrun.plugin.job import TestJob, TestPaths
 from pytest_msrun.plugin.marker import MARKER, MarkerError, MsrunSpec, default_timeout, spec_for
 from pytest_msrun.plugin.merge import Merger
@@ -139,6 +139,10 @@ class Controller:
         if prefetch not in ("on", "off"):
             raise pytest.UsageError(f"msrun_prefetch = {prefetch!r} in the ini file: use on or off")
         self.prefetch = prefetch == "on"  # worlds, warm or forking
+        scope = config.getoption("msrun_env_scope") or config.getini("msrun_env_scope") or "job"
+        if scope not in envscope.SCOPES:
+            raise pytest.UsageError(f"msrun_env_scope = {scope!r} in the ini file: use job or test")
+        self.env_per_test = scope == "test"  # tests differing only in env share a world
         self.xdist_worker = hasattr(config, "workerinput")  # xdist hands this process its items one by one
         self.worlds: dict[tuple, World] = {}
         self.last_item: dict[tuple, pytest.Item] = {}  # each live world's last test
@@ -449,11 +453,24 @@ class Controller:
                 if spec is not None and eligible(spec) and not several_hosts:
                     # isolated: each test in processes of its own, forked from the world's ranks
                     forking = spec.isolated or not self.warm
-                    key = world_key(spec, spec.devices) + ((FORKING,) if forking else ())
+                    key = world_key(self._world_spec(spec), spec.devices) + ((FORKING,) if forking else ())
                     if key in self.unforkable:
                         key = None
             self._keys[item.nodeid] = key
         return self._keys[item.nodeid]
+
+    def _world_spec(self, spec: MsrunSpec) -> MsrunSpec:
+        """The job a world serving ``spec`` runs: with ``--msrun-env-scope=test``, without the
+        test's own variables (each test has them set when it starts)."""
+        if not self.env_per_test:
+            return spec
+        return dataclasses.replace(spec, env=envscope.split(spec.env)[0])
+
+    def _read_at_collection(self, world: World, item: pytest.Item) -> list[str]:
+        """The variables of ``item`` that the ranks of ``world`` looked up while they collected
+        (a test module or conftest read them at import): set per test they would differ from a job
+        that has them from its start."""
+        return sorted(set(world.test_envs.get(item.nodeid, {})) & world.env_read)
 
     def _future(self, item: pytest.Item, nextitem: pytest.Item | None) -> Iterable[pytest.Item]:
         """The items this process will run after ``item``, as far as it knows them: the rest of
@@ -487,6 +504,8 @@ class Controller:
         for future in self._future(item, nextitem):
             other = self.key_of(future)
             if other == key:
+                if self._read_at_collection(world, future):
+                    continue  # it runs as a fresh job
                 return future.nodeid
             if other is not None and self._static_skip(future) is None:
                 others.add(other)
@@ -504,6 +523,12 @@ class Controller:
             world, why = self._world_for(item, spec, key)
             if world is None:
                 return None, why
+            read = self._read_at_collection(world, item)
+            if read:
+                return None, (
+                    f"ran as a fresh job: its world's ranks read {', '.join(read)} while collecting, and "
+                    "--msrun-env-scope=test sets a test's variables only when it starts"
+                )
             before, before_item = world.last, self.last_item.get(key)
             self._prefetch(item, nextitem, key)
             paths = TestPaths(self._test_dir(item), world.job.log_dir)
@@ -559,9 +584,17 @@ class Controller:
 
     def _start_world(self, item: pytest.Item, spec: MsrunSpec, key: tuple, lease: Any) -> World:
         """Launch the world of ``key`` (its first test: ``item``) without waiting for it."""
-        job = self._new_job(item, spec, lease.ports, self._device_env(lease.devices))
-        job.nodeids = [_node_path(i) for i in item.session.items if self.key_of(i) == key]
-        return World(key, job, lease, max(1, min(600, int(self._timeout(spec)))))
+        job = self._new_job(item, self._world_spec(spec), lease.ports, self._device_env(lease.devices))
+        served = [i for i in item.session.items if self.key_of(i) == key]
+        job.nodeids = [_node_path(i) for i in served]
+        test_envs: dict[str, dict[str, str]] = {}
+        if self.env_per_test:
+            for other in served:
+                other_spec = spec_for(other)
+                own = envscope.split(other_spec.env)[1] if other_spec is not None else {}
+                if own:
+                    test_envs[other.nodeid] = own
+        return World(key, job, lease, max(1, min(600, int(self._timeout(spec)))), test_envs)
 
     def _connect(self, world: World, timeout: float) -> str:
         """Wait until every rank of ``world`` is there; "" or why not (the world is then stopped)."""

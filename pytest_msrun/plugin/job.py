@@ -214,11 +214,19 @@ class TestJob:
             for node, size in enumerate(sizes)
         ]
 
-    def reproduce_lines(self, cluster_time_out: int, timeout: float, nodeids: list[str] | None = None) -> list[str]:
-        """What a user types to run the same job (of ``nodeids``: default, the job's own) with the
-        same time limit (``timeout`` sends SIGTERM, which msrun answers by tearing the job down)."""
+    def reproduce_lines(
+        self,
+        cluster_time_out: int,
+        timeout: float,
+        nodeids: list[str] | None = None,
+        test_env: dict[str, str] | None = None,
+    ) -> list[str]:
+        """What a user types to run the same job (of ``nodeids``: default, the job's own, with
+        ``test_env`` too) with the same time limit (``timeout`` sends SIGTERM, which msrun answers
+        by tearing the job down)."""
         task = self.task(nodeids)
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted({**self.spec.env, **self.extra_env}.items()))
+        variables = {**self.spec.env, **(test_env or {}), **self.extra_env}
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(variables.items()))
         prefix = (env + " ") if env else ""
         sizes = self.spec.node_sizes()
         if self.cluster is not None:

@@ -40,7 +40,7 @@ from typing import Any
 import pytest
 
 from pytest_msrun.engine import processes
-from pytest_msrun.plugin import forked
+from pytest_msrun.plugin import envscope, forked
 from pytest_msrun.plugin.records import SHARED_TMP_ENV
 
 WORLD_ENV = "MSRUN_WORLD"
@@ -386,7 +386,8 @@ class WorldServer:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self.channel = channel = Channel(sock)
         plugin = self.rank_plugin
-        channel.send({"t": "hello", "rank": plugin.rank, "pid": os.getpid(), "token": self.token})
+        hello = {"t": "hello", "rank": plugin.rank, "pid": os.getpid(), "token": self.token}
+        channel.send({**hello, "env_read": envscope.reads()})
         setup_state = session._setupstate  # pytest's own fixture stack (xdist's workers drive it alike)
         try:
             while not self.quit:
@@ -427,6 +428,7 @@ class WorldServer:
         shared = msg.get("shared_dir")
         if shared:
             os.environ[SHARED_TMP_ENV] = str(shared)
+        replaced = envscope.apply(msg.get("env") or {})  # the test's own variables (--msrun-env-scope=test)
         self.snapshot = snapshot = Snapshot()
         self.next = LateNext()
         self.last = item
@@ -436,6 +438,7 @@ class WorldServer:
         finally:
             leaks, lingering = snapshot.leaks(ignore_fds={writer.fh.fileno(), *_group_fds()})
             snapshot.restore()
+            envscope.revert(replaced)
             self.snapshot = self.next = None
         return {"failed": plugin.test_failed, "leaks": leaks, "lingering": lingering, "group": _group_state()}
 
@@ -477,6 +480,7 @@ class WorldServer:
             shared = msg.get("shared_dir")
             if shared:
                 os.environ[SHARED_TMP_ENV] = str(shared)
+            envscope.apply(msg.get("env") or {})
             self.next = LateNext()
             self.last = item
             item.ihook.pytest_runtest_protocol(item=item, nextitem=self.next)
@@ -503,6 +507,8 @@ class WorldServer:
                 self.quit = True  # the controller is gone, or ends the world now: tear everything down
             elif not self.forking:  # a forked child keeps nothing: every fixture ends with it
                 following = answer.get("next")
+                if not answer.get("keep", True):  # the next test's variables differ: no fixture serves it
+                    following = None
                 self.next.item = self.items.get(str(following)) if following else None
         return (yield)
 

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pytest_msrun.plugin import envscope
 from pytest_msrun.plugin.forked import FORK_ENV
 from pytest_msrun.plugin.job import JobRun, Launched, TestJob, TestPaths
 from pytest_msrun.plugin.marker import MsrunSpec
@@ -77,6 +78,7 @@ class WarmTest:
     unforkable: str = ""  # why a forking world's ranks cannot fork it: run it as a fresh job instead
     leaks: dict[int, list[str]] = field(default_factory=dict)
     reported: set[tuple[int, str, str]] = field(default_factory=set)  # its teardown's reported failures
+    env: dict[str, str] = field(default_factory=dict)  # its own variables (--msrun-env-scope=test)
 
     def finish(self, next_id: str | None, exit_timeout: float) -> JobRun:
         """The teardown (keeping what ``next_id`` shares with this test; ``None`` ends the world),
@@ -84,7 +86,10 @@ class WarmTest:
         world = self.world
         if world.dead:
             return self.run
-        replies, timed_out = world.exchange({"t": "teardown", "next": next_id}, "done", self.deadline, release=True)
+        # fixtures kept for the next test only if it runs with the same variables as this one
+        keep = next_id is None or world.test_envs.get(next_id, {}) == self.env
+        teardown = {"t": "teardown", "next": next_id, "keep": keep}
+        replies, timed_out = world.exchange(teardown, "done", self.deadline, release=True)
         self.leaks = {r: list(reply.get("leaks") or []) for r, reply in replies.items() if reply.get("leaks")}
         groups = {repr(reply.get("group")) for reply in replies.values()}
         lingering = any(reply.get("lingering") for reply in replies.values())
@@ -119,11 +124,21 @@ class WarmTest:
 class World:
     """One warm world: its job, the controller's listening socket, one channel per rank."""
 
-    def __init__(self, key: tuple[Any, ...], job: TestJob, lease: Any, cluster_time_out: int) -> None:
+    def __init__(
+        self,
+        key: tuple[Any, ...],
+        job: TestJob,
+        lease: Any,
+        cluster_time_out: int,
+        test_envs: dict[str, dict[str, str]] | None = None,
+    ) -> None:
         self.key = key
         self.job = job
         self.lease = lease
         self.forking = bool(key) and key[-1] == FORKING  # each test in a child forked for it
+        # --msrun-env-scope=test: each test's own variables, set for it alone (node id -> variables)
+        self.test_envs = test_envs or {}
+        self.env_read: set[str] = set()  # which of them a rank looked up while it collected
         self.token = os.urandom(16).hex()
         self.server = socket.create_server(("127.0.0.1", 0))
         self.server.setblocking(False)
@@ -131,6 +146,9 @@ class World:
         env = {WORLD_ENV: f"127.0.0.1:{port}", WORLD_TOKEN_ENV: self.token}
         if self.forking:
             env[FORK_ENV] = "1"
+        watched = sorted({key for test_env in self.test_envs.values() for key in test_env})
+        if watched:
+            env[envscope.TRACK_ENV] = ",".join(watched)
         self.launched: Launched = job.launch(cluster_time_out, env)
         self.channels: dict[int, Channel] = {}
         self.dead = ""  # why it can run no more tests
@@ -179,6 +197,7 @@ class World:
                         continue
                     conn.settimeout(None)
                     self.channels[rank] = channel
+                    self.env_read.update(str(key) for key in (hello or {}).get("env_read") or ())
             self.connected = True
             return ""
         finally:
@@ -217,8 +236,13 @@ class World:
         # the first test's setup starts the world - or, started ahead, waits for it from its request
         started = max(self.created, self.claimed) if self.tests == 1 else time.time()
         deadline = time.monotonic() + timeout
-        msg = {"t": "run", "nodeid": nodeid, "report_dir": str(paths.report_dir), "shared_dir": str(paths.shared_dir)}
+        msg: dict[str, Any] = {"t": "run", "nodeid": nodeid, "report_dir": str(paths.report_dir)}
+        msg["shared_dir"] = str(paths.shared_dir)
+        env = self.test_envs.get(nodeid, {})
+        if env:
+            msg["env"] = env
         test = WarmTest(self, paths, nodeid, started, deadline, timeout, JobRun([], [], False, timeout, started, 0.0))
+        test.env = env
         self.last = test
         replies, timed_out = self.exchange(msg, "called", deadline, release=True, failure_grace=True)
         refusals = [str(r.get("why")) for r in replies.values() if r.get("t") == "unforkable"]
@@ -381,7 +405,7 @@ class World:
         """The run to judge ``test`` by: each rank's end, or - the world living on - that it lives on."""
         cluster_time_out = max(1, min(600, int(test.timeout)))
         run = JobRun(
-            reproduce_lines=self.job.reproduce_lines(cluster_time_out, test.timeout, [test.nodeid]),
+            reproduce_lines=self.job.reproduce_lines(cluster_time_out, test.timeout, [test.nodeid], test.env),
             exit_codes=[p.returncode for p in self.launched.procs],
             timed_out=timed_out,
             timeout=test.timeout,
