@@ -128,9 +128,9 @@ import sys, time
 from pytest_msrun.engine import containment
 
 create = containment.create
-def slow_create(job_id, env=None):
+def slow_create(job_id, env=None, **kw):
     time.sleep(float(sys.argv[1]))  # a grace period as long as on a loaded machine
-    return create(job_id, env)
+    return create(job_id, env, **kw)
 
 containment.create = slow_create
 from pytest_msrun.entry import main
@@ -152,18 +152,19 @@ Path(os.environ["DUMP_DIR"], "comms").write_text(" ".join(comms))
 """
 
 
-@pytest.mark.parametrize("entry_delay", [0.0, 0.3])
-def test_the_control_plane_is_a_fork_of_msrun(msrun, entry_delay):
+@pytest.mark.parametrize(("entry_delay", "birth"), [(0.0, "1"), (0.0, "0"), (0.3, "0")])
+def test_the_control_plane_is_a_fork_of_msrun(msrun, entry_delay, birth):
     """With the builtin control plane, the scheduler process is msrun forked (``msrun-scheduler``
-    in ps), not a second interpreter - also when entering the job's cgroup takes long (msrun had
-    decided before it was inside, with the thread moving it there still running)."""
+    in ps), not a second interpreter: born inside the job's cgroup, or forked once msrun moved in -
+    also when moving in takes long (msrun had decided before it was inside, with the thread moving
+    it there still running)."""
     msrun.script("siblings.py", SIBLINGS)
     driver = msrun.script("driver.py", DRIVER)
     args = ["--worker_num=1", "--local_worker_num=1", "--master_port=0", "--join=True", "siblings.py"]
     proc = subprocess.run(
         [sys.executable, str(driver), str(entry_delay), *args],
         cwd=msrun.cwd,
-        env=msrun.env(),
+        env=msrun.env({"MSRUN_CGROUP_BIRTH": birth}),
         capture_output=True,
         text=True,
         timeout=120,

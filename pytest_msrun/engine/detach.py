@@ -15,6 +15,7 @@ import sys
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.plan import NodeFacts
+from pytest_msrun.engine.processes import BirthRefused, fork_into
 
 SUPERVISOR_LOG = "msrun_supervisor.log"
 
@@ -22,12 +23,17 @@ SUPERVISOR_LOG = "msrun_supervisor.log"
 def launch_detached(cfg: LaunchConfig, facts: NodeFacts, guard: JobGuard) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
-    guard.ready()  # inside the job's cgroup before forking: the supervisor and its job start there
+    guard.ready()  # the supervisor and its job start inside the job's cgroup
     read_fd, write_fd = os.pipe()
     launcher = os.getpid()
-    pid = os.fork()
+    try:
+        pid = fork_into(guard.birth_fd())
+    except BirthRefused:
+        guard.move_in()
+        pid = os.fork()
     if pid == 0:  # the supervisor
-        guard.spare.add(launcher)  # it leaves the job's cgroup, but may not have yet
+        guard.born_inside()
+        guard.spare.add(launcher)  # it leaves the job's cgroup (if it was in), but may not have yet
         os.close(read_fd)
         code = 1
         try:
