@@ -205,7 +205,10 @@ NAMES = st.sampled_from(["MSRUN_T_A", "MSRUN_T_B", "MSRUN_T_C"])
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.dictionaries(NAMES, st.text(alphabet="xyz", max_size=3)), st.dictionaries(NAMES, st.text(alphabet="ab =:1", max_size=3)))
+@given(
+    st.dictionaries(NAMES, st.text(alphabet="xyz", max_size=3)),
+    st.dictionaries(NAMES, st.text(alphabet="ab =:1", max_size=3)),
+)
 def test_apply_then_revert_leaves_the_environment_as_it_was(before, env):
     saved = {name: os.environ.pop(name) for name in ("MSRUN_T_A", "MSRUN_T_B", "MSRUN_T_C") if name in os.environ}
     try:
