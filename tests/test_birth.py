@@ -10,11 +10,10 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import uuid
 
 import pytest
-from conftest import job_args, wait_for
+from conftest import job_args, wait_child, wait_for
 
 from pytest_msrun.engine import containment, processes
 
@@ -44,17 +43,6 @@ def job_cgroup():
         assert cgroup.remove(10), "the test cgroup still had members"
 
 
-def _wait(pid: int) -> int:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        got, status = os.waitpid(pid, os.WNOHANG)
-        if got:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    raise AssertionError("the child did not end")
-
-
 def _status_fields(text: str) -> dict[str, str]:
     return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
 
@@ -75,7 +63,7 @@ def test_a_spawned_child_is_born_inside_and_starts_as_posix_spawn_would(job_cgro
         signal.signal(signal.SIGTERM, old)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
         os.close(log_fd)
-    assert _wait(pid) == 0
+    assert wait_child(pid) == 0
     text = log.read_text()
     fields = _status_fields(text)
     assert int(fields["SigBlk"], 16) == 0
@@ -106,7 +94,7 @@ def where(env: dict[str, str]) -> int:
 def test_a_forked_call_is_born_inside(job_cgroup, tmp_path):
     out = tmp_path / "where.json"
     pid = processes.fork_call(f"{__name__}:where", {"OUT": str(out)}, cgroup_fd=job_cgroup.fd)
-    assert _wait(pid) == 5
+    assert wait_child(pid) == 5
     facts = json.loads(out.read_text())
     assert facts["self"] == _relative(job_cgroup)
     assert facts["sid"] == facts["pid"] == pid
@@ -129,7 +117,7 @@ def test_a_refused_birth_raises_and_leaves_this_process_able_to_fork(tmp_path):
     pid = os.fork()
     if pid == 0:
         os._exit(4)
-    assert _wait(pid) == 4
+    assert wait_child(pid) == 4
 
 
 WHERE = """

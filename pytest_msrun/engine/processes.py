@@ -140,6 +140,13 @@ def fork_into(cgroup_fd: int | None) -> int:
     return int(pid)
 
 
+def _flush_output() -> None:
+    """Before a fork: what is buffered here must not be written twice."""
+    for stream in (sys.stdout, sys.stderr):
+        with _suppress(OSError, ValueError):
+            stream.flush()
+
+
 class _SignalsHeld:
     """Every signal blocked in this thread (and so in a child forked meanwhile, until it unblocks
     them): a signal reaching the child before it reset its handlers would run this process's
@@ -183,9 +190,7 @@ def _spawn_into(
     child sets itself up as ``posix_spawn``'s would be and execs; an exec that fails raises here."""
     read_end, write_end = os.pipe()  # close-on-exec: end of file once the child exec'd
     try:
-        for stream in (sys.stdout, sys.stderr):  # what is buffered here must not be written twice
-            with _suppress(OSError, ValueError):
-                stream.flush()
+        _flush_output()
         with _SignalsHeld():
             pid = fork_into(cgroup_fd)
             if pid == 0:
@@ -293,9 +298,7 @@ def fork_call(
     closed but ``keep_fds``, ``os.environ`` replaced by ``env`` (in the child only). Call it with
     no other thread running (a fork copies only the calling thread, not the locks others hold).
     ``cgroup_fd``: the child is born inside that cgroup (:func:`fork_into`)."""
-    for stream in (sys.stdout, sys.stderr):  # what is buffered here must not be written twice
-        with _suppress(OSError, ValueError):
-            stream.flush()
+    _flush_output()
     with _SignalsHeld():
         pid = fork_into(cgroup_fd)
         if pid == 0:
