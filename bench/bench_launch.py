@@ -11,8 +11,7 @@ For each N, in shuffled order every round:
 * floor: N bare concurrent ``python trivial.py`` spawns, waited for (what any launcher pays);
 * ``pmsrun --join=True`` with N such workers (its scheduler, logs, supervision included);
 * the same with ``MSRUN_CGROUP=off`` (containment by the environment sweep alone: what the
-  job's cgroup costs) and with ``MSRUN_CGROUP_BIRTH=0`` (msrun moves into the job's cgroup,
-  which waits for a kernel RCU grace period, instead of starting its processes inside it);
+  job's cgroup costs - moving into a new cgroup waits for a kernel RCU grace period);
 * ``mpirun -np N python trivial.py`` (Open MPI, when installed: ``apt-get install openmpi-bin``).
 
 Overhead = the median of each round's (launcher - floor), with its 25th-75th percentile.
@@ -179,9 +178,6 @@ def main() -> int:
                 "msrun-nocg": lambda i, n=n, logs=logs: run_timed(
                     msrun_cmd(python, n, logs / f"n{i}", trivial), {**env, "MSRUN_CGROUP": "off"}
                 ),
-                "msrun-moved": lambda i, n=n, logs=logs: run_timed(
-                    msrun_cmd(python, n, logs / f"m{i}", trivial), {**env, "MSRUN_CGROUP_BIRTH": "0"}
-                ),
             }
             if mpirun:
                 contenders["mpirun"] = lambda i, n=n: run_timed(mpirun_cmd(python, n, trivial), env)
@@ -190,7 +186,7 @@ def main() -> int:
             floor = t["floor"]
             print(f"\nN = {n}")
             print(f"  {'floor: ' + str(n) + ' bare python spawns':<32} {ms(floor)}")
-            for name in ("msrun", "msrun-nocg", "msrun-moved", "mpirun"):
+            for name in ("msrun", "msrun-nocg", "mpirun"):
                 if name not in t:
                     continue
                 over = diffs(t[name], floor)
@@ -198,7 +194,6 @@ def main() -> int:
                 what = {
                     "msrun": f"pmsrun --join=True, {n} workers",
                     "msrun-nocg": "  the same, MSRUN_CGROUP=off",
-                    "msrun-moved": "  the same, MSRUN_CGROUP_BIRTH=0",
                     "mpirun": f"mpirun -np {n}",
                 }[name]
                 line = f"  {what:<32} {ms(t[name])}  overhead {ms(over)}  ratio {ratio:.2f}x"

@@ -40,7 +40,7 @@ BENCHES = {
     ),
     "launch, this checkout": (
         ["bench_launch.py", "--runs", "1", "--sizes", "2", "--no-mpirun", "--failure-workers", "2", "--here"],
-        ["pmsrun --join=True, 2 workers", "MSRUN_CGROUP=off", "MSRUN_CGROUP_BIRTH=0", "result:"],
+        ["pmsrun --join=True, 2 workers", "MSRUN_CGROUP=off", "result:"],
     ),
     "collective": (
         ["bench_collective.py", "--sizes", "8", "--runs", "1", "--nodes", "2", "--here"],

@@ -73,19 +73,7 @@ def wait_none_tagged(tag: str, timeout: float = 5.0) -> list[psutil.Process]:
 
 # Every containment mode, on every host: a cgroup mode this host lacks is collected and skips with
 # the reason (fails under MSRUN_TEST_REQUIRE=cgroup: tests/conftest.py); the sweep always runs.
-# ``v2`` starts the job's processes inside the cgroup (clone3); ``v2-moved`` is the fallback where
-# the kernel cannot: msrun moves in and its children inherit the cgroup.
-MODES = [
-    *(pytest.param(mode, marks=pytest.mark.cgroup(mode), id=mode) for mode in CGROUP_MODES),
-    pytest.param("v2-moved", marks=pytest.mark.cgroup("v2"), id="v2-moved"),
-    "off",
-]
-
-
-def _mode_env(mode: str) -> dict[str, str]:
-    if mode == "v2-moved":
-        return {containment.CGROUP_ENV: "v2", containment.BIRTH_ENV: "0"}
-    return {containment.CGROUP_ENV: mode}
+MODES = [pytest.param(mode, marks=pytest.mark.cgroup(mode), id=mode) for mode in CGROUP_MODES] + ["off"]
 
 
 def _cgroups_left(job_id: str) -> list[str]:
@@ -107,7 +95,7 @@ def test_kill_9_leaves_no_escapee(msrun, mode, target):
     processes, whichever group or session they moved to, are all gone."""
     tag = f"escapee-{mode}-{target}-{os.getpid()}"
     msrun.script("escapees.py", ESCAPEES)
-    env = {"TAG": tag, **_mode_env(mode)}
+    env = {"TAG": tag, containment.CGROUP_ENV: mode}
     if target == "msrun":
         popen = msrun.start(job_args(2, "escapees.py"), env=env)
     else:
@@ -135,7 +123,7 @@ def test_escapees_die_with_the_job(msrun, mode, ending):
     tag = f"escapee-{mode}-{ending.replace(' ', '')}-{os.getpid()}"
     msrun.script("escapees.py", ESCAPEES)
     go = msrun.cwd / "go"
-    env = {"TAG": tag, **_mode_env(mode), "GO_FILE": str(go)}
+    env = {"TAG": tag, containment.CGROUP_ENV: mode, "GO_FILE": str(go)}
     if ending == "rank fails":
         env["FAIL_RANK"] = "1"
     popen = msrun.start(job_args(2, "escapees.py"), env=env)
@@ -164,7 +152,9 @@ def test_what_escapes_without_a_cgroup(msrun, mode):
     tag = f"noenv-{mode}-{os.getpid()}"
     msrun.script("escapees.py", ESCAPEES)
     try:
-        popen = msrun.start(job_args(1, "escapees.py"), env={"TAG": tag, **_mode_env(mode), "NO_ENV_ESCAPEE": "1"})
+        popen = msrun.start(
+            job_args(1, "escapees.py"), env={"TAG": tag, containment.CGROUP_ENV: mode, "NO_ENV_ESCAPEE": "1"}
+        )
         wait_for(lambda: len(tagged(tag)) == 5, timeout=15)
         popen.kill()
         popen.wait()

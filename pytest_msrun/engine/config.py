@@ -67,7 +67,7 @@ def check_environment(env: dict[str, str]) -> None:
     cgroup = env.get("MSRUN_CGROUP", "").strip().lower()
     if cgroup not in ("", "auto", "v2", "freezer", "off", "0", "no", "false"):
         raise ConfigError("", f"MSRUN_CGROUP={cgroup!r}: must be auto, v2, freezer or off")
-    for name in ("MSRUN_ERROR_FILES", "MSRUN_SLURM", "MSRUN_CGROUP_BIRTH"):
+    for name in ("MSRUN_ERROR_FILES", "MSRUN_SLURM"):
         value = env.get(name, "").strip().lower()
         if value not in SWITCHES:
             raise ConfigError("", f"{name}={value!r}: must be 1 or 0 (on/off)")

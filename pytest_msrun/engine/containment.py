@@ -1,15 +1,13 @@
 """A job is a unit the kernel can kill: every process it starts lives in the job's own cgroup.
 
-At start-up msrun creates ``msrun-<job id>`` below its own cgroup. On cgroup v2 every process it
-starts is *born* inside (``clone3`` with ``CLONE_INTO_CGROUP``, Linux >= 5.7: a fork from Python
-instead of ``posix_spawn``) and msrun itself stays out; elsewhere - the v1 freezer, an older
-kernel or one that refuses - msrun moves itself in (on a background thread, overlapping its own
-planning) and its children inherit the cgroup. Moving a process into a cgroup waits for a kernel
-RCU grace period (1-20 ms); a birth inside it does not. Either way everything the job's processes
-start - new sessions, new process groups, double-forked daemons - is inside too. At teardown
-msrun SIGKILLs every other member of the cgroup's subtree until none is left. Its watchdog stays
-outside; if msrun is SIGKILLed it kills the job with one write, and once msrun is gone (and the
-job's processes with it) it removes the empty cgroup:
+At start-up msrun creates ``msrun-<job id>`` below its own cgroup and moves itself in (once, on a
+background thread: the first migration into a cgroup waits for an RCU grace period, ~15 ms, which
+then overlaps msrun's own planning). Everything it starts afterwards - and everything those start:
+new sessions, new process groups, double-forked daemons - is inside. msrun never moves again (a
+later move would cost that grace period on the failure path): at teardown it SIGKILLs every other
+member of the cgroup's subtree until none is left. Its watchdog, started before msrun moved in,
+stays outside; if msrun is SIGKILLed it kills the job with one write, and once msrun is gone it
+removes the empty cgroup:
 
 * cgroup v2 (``/sys/fs/cgroup``, or ``/sys/fs/cgroup/unified`` on hybrid hosts): ``cgroup.kill``
   (Linux >= 5.14), else freeze (``cgroup.freeze``), SIGKILL every member, thaw;
@@ -20,8 +18,7 @@ not depend on process groups either: every child inherits ``MSRUN_JOB_ID``, and 
 kills every process whose environment carries this job's id, repeating until none is left. What
 that misses - a process that clears its environment, or another user's - is stated in docs/launcher.md (No survivor).
 ``MSRUN_CGROUP`` picks: ``auto`` (default: v2, else v1 freezer, else the sweep), ``v2``,
-``freezer``, or ``off`` (the sweep only); ``MSRUN_CGROUP_BIRTH=0`` makes msrun move into a v2
-cgroup instead of starting its processes inside.
+``freezer``, or ``off`` (the sweep only).
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ from pytest_msrun.engine import timeline
 from pytest_msrun.record import record
 
 CGROUP_ENV = "MSRUN_CGROUP"
-BIRTH_ENV = "MSRUN_CGROUP_BIRTH"
 
 
 def _mounts() -> dict[str, str]:
@@ -91,7 +87,6 @@ class JobCgroup:
     kind: str
     path: str
     home: str  # the cgroup msrun returns to after starting processes
-    fd: int | None = None  # open while msrun's children are born inside it (msrun is not)
 
     @property
     def procs_file(self) -> str:
@@ -109,8 +104,6 @@ class JobCgroup:
 
     def leave(self) -> None:
         """Move this process back to where it came from (it is not part of the job)."""
-        if self.fd is not None:  # it never went in
-            return
         try:
             _write(os.path.join(self.home, "cgroup.procs"), "0")
         except OSError:
@@ -153,12 +146,8 @@ class JobCgroup:
         return [f"cgroup {self.kind} {kill} {self.path}"]
 
 
-def create(
-    job_id: str, env: dict[str, str] | None = None, birth: bool = False, births_only: bool = False
-) -> JobCgroup | None:
-    """Create the job's cgroup below this process's own and move this process into it - or, with
-    ``birth`` and on cgroup v2, open it for children to be born in (:attr:`JobCgroup.fd`;
-    ``births_only``: None rather than moving in).
+def create(job_id: str, env: dict[str, str] | None = None) -> JobCgroup | None:
+    """Create the job's cgroup below this process's own and move this process into it.
 
     None where no cgroup can be created or entered (no cgroup filesystem, no delegation, not
     root, or ``MSRUN_CGROUP=off``).
@@ -185,15 +174,6 @@ def create(
         except OSError:
             continue
         job = JobCgroup(kind, path, home)
-        if birth and kind == "v2":
-            try:
-                job.fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-                return job
-            except OSError:
-                pass
-        if births_only:
-            job.remove(0)
-            continue
         try:
             _write(job.procs_file, "0")  # this process (and so all it forks from now on) moves in
         except OSError:
@@ -364,38 +344,17 @@ class Watchdog:
         self._close()
 
 
-def births_possible(env: dict[str, str] | None = None) -> bool:
-    """Whether children may be born inside a cgroup here: Linux >= 5.7 (``clone3`` with
-    ``CLONE_INTO_CGROUP``) and not turned off (``MSRUN_CGROUP_BIRTH=0``). A kernel that still
-    refuses (seccomp, a container) is found at the first birth and msrun moves in instead."""
-    if (os.environ if env is None else env).get(BIRTH_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
-        return False
-    release = os.uname().release.split(".")
-    try:
-        return (int(release[0]), int(release[1].split("-")[0])) >= (5, 7)
-    except (IndexError, ValueError):
-        return False
-
-
 class JobGuard:
     """What makes sure a job never outlives msrun: the watchdog (started first, so it stays
-    outside the job's cgroup) and the job's cgroup - which msrun's children are born in, or which
-    msrun enters in the background."""
+    outside the job's cgroup) and the job's cgroup, which msrun enters in the background."""
 
     def __init__(self, job_id: str, env: dict[str, str]) -> None:
         self.job_id = job_id
-        self.env = env
         self.watchdog = Watchdog()
         self.watchdog.start()
         self.watchdog.job(job_id)
+        self.entering: Entering | None = Entering(job_id, env)
         self.cgroup: JobCgroup | None = None
-        self.entering: Entering | None = None
-        if births_possible(env):
-            self.cgroup = create(job_id, env, birth=True, births_only=True)
-        if self.cgroup is not None:
-            self.watchdog.cgroup(self.cgroup.watchdog_lines())
-        else:  # moving in instead: in the background, while msrun plans
-            self.entering = Entering(job_id, env)
         self.handed_off = False  # another process (the detached supervisor) owns the job now
         self.spare: set[int] = set()  # not part of the job although in its cgroup (the launcher)
 
@@ -410,30 +369,6 @@ class JobGuard:
             if self.cgroup is not None:
                 self.watchdog.cgroup(self.cgroup.watchdog_lines())
         return self.cgroup
-
-    def birth_fd(self) -> int | None:
-        """The cgroup to start a process inside (None: this process is inside, children inherit)."""
-        return self.cgroup.fd if self.cgroup is not None else None
-
-    def born_inside(self) -> None:
-        """This process was born inside the job's cgroup: what it starts inherits it."""
-        if self.cgroup is not None and self.cgroup.fd is not None:
-            os.close(self.cgroup.fd)
-            self.cgroup.fd = None
-
-    def move_in(self) -> None:
-        """The kernel refused a birth inside the job's cgroup: move this process in instead, so
-        that what it starts from now on inherits the cgroup."""
-        cgroup = self.cgroup
-        if cgroup is None or cgroup.fd is None:
-            return
-        os.close(cgroup.fd)
-        cgroup.fd = None
-        try:
-            _write(cgroup.procs_file, "0")
-        except OSError:  # not even that: the job runs with the environment sweep
-            cgroup.remove(0)
-            self.cgroup = None
 
     def describe(self) -> str:
         if self.cgroup is not None:

@@ -15,7 +15,6 @@ import sys
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.plan import NodeFacts
-from pytest_msrun.engine.processes import BirthRefused, fork_into
 
 SUPERVISOR_LOG = "msrun_supervisor.log"
 
@@ -23,17 +22,12 @@ SUPERVISOR_LOG = "msrun_supervisor.log"
 def launch_detached(cfg: LaunchConfig, facts: NodeFacts, guard: JobGuard) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
-    guard.ready()  # the supervisor and its job start inside the job's cgroup
+    guard.ready()  # inside the job's cgroup before forking: the supervisor and its job start there
     read_fd, write_fd = os.pipe()
     launcher = os.getpid()
-    try:
-        pid = fork_into(guard.birth_fd())
-    except BirthRefused:
-        guard.move_in()
-        pid = os.fork()
+    pid = os.fork()
     if pid == 0:  # the supervisor
-        guard.born_inside()
-        guard.spare.add(launcher)  # it leaves the job's cgroup (if it was in), but may not have yet
+        guard.spare.add(launcher)  # it leaves the job's cgroup, but may not have yet
         os.close(read_fd)
         code = 1
         try:

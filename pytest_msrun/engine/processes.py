@@ -1,8 +1,7 @@
 """The job's processes on this node: start them, watch them end, stop them with grace, sweep.
 
 Every child runs in its own session (so a tty stays readable for ``pdb``, as with msrun),
-started with ``posix_spawn`` - one ``vfork`` + ``exec`` from C, no Python in the child - or, to
-be born inside the job's cgroup, a ``clone3`` fork that sets itself up alike and execs. The
+started with ``posix_spawn`` - one ``vfork`` + ``exec`` from C, no Python in the child. The
 launcher is a child subreaper, so descendants orphaned by a dying child are re-parented to it
 and swept. What survives a SIGKILLed launcher is the business of
 :mod:`pytest_msrun.engine.containment` (the job's cgroup and its watchdog).
@@ -101,136 +100,6 @@ def with_parent_death_signal(
     return list(argv), setup
 
 
-CLONE_INTO_CGROUP = 0x200000000
-SYS_CLONE3 = 435  # the same number on every Linux architecture (syscalls added since 5.1 are)
-_SIGCHLD = 17
-_py: Any = None  # libc and the interpreter's C API, called with the GIL held (a fork must be)
-
-
-class BirthRefused(OSError):
-    """The kernel would not start a child inside a cgroup (no ``clone3``, or it refused)."""
-
-
-def fork_into(cgroup_fd: int | None) -> int:
-    """``os.fork()`` - the child born inside the cgroup open as ``cgroup_fd`` (``clone3`` with
-    ``CLONE_INTO_CGROUP``, Linux >= 5.7), so that no process ever moves into it: moving one waits
-    for a kernel RCU grace period. ``cgroup_fd`` None: a plain ``os.fork()``. Raises
-    :class:`BirthRefused` when the kernel cannot; the interpreter is prepared and recovers as
-    ``os.fork()`` does it (``os.register_at_fork`` handlers run)."""
-    if cgroup_fd is None:
-        return os.fork()
-    global _py
-    import ctypes
-
-    if _py is None:
-        libc = ctypes.PyDLL(None, use_errno=True)  # PyDLL: the GIL stays held across the call
-        libc.syscall.restype = ctypes.c_long
-        _py = (libc.syscall, ctypes.pythonapi)
-    syscall, api = _py
-    args = (ctypes.c_uint64 * 11)(CLONE_INTO_CGROUP, 0, 0, 0, _SIGCHLD, 0, 0, 0, 0, 0, cgroup_fd)
-    api.PyOS_BeforeFork()
-    pid = syscall(ctypes.c_long(SYS_CLONE3), ctypes.byref(args), ctypes.c_size_t(ctypes.sizeof(args)))
-    if pid == 0:
-        api.PyOS_AfterFork_Child()
-        return 0
-    err = ctypes.get_errno()
-    api.PyOS_AfterFork_Parent()
-    if pid < 0:
-        raise BirthRefused(err, os.strerror(err))
-    return int(pid)
-
-
-def _flush_output() -> None:
-    """Before a fork: what is buffered here must not be written twice."""
-    for stream in (sys.stdout, sys.stderr):
-        with _suppress(OSError, ValueError):
-            stream.flush()
-
-
-class _SignalsHeld:
-    """Every signal blocked in this thread (and so in a child forked meanwhile, until it unblocks
-    them): a signal reaching the child before it reset its handlers would run this process's
-    handler there - and write to this process's wake-up pipe, which the child shares."""
-
-    def __enter__(self) -> None:
-        self.mask = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-
-    def __exit__(self, *exc: object) -> None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, self.mask)
-
-
-def _child_signals(*, python: bool) -> None:
-    """In a forked child, with every signal blocked: no wake-up pipe, every handler at its default
-    (``python``: as a fresh interpreter has them - KeyboardInterrupt, and EPIPE / EFBIG rather
-    than death), then nothing blocked - as ``posix_spawn`` leaves an exec'd child."""
-    with _suppress(ValueError, OSError):
-        signal.set_wakeup_fd(-1)
-    for sig in signal.valid_signals():
-        if sig not in (signal.SIGKILL, signal.SIGSTOP) and signal.getsignal(sig) is not signal.SIG_DFL:
-            with _suppress(OSError, ValueError):
-                signal.signal(sig, signal.SIG_DFL)
-    if python:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        for sig in _DEFAULT_IN_CHILD:
-            signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_SETMASK, ())
-
-
-def _spawn_into(
-    path: str,
-    argv: list[str],
-    env: Mapping[str, str],
-    cgroup_fd: int,
-    stdin_fd: int | None,
-    output_fd: int | None,
-    new_session: bool,
-    cpus: list[int] | None,
-) -> int:
-    """What :func:`spawn_pid` does, the child born inside the cgroup ``cgroup_fd``: a fork whose
-    child sets itself up as ``posix_spawn``'s would be and execs; an exec that fails raises here."""
-    read_end, write_end = os.pipe()  # close-on-exec: end of file once the child exec'd
-    try:
-        _flush_output()
-        with _SignalsHeld():
-            pid = fork_into(cgroup_fd)
-            if pid == 0:
-                try:
-                    os.close(read_end)
-                    if new_session:
-                        os.setsid()
-                    if stdin_fd is not None:
-                        os.dup2(stdin_fd, 0)
-                    if output_fd is not None:
-                        os.dup2(output_fd, 1)
-                        os.dup2(output_fd, 2)
-                    if cpus is not None:
-                        os.sched_setaffinity(0, cpus)
-                    _child_signals(python=False)
-                    os.execve(path, argv, env)
-                except OSError as exc:
-                    with _suppress(OSError):
-                        os.write(write_end, str(exc.errno or 0).encode())
-                finally:
-                    os._exit(127)
-        os.close(write_end)
-        write_end = -1
-        failed = b""
-        while True:
-            chunk = os.read(read_end, 16)
-            if not chunk:
-                break
-            failed += chunk
-        if failed:
-            os.waitpid(pid, 0)
-            errno = int(failed)
-            raise OSError(errno, os.strerror(errno), path)
-        return pid
-    finally:
-        os.close(read_end)
-        if write_end >= 0:
-            os.close(write_end)
-
-
 def resolve(program: str, env: Mapping[str, str]) -> str:
     """``program`` as ``exec`` will run it: a path, or found on the *child's* ``PATH``."""
     if os.sep in program:
@@ -249,15 +118,12 @@ def spawn_pid(
     output_fd: int | None = None,
     new_session: bool = True,
     cpus: list[int] | None = None,
-    cgroup_fd: int | None = None,
 ) -> int:
     """Start ``argv`` with ``posix_spawn``; returns its pid.
 
     ``stdin_fd``/``output_fd``: what the child gets as fd 0 / fds 1 and 2 (None: this process's).
     Only inheritable descriptors reach the child (Python opens everything close-on-exec).
     ``cpus``: the CPUs the child may run on, inherited from this thread's affinity at spawn.
-    ``cgroup_fd``: the child is born inside that cgroup (a fork and an exec from Python instead:
-    ``posix_spawn`` cannot).
     """
     actions: list[tuple[Any, ...]] = []
     if stdin_fd is not None:
@@ -265,8 +131,6 @@ def spawn_pid(
     if output_fd is not None:
         actions += [(os.POSIX_SPAWN_DUP2, output_fd, 1), (os.POSIX_SPAWN_DUP2, output_fd, 2)]
     path = resolve(argv[0], env)
-    if cgroup_fd is not None:
-        return _spawn_into(path, argv, env, cgroup_fd, stdin_fd, output_fd, new_session, cpus)
     saved = None
     if cpus is not None:  # binding without taskset: the child starts with this thread's affinity
         saved = os.sched_getaffinity(0)
@@ -288,7 +152,6 @@ def fork_call(
     output_fd: int | None = None,
     keep_fds: tuple[int, ...] = (),
     cpus: list[int] | None = None,
-    cgroup_fd: int | None = None,
 ) -> int:
     """Run ``call`` (``"module:function"``, called with the environment as a dict and returning
     the exit status) in a forked copy of this process, in a session of its own; returns its pid.
@@ -296,24 +159,13 @@ def fork_call(
     What ``posix_spawn`` of a Python program would give, minus an interpreter's start-up and its
     imports: signals at their defaults and unblocked, fds 0-2 as given, every other descriptor
     closed but ``keep_fds``, ``os.environ`` replaced by ``env`` (in the child only). Call it with
-    no other thread running (a fork copies only the calling thread, not the locks others hold).
-    ``cgroup_fd``: the child is born inside that cgroup (:func:`fork_into`)."""
-    _flush_output()
-    with _SignalsHeld():
-        pid = fork_into(cgroup_fd)
-        if pid == 0:
-            _call_in_child(call, env, stdin_fd, output_fd, keep_fds, cpus)  # never returns
-    return pid
-
-
-def _call_in_child(
-    call: str,
-    env: Mapping[str, str],
-    stdin_fd: int | None,
-    output_fd: int | None,
-    keep_fds: tuple[int, ...],
-    cpus: list[int] | None,
-) -> None:
+    no other thread running (a fork copies only the calling thread, not the locks others hold)."""
+    for stream in (sys.stdout, sys.stderr):  # what is buffered here must not be written twice
+        with _suppress(OSError, ValueError):
+            stream.flush()
+    pid = os.fork()
+    if pid:
+        return pid
     code = 1
     try:
         os.setsid()
@@ -321,7 +173,17 @@ def _call_in_child(
 
         gc.freeze()  # msrun's start-up objects: never walked here (nor copied by collections)
         gc.enable()  # as a fresh interpreter has it (msrun holds it off while it starts)
-        _child_signals(python=True)
+        with _suppress(ValueError, OSError):
+            signal.set_wakeup_fd(-1)
+        for sig in signal.valid_signals():
+            if sig not in (signal.SIGKILL, signal.SIGSTOP):
+                with _suppress(OSError, ValueError):
+                    signal.signal(sig, signal.SIG_DFL)
+        # as a fresh interpreter has them: KeyboardInterrupt, and EPIPE / EFBIG rather than death
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for sig in _DEFAULT_IN_CHILD:
+            signal.signal(sig, signal.SIG_IGN)
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
         if stdin_fd is not None:
             os.dup2(stdin_fd, 0)
         if output_fd is not None:
@@ -359,9 +221,9 @@ def _call_in_child(
         with _suppress(Exception):
             traceback.print_exc()
     finally:
-        for out in (sys.stdout, sys.stderr):
+        for stream in (sys.stdout, sys.stderr):
             with _suppress(Exception):
-                out.flush()
+                stream.flush()
         os._exit(code)
 
 
@@ -443,9 +305,8 @@ def describe_returncode(returncode: int) -> str:
     return f"exited with code {returncode}"
 
 
-def spawn(launch: Launch, tag: Any = None, cgroup_fd: int | None = None) -> Child:
-    """Start ``launch`` with its log file as stdout+stderr (truncated, as msrun does); ``cgroup_fd``:
-    born inside that cgroup (:class:`BirthRefused` when the kernel will not)."""
+def spawn(launch: Launch, tag: Any = None) -> Child:
+    """Start ``launch`` with its log file as stdout+stderr (truncated, as msrun does)."""
     log_dir = os.path.dirname(launch.log_path)
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
@@ -462,12 +323,9 @@ def spawn(launch: Launch, tag: Any = None, cgroup_fd: int | None = None) -> Chil
                 output_fd=log,
                 keep_fds=launch.pass_fds,
                 cpus=launch.in_child_cpus,
-                cgroup_fd=cgroup_fd,
             )
         else:
-            pid = spawn_pid(
-                launch.argv, launch.env, stdin_fd=null, output_fd=log, cpus=launch.in_child_cpus, cgroup_fd=cgroup_fd
-            )
+            pid = spawn_pid(launch.argv, launch.env, stdin_fd=null, output_fd=log, cpus=launch.in_child_cpus)
     finally:
         for fd in launch.pass_fds:
             with _suppress(OSError):
@@ -583,11 +441,7 @@ class ProcessGroup:
 
     def start(self, launch: Launch, tag: Any = None) -> Child:
         self.guard.ready()  # every process starts inside the job's cgroup
-        try:
-            child = spawn(launch, tag, self.guard.birth_fd())
-        except BirthRefused:
-            self.guard.move_in()  # then msrun's children inherit the cgroup
-            child = spawn(launch, tag)
+        child = spawn(launch, tag)
         self.guard.watchdog.guard(child.pid)
         self.children.append(child)
         self.loop.watch(child)
