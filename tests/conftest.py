@@ -323,6 +323,18 @@ def env_dump(msrun: Msrun) -> Path:
     return msrun.script("env_dump.py", ENV_DUMP)
 
 
+def wait_child(pid: int, timeout: float = 60.0) -> int:
+    """The exit code of this process's child ``pid`` (polled; SIGKILLed and failed past ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"child {pid} did not end within {timeout:g} s")
+
+
 def wait_for(predicate, timeout: float = 15.0, interval: float = 0.02):
     """Poll ``predicate`` until it returns something truthy; fail the test on timeout."""
     deadline = time.monotonic() + timeout

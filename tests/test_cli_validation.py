@@ -63,6 +63,20 @@ def test_bad_flag_exits_2_naming_the_flag(msrun, env_dump, args, flag, text):
     assert not list(msrun.dump.iterdir())
 
 
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("MSRUN_CGROUP", "v3"), ("MSRUN_AUTH_TIMEOUT", "5s"), ("MSRUN_SLURM", "2"), ("MSRUN_ERROR_FILES", "maybe")],
+)
+def test_a_malformed_variable_exits_2_naming_it(msrun, name, value):
+    msrun.script("x.py", "pass\n")
+    args = ["--worker_num=1", "--local_worker_num=1", "--join=True", "--log_dir=logs", "x.py"]
+    job = msrun.run(args, env={name: value})
+    assert job.returncode == 2
+    (line,) = [ln for ln in job.stderr.splitlines() if "error" in ln]
+    assert f"{name}={value!r}" in line and "must be" in line, line
+    assert not (msrun.cwd / "logs").exists()
+
+
 def test_missing_task_script(msrun):
     job = msrun.run(["--worker_num=1", "--local_worker_num=1"])
     assert job.returncode == 2

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import wait_for
+from conftest import wait_child, wait_for
 
 from pytest_msrun.engine import processes
 
@@ -44,17 +44,6 @@ def failing(env: dict[str, str]) -> int:
     raise RuntimeError("fails on purpose")
 
 
-def _wait(pid: int) -> int:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        got, status = os.waitpid(pid, os.WNOHANG)
-        if got:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.01)
-    os.kill(pid, signal.SIGKILL)
-    raise AssertionError("the fork did not end")
-
-
 def test_fork_call_gives_a_fresh_process(tmp_path):
     out, log = tmp_path / "facts.json", tmp_path / "child.log"
     keep_r, keep_w = os.pipe()
@@ -72,7 +61,7 @@ def test_fork_call_gives_a_fresh_process(tmp_path):
         for fd in (keep_w, stray, log_fd):
             os.close(fd)
     try:
-        assert _wait(pid) == 7
+        assert wait_child(pid) == 7
     finally:
         os.close(keep_r)
     facts = json.loads(out.read_text())
@@ -100,7 +89,7 @@ def test_fork_call_reports_an_exception_in_the_log_and_exits_1(tmp_path):
         pid = processes.fork_call(f"{__name__}:failing", {}, output_fd=log_fd)
     finally:
         os.close(log_fd)
-    assert _wait(pid) == 1
+    assert wait_child(pid) == 1
     wait_for(lambda: "RuntimeError: fails on purpose" in log.read_text())
 
 
