@@ -241,8 +241,8 @@ class World:
         env = self.test_envs.get(nodeid, {})
         if env:
             msg["env"] = env
-        test = WarmTest(self, paths, nodeid, started, deadline, timeout, JobRun([], [], False, timeout, started, 0.0))
-        test.env = env
+        run = JobRun([], [], False, timeout, started, 0.0)
+        test = WarmTest(self, paths, nodeid, started, deadline, timeout, run, env=env)
         self.last = test
         replies, timed_out = self.exchange(msg, "called", deadline, release=True, failure_grace=True)
         refusals = [str(r.get("why")) for r in replies.values() if r.get("t") == "unforkable"]
