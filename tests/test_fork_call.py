@@ -102,8 +102,8 @@ def test_once_in_the_cgroup_msrun_runs_one_thread_again():
     from pytest_msrun.engine import containment
 
     class Lagging(containment.Entering):
-        def _run(self, job_id: str, env: dict[str, str] | None) -> None:
-            super()._run(job_id, env)  # done: the main thread may go on
+        def _run(self, *args) -> None:
+            super()._run(*args)  # done: the main thread may go on
             time.sleep(0.005)  # ... while this one is descheduled before it ends
 
     before = _thread._count()
@@ -117,9 +117,9 @@ import sys, time
 from pytest_msrun.engine import containment
 
 create = containment.create
-def slow_create(job_id, env=None):
+def slow_create(*args, **kw):
     time.sleep(float(sys.argv[1]))  # a grace period as long as on a loaded machine
-    return create(job_id, env)
+    return create(*args, **kw)
 
 containment.create = slow_create
 from pytest_msrun.entry import main

@@ -7,7 +7,8 @@ new sessions, new process groups, double-forked daemons - is inside. msrun never
 later move would cost that grace period on the failure path): at teardown it SIGKILLs every other
 member of the cgroup's subtree until none is left. Its watchdog, started before msrun moved in,
 stays outside; if msrun is SIGKILLed it kills the job with one write, and once msrun is gone it
-removes the empty cgroup:
+removes the empty cgroup (inside a Slurm job, whose step end kills the watchdog too, msrun moves
+out and removes it itself):
 
 * cgroup v2 (``/sys/fs/cgroup``, or ``/sys/fs/cgroup/unified`` on hybrid hosts): ``cgroup.kill``
   (Linux >= 5.14), else freeze (``cgroup.freeze``), SIGKILL every member, thaw;
@@ -28,6 +29,10 @@ import time
 
 from pytest_msrun.engine import timeline
 from pytest_msrun.record import record
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is not imported at run time: this module loads before anything else
+    from typing import Callable
 
 CGROUP_ENV = "MSRUN_CGROUP"
 
@@ -127,18 +132,20 @@ class JobCgroup:
         return hit
 
     def remove(self, timeout: float = 5.0) -> bool:
-        """Remove the (emptied) cgroup; False if it still had members after ``timeout``."""
+        """Remove the (emptied) cgroup and any empty cgroups below it (nested jobs whose own
+        watchdog was killed); False if it still had members after ``timeout``."""
         deadline = time.monotonic() + timeout
         while True:
-            try:
-                os.rmdir(self.path)
+            for root, _dirs, _files in os.walk(self.path, topdown=False):
+                try:
+                    os.rmdir(root)
+                except OSError:
+                    pass
+            if not os.path.isdir(self.path):
                 return True
-            except FileNotFoundError:
-                return True
-            except OSError:
-                if time.monotonic() >= deadline:
-                    return False
-                time.sleep(0.005)
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
 
     def watchdog_lines(self) -> list[str]:
         """What the watchdog needs to kill this job and remove the cgroup (see Watchdog)."""
@@ -146,11 +153,14 @@ class JobCgroup:
         return [f"cgroup {self.kind} {kill} {self.path}"]
 
 
-def create(job_id: str, env: dict[str, str] | None = None) -> JobCgroup | None:
+def create(
+    job_id: str, env: dict[str, str] | None = None, made: Callable[[JobCgroup], None] | None = None
+) -> JobCgroup | None:
     """Create the job's cgroup below this process's own and move this process into it.
 
-    None where no cgroup can be created or entered (no cgroup filesystem, no delegation, not
-    root, or ``MSRUN_CGROUP=off``).
+    ``made`` is told each cgroup created, before this process moves in (the watchdog must know
+    it from then on: it removes it if msrun dies). None where no cgroup can be created or entered
+    (no cgroup filesystem, no delegation, not root, or ``MSRUN_CGROUP=off``).
     """
     want = (os.environ if env is None else env).get(CGROUP_ENV, "auto").strip().lower()
     if want in ("off", "0", "no", "false"):
@@ -174,6 +184,8 @@ def create(job_id: str, env: dict[str, str] | None = None) -> JobCgroup | None:
         except OSError:
             continue
         job = JobCgroup(kind, path, home)
+        if made is not None:
+            made(job)
         try:
             _write(job.procs_file, "0")  # this process (and so all it forks from now on) moves in
         except OSError:
@@ -189,7 +201,9 @@ class Entering:
     SWITCH_INTERVAL = 0.0002  # while it runs: the main thread imports and must not keep the GIL 5 ms at a time
     THREAD_END = 0.2  # s to wait for the thread to be gone once it is done (it ends at once when let run)
 
-    def __init__(self, job_id: str, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, job_id: str, env: dict[str, str] | None = None, made: Callable[[JobCgroup], None] | None = None
+    ) -> None:
         import _thread  # not threading: this runs before msrun has imported anything
         import sys
 
@@ -199,11 +213,11 @@ class Entering:
         self.done = _thread.allocate_lock()
         self.done.acquire()
         self.threads_before = _thread._count()
-        _thread.start_new_thread(self._run, (job_id, env))
+        _thread.start_new_thread(self._run, (job_id, env, made))
 
-    def _run(self, job_id: str, env: dict[str, str] | None) -> None:
+    def _run(self, job_id: str, env: dict[str, str] | None, made: Callable[[JobCgroup], None] | None) -> None:
         try:
-            self.result = create(job_id, env)
+            self.result = create(job_id, env, made)
         except Exception:  # never fatal: the job then runs with the environment sweep
             self.result = None
         finally:
@@ -298,7 +312,7 @@ class Watchdog:
             dup = os.POSIX_SPAWN_DUP2
             actions = [(dup, read_end, 0), (dup, null, 1), (dup, null, 2)]
             argv = ["/bin/sh", "-c", _WATCHDOG]
-            self.pid = os.posix_spawn(argv[0], argv, os.environ, file_actions=actions, setsid=True)
+            self.pid = os.posix_spawn(argv[0], argv, os.environ, file_actions=actions, setsid=True, setsigmask=())
             self.pipe = write_end
         except OSError:
             os.close(write_end)
@@ -353,10 +367,14 @@ class JobGuard:
         self.watchdog = Watchdog()
         self.watchdog.start()
         self.watchdog.job(job_id)
-        self.entering: Entering | None = Entering(job_id, env)
+        self.entering: Entering | None = Entering(job_id, env, made=self._made)
         self.cgroup: JobCgroup | None = None
         self.handed_off = False  # another process (the detached supervisor) owns the job now
         self.spare: set[int] = set()  # not part of the job although in its cgroup (the launcher)
+        # Inside a Slurm job, the end of msrun's step (or batch script) SIGKILLs every process the
+        # step left - the watchdog among them, often before it removed the empty cgroup; there
+        # msrun leaves the cgroup and removes it itself (one more migration, ~ms, at its exit).
+        self.remove_itself = "SLURM_JOB_ID" in env or "SLURM_JOBID" in env
 
     def ready(self) -> JobCgroup | None:
         """Wait until this process is inside the job's cgroup (before starting any process)."""
@@ -366,9 +384,12 @@ class JobGuard:
             self.cgroup = self.entering.wait()
             timeline.mark("in the job's cgroup" if self.cgroup is not None else "no cgroup")
             self.entering = None
-            if self.cgroup is not None:
-                self.watchdog.cgroup(self.cgroup.watchdog_lines())
         return self.cgroup
+
+    def _made(self, cgroup: JobCgroup) -> None:
+        """On the entering thread: the watchdog knows the cgroup before msrun moves in, so that
+        msrun dying at any point from then on (SIGKILL while it plans) leaves no cgroup behind."""
+        self.watchdog.cgroup(cgroup.watchdog_lines())
 
     def describe(self) -> str:
         if self.cgroup is not None:
@@ -392,5 +413,13 @@ class JobGuard:
         removes the cgroup once msrun has exited."""
         if self.handed_off:
             return
-        self.ready()
+        cgroup = self.ready()
+        if (
+            cgroup is not None
+            and self.remove_itself
+            and os.path.isdir(cgroup.path)
+            and not [p for p in cgroup.members() if p != os.getpid()]
+        ):
+            cgroup.leave()
+            cgroup.remove(timeout=1.0)
         self.watchdog.stand_down()
