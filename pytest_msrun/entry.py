@@ -53,8 +53,10 @@ def _main(args: list[str]) -> int:
     guard = None
     job_id = os.urandom(8).hex()
     if _launches(args):
+        from pytest_msrun.engine import heldsignals
         from pytest_msrun.engine.containment import JobGuard
 
+        heldsignals.hold()  # until the event loop answers them (the watchdog and cgroup exist now)
         guard = JobGuard(job_id, dict(os.environ))
         timeline.mark("watchdog started, cgroup being entered")
     from pytest_msrun.engine.cli import main as cli_main

@@ -8,7 +8,7 @@ import time
 
 import psutil
 import pytest
-from conftest import FAULTY, job_args, read_status, wait_for, wait_gone, wait_running
+from conftest import FAULTY, REPO, job_args, read_status, wait_for, wait_gone, wait_running
 
 BASE = job_args(3)
 
@@ -98,6 +98,52 @@ def test_signals_tear_everything_down(msrun, faulty, sig, code, text):
     assert job.returncode == code, job.stderr
     assert text in job.stderr
     assert read_status(job.log_dir)["state"] == "terminated"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["ctrl-c", "sigterm", "sighup"])
+def test_a_signal_while_msrun_starts_ends_it_with_nothing_started(msrun, faulty, sig):
+    """A signal that comes before msrun's event loop is in place (here: while planning reads its
+    topology from a FIFO nobody has written yet) is held, not fatal by default action: msrun ends
+    with 128+N and says why, starts nothing, and leaves no process and no cgroup."""
+    fifo = msrun.cwd / "topology.fifo"
+    os.mkfifo(fifo)
+    env = {"MSRUN_TOPOLOGY": str(fifo), "GRANDCHILD": "1"}
+    popen = msrun.start([*BASE, "--bind_core=True", "faulty.py"], env=env, start_new_session=True)
+    fd = _planning(msrun, fifo, popen)
+    os.killpg(popen.pid, sig) if sig == signal.SIGINT else popen.send_signal(sig)
+    with os.fdopen(fd, "w") as fh:  # planning goes on: the signal is answered once it can be
+        fh.write((REPO / "fixtures" / "smt_1node_16cpu_2gpu.json").read_text())
+    job = msrun.finish(popen, timeout=60)
+    assert job.returncode == 128 + sig, job.stderr
+    assert f"msrun: error: interrupted by {sig.name} before the job started: nothing was started" in job.stderr
+    assert "Start worker process" not in job.stdout + job.stderr
+    assert not (msrun.cwd / "logs").exists()
+
+
+def _planning(msrun, fifo, popen) -> int:
+    """Once msrun has ``fifo`` open to read (it is planning, its event loop not there yet): the
+    FIFO's write end."""
+
+    def reading() -> int | None:
+        try:
+            return os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+        except OSError:
+            assert popen.poll() is None, popen.communicate()
+            return None
+
+    return wait_for(reading, timeout=60)
+
+
+def test_kill_9_while_msrun_plans_leaves_no_cgroup(msrun, faulty):
+    """msrun SIGKILLed before it started anything: its watchdog, told of the job's cgroup as soon
+    as it was made, removes it (the fixture fails the test on an empty ``msrun-*`` cgroup left)."""
+    fifo = msrun.cwd / "topology.fifo"
+    os.mkfifo(fifo)
+    popen = msrun.start([*BASE, "--bind_core=True", "faulty.py"], env={"MSRUN_TOPOLOGY": str(fifo)})
+    fd = _planning(msrun, fifo, popen)
+    popen.kill()
+    assert popen.wait(timeout=60) == -signal.SIGKILL
+    os.close(fd)
 
 
 def test_kill_9_of_msrun_leaves_nothing(msrun, faulty):

@@ -270,6 +270,12 @@ class Agent:
             console.warning(text)
         for text in plan.infos:
             console.info(text)
+        signum = self.loop.signal_received  # one that came while msrun started (held till now)
+        if signum is not None:
+            name = signal.Signals(signum).name
+            return self._launch_error(
+                f"interrupted by {name} before the job started: nothing was started", 128 + signum
+            )
         self._make_log_dir()
         if plan.scheduler is not None:
             self._start_scheduler(plan.scheduler, ports.listener)

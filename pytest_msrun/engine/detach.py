@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
+from pytest_msrun.engine import heldsignals
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.plan import NodeFacts
@@ -36,6 +37,7 @@ def launch_detached(cfg: LaunchConfig, facts: NodeFacts, guard: JobGuard) -> int
         finally:
             os._exit(code)
     guard.hand_off()
+    heldsignals.let_in()  # the supervisor answers signals to the job; this process just waits
     os.close(write_fd)
     data = b""
     while True:

@@ -15,6 +15,7 @@ import signal
 from enum import Enum
 
 from pytest_msrun.control import wire
+from pytest_msrun.engine import heldsignals
 from pytest_msrun.engine.processes import Child
 from pytest_msrun.record import field, record
 
@@ -73,6 +74,7 @@ class EventLoop:
         for sig in (*HANDLED_SIGNALS, signal.SIGCHLD):
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         self._register(self._wake_r, "signal")
+        heldsignals.let_in()  # one that came while msrun started is answered now
         return self
 
     def __exit__(self, *exc: object) -> None:
