@@ -201,6 +201,35 @@ def wait_gone(mark: str, timeout: float = 5.0) -> list[psutil.Process]:
     return wait_empty(lambda: marked_processes(mark), timeout)
 
 
+def msrun_cgroups() -> set[str]:
+    """Every ``msrun-<job id>`` cgroup on this host, in each hierarchy msrun uses (v2, v1 freezer)."""
+    from pytest_msrun.engine import containment
+
+    found: set[str] = set()
+    for mount in containment._mounts().values():
+        for root, dirs, _files in os.walk(mount):
+            found.update(os.path.join(root, d) for d in dirs if d.startswith("msrun-"))
+    return found
+
+
+def _cgroup_empty(path: str) -> bool:
+    for root, _dirs, _files in os.walk(path):
+        try:
+            with open(os.path.join(root, "cgroup.procs"), encoding="ascii") as fh:
+                if fh.read().strip():
+                    return False
+        except OSError:
+            continue
+    return True
+
+
+def empty_cgroups_left(before: set[str], timeout: float = 10.0) -> list[str]:
+    """The msrun cgroups made since ``before`` that are still there, empty, after ``timeout``: a
+    live job's cgroup has members, a finished job's must be gone (another job's, running beside
+    the test, is not mistaken for a leak)."""
+    return wait_empty(lambda: sorted(p for p in msrun_cgroups() - before if _cgroup_empty(p)), timeout)
+
+
 @dataclass
 class Job:
     """A finished (or started) msrun invocation."""
@@ -226,6 +255,7 @@ class Msrun:
         self.dump = tmp_path / "dump"
         self.dump.mkdir(exist_ok=True)
         self.popens: list[subprocess.Popen] = []
+        self.cgroups_before = msrun_cgroups()
 
     def env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ)
@@ -298,6 +328,8 @@ def msrun(tmp_path: Path):
     yield runner
     left = runner.cleanup()
     assert not left, f"leftover processes: {[(p.pid, p.cmdline()) for p in left if p.is_running()]}"
+    cgroups = empty_cgroups_left(runner.cgroups_before)
+    assert not cgroups, f"empty job cgroups left behind: {cgroups}"
 
 
 ENV_DUMP = """
