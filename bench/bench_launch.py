@@ -29,8 +29,8 @@ is measured beside it.
 ``--instructions``: what msrun's own process executes for a 2-worker job, counted by valgrind
 (``apt-get install valgrind``) - the same on a loaded machine as on a quiet one, so start-up
 work can be compared where wall times cannot. Beside it: a bare ``python`` (the floor of any
-Python launcher) and the installed ``pmsrun`` script's own first line (``import re``, pip's
-console-script template).
+Python launcher) and the first line of pip's console-script template (``import re``), which
+``pmsrun`` (``scripts/pmsrun``, a plain script) no longer pays before msrun's own first line.
 """
 
 from __future__ import annotations
@@ -128,13 +128,13 @@ def instruction_counts(python: str, env: dict[str, str], scratch: Path, trivial:
         subprocess.run(job, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
     rows = {
         "python (bare interpreter, the floor)": instructions([python, str(trivial)], env, scratch),
-        "python + pmsrun script's import re": instructions([python, "-c", first_line], env, scratch),
+        "python + a console-script template's import re": instructions([python, "-c", first_line], env, scratch),
         "pmsrun --join=True, 2 workers (msrun's own process)": instructions(job, env, scratch),
     }
     print("\ninstructions executed (valgrind callgrind; independent of load):")
-    floor = rows["python + pmsrun script's import re"]
+    floor = rows["python (bare interpreter, the floor)"]
     for what, count in rows.items():
-        extra = f"  (+{(count - floor) / 1e6:.1f} M over the script's first line)" if count > floor else ""
+        extra = f"  (+{(count - floor) / 1e6:.1f} M over a bare python)" if count > floor else ""
         print(f"  {what:<52} {count / 1e6:8.1f} M{extra}")
 
 

@@ -50,6 +50,7 @@ def installed_python(scratch: Path) -> str:
     ).stdout.strip()
     src = scratch / "src"
     shutil.copytree(REPO / "pytest_msrun", src / "pytest_msrun", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "scripts", src / "scripts")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
     subprocess.run(
@@ -57,14 +58,10 @@ def installed_python(scratch: Path) -> str:
         check=True,
         env={**os.environ, "PIP_NO_WARN_SCRIPT_LOCATION": "1"},
     )
-    # ``--target`` puts no scripts in the venv: write ``pmsrun`` as pip's console-script template does
+    # ``--target`` puts no scripts in the venv: install ``pmsrun`` as pip does (its ``#!`` line rewritten)
     script = venv / "bin" / "pmsrun"
-    script.write_text(
-        f"#!{python}\nimport re\nimport sys\nfrom pytest_msrun.entry import run\n"
-        "if __name__ == '__main__':\n"
-        "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
-        "    sys.exit(run())\n"
-    )
+    body = (REPO / "scripts" / "pmsrun").read_text().split("\n", 1)[1]
+    script.write_text(f"#!{python}\n{body}")
     script.chmod(0o755)
     return str(python)
 

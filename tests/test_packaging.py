@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,8 @@ REPO = Path(__file__).resolve().parents[1]
 def test_console_scripts_never_clash_with_mindspore():
     scripts = {ep.name for ep in distribution("pytest-msrun").entry_points if ep.group == "console_scripts"}
     assert "msrun" not in scripts, "msrun is MindSpore's; pip would overwrite it, and uninstalling ours delete it"
-    assert {"pmsrun", "msrun-topology", "msrun-gen-bind-json", "msrun-numa-wrap"} <= scripts
+    assert {"msrun-topology", "msrun-gen-bind-json", "msrun-numa-wrap"} <= scripts
+    assert "pmsrun" not in scripts  # scripts/pmsrun, a plain script: see test_pmsrun_is_a_plain_script
     assert {ep.name for ep in distribution("pytest-msrun").entry_points if ep.group == "pytest11"} == {"msrun"}
 
 
@@ -23,6 +25,7 @@ def test_the_wheel_carries_every_module_and_the_rank_hook(tmp_path):
     """Built from a copy (building writes build/ and egg-info beside the sources)."""
     src = tmp_path / "src"
     shutil.copytree(REPO / "pytest_msrun", src / "pytest_msrun", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(REPO / "scripts", src / "scripts")
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(REPO / name, src / name)
     proc = subprocess.run(
@@ -38,3 +41,19 @@ def test_the_wheel_carries_every_module_and_the_rank_hook(tmp_path):
     sources = {str(p.relative_to(REPO)) for p in (REPO / "pytest_msrun").rglob("*.py") if "__pycache__" not in p.parts}
     assert sources - names == set(), "modules missing from the wheel"
     assert "pytest_msrun/engine/rankhook/sitecustomize.py" in names
+    (script,) = [n for n in names if n.endswith(".data/scripts/pmsrun")]
+    assert zipfile.ZipFile(wheel).read(script).startswith(b"#!python\n")  # pip writes its interpreter there
+
+
+def test_pmsrun_is_a_plain_script_that_imports_nothing_before_msrun():
+    """``pmsrun`` (installed beside this interpreter from scripts/pmsrun) imports msrun's entry and
+    nothing else first: a generated console script's ``import re`` (enum, functools, collections)
+    would come before it and delay msrun's start into its job's cgroup."""
+    script = shutil.which("pmsrun", path=str(Path(sys.executable).parent)) or shutil.which("pmsrun")
+    assert script is not None, "pmsrun is not installed"
+    for path in (Path(script), REPO / "scripts" / "pmsrun"):
+        tree = ast.parse(path.read_text())
+        imports = [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+        assert [ast.unparse(node) for node in imports] == ["from pytest_msrun.entry import run"], path
+    proc = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "usage: pmsrun" in proc.stdout, proc.stdout + proc.stderr
