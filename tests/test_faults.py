@@ -109,7 +109,7 @@ def test_a_signal_while_msrun_starts_ends_it_with_nothing_started(msrun, faulty,
     os.mkfifo(fifo)
     env = {"MSRUN_TOPOLOGY": str(fifo), "GRANDCHILD": "1"}
     popen = msrun.start([*BASE, "--bind_core=True", "faulty.py"], env=env, start_new_session=True)
-    fd = _planning(msrun, fifo, popen)
+    fd = _planning(fifo, popen)
     os.killpg(popen.pid, sig) if sig == signal.SIGINT else popen.send_signal(sig)
     with os.fdopen(fd, "w") as fh:  # planning goes on: the signal is answered once it can be
         fh.write((REPO / "fixtures" / "smt_1node_16cpu_2gpu.json").read_text())
@@ -120,7 +120,7 @@ def test_a_signal_while_msrun_starts_ends_it_with_nothing_started(msrun, faulty,
     assert not (msrun.cwd / "logs").exists()
 
 
-def _planning(msrun, fifo, popen) -> int:
+def _planning(fifo, popen) -> int:
     """Once msrun has ``fifo`` open to read (it is planning, its event loop not there yet): the
     FIFO's write end."""
 
@@ -140,7 +140,7 @@ def test_kill_9_while_msrun_plans_leaves_no_cgroup(msrun, faulty):
     fifo = msrun.cwd / "topology.fifo"
     os.mkfifo(fifo)
     popen = msrun.start([*BASE, "--bind_core=True", "faulty.py"], env={"MSRUN_TOPOLOGY": str(fifo)})
-    fd = _planning(msrun, fifo, popen)
+    fd = _planning(fifo, popen)
     popen.kill()
     assert popen.wait(timeout=60) == -signal.SIGKILL
     os.close(fd)

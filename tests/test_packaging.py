@@ -17,7 +17,7 @@ def test_console_scripts_never_clash_with_mindspore():
     scripts = {ep.name for ep in distribution("pytest-msrun").entry_points if ep.group == "console_scripts"}
     assert "msrun" not in scripts, "msrun is MindSpore's; pip would overwrite it, and uninstalling ours delete it"
     assert {"msrun-topology", "msrun-gen-bind-json", "msrun-numa-wrap"} <= scripts
-    assert "pmsrun" not in scripts  # scripts/pmsrun, a plain script: see test_pmsrun_is_a_plain_script
+    assert "pmsrun" not in scripts, "pmsrun is scripts/pmsrun, a plain script (see the test below)"
     assert {ep.name for ep in distribution("pytest-msrun").entry_points if ep.group == "pytest11"} == {"msrun"}
 
 
@@ -49,7 +49,7 @@ def test_pmsrun_is_a_plain_script_that_imports_nothing_before_msrun():
     """``pmsrun`` (installed beside this interpreter from scripts/pmsrun) imports msrun's entry and
     nothing else first: a generated console script's ``import re`` (enum, functools, collections)
     would come before it and delay msrun's start into its job's cgroup."""
-    script = shutil.which("pmsrun", path=str(Path(sys.executable).parent)) or shutil.which("pmsrun")
+    script = shutil.which("pmsrun", path=str(Path(sys.executable).parent))
     assert script is not None, "pmsrun is not installed"
     for path in (Path(script), REPO / "scripts" / "pmsrun"):
         tree = ast.parse(path.read_text())

@@ -271,10 +271,9 @@ class Agent:
         for text in plan.infos:
             console.info(text)
         signum = self.loop.signal_received  # one that came while msrun started (held till now)
-        if signum is not None:
-            name = signal.Signals(signum).name
-            return self._launch_error(
-                f"interrupted by {name} before the job started: nothing was started", 128 + signum
+        if signum is not None:  # ends with 128 + signum, as every launch error a signal caused
+            return self._ended_by(
+                f"interrupted by {signal.Signals(signum).name} before the job started: nothing was started"
             )
         self._make_log_dir()
         if plan.scheduler is not None:

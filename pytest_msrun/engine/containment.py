@@ -418,7 +418,7 @@ class JobGuard:
             cgroup is not None
             and self.remove_itself
             and os.path.isdir(cgroup.path)
-            and not [p for p in cgroup.members() if p != os.getpid()]
+            and not any(p != os.getpid() for p in cgroup.members())
         ):
             cgroup.leave()
             cgroup.remove(timeout=1.0)

@@ -18,8 +18,8 @@ _holding: frozenset[int] = frozenset()  # the signals this process blocked (and 
 
 
 def hold() -> None:
-    """Block :data:`HELD` in this thread (and so in every thread and child it starts from now on;
-    children are started with an empty mask) until :func:`let_in`."""
+    """Block :data:`HELD` in this thread, and in every thread it starts from now on, until
+    :func:`let_in` (msrun starts its child processes with an empty mask)."""
     global _holding
     if not _holding:
         before = _signal.pthread_sigmask(_signal.SIG_BLOCK, HELD)
