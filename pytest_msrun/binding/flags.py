@@ -9,9 +9,7 @@ validated here, before anything starts.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 
 from pytest_msrun.cpulist import RangeSyntaxError, parse_id_list
 from pytest_msrun.record import field, record
@@ -24,8 +22,15 @@ UNIFIED_KEYS = ("bind_config", "bind_cpu", "bind_memory")
 CPU_MODES = ("cpu", "numa", "none")
 MEMORY_MODES = ("numa", "none")
 MODULES = ("main", "runtime", "pynative", "minddata")
-_LEGACY_KEY = re.compile(r"^(device\d+|scheduler)$")
-_UNIFIED_KEY = re.compile(r"^(?:device_?(\d+)|scheduler)$")
+
+
+def _device_number(key: str, underscore: bool) -> str | None:
+    """The digits of ``deviceN`` (``device_N`` too when ``underscore``), else None. String tests,
+    not a regular expression: re (and json) stay off msrun's start path unless a JSON value is given."""
+    if not key.startswith("device"):
+        return None
+    digits = key[7:] if underscore and key.startswith("device_") else key[6:]
+    return digits if digits.isdecimal() and digits.isascii() else None
 
 
 class BindingError(ValueError):
@@ -82,7 +87,7 @@ def _bool_word(value: str) -> bool | None:
 def _legacy_dict(obj: dict[str, Any], unit: str) -> BindSpec:
     entries: dict[str, list[str]] = {}
     for key, val in obj.items():
-        if not _LEGACY_KEY.match(str(key)):
+        if str(key) != "scheduler" and _device_number(str(key), underscore=False) is None:
             raise BindFlagError(f"key {key!r} must be 'scheduler' or 'deviceN' (N = physical device id)")
         if not isinstance(val, list):
             raise BindFlagError(f"value of {key!r} must be a list of range strings, got {val!r}")
@@ -147,12 +152,12 @@ def normalise_unified(obj: dict[str, Any]) -> dict[str, Any]:
             raise BindFlagError(f"'{section}' must be a JSON object keyed by 'deviceN' or 'scheduler'")
         out: dict[str, Any] = {}
         for key, val in raw.items():
-            m = _UNIFIED_KEY.match(str(key))
-            if not m:
+            number = _device_number(str(key), underscore=True)
+            if key != "scheduler" and number is None:
                 raise BindFlagError(
                     f"invalid key {key!r} in '{section}': only 'deviceX', 'device_X' and 'scheduler' are supported"
                 )
-            norm = "scheduler" if key == "scheduler" else f"device{int(m.group(1))}"
+            norm = "scheduler" if key == "scheduler" else f"device{int(str(number))}"
             if norm in out:
                 raise BindFlagError(f"key {key!r} in '{section}' duplicates {norm!r}")
             out[norm] = val
@@ -198,6 +203,8 @@ def _load_bind_file(value: str) -> BindSpec:
         raise BindFlagError(f"bind_numa json file {value!r} does not exist")
     if not os.path.isfile(path):
         raise BindFlagError(f"bind_numa json path {value!r} is not a file")
+    import json
+
     try:
         with open(path, encoding="utf-8") as fh:
             obj = json.load(fh)
@@ -219,6 +226,8 @@ def parse_bind_value(value: str, flag: str) -> BindSpec:
     text = value.strip()
     if flag == "bind_numa" and not text.startswith("{"):
         return _load_bind_file(text)
+    import json
+
     try:
         obj = json.loads(text)
     except json.JSONDecodeError as exc:

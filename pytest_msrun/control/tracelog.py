@@ -14,7 +14,6 @@ heartbeats (:class:`ClockOffset`).
 
 from __future__ import annotations
 
-import json
 import os
 
 TYPE_CHECKING = False
@@ -25,7 +24,16 @@ if TYPE_CHECKING:
 SPOOL_ENV = "MSRUN_TRACE_SPOOL"  # the directory a traced job's processes append their events to
 RANKS_FILE = "ranks.jsonl"  # in the spool: the line each rank's Python appends when it starts (the rank hook)
 MSRUN_PID, CONTROL_PID, RANK_PID = 1, 2, 1000
-_dumps = json.JSONEncoder(separators=(",", ":")).encode  # one encoder: json.dumps with options builds one per call
+_encode: Any = None  # one encoder (json.dumps with options builds one per call), made at its first use
+
+
+def _dumps(obj: Any) -> str:
+    global _encode
+    if _encode is None:
+        import json  # (and re) not on msrun's start path: a job that is not traced never needs it
+
+        _encode = json.JSONEncoder(separators=(",", ":")).encode
+    return _encode(obj)
 
 
 def us(t: float) -> int:
@@ -160,6 +168,8 @@ def recorder_from_env(env: dict[str, str], name: str) -> Recorder | None:
 
 def _events(lines: Iterable[str | bytes]) -> list[dict[str, Any]]:
     """The events among spool lines; a line that is not one event (torn: a killed process) is skipped."""
+    import json
+
     events: list[dict[str, Any]] = []
     for line in lines:
         try:
@@ -223,6 +233,8 @@ def _lines(path: str) -> list[str]:
     except OSError:
         return []
     if lines:
+        import json
+
         try:
             json.loads(lines[-1])
         except ValueError:
@@ -249,7 +261,7 @@ def merge(spool: str, out: str, meta: dict[str, Any]) -> int:
         fh.write('{"traceEvents":[')
         fh.write(",\n".join([*dict.fromkeys(head), *body]))
         fh.write('],"displayTimeUnit":"ms","otherData":')
-        fh.write(json.dumps(meta, separators=(",", ":")))
+        fh.write(_dumps(meta))
         fh.write("}\n")
     os.replace(tmp, out)
     return len(body)

@@ -15,7 +15,6 @@ before it relies on the connection (one dropped before the ``welcome`` is tried 
 from __future__ import annotations
 
 import _socket  # not socket: msrun's start path reads and writes frames without its import
-import json
 import os
 import struct
 import time
@@ -50,18 +49,32 @@ def message_limit() -> int:
         return DEFAULT_MESSAGE_LIMIT
 
 
-_dumps = json.JSONEncoder(separators=(",", ":")).encode  # one encoder: json.dumps with options builds one per call
+_dumps: Any = None  # one encoder (json.dumps with options builds one per call) ...
+_loads: Any = None  # ... and json imported (with re) at the first frame, not on msrun's start path
+
+
+def load_json() -> None:
+    """Import json (with re) for the frames, once: msrun does it before it forks its control plane."""
+    global _dumps, _loads
+    import json
+
+    _loads = json.loads
+    _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def encode(msg: dict[str, Any]) -> bytes:
+    if _dumps is None:
+        load_json()
     body = _dumps(msg).encode("utf-8")
     return HEADER.pack(len(body)) + body
 
 
 def decode(body: bytes) -> dict[str, Any]:
+    if _loads is None:
+        load_json()
     try:
-        msg = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        msg = _loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
         raise ProtocolError(f"frame is not UTF-8 JSON: {exc}") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
         raise ProtocolError("frame is not an object with a string field 't'")

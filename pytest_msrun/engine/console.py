@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import _thread  # not threading: its import is a cost on every msrun start
 import os
-import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -107,6 +106,8 @@ def err_block(text: str) -> None:
 
 def command_text(argv: list[str]) -> str:
     """The command as a shell would need it (msrun joins without quoting; identical for plain words)."""
+    import shlex  # (and re) only once a line is printed: after the workers have started
+
     return shlex.join(argv)
 
 

@@ -12,7 +12,6 @@ traceback, time, pid), then restores ``PYTHONPATH`` and ``sys.path`` and runs th
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Mapping
 
@@ -88,6 +87,8 @@ def read_error(path: str) -> RankError | None:
         return None
     if len(raw) > MAX_RECORD_BYTES:
         return None
+    import json  # not on msrun's start path
+
     try:
         data = json.loads(raw.decode("utf-8", errors="replace"))
     except ValueError:

@@ -12,7 +12,6 @@ The pieces: :func:`rank_layout` (where this node's workers sit in the job), :fun
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator, Mapping
 
@@ -206,6 +205,8 @@ class LaunchPlan:
         return out
 
     def dumps(self) -> str:
+        import json  # --print_plan only: not on msrun's start path
+
         return json.dumps(self.to_json(), indent=2, sort_keys=False)
 
 

@@ -7,7 +7,6 @@ it: the launcher writes it, job-end reporters receive it, the pytest plugin read
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
@@ -98,12 +97,12 @@ class JobStatus:
         return cls(processes=procs, extra=extra, **base)
 
 
-_encode = json.JSONEncoder().encode  # the C encoder (json.dump with indent runs in pure Python)
-
-
 def encode_status(doc: dict[str, Any]) -> str:
     """``doc`` as JSON a person can read - one top-level key per line, one process per line -
     written by the C encoder: ``indent=2`` costs ~1.5 ms per write, on msrun's critical path."""
+    import json  # (and re) once the first status is written: after the workers have started
+
+    _encode = json.JSONEncoder().encode  # the C encoder (json.dump with indent runs in pure Python)
     lines = []
     for key, value in doc.items():
         if key == "processes" and isinstance(value, list) and value:
@@ -129,6 +128,8 @@ def write_status(log_dir: str, status: JobStatus, name: str = STATUS_FILE) -> No
 
 
 def read_status(log_dir: str, name: str = STATUS_FILE) -> JobStatus | None:
+    import json
+
     try:
         with open(status_path(log_dir, name), encoding="utf-8") as fh:
             data = json.load(fh)
