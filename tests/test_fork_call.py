@@ -127,16 +127,22 @@ sys.exit(main(sys.argv[2:]))
 """
 
 SIBLINGS = """
-import os
+import os, time
 from pathlib import Path
 
-comms = []
-for task in Path(f"/proc/{os.getppid()}/task").iterdir():
-    for pid in (task / "children").read_text().split():
-        try:
-            comms.append(Path(f"/proc/{pid}/comm").read_text().strip())
-        except OSError:
-            pass
+# A fork names itself (msrun-scheduler) just after it starts; this worker may start first.
+deadline = time.monotonic() + 10
+while True:
+    comms = []
+    for task in Path(f"/proc/{os.getppid()}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            try:
+                comms.append(Path(f"/proc/{pid}/comm").read_text().strip())
+            except OSError:
+                pass
+    if "msrun-scheduler" in comms or time.monotonic() > deadline:
+        break
+    time.sleep(0.01)
 Path(os.environ["DUMP_DIR"], "comms").write_text(" ".join(comms))
 """
 

@@ -55,6 +55,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from pytest_msrun.engine.earlystart import FirstStarted
     from pytest_msrun.engine.observers import Observer
     from pytest_msrun.engine.trace import TraceObserver
 
@@ -97,6 +98,7 @@ class Agent:
         self.link: ControlLink | None = None
         self.assignment: RankAssignment | None = None
         self.control_sock: Any = None  # this end of a socketpair to the control plane we forked
+        self.first: FirstStarted | None = None  # workers started before the control plane
         self.stage = Stage.STARTING
         self._register_by = 0.0  # when registering gives up (--cluster_time_out)
         self._spawn_said = False
@@ -132,8 +134,13 @@ class Agent:
         extra_env: dict[str, str] | None = None,
         pass_fds: tuple[int, ...] = (),
         call: str = "",
+        *,
+        held: bool = False,
+        announce: bool = True,
     ) -> Child:
-        """Start one process of the plan (``call``: in a fork of msrun, see :meth:`_forkable`)."""
+        """Start one process of the plan (``call``: in a fork of msrun, see :meth:`_forkable`;
+        ``held``: before msrun is in the job's cgroup; ``announce=False`` or ``held``: its line
+        comes later - see :meth:`_start_first`)."""
         if spec.error_file:
             errorfile.clear(spec.error_file)
         trace_env = self.trace.child_env if self.trace is not None else {}
@@ -146,9 +153,10 @@ class Agent:
             in_child_cpus=spec.in_child_cpus,
             call=call,
         )
-        child = self.group.start(launch, spec)
+        child = self.group.start(launch, spec, held=held)
         timeline.mark(f"started {spec.label}")
-        self.emit(JobEvent.PROCESS_STARTED, child)
+        if announce and not held:
+            self.emit(JobEvent.PROCESS_STARTED, child)
         return child
 
     def _forkable(self, spec: ProcessSpec) -> bool:
@@ -276,11 +284,88 @@ class Agent:
                 f"interrupted by {signal.Signals(signum).name} before the job started: nothing was started"
             )
         self._make_log_dir()
+        first = self._start_first(plan, ports.listener)
         if plan.scheduler is not None:
             self._start_scheduler(plan.scheduler, ports.listener)
-        return self._drive(plan)
+        self._announce_first()
+        return self._drive(plan, ranks_said=first)
 
-    def _drive(self, plan: LaunchPlan) -> JobResult:
+    def _start_first(self, plan: LaunchPlan, listener: Any) -> bool:
+        """Start workers before the control plane, for up to :data:`SPAWN_SLICE` s, so that their
+        interpreters start up while msrun still prepares the control plane (announced after it,
+        in msrun's order of lines: :meth:`_announce_first`). Only when the ranks are known and the
+        control plane is msrun's own, on a port msrun already listens on (a worker that connects
+        first waits in the listener's queue). While msrun still waits to be inside the job's
+        cgroup, only workers that can be held until then (Python ones: :mod:`.earlystart`), only
+        during the wait. Whether any started."""
+        scheduler = plan.scheduler
+        if (
+            scheduler is None
+            or listener is None
+            or scheduler.argv[1:] != ["-S", "-m", SCHEDULER_MODULE]
+            or plan.ranks_pending
+            or plan.dry_run
+            or not plan.workers
+        ):
+            return False
+        entering = self.guard.entering
+        waiting = entering is not None and entering.done.locked()
+        if waiting and not self._holdable(plan.workers[0]):
+            return False
+        from pytest_msrun.engine.earlystart import FirstStarted
+
+        self._ranks_known(plan)  # before any of them starts
+        first = self.first = FirstStarted(held=waiting)
+        until = time.monotonic() + SPAWN_SLICE
+        try:
+            for spec in plan.workers:
+                if self.loop.signal_received is not None or time.monotonic() >= until:
+                    break
+                if not waiting:
+                    first.children.append(self.start(spec, announce=False))
+                elif entering is not None and entering.done.locked():
+                    first.children.append(self.start(spec, first.env(), (first.read_fd,), held=True))
+                else:
+                    break
+        finally:
+            first.spawned()
+        return True
+
+    def _holdable(self, spec: ProcessSpec) -> bool:
+        """Whether every worker of the plan (they share ``spec``'s command) can start held."""
+        from pytest_msrun.engine.earlystart import holdable
+
+        if spec.role != Role.WORKER or not spec.error_file or spec.bind_prefix:
+            return False
+        return holdable(spec.argv, spec.env)
+
+    def _move_held_in(self) -> None:
+        """Move the held workers into the job's cgroup, which msrun is inside (:meth:`JobGuard.ready`);
+        any that cannot be moved is killed, still held: it ends as a worker killed by SIGKILL."""
+        first = self.first
+        cgroup = self.guard.ready()
+        if first is None or not first.held or first.moved or cgroup is None:
+            return
+        for child, why in first.move_in(cgroup.procs_file):
+            console.warning(f"could not move {child.tag.label} into the job's {cgroup.describe()}: {why}")
+            processes.signal_group(child.pid, signal.SIGKILL)
+
+    def _announce_first(self) -> None:
+        """The workers started first run on (held ones moved in, then let go) and are announced:
+        after the scheduler, in msrun's order of lines."""
+        first = self.first
+        if first is None:
+            return
+        self._move_held_in()
+        self.first = None
+        first.let_go()
+        scheduler = self.scheduler_child
+        if scheduler is not None:  # listed (status, summary) in msrun's order too
+            self.group.put_first(scheduler)
+        for child in first.children:
+            self.emit(JobEvent.PROCESS_STARTED, child)
+
+    def _drive(self, plan: LaunchPlan, ranks_said: bool = False) -> JobResult:
         """Registration, assignment, starting and supervision as the stages of one loop.
 
         Every turn, whatever the stage: a signal is acted on, the heartbeat is sent, the stage
@@ -294,11 +379,13 @@ class Agent:
         """
         stage = Stage.REGISTERING if plan.ranks_pending else Stage.STARTING
         if stage is Stage.STARTING:
-            self._ranks_known(plan)
+            if not ranks_said:
+                self._ranks_known(plan)
             if plan.dry_run:
                 return self._dry_run(plan)
         self.stage = stage
-        todo = list(plan.workers)
+        started = {id(c.tag) for c in self.group.children}  # held workers started already
+        todo = [spec for spec in plan.workers if id(spec) not in started]
         while True:
             stage = self.stage
             scheduler = self.scheduler_child
@@ -485,12 +572,14 @@ class Agent:
         theirs = None
         forkable = self._forkable(spec)
         if forkable:
-            # Its code loaded now, while msrun may still wait to enter the job's cgroup: the fork
-            # then starts with nothing to import beside the workers starting on the same CPUs.
+            # Its code (and json, which msrun needs too) loaded here, where both processes share it,
+            # while msrun may still wait to be inside the job's cgroup or the workers start up.
             import importlib
 
             importlib.import_module(SCHEDULER_MODULE)
+            wire.load_json()
         self.guard.ready()  # in the job's cgroup first: the thread that moves msrun there has ended
+        self._move_held_in()  # (let go once the fork is done)
         import _thread
 
         call = f"{SCHEDULER_MODULE}:main" if forkable and _thread._count() == 0 else ""
@@ -652,6 +741,9 @@ class Agent:
     def teardown(self, graceful: bool) -> None:
         """Stop every process of this node's job (signalled first, the control plane told after,
         so they are caught where they were) and sweep what they left behind."""
+        if self.first is not None:  # a worker still held reads end-of-file and exits
+            self.first.close()
+            self.first = None
         live = self.group.alive()
         scheduler = next((c for c in live if c.tag.role == Role.SCHEDULER), None)
         # On several nodes the scheduler goes last: it must broadcast the failure to the others.

@@ -453,8 +453,11 @@ class ProcessGroup:
         self.guard = guard
         self.children: list[Child] = []
 
-    def start(self, launch: Launch, tag: Any = None) -> Child:
-        self.guard.ready()  # every process starts inside the job's cgroup
+    def start(self, launch: Launch, tag: Any = None, *, held: bool = False) -> Child:
+        """Start ``launch`` inside the job's cgroup - or, ``held``, now, while msrun may still be
+        entering it: the caller holds the process until it has moved it in (:mod:`.earlystart`)."""
+        if not held:
+            self.guard.ready()  # every process starts inside the job's cgroup
         child = spawn(launch, tag)
         self.guard.watchdog.guard(child.pid)
         self.children.append(child)
@@ -463,6 +466,11 @@ class ProcessGroup:
 
     def alive(self) -> list[Child]:
         return [c for c in self.children if c.alive]
+
+    def put_first(self, child: Child) -> None:
+        """List ``child`` first (the scheduler, started after workers that started first)."""
+        self.children.remove(child)
+        self.children.insert(0, child)
 
     def forget(self, child: Child) -> None:
         """Drop a finished child (a dry run keeps only what runs in memory)."""

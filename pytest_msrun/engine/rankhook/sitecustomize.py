@@ -1,7 +1,9 @@
 """msrun's rank hook: record this rank's uncaught exception in ``$MSRUN_ERROR_FILE`` as JSON.
 
 msrun puts this directory first on a rank's ``PYTHONPATH``; Python's ``site`` imports this module
-at start-up. It installs an exception hook, then removes every trace of itself (the directory
+at start-up. A rank msrun started before it was inside the job's cgroup first waits here until
+msrun moved it in (``$MSRUN_HOLD_FD``: see ``engine/earlystart.py``). Then it installs an
+exception hook, then removes every trace of itself (the directory
 from ``PYTHONPATH`` and ``sys.path``, so processes the rank starts run without it) and runs the
 ``sitecustomize`` the rank would have had. Any error here is swallowed: it must never break a rank.
 """
@@ -38,6 +40,25 @@ def _write(path, pid, etype, value, tb):
     with open(tmp, "w") as fh:
         json.dump(record, fh)
     os.replace(tmp, path)
+
+
+def _hold():
+    """Wait for msrun's byte on the inherited pipe; end-of-file: msrun is gone, so end too."""
+    fd = os.environ.pop("MSRUN_HOLD_FD", "")
+    if not fd.isdigit():
+        return
+    fd = int(fd)
+    try:
+        go = os.read(fd, 1)
+    except OSError:  # not an open pipe: nothing holds this process
+        return
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    if not go:
+        os._exit(1)
 
 
 def _install():
@@ -100,6 +121,7 @@ def _chain():
 
 
 try:
+    _hold()
     _install()
     _trace_start()
     _leave()
