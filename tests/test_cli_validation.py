@@ -103,6 +103,37 @@ def test_a_non_executable_shell_script_is_refused_before_start(msrun):
     assert ok.returncode == 0 and "hi" in ok.log("worker_0.log")
 
 
+@pytest.mark.parametrize(
+    ("line", "missing"),
+    [
+        ("#!/nonexistent/sh", "'/nonexistent/sh' is not an executable file"),
+        ("#!/usr/bin/env nosuchsh", "'nosuchsh' is not on PATH"),
+    ],
+)
+def test_a_script_whose_interpreter_is_missing_is_refused_before_start(msrun, line, missing):
+    """The kernel would fail every worker's start (ENOENT for the script itself)."""
+    path = msrun.script("job.sh", f"{line}\necho hi\n")
+    path.chmod(0o755)
+    job = msrun.run(["--worker_num=1", "--local_worker_num=1", "--join=True", "--log_dir=logs", "./job.sh"])
+    assert job.returncode == 2, job.stderr
+    (error,) = [ln for ln in job.stderr.splitlines() if ln.startswith("msrun: error:")]
+    assert missing in error and "#! line" in error
+    assert not (msrun.cwd / "logs").exists()
+
+
+def test_a_worker_that_cannot_be_executed_is_a_launch_error_with_nothing_left(msrun):
+    """A start that fails once msrun runs (here: an executable file the kernel cannot run) is one
+    error line and status 1, with whatever had started stopped - not a traceback."""
+    path = msrun.cwd / "garbage"
+    path.write_bytes(b"\x00\x01 not a program\n")
+    path.chmod(0o755)
+    job = msrun.run(["--worker_num=2", "--local_worker_num=2", "--join=True", "--log_dir=logs", "./garbage"])
+    assert job.returncode == 1, job.stderr
+    assert "Traceback" not in job.stderr
+    (error,) = [ln for ln in job.stderr.splitlines() if ln.startswith("msrun: error:")]
+    assert "cannot start the job's processes" in error and "Exec format error" in error and "garbage" in error
+
+
 def test_two_identical_launches_at_once_one_runs_one_is_refused(msrun):
     """The port is bound by msrun itself before anything starts (no check-then-bind gap): of two
     jobs on the same port, one runs and the other exits 2 with nothing created."""

@@ -261,6 +261,12 @@ class Agent:
         with self.loop:
             try:
                 return self._run()
+            except OSError as exc:  # a process could not be started: what did start is stopped
+                what = f"{exc.strerror}: {exc.filename}" if exc.filename else str(exc)
+                return self._launch_error(f"cannot start the job's processes: {what}", EXIT_LAUNCH_ERROR)
+            except BaseException:
+                self.teardown(graceful=False)  # nothing the job started outlives an error here
+                raise
             finally:
                 self.guard.release()
 

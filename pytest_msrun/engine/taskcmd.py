@@ -22,6 +22,7 @@ def task_argv(script: str, args: list[str], python: str = sys.executable, *, mus
         return [python, script, *args]
     if os.path.isfile(script):
         if os.access(script, os.X_OK):
+            _check_interpreter(script)
             return [script if os.sep in script else os.path.join(".", script), *args]
         interpreter = _shebang(script)
         if interpreter and not os.path.basename(interpreter[0]).startswith("python"):
@@ -51,6 +52,28 @@ def _shebang(path: str) -> list[str]:
     if not first.startswith(b"#!"):
         return []
     return first[2:].decode(errors="replace").split()
+
+
+def _check_interpreter(script: str) -> None:
+    """An executable script's ``#!`` interpreter must be there: else every worker's start fails
+    (the kernel answers ``ENOENT`` for the script itself) - refused before anything starts."""
+    words = _shebang(script)
+    if not words:
+        return
+    if os.path.basename(words[0]) == "env" and len(words) > 1 and not words[1].startswith("-"):
+        if os.path.isfile(words[0]) and which(words[1]) is None:
+            raise ConfigError(
+                "",
+                f"task_script {script!r} starts with '#!{' '.join(words)}' but {words[1]!r} is not on PATH; "
+                "install it or fix the script's #! line",
+            )
+        return
+    if which(words[0]) is None:
+        raise ConfigError(
+            "",
+            f"task_script {script!r} starts with '#!{' '.join(words)}' but {words[0]!r} is not an executable file; "
+            "install it or fix the script's #! line",
+        )
 
 
 def _shebang_python(path: str) -> str | None:
