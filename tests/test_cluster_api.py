@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import time
 
 import pytest
@@ -202,6 +204,38 @@ def test_init_fails_at_once_when_a_rank_exited_without_joining(msrun):
         # told within seconds of calling init() or of rank 1's exit, whichever came later - not
         # after the 60 s the init() and --cluster_time_out would otherwise wait
         assert float(told) - max(float(started), exited) < 5.0, text
+        assert "rank 1 exited without joining the group: its process exited with code 0" in text
+
+
+# msrun whose node registers with its control plane only once it has seen rank 1 exit: workers
+# start before the control plane, so on a loaded machine a rank can end before the node joined.
+LATE_REGISTRATION = """
+import sys
+from pytest_msrun.engine import agent
+
+register = agent.Agent._register
+def late(self, plan):
+    if not any(c.tag.rank == 1 and c.returncode is not None for c in self.group.children):
+        return None  # tried again next turn, after the loop served the events
+    return register(self, plan)
+
+agent.Agent._register = late
+from pytest_msrun.entry import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_rank_that_exits_before_its_node_registered_is_still_reported(msrun):
+    """The exit note of a rank that ended before its node joined the control plane is sent when
+    the node joins - dropped, peers in init() would wait for that rank until the timeout."""
+    msrun.script("early_exit.py", EXITS_BEFORE_JOINING)
+    driver = msrun.script("driver.py", LATE_REGISTRATION)
+    args = job_args(3, "--scheduler=builtin", "--cluster_time_out=60", "early_exit.py")
+    cmd = [sys.executable, str(driver), *args]
+    proc = subprocess.run(cmd, cwd=msrun.cwd, env=msrun.env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 4, proc.stdout + proc.stderr
+    for rank in (0, 2):
+        text = (msrun.dump / f"init_{rank}.txt").read_text().split(" ", 2)[2]
         assert "rank 1 exited without joining the group: its process exited with code 0" in text
 
 

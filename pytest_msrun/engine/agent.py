@@ -99,6 +99,7 @@ class Agent:
         self.assignment: RankAssignment | None = None
         self.control_sock: Any = None  # this end of a socketpair to the control plane we forked
         self.first: FirstStarted | None = None  # workers started before the control plane
+        self.unsaid: list[tuple[dict[str, Any], bool]] = []  # for the control plane, before registering
         self.stage = Stage.STARTING
         self._register_by = 0.0  # when registering gives up (--cluster_time_out)
         self._spawn_said = False
@@ -645,6 +646,9 @@ class Agent:
         self.loop.attach(link)
         timeline.mark("registered with the control plane")
         link.flush_queued()
+        for msg, defer in self.unsaid:  # a worker that ended before this node registered
+            self._tell(msg, defer)
+        self.unsaid = []
         if plan.ranks_pending:  # the control plane places this node's workers next
             if self.detached:
                 self.console_done(0)
@@ -697,17 +701,14 @@ class Agent:
             child, spec = event.child, event.child.tag
             timeline.mark(f"{spec.label} ended ({child.returncode})")
             self.emit(JobEvent.PROCESS_EXITED, child)
-            if spec.role == Role.WORKER and spec.rank is not None and self.link is not None:
+            if spec.role == Role.WORKER and spec.rank is not None:
                 # Peers blocked in init() or a collective must not wait for a rank that is gone.
                 note = {"t": "exit", "rank": spec.rank, "how": processes.describe_returncode(child.returncode or 0)}
-                if child.returncode == 0:
-                    self.link.send(note)
-                else:
-                    self.link.defer(note)
+                self._tell(note, defer=child.returncode != 0)
             error = errorfile.read_error(spec.error_file) if child.returncode else None
             ending = self.policy.exited(child, spec.label, spec.log_path, spec.role == Role.WORKER, error)
-            if ending is not None and ending.first is not None and self.link is not None:
-                self.link.defer({"t": "failed", "reason": ending.reason, "code": min(255, ending.code)})
+            if ending is not None and ending.first is not None:
+                self._tell({"t": "failed", "reason": ending.reason, "code": min(255, ending.code)}, defer=True)
             return ending
         if event.kind is EventKind.MESSAGE:
             if self._told(event.message):
@@ -719,6 +720,14 @@ class Agent:
             if self.link is not None:
                 self.link.close()
         return None
+
+    def _tell(self, msg: dict[str, Any], defer: bool) -> None:
+        """Say ``msg`` to the control plane (``defer``: once this node's processes are signalled).
+        Before this node registered - its workers start first - it is said at registration."""
+        if self.link is not None:
+            (self.link.defer if defer else self.link.send)(msg)
+        elif self.plan is not None and self.plan.scheduler_mode.has_control_plane:
+            self.unsaid.append((msg, defer))
 
     def _told(self, msg: dict[str, Any]) -> bool:
         """A message for the console, not the policy: a notice, progress. Whether it was one."""
