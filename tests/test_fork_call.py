@@ -93,6 +93,40 @@ def test_fork_call_reports_an_exception_in_the_log_and_exits_1(tmp_path):
     wait_for(lambda: "RuntimeError: fails on purpose" in log.read_text())
 
 
+def sleeps(env: dict[str, str]) -> int:
+    time.sleep(60)
+    return 0
+
+
+def test_a_sigterm_the_instant_after_fork_call_ends_the_child():
+    """Teardown the instant after the control plane's fork: the child may not lead its group yet
+    (``setsid`` runs in it), so the signal goes to its pid, and its signals stay blocked until its
+    defaults are set - it neither misses the signal nor runs the launcher's handler (caught under
+    two CPU hogs: a killed pytest's msrun waited out its 5 s grace for the control plane)."""
+    old = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        for _ in range(20):
+            pid = processes.fork_call(f"{__name__}:sleeps", {})
+            child = processes.Child(tag=None, pid=pid, started=time.time())
+            assert child.signal(signal.SIGTERM)
+            assert wait_child(pid, timeout=20) == -signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def test_a_child_not_leading_a_group_is_signalled_by_pid_until_reaped():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # in our group
+    child = processes.Child(tag=None, pid=proc.pid, started=time.time())
+    try:
+        assert child.signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        proc.kill()
+        proc.wait()
+    child.returncode = proc.returncode
+    assert not child.signal(signal.SIGTERM)  # reaped: its pid may be anyone's by now
+
+
 def test_once_in_the_cgroup_msrun_runs_one_thread_again():
     """The thread that moves msrun into the job's cgroup has ended when ``wait`` returns, even when
     it is held up on its way out after saying it is done: msrun forks its control plane only when it

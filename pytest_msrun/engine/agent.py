@@ -355,7 +355,7 @@ class Agent:
             return
         for child, why in first.move_in(cgroup.procs_file):
             console.warning(f"could not move {child.tag.label} into the job's {cgroup.describe()}: {why}")
-            processes.signal_group(child.pid, signal.SIGKILL)
+            child.signal(signal.SIGKILL)
 
     def _announce_first(self) -> None:
         """The workers started first run on (held ones moved in, then let go) and are announced:

@@ -173,12 +173,22 @@ def fork_call(
     What ``posix_spawn`` of a Python program would give, minus an interpreter's start-up and its
     imports: signals at their defaults and unblocked, fds 0-2 as given, every other descriptor
     closed but ``keep_fds``, ``os.environ`` replaced by ``env`` (in the child only). Call it with
-    no other thread running (a fork copies only the calling thread, not the locks others hold)."""
+    no other thread running (a fork copies only the calling thread, not the locks others hold).
+
+    Signals stay blocked across the fork until the child has its session and default handlers: a
+    SIGTERM sent the instant after it (by pid: its group does not exist yet) then ends it, rather
+    than running a handler inherited from this process."""
     for stream in (sys.stdout, sys.stderr):  # what is buffered here must not be written twice
         with _suppress(OSError, ValueError):
             stream.flush()
-    pid = os.fork()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    try:
+        pid = os.fork()
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        raise
     if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         return pid
     code = 1
     try:
@@ -269,6 +279,22 @@ class Child:
     @property
     def alive(self) -> bool:
         return self.returncode is None
+
+    def signal(self, sig: int) -> bool:
+        """Send ``sig`` to the child's process group; False when nothing was left to signal.
+
+        A child forked an instant ago may not lead its group yet (:func:`fork_call` calls
+        ``setsid`` in the child): while it is unreaped its pid cannot be reused, so it gets the
+        signal directly (its signals stay blocked until its defaults are set)."""
+        if signal_group(self.pid, sig):
+            return True
+        if self.returncode is not None:
+            return False
+        try:
+            os.kill(self.pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
 
     def reap(self) -> bool:
         """Collect the exit status if the child exited; True when it did (now or before)."""
@@ -482,7 +508,7 @@ class ProcessGroup:
         for child in children:
             if child.alive and not child.terminated_by_us:
                 child.terminated_by_us = True
-                signal_group(child.pid, signal.SIGTERM)
+                child.signal(signal.SIGTERM)
 
     def wait(self, deadline: float) -> None:
         """Until every child ended or ``deadline`` (other events are irrelevant by now)."""
@@ -499,14 +525,14 @@ class ProcessGroup:
         self.terminate(self.alive())
         self.wait(time.monotonic() + grace)
         for child in self.alive():
-            signal_group(child.pid, signal.SIGKILL)
+            child.signal(signal.SIGKILL)
         self.wait(time.monotonic() + 10.0)
 
     def sweep(self) -> list[int]:
         """Kill what the job left: members of its process groups, descendants re-parented to us,
         and anything else in the job's cgroup. Returns the pids hit."""
         for child in self.children:
-            signal_group(child.pid, signal.SIGKILL)
+            child.signal(signal.SIGKILL)
         exclude = [p for p in (self.guard.watchdog.pid,) if p]
         hit = sweep_descendants(exclude=exclude)
         hit += [p for p in self.guard.kill_members() if p not in hit]
