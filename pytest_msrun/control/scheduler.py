@@ -562,8 +562,11 @@ class Scheduler:
                 self.relay.connect_waiting()
             self.transport.poll(0.02 if busy else 0.25, self._wake)
             if self.terminated_by is not None and self.exit_code is None:
-                # Messages already received (a failure report, say) were handled above, so a
-                # broadcast abort carries the real cause; else tell every client why it ends.
+                # What arrived before the signal (msrun's notes of a failed rank, sent before it
+                # signals the control plane) is served first, so a broadcast abort carries the real
+                # cause - the signal may have come while an earlier event was being served.
+                self.transport.poll(0, self._wake)
+            if self.terminated_by is not None and self.exit_code is None:
                 self.abort(f"the scheduler was stopped by {signal.Signals(self.terminated_by).name}", None)
             self.check_timers()
             self.transport.resume_accepting()

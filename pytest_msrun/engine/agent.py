@@ -754,8 +754,8 @@ class Agent:
 
     # ------------------------------------------------------------------ teardown
     def teardown(self, graceful: bool) -> None:
-        """Stop every process of this node's job (signalled first, the control plane told after,
-        so they are caught where they were) and sweep what they left behind."""
+        """Stop every process of this node's job (workers signalled first, the control plane told
+        after, so they are caught where they were, then signalled) and sweep what they left behind."""
         if self.first is not None:  # a worker still held reads end-of-file and exits
             self.first.close()
             self.first = None
@@ -764,11 +764,14 @@ class Agent:
         # On several nodes the scheduler goes last: it must broadcast the failure to the others.
         scheduler_last = scheduler is not None and bool(self.policy.failures) and self.several_nodes
         if not graceful:
-            self.group.terminate(c for c in live if not (scheduler_last and c is scheduler))
+            self.group.terminate(c for c in live if c is not scheduler)
             if self.link is not None:
                 self.link.flush()
-            if scheduler_last and scheduler is not None:
-                self.group.wait(time.monotonic() + min(self.term_grace, 2.0))
+            if scheduler is not None:
+                # After the notes: its SIGTERM must not overtake them (it would abort the job's
+                # clients with "stopped by SIGTERM" rather than the rank that failed).
+                if scheduler_last:
+                    self.group.wait(time.monotonic() + min(self.term_grace, 2.0))
                 self.group.terminate([scheduler])
             self.group.stop(self.term_grace)
         hit = self.group.sweep()
