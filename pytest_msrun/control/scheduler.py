@@ -566,8 +566,8 @@ class Scheduler:
                 # signals the control plane) is served first, so a broadcast abort carries the real
                 # cause - the signal may have come while an earlier event was being served.
                 self.transport.poll(0, self._wake)
-            if self.terminated_by is not None and self.exit_code is None:
-                self.abort(f"the scheduler was stopped by {signal.Signals(self.terminated_by).name}", None)
+                if self.exit_code is None:  # what was served may have ended the job already
+                    self.abort(f"the scheduler was stopped by {signal.Signals(self.terminated_by).name}", None)
             self.check_timers()
             self.transport.resume_accepting()
         self.transport.drain(1.0)

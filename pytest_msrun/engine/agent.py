@@ -754,8 +754,9 @@ class Agent:
 
     # ------------------------------------------------------------------ teardown
     def teardown(self, graceful: bool) -> None:
-        """Stop every process of this node's job (workers signalled first, the control plane told
-        after, so they are caught where they were, then signalled) and sweep what they left behind."""
+        """Stop every process of this node's job and sweep what they left behind: the workers are
+        signalled first, then msrun's notes go to the control plane (so it learns where they were
+        caught), and only then is the control plane signalled."""
         if self.first is not None:  # a worker still held reads end-of-file and exits
             self.first.close()
             self.first = None
