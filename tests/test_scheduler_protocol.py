@@ -134,7 +134,7 @@ def test_hostile_clients_are_dropped_and_the_job_goes_on(scheduler):
     text = log.read_text()
     for why in (
         "exceeds the limit",
-        "not UTF-8 JSON",
+        "not acceptable JSON",
         "no hello within",
         "first message is not a hello",
         "bad job token",

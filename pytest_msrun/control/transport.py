@@ -57,6 +57,13 @@ CLIENT_KINDS = ("agent", "rank", "observer")  # authenticated clients of our own
 DEFAULT_AUTH_TIMEOUT = 5.0
 
 
+def format_error(exc: BaseException) -> str:
+    """``exc`` with its traceback, for the log (imported only when something went wrong)."""
+    import traceback
+
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+
+
 class Conn:
     """One client connection and its buffers."""
 
@@ -84,7 +91,7 @@ class Conn:
     def __init__(self, sock: _socket.socket, peer: str, now: float) -> None:
         self.sock = sock
         self.peer = peer
-        self.frames = wire.FrameBuffer()
+        self.frames = wire.FrameBuffer(strict=True)  # a stranger's frames until it authenticated
         self.out = bytearray()
         # "" until authenticated, then "agent", "rank" or "observer"; relayed MindSpore
         # connections are "foreign" (the client) and "upstream" (to the MindSpore scheduler).
@@ -191,17 +198,36 @@ class Transport:
         self.conns.pop(fd, None)
         conn.sock.close()
 
-    def drop(self, conn: Conn, why: str, quiet: bool = False) -> None:
-        """Forget a client (its handler hears of it first)."""
+    def drop(self, conn: Conn, why: str, quiet: bool = False, category: str = "") -> None:
+        """Forget a client (its handler hears of it first; an error there is logged, and the
+        connection is closed all the same). Unauthenticated ones are counted by ``category``
+        (``why`` when not given): a stranger's input must not choose how many counters exist."""
         self.pending.pop(conn, None)
         if conn.sock.fileno() < 0:
             return
         if conn.kind == "":
-            self.dropped[why] = self.dropped.get(why, 0) + 1
+            key = category or why
+            self.dropped[key] = self.dropped.get(key, 0) + 1
             if not quiet:
                 self.log(f"dropped client {conn.peer}: {why}")
-        self.handler.on_lost(conn, why)
-        self.close(conn)
+        try:
+            self.handler.on_lost(conn, why)
+        except Exception as exc:
+            self.log(f"error handling the loss of {conn.peer} ({why}):\n{format_error(exc)}")
+        finally:
+            self.close(conn)
+
+    def fault(self, conn: Conn | None, exc: Exception) -> None:
+        """The fault boundary: an error while serving one connection (a bug, or input no check
+        foresaw) is logged with its traceback and costs that connection, never this process."""
+        who = "the listener" if conn is None else f"{conn.peer} ({conn.kind or 'unauthenticated'})"
+        self.log(f"error serving {who}; it is dropped:\n{format_error(exc)}")
+        if conn is not None:
+            try:
+                self.drop(conn, f"an error while serving it: {exc!r}"[:300], category="an error while serving it")
+            except Exception:  # closing failed too: forget it
+                self.conns = {fd: c for fd, c in self.conns.items() if c is not conn}
+                self.pending.pop(conn, None)
 
     def refuse(self, conn: Conn, reason: str) -> None:
         self.log(f"refused {conn.peer}: {reason}")
@@ -216,7 +242,7 @@ class Transport:
         conn.kind = kind
         conn.deadline = 0.0
         self.pending.pop(conn, None)
-        conn.frames.limit = self.limit
+        conn.frames.trust(self.limit)
 
     # ---------------------------------------------------------------- authentication
     def _authenticate(self, conn: Conn, msg: dict[str, Any]) -> None:
@@ -281,7 +307,7 @@ class Transport:
         try:
             msgs = conn.frames.feed(data)
         except wire.ProtocolError as exc:
-            self.drop(conn, str(exc))
+            self.drop(conn, str(exc), category="" if conn.kind else "a malformed frame before authenticating")
             return
         for msg in msgs:
             if conn.sock.fileno() < 0 or conn.closing:
@@ -293,8 +319,8 @@ class Transport:
                 else:
                     self.handler.on_message(conn, msg)
             except Exception as exc:  # a message we failed to handle costs its sender, not the job
-                self.log(f"error handling a {msg.get('t')!r} message from {conn.peer}: {exc!r}")
-                self.drop(conn, "message could not be handled")
+                self.log(f"error handling a {msg['t'][:40]!r} message from {conn.peer}:")
+                self.fault(conn, exc)
         if conn.broken:  # everything it sent was handled; now it is gone
             self.drop(conn, "connection closed")
 
@@ -371,19 +397,24 @@ class Transport:
 
     # ---------------------------------------------------------------- the loop
     def poll(self, timeout: float, on_other: Callable[[Any], None]) -> None:
-        """Wait up to ``timeout`` s and serve what is ready (``on_other`` gets other registered keys)."""
+        """Wait up to ``timeout`` s and serve what is ready (``on_other`` gets other registered keys).
+
+        Each ready connection is served inside :meth:`fault`'s boundary: whatever goes wrong
+        while serving it ends that connection only."""
         for key, events in self.sel.select(timeout=timeout):
-            if key.data is None:
-                self.accept()
-                continue
-            if not isinstance(key.data, Conn):
-                on_other(key.data)
-                continue
-            conn = key.data
-            if events & selectors.EVENT_WRITE:
-                self.flush(conn)
-            if events & selectors.EVENT_READ and conn.sock.fileno() >= 0:
-                self.on_readable(conn)
+            data = key.data
+            try:
+                if data is None:
+                    self.accept()
+                elif not isinstance(data, Conn):
+                    on_other(data)
+                else:
+                    if events & selectors.EVENT_WRITE:
+                        self.flush(data)
+                    if events & selectors.EVENT_READ and data.sock.fileno() >= 0:
+                        self.on_readable(data)
+            except Exception as exc:
+                self.fault(data if isinstance(data, Conn) else None, exc)
         self.clock.tick()
 
     def expired(self) -> list[Conn]:

@@ -19,6 +19,8 @@ import os
 import struct
 import time
 
+from pytest_msrun import boundedjson
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
@@ -31,6 +33,7 @@ except ImportError:  # pragma: no cover
 AGENT_FD_ENV = "MSRUN_AGENT_FD"  # the scheduler's end of a socketpair to the msrun that forked it
 HEADER = struct.Struct(">I")
 HELLO_LIMIT = 16 * 1024  # the largest frame a client may send before it authenticated
+HELLO_DEPTH = 4  # the deepest nesting of arrays and objects in a frame before it authenticated
 DEFAULT_MESSAGE_LIMIT = 64 * 1024 * 1024
 
 
@@ -49,16 +52,16 @@ def message_limit() -> int:
         return DEFAULT_MESSAGE_LIMIT
 
 
-_dumps: Any = None  # one encoder (json.dumps with options builds one per call) ...
-_loads: Any = None  # ... and json imported (with re) at the first frame, not on msrun's start path
+_dumps: Any = None  # one encoder (json.dumps with options builds one per call), json imported
+# (with re) at the first frame, not on msrun's start path
 
 
 def load_json() -> None:
     """Import json (with re) for the frames, once: msrun does it before it forks its control plane."""
-    global _dumps, _loads
+    global _dumps
     import json
 
-    _loads = json.loads
+    boundedjson.loads(b"{}", max_depth=1)  # its parser and patterns, made now
     _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
@@ -69,24 +72,33 @@ def encode(msg: dict[str, Any]) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def decode(body: bytes) -> dict[str, Any]:
-    if _loads is None:
-        load_json()
+def decode(body: bytes, strict: bool = False) -> dict[str, Any]:
+    """One frame's message, or :class:`ProtocolError` - never another exception, whatever ``body``
+    holds. ``strict`` (a peer that has not authenticated): nesting at most :data:`HELLO_DEPTH`,
+    number literals bounded, no ``NaN``/``Infinity`` (:mod:`pytest_msrun.boundedjson`)."""
     try:
-        msg = _loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
-        raise ProtocolError(f"frame is not UTF-8 JSON: {exc}") from None
+        msg = boundedjson.loads(body, max_depth=HELLO_DEPTH if strict else None, strict=strict)
+    except boundedjson.Rejected as exc:
+        raise ProtocolError(f"frame is not acceptable JSON: {exc}") from None
     if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
         raise ProtocolError("frame is not an object with a string field 't'")
     return msg
 
 
 class FrameBuffer:
-    """Accumulates bytes from a non-blocking socket and yields complete messages."""
+    """Accumulates bytes from a non-blocking socket and yields complete messages.
 
-    def __init__(self, limit: int = HELLO_LIMIT) -> None:
+    ``strict`` until the peer authenticated (a server's view of a new client): frames are parsed
+    as a stranger's (:func:`decode`); :meth:`trust` lifts that and the size limit."""
+
+    def __init__(self, limit: int = HELLO_LIMIT, strict: bool = False) -> None:
         self.buf = bytearray()
         self.limit = limit
+        self.strict = strict
+
+    def trust(self, limit: int) -> None:
+        self.limit = limit
+        self.strict = False
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         self.buf += data
@@ -101,7 +113,7 @@ class FrameBuffer:
                     break
                 body = bytes(self.buf[start + HEADER.size : start + HEADER.size + size])
                 start += HEADER.size + size
-                out.append(decode(body))
+                out.append(decode(body, self.strict))
         finally:
             del self.buf[:start]  # once per read, not per frame: many small frames stay O(n)
         return out
