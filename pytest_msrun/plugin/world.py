@@ -19,8 +19,8 @@ sessions). A world found dead before a test is sent is never used for it.
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import os
+import select
 import selectors
 import socket
 import subprocess
@@ -30,6 +30,7 @@ from typing import Any
 
 from pytest_msrun.plugin import envscope
 from pytest_msrun.plugin.forked import FORK_ENV
+from pytest_msrun.plugin.greeter import Greeter
 from pytest_msrun.plugin.job import JobRun, Launched, TestJob, TestPaths
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.serve import WORLD_ENV, WORLD_TOKEN_ENV, Channel
@@ -167,41 +168,39 @@ class World:
         return list(range(self.job.spec.worker_num))
 
     def connect(self, deadline: float) -> str:
-        """Wait for every rank to connect; "" or why the world did not come up."""
+        """Wait for every rank to connect; "" or why the world did not come up. Others who
+        connect meanwhile are strangers at the door (:class:`Greeter`), never the test's problem."""
         self.claimed = self.claimed or time.time()
-        sel = selectors.DefaultSelector()
-        sel.register(self.server, selectors.EVENT_READ)
+        greeter = Greeter(self.server, self.token)
         try:
             while len(self.channels) < len(self.ranks):
                 if self.launched.exited():
                     return "the world's msrun ended before every rank connected"
                 if time.monotonic() > deadline:
                     return "the world's ranks did not all connect in time"
-                for _key, _ in sel.select(timeout=0.05):
-                    try:
-                        conn, _addr = self.server.accept()
-                    except BlockingIOError:
+                ready, _, _ = select.select(greeter.fds(), [], [], 0.05)
+                for sock in ready:
+                    if sock is self.server:
+                        greeter.accept()
                         continue
-                    conn.setblocking(True)
-                    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    conn.settimeout(10)
-                    channel = Channel(conn)
-                    try:
-                        hello = channel.receive()
-                    except (OSError, ValueError):
-                        hello = None
-                    rank = hello.get("rank") if hello else None
-                    token = str(hello.get("token", "")) if hello else ""
-                    if not isinstance(rank, int) or not hmac.compare_digest(token, self.token) or rank in self.channels:
-                        channel.close()
+                    said = greeter.read(sock)
+                    if said is None:
                         continue
-                    conn.settimeout(None)
-                    self.channels[rank] = channel
-                    self.env_read.update(str(key) for key in (hello or {}).get("env_read") or ())
+                    rank, hello = said
+                    if rank in self.channels or rank not in self.ranks:
+                        sock.close()
+                        continue
+                    sock.setblocking(True)
+                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                    self.channels[rank] = Channel(sock)
+                    read = hello.get("env_read")
+                    if isinstance(read, list):
+                        self.env_read.update(key for key in read if isinstance(key, str))
+                greeter.expire()
             self.connected = True
             return ""
         finally:
-            sel.close()
+            greeter.close()
 
     def check(self) -> str:
         """Why this world can run no more tests ("" when it can): a rank gone, msrun ended."""
