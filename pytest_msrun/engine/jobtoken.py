@@ -22,6 +22,7 @@ unauthenticated, and msrun says so loudly.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Mapping
 
 from pytest_msrun.record import record
@@ -54,21 +55,89 @@ def derive(secret: str, *identity: object) -> str:
     return hmac.digest(secret.encode(), msg, "sha256").hex()[:32]
 
 
+SECRET_LIMIT = 4096  # bytes read from a secret file at most: a secret is one line
+
+
 def _read_secret(path: str) -> tuple[str, str]:
-    """(secret, problem) from a secret file; refuses files others can read."""
+    """(secret, problem) from a secret file, which must be a regular file of this user's that
+    no one else may read, in directories no one else may write (as ssh requires of a key).
+
+    Opened without blocking (a FIFO or a device must not hold msrun forever), checked on the
+    open descriptor (what is read is what was checked), read up to :data:`SECRET_LIMIT` bytes."""
     try:
-        st = os.stat(path)
-        with open(path, encoding="utf-8") as fh:
-            secret = fh.read().strip()
+        mode = os.stat(path).st_mode
+        if not stat.S_ISREG(mode):  # a socket cannot even be opened: say what it is
+            return "", f"is not a regular file ({_kind(mode)}); write the secret into a file of yours, mode 600"
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as exc:
         return "", f"cannot be read ({exc.strerror or exc}); make it a file of yours: chmod 600 {path}"
-    if st.st_uid != os.getuid():
-        return "", f"belongs to another user (uid {st.st_uid}); use a file of your own, mode 600"
-    if st.st_mode & 0o077:
-        return "", f"others may read it (mode {st.st_mode & 0o777:o}); run: chmod 600 {path}"
+    try:
+        st = os.fstat(fd)  # what is read is what is checked, whatever was swapped in meanwhile
+        if not stat.S_ISREG(st.st_mode):
+            return "", f"is not a regular file ({_kind(st.st_mode)}); write the secret into a file of yours, mode 600"
+        if st.st_uid != os.getuid():
+            return "", f"belongs to another user (uid {st.st_uid}); use a file of your own, mode 600"
+        if st.st_mode & 0o077:
+            return "", f"others may read it (mode {st.st_mode & 0o777:o}); run: chmod 600 {path}"
+        problem = _unsafe_directory(path)
+        if problem:
+            return "", problem
+        raw = b""
+        while len(raw) <= SECRET_LIMIT:
+            chunk = os.read(fd, SECRET_LIMIT + 1 - len(raw))
+            if not chunk:
+                break
+            raw += chunk
+    except OSError as exc:
+        return "", f"cannot be read ({exc.strerror or exc}); make it a file of yours: chmod 600 {path}"
+    finally:
+        os.close(fd)
+    if len(raw) > SECRET_LIMIT:
+        return "", f"is larger than {SECRET_LIMIT} bytes; a secret is one line of random text"
+    try:
+        secret = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        return "", f"is not UTF-8 text (byte {exc.start}); write a random hex secret into it, mode 600"
     if len(secret) < 16:
         return "", "holds fewer than 16 characters; write a long random secret into it (mode 600)"
     return secret, ""
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
+def _unsafe_directory(path: str) -> str:
+    """Why a directory above ``path`` lets someone else replace it ("" when none does): each must
+    belong to this user or root and be writable by no one else - unless it is sticky (``/tmp``),
+    where others cannot rename or remove what is ours."""
+    uid = os.getuid()
+    directory = os.path.dirname(os.path.realpath(path))
+    while True:
+        try:
+            st = os.stat(directory)
+        except OSError as exc:
+            return f"its directory {directory} cannot be checked ({exc.strerror or exc})"
+        if st.st_uid not in (0, uid):
+            return f"its directory {directory} belongs to another user (uid {st.st_uid}), who could replace it"
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return (
+                f"its directory {directory} is writable by others (mode {st.st_mode & 0o777:o}), who could replace "
+                f"it; run: chmod go-w {directory}"
+            )
+        parent = os.path.dirname(directory)
+        if parent == directory:
+            return ""
+        directory = parent
 
 
 def user_secret(env: Mapping[str, str]) -> tuple[str, str]:
@@ -76,12 +145,16 @@ def user_secret(env: Mapping[str, str]) -> tuple[str, str]:
 
     Created whole or not at all: written to a private temporary file, then hard-linked to its
     name, which fails if another node (shared home) or msrun got there first - so no reader ever
-    sees a half-written secret, and every racer ends up with the winner's."""
+    sees a half-written secret, and every racer ends up with the winner's. Never created in a
+    directory someone else could write (:class:`TokenError`, as for a secret found there)."""
     path = secret_path(env)
     if not os.path.exists(path):
         tmp = f"{path}.{os.getpid()}.{os.urandom(4).hex()}"
         try:
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            unsafe = _unsafe_directory(path)
+            if unsafe:
+                raise TokenError(f"the msrun secret {path}: {unsafe}")
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
                 fh.write(os.urandom(32).hex() + "\n")
@@ -106,6 +179,10 @@ def job_token(
     """``scope``: what makes this job unique beyond its port and size (a Slurm job and step)."""
     given = env.get(TOKEN_ENV, "")
     if given:
+        try:
+            given.encode("utf-8")
+        except UnicodeEncodeError:  # bytes that are not UTF-8, as os.environ holds them
+            raise TokenError(f"{TOKEN_ENV} is not UTF-8 text; set it to a random hex secret") from None
         return JobToken(given, TOKEN_ENV)
     identity: tuple[object, ...] = (master_port, worker_num, scope) if scope else (master_port, worker_num)
     path = env.get(TOKEN_FILE_ENV, "")

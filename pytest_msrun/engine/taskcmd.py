@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import sys
 
 from pytest_msrun.engine.config import COMMAND_TASKS, ConfigError
@@ -44,11 +45,16 @@ def task_argv(script: str, args: list[str], python: str = sys.executable, *, mus
 
 def _shebang(path: str) -> list[str]:
     """The words of a file's ``#!`` line ([] when it has none)."""
-    try:
-        with open(path, "rb") as fh:
-            first = fh.readline(512)
+    try:  # without blocking: a FIFO put where the script was must not hold msrun
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError:
         return []
+    try:
+        first = os.read(fd, 512).split(b"\n", 1)[0] if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
     if not first.startswith(b"#!"):
         return []
     return first[2:].decode(errors="replace").split()
