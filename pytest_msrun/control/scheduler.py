@@ -59,12 +59,25 @@ if TYPE_CHECKING:
 TIMER_INTERVAL = 0.05  # how often deadlines are checked (seconds)
 PROGRESS_INTERVAL = 0.25  # how often the nodes hear how far the job has formed (for a live status line)
 NOTICE_INTERVAL = 1.0  # dropped connections are summed up on the nodes' consoles at most this often
+MAX_LOOP_FAULTS = 20  # the loop's own work failing this many turns in a row ends the job, naming the error
+
+
+LOG_FAILURE: list[OSError] = []  # the first write to this process's log that failed (a full disk)
 
 
 def log(msg: str) -> None:
+    """A line on standard output (``scheduler.log``). It never raises: a log that cannot be
+    written (a full disk) is noted once in :data:`LOG_FAILURE`, which the loop tells the nodes."""
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-    sys.stdout.write(f"[msrun scheduler {stamp}] {msg}\n")
-    sys.stdout.flush()
+    data = f"[msrun scheduler {stamp}] {msg}\n".encode("utf-8", "backslashreplace")
+    try:
+        while data:
+            data = data[os.write(1, data) :]
+    except InterruptedError:
+        pass
+    except OSError as exc:
+        if not LOG_FAILURE:
+            LOG_FAILURE.append(exc)
 
 
 def _is_int(value: Any, low: int, high: int) -> TypeGuard[int]:
@@ -359,6 +372,7 @@ class Scheduler:
         self.next_notice = 0.0
         self.progress_due = False
         self.next_progress = 0.0
+        self.told_log_failure = self.told_trace_failure = False
         if self.trace is not None:
             where = f"{_socket.gethostname()}, pid {os.getpid()}"
             self.trace.extend(tracelog.lane(tracelog.CONTROL_PID, f"control plane ({where})", 1))
@@ -434,7 +448,11 @@ class Scheduler:
         """A MindSpore worker connected: relay it to a MindSpore scheduler, or fail the job at once."""
         refusal = self._relay().refusal(conn)
         if refusal:
-            self.transport.drop(conn, f"MindSpore-protocol client not of this job: {refusal}")
+            self.transport.drop(
+                conn,
+                f"MindSpore-protocol client not of this job: {refusal}",
+                category="MindSpore-protocol client not of this job",
+            )
             return
         if self.mode not in ("auto", "mindspore"):
             reason = (
@@ -531,8 +549,36 @@ class Scheduler:
         self.tell_progress()
         if self.trace is not None:
             self.trace.flush()
+        self.tell_write_failures()
+
+    def tell_write_failures(self) -> None:
+        """Once each: this process's log or trace could not be written (a full disk) - the job
+        goes on, and every node's console says what failed, where, and what to do."""
+        if LOG_FAILURE and not self.told_log_failure:
+            self.told_log_failure = True
+            self.notice(write_failure("the control plane's log", _own_log(), LOG_FAILURE[0], "--log_dir"))
+        trace = self.trace
+        if trace is not None and trace.error is not None and not self.told_trace_failure:
+            self.told_trace_failure = True
+            self.notice(write_failure("the control plane's trace", trace.path, trace.error, "--trace"))
 
     # ---------------------------------------------------------------- the loop
+    def _turn(self) -> None:
+        """One turn of the loop: serve what is ready, answer a signal, look at the deadlines."""
+        busy = self.relay is not None and self.relay.bridge.busy
+        if busy:
+            self.relay.connect_waiting()
+        self.transport.poll(0.02 if busy else 0.25, self._wake)
+        if self.terminated_by is not None and self.exit_code is None:
+            # What arrived before the signal (msrun's notes of a failed rank, sent before it
+            # signals the control plane) is served first, so a broadcast abort carries the real
+            # cause - the signal may have come while an earlier event was being served.
+            self.transport.poll(0, self._wake)
+            if self.exit_code is None:  # what was served may have ended the job already
+                self.abort(f"the scheduler was stopped by {signal.Signals(self.terminated_by).name}", None)
+        self.check_timers()
+        self.transport.resume_accepting()
+
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.terminated_by = signum
 
@@ -556,20 +602,18 @@ class Scheduler:
         log(f"listening on {self.transport.listener.getsockname()[:2]} for {self.worker_num} ranks ({self.mode} mode)")
         if self.mode == "mindspore":
             self._relay().bridge.start()
+        faults = 0  # turns of the loop in a row that raised
         while self.exit_code is None:
-            busy = self.relay is not None and self.relay.bridge.busy
-            if busy:
-                self.relay.connect_waiting()
-            self.transport.poll(0.02 if busy else 0.25, self._wake)
-            if self.terminated_by is not None and self.exit_code is None:
-                # What arrived before the signal (msrun's notes of a failed rank, sent before it
-                # signals the control plane) is served first, so a broadcast abort carries the real
-                # cause - the signal may have come while an earlier event was being served.
-                self.transport.poll(0, self._wake)
-                if self.exit_code is None:  # what was served may have ended the job already
-                    self.abort(f"the scheduler was stopped by {signal.Signals(self.terminated_by).name}", None)
-            self.check_timers()
-            self.transport.resume_accepting()
+            try:
+                self._turn()
+                faults = 0
+            except Exception as exc:  # a bug in this process's own work (connections have their own boundary)
+                faults += 1
+                from pytest_msrun.control.transport import format_error
+
+                log(f"error in the control plane's loop ({faults} in a row):\n{format_error(exc)}")
+                if faults >= MAX_LOOP_FAULTS:
+                    self.abort(f"the control plane failed {faults} times in a row, last: {exc!r}", None)
         self.transport.drain(1.0)
         if self.relay is not None:
             self.relay.bridge.stop()
@@ -577,6 +621,20 @@ class Scheduler:
             self.event(f"the control plane ends ({self.exit_code})")
             self.trace.close()
         return self.exit_code
+
+
+def _own_log() -> str:
+    try:
+        return os.readlink("/proc/self/fd/1")
+    except OSError:
+        return "standard output"
+
+
+def write_failure(what: str, path: str, exc: OSError, flag: str) -> str:
+    """One line for a write that failed: what, where, why, and what to do (the job goes on)."""
+    from pytest_msrun.fsinfo import describe_write_error
+
+    return f"cannot write {what}: {describe_write_error(path, exc, flag)}; the job goes on without it"
 
 
 def _listener_from_env(env: dict[str, str]) -> _socket.socket:

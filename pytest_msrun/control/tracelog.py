@@ -123,14 +123,35 @@ def encode(events: list[dict[str, Any]]) -> str:
 
 
 class Recorder:
-    """Appends events to one spool file, buffered; :meth:`flush` at turns of the event loop."""
+    """Appends events to one spool file, buffered; :meth:`flush` at turns of the event loop.
+
+    A write that fails (a full disk) never reaches the caller: the recorder stops, keeps the
+    error in :attr:`error` for the one who reports it, and drops what comes after - a trace is
+    never worth a job."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.fh = open(path, "a", encoding="utf-8", buffering=1 << 16)  # noqa: SIM115 - lives as long as the process
+        self.error: OSError | None = None
+
+    def _write(self, text: str) -> None:
+        if self.error is None:
+            try:
+                self.fh.write(text)
+            except OSError as exc:
+                self._stop(exc)
+            except ValueError:  # closed
+                pass
+
+    def _stop(self, exc: OSError) -> None:
+        self.error = exc
+        try:
+            self.fh.close()  # what is buffered may fail again: it is dropped with the file object
+        except (OSError, ValueError):
+            pass
 
     def add(self, ev: dict[str, Any]) -> None:
-        self.fh.write(_dumps(ev) + "\n")
+        self._write(_dumps(ev) + "\n")
 
     def extend(self, events: list[dict[str, Any]]) -> None:
         for ev in events:
@@ -140,18 +161,22 @@ class Recorder:
         """Events another process encoded (:func:`encode`); lines that are not one JSON object
         each are dropped when the trace is merged."""
         if text:
-            self.fh.write(text if text.endswith("\n") else text + "\n")
+            self._write(text if text.endswith("\n") else text + "\n")
 
     def flush(self) -> None:
-        try:
-            self.fh.flush()
-        except (OSError, ValueError):
-            pass
+        if self.error is None:
+            try:
+                self.fh.flush()
+            except OSError as exc:
+                self._stop(exc)
+            except ValueError:
+                pass
 
     def close(self) -> None:
+        self.flush()
         try:
             self.fh.close()
-        except OSError:
+        except (OSError, ValueError):
             pass
 
 
@@ -257,11 +282,18 @@ def merge(spool: str, out: str, meta: dict[str, Any]) -> int:
         for line in _lines(os.path.join(spool, name)):
             (head if '"ph":"M"' in line else body).append(line)
     tmp = f"{out}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write('{"traceEvents":[')
-        fh.write(",\n".join([*dict.fromkeys(head), *body]))
-        fh.write('],"displayTimeUnit":"ms","otherData":')
-        fh.write(_dumps(meta))
-        fh.write("}\n")
-    os.replace(tmp, out)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write('{"traceEvents":[')
+            fh.write(",\n".join([*dict.fromkeys(head), *body]))
+            fh.write('],"displayTimeUnit":"ms","otherData":')
+            fh.write(_dumps(meta))
+            fh.write("}\n")
+        os.replace(tmp, out)
+    except OSError:  # a full disk: no trace, and no partial file left
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
     return len(body)

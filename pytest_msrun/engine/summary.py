@@ -75,6 +75,23 @@ def _indent(text: str, pad: str = "    ") -> str:
     return "\n".join(pad + line for line in text.splitlines())
 
 
+def full_disk_note(directory: str) -> str:
+    """A line naming the full file system under ``directory`` ("" when it has room): a process
+    that cannot write its log fails (``OSError: No space left on device``) without saying so."""
+    from pytest_msrun import fsinfo
+
+    if not fsinfo.is_full(directory):
+        return ""
+    mount = fsinfo.mount_of(directory)
+    where = f"{mount.point} ({mount.fstype})" if mount else "its file system"
+    free = fsinfo.free_bytes(directory)
+    return (
+        f"disk full: the log directory {directory} is on {where}, with {free if free is not None else '?'} bytes "
+        "free - writes there fail with 'No space left on device'; free space there, or give --log_dir on "
+        "another file system"
+    )
+
+
 def render(failures: list[Failure], terminated: list[str], log_dir: str) -> str:
     """The summary printed on stderr when a job fails."""
     if not failures:
@@ -101,6 +118,10 @@ def render(failures: list[Failure], terminated: list[str], log_dir: str) -> str:
         elif tail.strip() != tb.strip():  # a log that is just the traceback is shown once
             parts.append(f"  last {min(TAIL_LINES, len(tail.splitlines()))} lines of its log:")
             parts.append(_indent(tail))
+    if root.log_path:
+        disk = full_disk_note(os.path.dirname(os.path.abspath(root.log_path)))
+        if disk:
+            parts.append(f"  {disk}")
     for other in ordered[1:]:
         parts.append(f"  also failed: {other.headline()}")
     if terminated:

@@ -231,7 +231,9 @@ class TraceObserver:
             count = tracelog.merge(self.spool, self.path, meta)
             return f"msrun: wrote the job's trace ({count} events) to {self.path}: open it in https://ui.perfetto.dev"
         except OSError as exc:
-            return f"msrun: could not write the trace {self.path}: {exc}"
+            from pytest_msrun.fsinfo import describe_write_error
+
+            return f"msrun: could not write the trace {describe_write_error(self.path, exc, '--trace')}"
         finally:
             import shutil
 

@@ -37,9 +37,16 @@ def _write(path, pid, etype, value, tb):
         "pid": pid,
     }
     tmp = f"{path}.{pid}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(record, fh)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as fh:
+            json.dump(record, fh)
+        os.replace(tmp, path)
+    except OSError:  # a full disk: no record, and no partial file left
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def _hold():
@@ -120,11 +127,11 @@ def _chain():
             sys.modules["sitecustomize"] = me
 
 
-try:
-    _hold()
-    _install()
-    _trace_start()
-    _leave()
-except Exception:
-    pass
+# Each step on its own: one that fails (the trace's disk is full) must not skip the next - above
+# all _leave, without which _chain would import this file again, and again.
+for _step in (_hold, _install, _trace_start, _leave):
+    try:
+        _step()
+    except Exception:
+        pass
 _chain()

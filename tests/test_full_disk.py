@@ -1,0 +1,93 @@
+"""A full disk for logs or traces never kills the control plane; the job goes on, or ends naming
+the disk, the path and the fix - and no half-written file is left.
+
+Each job runs in a private mount namespace (``unshare -m``, part of the ``netns`` tier: root and
+util-linux) on a 64 KiB tmpfs mounted there, which vanishes with the job: nothing to unmount.
+"""
+
+from __future__ import annotations
+
+import shlex
+import subprocess
+import sys
+
+import pytest
+from conftest import job_args
+
+pytestmark = pytest.mark.netns
+
+BIG = """
+from pytest_msrun import cluster
+cluster.init()
+for i in range(1500):  # 1.5 MB a rank, into a 64 KiB file system
+    print("x" * 1000)
+cluster.barrier()
+print("done", flush=True)
+"""
+
+QUIET = """
+from pytest_msrun import cluster
+cluster.init()
+for i in range(40):  # the control plane serves every one of these while its log cannot be written
+    cluster.barrier()
+"""
+
+
+def run_on_small_disk(msrun, args: list[str], fill: int = 0, timeout: float = 120):
+    """msrun ``args`` with ``small/`` a fresh 64 KiB tmpfs (``fill`` bytes taken already); returns
+    the job and what ``small/`` held at its end (``find``'s listing, from inside the namespace)."""
+    small = msrun.cwd / "small"
+    small.mkdir()
+    listing = msrun.cwd / "listing"
+    script = (
+        f"mount -t tmpfs -o size=64k tmpfs {small} && "
+        + (f"head -c {fill} /dev/zero > {small}/fill && " if fill else "")
+        + f"{shlex.join(msrun.argv(args))}; rc=$?; (cd {small} && find . | sort) > {listing}; exit $rc"
+    )
+    proc = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        cwd=msrun.cwd,
+        env=msrun.env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return proc, listing.read_text().split()
+
+
+def test_ranks_filling_the_log_disk_end_the_job_naming_the_disk(msrun):
+    msrun.script("big.py", BIG)
+    proc, left = run_on_small_disk(msrun, [*job_args(2, "big.py")[:3], "--log_dir=small/logs", "--join=True", "big.py"])
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    summary = proc.stderr[proc.stderr.index("msrun: the job failed") :]
+    root = summary.splitlines()[1]
+    assert root.lstrip().startswith("rank "), summary[:2000]  # a rank, not the control plane
+    assert "disk full: the log directory" in summary and "(tmpfs)" in summary
+    assert "give --log_dir on another file system" in summary
+    assert not [name for name in left if name.endswith(".tmp") or ".tmp" in name], left
+
+
+def test_the_control_plane_serves_on_when_its_log_cannot_be_written(msrun):
+    msrun.script("quiet.py", QUIET)
+    proc, _ = run_on_small_disk(
+        msrun, [*job_args(2, "quiet.py")[:3], "--log_dir=small/logs", "--join=True", "quiet.py"], fill=65536
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "cannot write the control plane's log" in proc.stderr and "is full" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_disk_that_fills_with_the_trace_leaves_the_job_and_no_partial_file(msrun):
+    msrun.script("quiet.py", QUIET)
+    args = [*job_args(2, "quiet.py")[:3], "--log_dir=logs", "--join=True", "--trace", "small/job.trace.json"]
+    proc, left = run_on_small_disk(msrun, [*args, "quiet.py"], fill=60000)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "msrun: could not write the trace" in proc.stderr and "give --trace on another file system" in proc.stderr
+    assert left == [".", "./fill"], left  # no partial trace, no spool
+    for rank in (0, 1):  # the rank hook failed to record its start, and said nothing: it went on
+        text = (msrun.cwd / "logs" / f"worker_{rank}.log").read_text()
+        assert "Error in sitecustomize" not in text and "RecursionError" not in text, text
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(pytest.main([__file__, "-q"]))
