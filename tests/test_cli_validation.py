@@ -194,19 +194,43 @@ def test_bad_bind_file_contents(msrun, env_dump, tmp_path):
         assert "--bind_numa" in job.stderr and text in job.stderr, (name, job.stderr)
 
 
-def test_port_in_use_is_a_clear_error(msrun, env_dump):
+@pytest.mark.parametrize("join", ["True", "False"])
+def test_port_in_use_is_a_clear_error(msrun, env_dump, join):
+    """Nothing started, and nothing written: not even ``--join=False``'s supervisor log."""
     import socket
 
+    before = sorted(p.name for p in msrun.cwd.iterdir())
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
         job = msrun.run(
-            ["--worker_num=1", "--local_worker_num=1", f"--master_port={port}", "--join=True", "env_dump.py"]
+            ["--worker_num=1", "--local_worker_num=1", f"--master_port={port}", f"--join={join}", "env_dump.py"]
         )
     assert job.returncode == 2
     assert f"--master_port: 127.0.0.1:{port} is already in use" in job.stderr
     assert not list(msrun.dump.iterdir())
+    assert sorted(p.name for p in msrun.cwd.iterdir()) == before
+
+
+@pytest.mark.parametrize("where", ["/proc/msrun-logs", "/sys/msrun/logs", "/proc/self/fd/logs"])
+def test_a_log_dir_on_the_kernels_own_file_systems_exits_2(msrun, env_dump, where):
+    job = msrun.run(["--worker_num=1", "--local_worker_num=1", "--join=True", f"--log_dir={where}", "env_dump.py"])
+    assert job.returncode == 2, job.stderr
+    errors = [line for line in job.stderr.splitlines() if line.startswith("msrun: error:")]
+    assert len(errors) == 1 and "--log_dir" in errors[0] and "choose a directory on a real file system" in errors[0]
+    assert "Traceback" not in job.stderr and not list(msrun.dump.iterdir())
+
+
+def test_a_log_dir_that_cannot_be_made_exits_2(msrun, env_dump, tmp_path):
+    """What validation cannot foresee (here: a name too long for the file system) is still a
+    usage error naming the flag, raised before anything starts."""
+    where = tmp_path / ("x" * 300)
+    job = msrun.run(["--worker_num=1", "--local_worker_num=1", "--join=True", f"--log_dir={where}", "env_dump.py"])
+    assert job.returncode == 2, job.stderr
+    errors = [line for line in job.stderr.splitlines() if line.startswith("msrun: error:")]
+    assert len(errors) == 1 and "--log_dir: cannot create" in errors[0], job.stderr
+    assert "Start worker" not in job.stdout + job.stderr and not list(msrun.dump.iterdir())
 
 
 @pytest.mark.parametrize(

@@ -44,7 +44,7 @@ from pytest_msrun.engine.plan import (
     build_plan,
 )
 from pytest_msrun.engine.policy import EXIT_LAUNCH_ERROR, Ending, Policy
-from pytest_msrun.engine.ports import LaunchError, claim
+from pytest_msrun.engine.ports import EXIT_USAGE, LaunchError, claim
 from pytest_msrun.engine.processes import Child, Launch, ProcessGroup
 from pytest_msrun.engine.progress import StatusLine
 from pytest_msrun.engine.status import STATUS_FILE, JobStatus, ProcessStatus, node_status_file
@@ -290,7 +290,10 @@ class Agent:
             return self._ended_by(
                 f"interrupted by {signal.Signals(signum).name} before the job started: nothing was started"
             )
-        self._make_log_dir()
+        try:
+            self._make_log_dir()
+        except LaunchError as exc:
+            return self._launch_error(str(exc), exc.exit_code)
         first = self._start_first(plan, ports.listener)
         if plan.scheduler is not None:
             self._start_scheduler(plan.scheduler, ports.listener)
@@ -562,11 +565,17 @@ class Agent:
         return result
 
     def _make_log_dir(self) -> None:
+        """The log directory, made before anything starts: one that cannot be is a usage error."""
         log_dir = self.cfg.log_dir
         if log_dir and not os.path.isdir(log_dir):
             old = os.umask(0o077)
             try:
                 os.makedirs(log_dir, mode=0o700, exist_ok=True)
+            except OSError as exc:
+                raise LaunchError(
+                    f"--log_dir: cannot create {log_dir!r} ({exc.strerror or exc}); choose a directory you can write",
+                    EXIT_USAGE,
+                ) from None
             finally:
                 os.umask(old)
 

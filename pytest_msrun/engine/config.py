@@ -264,6 +264,11 @@ def validate(cfg: LaunchConfig) -> list[str]:
             raise ConfigError("log_dir", f"{probe!r} exists and is not a directory")
         if not os.access(probe, os.W_OK | os.X_OK):
             raise ConfigError("log_dir", f"{probe!r} is not writable")
+        from pytest_msrun.fsinfo import log_dir_problem
+
+        problem = log_dir_problem(cfg.log_dir)
+        if problem:
+            raise ConfigError("log_dir", problem)
     if cfg.task_script.endswith(".py") and not cfg.print_plan and not os.path.isfile(cfg.task_script):
         raise ConfigError("", f"task_script {cfg.task_script!r} not found (cwd {os.getcwd()})")
     if cfg.bind_core.kind == "unified":

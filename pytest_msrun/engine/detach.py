@@ -65,7 +65,8 @@ def _supervise(cfg: LaunchConfig, facts: NodeFacts, write_fd: int, guard: JobGua
             os.close(write_fd)
         except OSError:
             pass
-        log_path = os.path.join(cfg.log_dir or ".", SUPERVISOR_LOG)
+        # A job that did not start (a launch error: nothing to supervise) leaves no log behind.
+        log_path = os.path.join(cfg.log_dir or ".", SUPERVISOR_LOG) if code == 0 else os.devnull
         try:
             fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         except OSError:
