@@ -134,3 +134,31 @@ def test_the_mindspore_scheduler_is_reachable_only_through_the_relay(msrun):
     job = msrun.finish(popen, timeout=120)
     assert job.returncode == 0, job.stdout + job.stderr + job.log("scheduler.log")[-3000:]
     assert "in a private network namespace" in job.log("scheduler.log")
+
+
+def test_a_mindspore_ranks_own_servers_are_exposed_as_documented(msrun):
+    """docs/security.md states what msrun cannot guard: each MindSpore rank's own RPC servers, in
+    the host's network namespace, which any local process can reach. This checks the statement
+    against the real MindSpore, so the page changes if MindSpore does."""
+    page = (Path(__file__).resolve().parents[1] / "docs" / "security.md").read_text()
+    assert "What stays exposed: a MindSpore rank's own servers" in page
+    msrun.script("hold.py", HOLD)
+    stop = msrun.cwd / "stop"
+    popen = msrun.start(job_args(2, "--scheduler=mindspore", "hold.py"), env={"STOP_FILE": str(stop)})
+    try:
+        wait_for(lambda: len(list(msrun.dump.glob("inited-*"))) == 2, timeout=180)
+        status = msrun.cwd / "logs" / "msrun_status.json"
+        import json
+
+        workers = [p["pid"] for p in json.loads(status.read_text())["processes"] if p["role"] == "worker"]
+        for pid in workers:
+            assert os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net")
+            ports = _listening_ports(pid)
+            assert ports, f"rank pid {pid} listens nowhere: update docs/security.md"
+            for port in ports:
+                with socket.create_connection(("127.0.0.1", port), timeout=5):
+                    pass  # reachable from any process of this host, as the page says
+    finally:
+        stop.touch()
+    job = msrun.finish(popen, timeout=120)
+    assert job.returncode == 0, job.stdout + job.stderr
