@@ -91,13 +91,21 @@ def mount_of(path: str, table: list[Mount] | None = None) -> Mount | None:
     return best
 
 
+KERNEL_TREES = ("/proc", "/sys")  # the kernel's own, whatever is mounted inside them
+
+
 def log_dir_problem(path: str) -> str:
     """Why ``path`` cannot hold msrun's logs ("" when it can, or cannot be told)."""
+    real = os.path.realpath(path or ".")
+    tree = next((t for t in KERNEL_TREES if real == t or real.startswith(t + "/")), "")
     mount = mount_of(path)
-    if mount is not None and mount.fstype in PSEUDO:
+    if tree or (mount is not None and mount.fstype in PSEUDO):
+        where = f"{mount.point} ({mount.fstype})" if mount is not None else tree
+        if tree and mount is not None and mount.fstype not in PSEUDO:
+            where = f"{mount.point} ({mount.fstype}, under {tree})"
         return (
-            f"{path!r} is on {mount.point} ({mount.fstype}), the kernel's view of itself, which holds no log "
-            "files; choose a directory on a real file system"
+            f"{path!r} is on {where}, the kernel's view of itself, which holds no log files; choose a directory "
+            "on a real file system"
         )
     return ""
 

@@ -526,15 +526,9 @@ def test_a_worlds_door_takes_only_its_ranks(lines, newline):
         deadline = time.monotonic() + 10
         while not admitted:
             assert time.monotonic() < deadline
-            ready, _, _ = select.select(greeter.fds(), [], [], 0.05)
-            for sock in ready:
-                if sock is server:
-                    greeter.accept()
-                elif sock in greeter.waiting:
-                    said = greeter.read(sock)
-                    if said is not None:
-                        admitted.append(said)
-        assert [(r, h["env_read"]) for r, h in admitted] == [(1, ["A"])]
+            admitted += greeter.serve(0.05)
+        assert [(r, h["env_read"]) for _, r, h in admitted] == [(1, ["A"])]
+        admitted[0][0].close()
         rank.close()
     finally:
         greeter.close()
@@ -592,3 +586,43 @@ def test_strangers_at_a_warm_worlds_door_cost_its_tests_nothing(pytester, monkey
     result.assert_outcomes(passed=3)
     assert int(knocked.read_text()) >= 1  # the world's door was among the ports knocked on
     record("strangers at a warm world's door", "3 passed", f"session {took:.1f} s")
+
+
+def test_a_flood_at_a_worlds_door_sheds_strangers_not_ranks():
+    """More silent strangers than the door keeps: a rank that connected among them is read
+    before anyone is shed, and let in."""
+    from pytest_msrun.plugin.greeter import MAX_STRANGERS
+
+    server = socket.create_server(("127.0.0.1", 0), backlog=1024)
+    server.setblocking(False)
+    greeter = Greeter(server, "t0ken")
+    port = server.getsockname()[1]
+    socks = []
+    try:
+        admitted: list = []
+
+        def connect() -> socket.socket:
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            socks.append(s)
+            admitted.extend(greeter.serve(0))
+            return s
+
+        for _ in range(MAX_STRANGERS // 2):
+            connect()
+        rank = connect()
+        rank.sendall(json.dumps({"rank": 0, "token": "t0ken"}).encode() + b"\n")
+        for _ in range(MAX_STRANGERS):
+            connect()
+        deadline = time.monotonic() + 10
+        while not admitted:
+            assert time.monotonic() < deadline
+            admitted.extend(greeter.serve(0.05))
+        assert [r for _, r, _ in admitted] == [0]
+        assert greeter.refused >= MAX_STRANGERS // 2 and len(greeter.waiting) <= MAX_STRANGERS
+    finally:
+        for conn, _, _ in admitted:
+            conn.close()
+        greeter.close()
+        for s in socks:
+            s.close()
+        server.close()

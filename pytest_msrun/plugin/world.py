@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import select
 import selectors
 import socket
 import subprocess
@@ -178,15 +177,7 @@ class World:
                     return "the world's msrun ended before every rank connected"
                 if time.monotonic() > deadline:
                     return "the world's ranks did not all connect in time"
-                ready, _, _ = select.select(greeter.fds(), [], [], 0.05)
-                for sock in ready:
-                    if sock is self.server:
-                        greeter.accept()
-                        continue
-                    said = greeter.read(sock)
-                    if said is None:
-                        continue
-                    rank, hello = said
+                for sock, rank, hello in greeter.serve(0.05):
                     if rank in self.channels or rank not in self.ranks:
                         sock.close()
                         continue
@@ -196,7 +187,6 @@ class World:
                     read = hello.get("env_read")
                     if isinstance(read, list):
                         self.env_read.update(key for key in read if isinstance(key, str))
-                greeter.expire()
             self.connected = True
             return ""
         finally:
