@@ -10,6 +10,7 @@ sleeping for the other rank.
 from __future__ import annotations
 
 import re
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -68,6 +69,8 @@ class Scenario:
     counts: dict[str, int] = field(default_factory=dict)
     never: tuple[str, ...] = ()
     patterns: tuple[str, ...] = ()
+    absent: tuple[str, ...] = ()  # in no mode's output
+    seconds: float = 0.0  # plugin modes: the session takes less than this (0: no bound)
     suite_ok: bool = False  # pytest (plugin modes) and msrun (suite mode) exit 0; else 1 and non-zero
     suite_patterns: tuple[str, ...] = ()
     args: tuple[str, ...] = ()
@@ -475,16 +478,24 @@ def _source(scenario: Scenario) -> str:
     return HEAD + scenario.body
 
 
-PLUGIN_CASES = [
-    pytest.param(s, mode, id=f"{s.name}-{mode}")
-    for s in SCENARIOS
-    for mode in ("fresh", "isolated", "warm")
-    if mode in s.modes or (mode == "isolated" and "fresh" in s.modes)
-]
+def plugin_cases(scenarios: list[Scenario]) -> list:
+    return [
+        pytest.param(s, mode, id=f"{s.name}-{mode}")
+        for s in scenarios
+        for mode in ("fresh", "isolated", "warm")
+        if mode in s.modes or (mode == "isolated" and "fresh" in s.modes)
+    ]
+
+
+PLUGIN_CASES = plugin_cases(SCENARIOS)
 
 
 @pytest.mark.parametrize("scenario,mode", PLUGIN_CASES)
 def test_plugin_modes(pytester: pytest.Pytester, monkeypatch, scenario: Scenario, mode: str):
+    run_plugin_mode(pytester, monkeypatch, scenario, mode)
+
+
+def run_plugin_mode(pytester: pytest.Pytester, monkeypatch, scenario: Scenario, mode: str) -> None:
     mark = uuid.uuid4().hex
     monkeypatch.setenv(MARK, mark)
     source = _source(scenario)
@@ -492,6 +503,7 @@ def test_plugin_modes(pytester: pytest.Pytester, monkeypatch, scenario: Scenario
         source = source.replace("@pytest.mark.msrun(", "@pytest.mark.msrun(isolated=True, ")
     pytester.makepyfile(test_scenario=source)
     worlds = "fresh" if mode == "fresh" else "warm"
+    started = time.monotonic()
     result = pytester.runpytest_subprocess(
         "-p", "no:cacheprovider", "-rA", f"--msrun-worlds={worlds}", *scenario.args, timeout=120
     )
@@ -504,6 +516,10 @@ def test_plugin_modes(pytester: pytest.Pytester, monkeypatch, scenario: Scenario
     assert result.ret == (0 if scenario.suite_ok else 1), text  # the same verdict as suite mode's
     for pattern in scenario.patterns:
         assert re.search(pattern, text), f"{pattern!r} not in:\n{text}"
+    for pattern in scenario.absent:
+        assert not re.search(pattern, text), f"{pattern!r} in:\n{text}"
+    took = time.monotonic() - started
+    assert not scenario.seconds or took < scenario.seconds, f"{took:.1f} s:\n{text}"
     assert not wait_gone(mark), "processes left behind"
 
 
@@ -512,6 +528,10 @@ SUITES = [s for s in SCENARIOS if "suite" in s.modes]
 
 @pytest.mark.parametrize("scenario", SUITES, ids=[s.name for s in SUITES])
 def test_suite_mode(msrun, scenario: Scenario):
+    run_suite_mode(msrun, scenario)
+
+
+def run_suite_mode(msrun, scenario: Scenario) -> None:
     msrun.script("test_scenario.py", _source(scenario))
     args = [a for a in scenario.args if a.startswith(("--msrun-timeout", "-x", "--maxfail"))]
     job = msrun.run(job_args(2, "pytest", "-q", "-p", "no:cacheprovider", *args, "test_scenario.py"), timeout=120)
@@ -525,5 +545,7 @@ def test_suite_mode(msrun, scenario: Scenario):
         assert job.returncode != 0, out
     for pattern in scenario.suite_patterns:
         assert re.search(pattern, table, re.M), f"{pattern!r} not in:\n{table}"
+    for pattern in scenario.absent:
+        assert not re.search(pattern, table, re.M), f"{pattern!r} in:\n{table}"
     status = job.status()
     assert status["exit_code"] == job.returncode

@@ -20,7 +20,7 @@ from enum import Enum
 
 from pytest_msrun.control import wire
 from pytest_msrun.control.clock import env_seconds
-from pytest_msrun.engine import console, errorfile, processes, timeline
+from pytest_msrun.engine import console, errorfile, processes, ranknotes, timeline
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.kinds import JobState, Role
@@ -104,6 +104,7 @@ class Agent:
         self._register_by = 0.0  # when registering gives up (--cluster_time_out)
         self._spawn_said = False
         self.policy = Policy()
+        self.deadlines: ranknotes.DeadlineWatch | None = None  # the workers' own deadlines, watched
         self.tailer: LogTailer | None = None
         self.term_grace = processes.term_grace()
         self.node_timeout = env_seconds(dict(os.environ), "MS_NODE_TIMEOUT", 30.0, allow_negative=True)
@@ -144,6 +145,8 @@ class Agent:
         comes later - see :meth:`_start_first`)."""
         if spec.error_file:
             errorfile.clear(spec.error_file)
+        if spec.role == Role.WORKER and spec.rank is not None:
+            ranknotes.clear(self.cfg.log_dir, [spec.rank])  # an earlier job's, in the same log directory
         trace_env = self.trace.child_env if self.trace is not None else {}
         launch = Launch(
             argv=spec.command,
@@ -191,7 +194,7 @@ class Agent:
             self.tailer.stop()
             self.tailer = None
         terminated = [c.tag.label for c in self.group.children if c.terminated_by_us]
-        result = JobResult(ending.code, ending.state, list(self.policy.failures), terminated)
+        result = JobResult(ending.code, ending.state, self.policy.reported(), terminated)
         result.status = self.snapshot(ending.state, ending.code, extra, ending.reason)
         if self.cfg.join and not self.detached:
             self._job_end_reports(result)
@@ -245,10 +248,12 @@ class Agent:
                     started=c.started,
                     ended=c.ended,
                     terminated_by_msrun=c.terminated_by_us,
+                    settled=self.policy.settled[c.pid].description if c.pid in self.policy.settled else "",
+                    late=self.policy.late[c.pid].to_json() if c.pid in self.policy.late else None,
                 )
                 for c in self.group.children
             ],
-            failures=[f.to_json() for f in sorted(self.policy.failures, key=lambda f: f.at)],
+            failures=[f.to_json() for f in sorted(self.policy.reported(), key=lambda f: f.at)],
             stop_reason=reason,
             containment=self.guard.describe(),
             notices=list(self.notices),
@@ -428,6 +433,9 @@ class Agent:
                 if outcome is None:
                     link = self.link
                     wait = link.hb_interval if link is not None and link.up else None
+                    watch = self.deadlines.wait() if self.deadlines is not None else None
+                    if watch is not None:
+                        wait = watch if wait is None else min(wait, watch)
             if outcome is None:
                 for event in self.loop.poll(wait):
                     if event.kind is EventKind.SIGNALLED:
@@ -539,6 +547,10 @@ class Agent:
         if self.cfg.bind_core.enabled or self.cfg.bind_numa.enabled:
             self.observers.append(BindingsObserver(self.facts.hostname, self.facts.topology))
         self.emit(JobEvent.SPAWNED, list(self.group.children))
+        workers = {
+            c.tag.rank: c.pid for c in self.group.children if c.tag.role == Role.WORKER and c.tag.rank is not None
+        }
+        self.deadlines = ranknotes.DeadlineWatch(self.cfg.log_dir, workers)
         if self.cfg.join and not self.detached:
             tailed = [(prefix_for(s.rank, s.local_index), s.log_path) for s in plan.workers if s.tail]
             if tailed:
@@ -696,13 +708,26 @@ class Agent:
         link = self.link
         workers = [c for c in self.group.children if c.tag.role == Role.WORKER]
         scheduler = self.scheduler_child
-        if workers and all(c.returncode == 0 for c in workers) and link is not None:
+        if self.policy.workers_done(workers) and link is not None:
             if self.trace is not None:
                 self.trace.ship()  # this node's events reach the trace before its "done"
             link.send_done()
-        if self.policy.succeeded(workers, scheduler, link is None or link.finished):
-            return Ending(0, JobState.SUCCEEDED)
-        return None
+        late = self.deadlines.late(c.tag.rank for c in workers if c.returncode is None) if self.deadlines else None
+        if late is not None:
+            return self._past_deadline(late, workers)
+        return self.policy.finished(workers, scheduler, link is None or link.finished)
+
+    def _past_deadline(self, late: ranknotes.Late, workers: list[Child]) -> Ending:
+        """A worker is still there after the deadline it set: its stacks (the signal it named),
+        then the job ends, that worker its root cause."""
+        child = next(c for c in workers if c.pid == late.pid)
+        if late.stack_signal:
+            try:
+                os.kill(child.pid, late.stack_signal)  # the rank alone: its own children may not catch it
+                time.sleep(ranknotes.STACK_WAIT)
+            except OSError:
+                pass
+        return self.policy.past_deadline(child.tag.label, late, child.tag.log_path)
 
     def _on_event(self, event: Event, scheduler: Child | None) -> Ending | None:
         """Every event of a running job, dispatched in one place."""
@@ -715,7 +740,10 @@ class Agent:
                 note = {"t": "exit", "rank": spec.rank, "how": processes.describe_returncode(child.returncode or 0)}
                 self._tell(note, defer=child.returncode != 0)
             error = errorfile.read_error(spec.error_file) if child.returncode else None
-            ending = self.policy.exited(child, spec.label, spec.log_path, spec.role == Role.WORKER, error)
+            settled = ""
+            if spec.role == Role.WORKER and spec.rank is not None and (child.returncode or 0) > 0:
+                settled = ranknotes.settled(self.cfg.log_dir, spec.rank, child.pid, child.returncode or 0) or ""
+            ending = self.policy.exited(child, spec.label, spec.log_path, spec.role == Role.WORKER, error, settled)
             if ending is not None and ending.first is not None:
                 self._tell({"t": "failed", "reason": ending.reason, "code": min(255, ending.code)}, defer=True)
             return ending

@@ -5,6 +5,11 @@
 * A signal to msrun ends it with 128+N; an abort from the control plane (another node failed)
   with the status that node reported; a lost control plane (silence, a closed link, a refusal)
   with 1.
+* A worker that said its non-zero status is its own result (a *settled* exit, see
+  :mod:`.ranknotes`) stops nobody: the node ends when every worker has ended, with the first
+  settled status.
+* A worker still there :data:`~.ranknotes.BACKSTOP` s after the deadline it set failed at that
+  deadline, with status 124: time is kept outside a rank that cannot keep its own.
 * Success: every worker exited 0, the local scheduler (if any) is gone, and the control plane
   recorded this node's ``done``.
 
@@ -19,6 +24,7 @@ import time
 from pytest_msrun.engine.errorfile import RankError
 from pytest_msrun.engine.kinds import JobState
 from pytest_msrun.engine.processes import Child
+from pytest_msrun.engine.ranknotes import TIMEOUT_EXIT, Late
 from pytest_msrun.engine.summary import Failure, failure_of
 from pytest_msrun.record import field, record, replace
 
@@ -43,13 +49,26 @@ class Policy:
     host: str = ""  # named in failures when the job spans several nodes
     failures: list[Failure] = field(default_factory=list)
     remote_code: int | None = None  # the status an abort from the control plane carried
+    settled: dict[int, Failure] = field(default_factory=dict)  # pid -> a worker's settled non-zero exit
+    late: dict[int, Late] = field(default_factory=dict)  # pid -> a worker found past its deadline
 
     def exited(
-        self, child: Child, label: str, log: str, is_worker: bool, error: RankError | None = None
+        self,
+        child: Child,
+        label: str,
+        log: str,
+        is_worker: bool,
+        error: RankError | None = None,
+        settled: str = "",
     ) -> Ending | None:
-        """A local process ended; ``error``: its uncaught exception, from its error file."""
+        """A local process ended; ``error``: its uncaught exception, from its error file;
+        ``settled``: why its non-zero status is its own result (it stops nobody)."""
         rc = child.returncode
         if rc in (0, None):
+            return None
+        if settled and is_worker and rc > 0:
+            failure = failure_of(label, rc, child.ended or time.time(), log, child.pid, self.host)
+            self.settled[child.pid] = replace(failure, description=f"{failure.description} ({settled})")
             return None
         if is_worker or self.remote_code is None:  # a scheduler ending an abort it sent explains nothing
             assert rc is not None
@@ -65,6 +84,31 @@ class Policy:
         workers = any(f.label != "scheduler" for f in self.failures)
         reason = f"{first.label} {first.description}" + (f" ({first.error.headline})" if first.error else "")
         return Ending(first.exit_status or 1, JobState.FAILED, reason[:500], first, workers)
+
+    def past_deadline(self, label: str, late: Late, log: str) -> Ending:
+        """A worker still there after its deadline failed at that deadline (status 124)."""
+        failure = Failure(label, late.describe(), TIMEOUT_EXIT, late.due, log, late.pid, self.host)
+        self.late[late.pid] = late
+        self.failures.append(failure)
+        return self.first_failure()
+
+    def workers_done(self, workers: list[Child]) -> bool:
+        """Every worker ended with 0 or a settled status: this node's share of the job is done."""
+        return bool(workers) and all(c.returncode == 0 or c.pid in self.settled for c in workers)
+
+    def finished(self, workers: list[Child], scheduler: Child | None, link_finished: bool) -> Ending | None:
+        """The node's end once every worker is done, its scheduler gone and the control plane
+        told: success, or the first settled status."""
+        if not (self.workers_done(workers) and (scheduler is None or not scheduler.alive) and link_finished):
+            return None
+        if not self.settled:
+            return Ending(0, JobState.SUCCEEDED)
+        first = min(self.settled.values(), key=lambda f: f.at)
+        return Ending(first.exit_status, JobState.FAILED, "", first, workers_failed=True)
+
+    def reported(self) -> list[Failure]:
+        """Every failure to report: those that ended the job, and settled ones."""
+        return [*self.failures, *self.settled.values()]
 
     def signalled(self, signum: int) -> Ending:
         return Ending(128 + signum, JobState.TERMINATED, f"msrun received {signal.Signals(signum).name}")
@@ -83,12 +127,3 @@ class Policy:
 
     def lost(self, reason: str) -> Ending:
         return Ending(EXIT_LAUNCH_ERROR, JobState.FAILED, reason)
-
-    @staticmethod
-    def succeeded(workers: list[Child], scheduler: Child | None, link_finished: bool) -> bool:
-        return (
-            bool(workers)
-            and all(c.returncode == 0 for c in workers)
-            and (scheduler is None or not scheduler.alive)
-            and link_finished
-        )

@@ -41,6 +41,8 @@ class ProcessStatus:
     started: float = 0.0
     ended: float | None = None
     terminated_by_msrun: bool = False
+    settled: str = ""  # its non-zero exit is its own result (it stopped nobody): how, and why
+    late: dict[str, Any] | None = None  # it was found past the deadline it set (a Failure's JSON)
 
 
 @record

@@ -31,6 +31,7 @@ from pytest_msrun.engine.plan import job_ranks
 from pytest_msrun.engine.processes import term_grace, with_parent_death_signal
 from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.engine.status import STATUS_FILE, node_status_file, read_status
+from pytest_msrun.plugin import records
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, SHARED_TMP_ENV, records_path, stacks_path
 from pytest_msrun.plugin.verdict import RankEnd
@@ -84,6 +85,8 @@ class JobRun:
     exit_hung: list[int] = field(default_factory=list)  # ranks that did not exit after every session ended
     exit_timeout: float = 0.0
     note: str = ""  # how the test ran, when not as asked (a warm world's test run as a fresh job)
+    # at the deadline, where each rank's record file stood: what lies beyond is not a result
+    cutoff: dict[int, int] | None = None
 
     def reproduce(self, cwd: str) -> str:
         lines = [f"cd {shlex.quote(cwd)}"]
@@ -311,6 +314,7 @@ class TestJob:
             raise
         stacks: dict[int, str] = {}
         state = None
+        cutoff = records.sizes(str(self.report_dir), self.expected_ranks()) if timed_out else None
         if timed_out or hung:
             if timed_out and self.has_control_plane():
                 state = query_state(self.master_host, self.ports[0], self.token)
@@ -330,6 +334,7 @@ class TestJob:
             msrun_logs=logs,
             exit_hung=hung,
             exit_timeout=exit_timeout,
+            cutoff=cutoff,
         )
         run.ranks = self.rank_ends()
         if not timed_out and not hung:

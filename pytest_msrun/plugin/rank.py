@@ -17,15 +17,18 @@ import faulthandler
 import hashlib
 import json
 import os
+import signal
 import stat
 import sys
 import threading
 import time
 from collections.abc import Generator
+from os import _exit  # taken now: a test that replaces os._exit does not change how a rank ends
 from typing import IO, Any
 
 import pytest
 
+from pytest_msrun.engine import ranknotes
 from pytest_msrun.plugin import options
 from pytest_msrun.plugin.env import current_rank, current_world
 from pytest_msrun.plugin.forked import dump_stacks_on_signals
@@ -40,6 +43,7 @@ from pytest_msrun.plugin.records import (
     stacks_path,
 )
 from pytest_msrun.plugin.serve import WORLD_ENV, WORLD_TOKEN_ENV, world_address
+from pytest_msrun.plugin.stdstreams import StandardStreams
 
 TIMEOUT_EXIT = 124  # a rank that ran out of time ends with timeout(1)'s status
 WAITER_GRACE = 3.0  # s a rank that timed out waiting for others gives them to end first
@@ -98,6 +102,7 @@ class RankPlugin:
             options.apply(config)
         self.randomly_seed = self._common_seed(config)
         self.log = log_file() if log_capture else None  # capture through the log
+        self.streams = StandardStreams() if self.log is not None else None  # kept whole across tests
         self.phase_offset: int | None = None
         self.current: tuple[str, str] | None = None  # (nodeid, phase) running now
         self.timer: threading.Timer | None = None
@@ -303,6 +308,9 @@ class RankPlugin:
         ):
             session.exitstatus = status = pytest.ExitCode.OK
         self._write("finish", exitstatus=status)
+        if self.writer is not None and not self.controlled and status == pytest.ExitCode.TESTS_FAILED:
+            # a suite that ran and had failures: this rank's result, which must stop no peer still at work
+            ranknotes.settle(status, "its pytest session ended with failed tests")
 
     # ---------------------------------------------------------------- warm worlds (serve.py)
     def begin_test(self, report_dir: str, nodeid: str) -> RecordWriter:
@@ -339,6 +347,8 @@ class RankPlugin:
         except (OSError, ValueError, AttributeError):  # no usable stderr
             pass
         self._close()
+        if self.streams is not None:
+            self.streams.close()
         if "pytest_msrun.plugin.covdata" in sys.modules:  # measured for the controller's --cov
             from pytest_msrun.plugin.covdata import stop
 
@@ -376,9 +386,10 @@ class RankPlugin:
                 sys.stderr.flush()
             except (OSError, ValueError):
                 pass
-            os._exit(TIMEOUT_EXIT)
+            _exit(TIMEOUT_EXIT)
 
         threading.Thread(target=fire, name="msrun-exit-watchdog", daemon=True).start()
+        ranknotes.set_deadline(seconds, "its exit after its pytest session ended", int(signal.SIGUSR1))
         # A backstop that needs no Python (a hang in the interpreter's own finalization).
         faulthandler.dump_traceback_later(seconds + 5, exit=True, file=stacks or sys.stderr)
 
@@ -388,9 +399,13 @@ class RankPlugin:
         start = log_offset()
         began = time.time()
         self._write("phase", nodeid=item.nodeid, when=when, offset=start)
+        if self.streams is not None:
+            self.streams.enter()
         try:
             yield
         finally:
+            if self.streams is not None:
+                self.streams.leave()
             self.current = None
             if when == "teardown" and start is not None:  # where this test's part of the log ends
                 sys.stdout.flush()
@@ -449,6 +464,9 @@ class RankPlugin:
         self.timer = threading.Timer(seconds, self._timed_out, args=(item.nodeid, seconds))
         self.timer.daemon = True
         self.timer.start()
+        # msrun keeps the time too: a rank that cannot run its timer (stopped, or holding the
+        # interpreter's lock in native code) is found late by msrun, which names it
+        ranknotes.set_deadline(seconds, f"{item.nodeid} (timeout {seconds:g} s)", int(signal.SIGUSR1))
         # A backstop that needs no Python: if the main thread never lets the timer run, dump and exit.
         faulthandler.dump_traceback_later(seconds + 30, exit=True, file=self.stacks or sys.stderr)
 
@@ -457,6 +475,7 @@ class RankPlugin:
             self.timer.cancel()
             self.timer = None
             faulthandler.cancel_dump_traceback_later()
+            ranknotes.clear_deadline()
 
     def _timed_out(self, nodeid: str, seconds: float) -> None:
         """Record where this rank was and what the control plane knew, then end the rank."""
@@ -482,9 +501,11 @@ class RankPlugin:
             pass
         # Waiting for ranks that have not come (in a suite: a rank stuck in an earlier test, whose
         # own clock runs out about now): let them end first - the first to end is the job's root
-        # cause, and it is theirs. msrun's teardown ends this rank meanwhile if they do.
+        # cause, and it is theirs. msrun's teardown ends this rank meanwhile if they do. This rank
+        # kept its own time: msrun need not (it looks for the ranks that cannot).
+        ranknotes.clear_deadline()
         time.sleep(WAITER_GRACE if waiting_for_others(state, self.rank, self.world) else 0.05)
-        os._exit(TIMEOUT_EXIT)
+        _exit(TIMEOUT_EXIT)
 
 
 class SchedulerRolePlugin:

@@ -21,7 +21,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -62,21 +62,42 @@ class RecordWriter:
         self.fh.close()
 
 
-def read_records(path: str) -> Iterator[dict[str, Any]]:
-    """Every complete record in ``path`` (a torn or garbled line is skipped)."""
+def read_records(
+    path: str, cutoff: int | None = None, cutoff_ts: float | None = None
+) -> Iterator[tuple[dict[str, Any], bool]]:
+    """Every complete record in ``path`` (a torn or garbled line is skipped), and whether it is
+    *late*: its line ends past byte ``cutoff`` (where the file stood at the test's deadline), or
+    it was written after ``cutoff_ts`` (the deadline msrun found a rank past, on the rank's host)."""
     try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if not line.endswith("\n"):
+        with open(path, "rb") as fh:
+            end = 0
+            for raw in fh:
+                end += len(raw)
+                if not raw.endswith(b"\n"):
                     break
                 try:
-                    record = json.loads(line)
+                    record = json.loads(raw.decode("utf-8", errors="replace"))
                 except ValueError:
                     continue
                 if isinstance(record, dict) and "kind" in record:
-                    yield record
+                    late = (cutoff is not None and end > cutoff) or (
+                        cutoff_ts is not None and float(record.get("ts") or 0) > cutoff_ts
+                    )
+                    yield record, late
     except OSError:
         return
+
+
+def sizes(directory: str, ranks: Iterable[int]) -> dict[int, int]:
+    """Where each rank's record file stands now (0: none yet): taken at a test's deadline, what
+    lies beyond is late - evidence of what a rank did after it, never a phase's result."""
+    out = {}
+    for rank in ranks:
+        try:
+            out[rank] = os.path.getsize(records_path(directory, rank))
+        except OSError:
+            out[rank] = 0
+    return out
 
 
 @dataclass
@@ -126,6 +147,7 @@ class RankLog:
     exitstatus: int | None = None
     start_ts: float = 0.0
     exit_hang: dict[str, Any] | None = None  # the session finished but the process did not exit
+    after_deadline: list[dict[str, Any]] = field(default_factory=list)  # written too late: evidence only
 
     def reported_failure(self) -> bool:
         """Whether any report of this rank failed (what a pytest exit status of 1 means)."""
@@ -147,14 +169,54 @@ class RankLog:
     def test(self, nodeid: str) -> RankTest:
         return self.tests.get(nodeid) or RankTest(nodeid)
 
+    def past_deadline(self, late: dict[str, Any]) -> None:
+        """msrun found this rank still there after its deadline (``late``: when, how long, what):
+        a timeout where it was then - in a test's phase, or at its exit - as if its own timer had
+        fired (it could not: stopped, or holding the interpreter's lock)."""
+        due = float(late.get("due") or 0.0)
+        seconds = float(late.get("seconds") or 0.0)
+        nodeid = self.last_test
+        test = self.tests.get(nodeid) if nodeid is not None else None
+        when = next((w for w in reversed(PHASES) if test is not None and w in test.started), None)
+        if test is None or when is None or (when in test.reports and (when == "teardown" or self.finished)):
+            if self.finished:
+                grace = {"grace": seconds, "ts": due, "after": "of its pytest session's end (msrun found it there)"}
+                self.exit_hang = self.exit_hang or grace
+            return
+        if when in test.reports:  # between phases: in the next one
+            when = PHASES[PHASES.index(when) + 1]
+        if test.timeout is None:
+            test.timeout = {"nodeid": nodeid, "when": when, "timeout": seconds, "ts": due, "by": "msrun"}
+
+    def after_deadline_note(self, nodeid: str) -> str:
+        """What this rank reported of ``nodeid`` after the deadline ("" if nothing): shown beside
+        the timeout, never taken as a result (asked for its stacks, a rank in native code may
+        return and finish the phase it was late in)."""
+        said = [
+            f"{data.get('when')} {data.get('outcome')}"
+            for record in self.after_deadline
+            if record.get("kind") == "report"
+            for data in [record.get("data") or {}]
+            if data.get("nodeid") == nodeid
+        ]
+        if not said:
+            return ""
+        return f"; after the deadline it reported {', '.join(said)} - too late to count"
+
     @property
     def last_test(self) -> str | None:
         return next(reversed(self.tests), None) if self.tests else None
 
 
-def load_rank_log(path: str, rank: int) -> RankLog:
+def load_rank_log(path: str, rank: int, cutoff: int | None = None, cutoff_ts: float | None = None) -> RankLog:
+    """One rank's records; with ``cutoff`` (the file's size at the test's deadline) or ``cutoff_ts``
+    (the deadline's time) the records written after it are kept apart in
+    :attr:`RankLog.after_deadline`, never taken as results."""
     out = RankLog(rank)
-    for record in read_records(path):
+    for record, late in read_records(path, cutoff, cutoff_ts):
+        if late:
+            out.after_deadline.append(record)
+            continue
         kind = record["kind"]
         if kind == "start":
             out.started = True

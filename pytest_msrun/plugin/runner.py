@@ -35,7 +35,10 @@ class TestRecord:
 
     @classmethod
     def load(cls, nodeid: str, ranks: list[int], paths: TestPaths, run: JobRun) -> TestRecord:
-        logs = {rank: load_rank_log(records_path(str(paths.report_dir), rank), rank) for rank in ranks}
+        cutoff = run.cutoff or {}
+        logs = {
+            rank: load_rank_log(records_path(str(paths.report_dir), rank), rank, cutoff.get(rank)) for rank in ranks
+        }
         for rank in run.exit_hung:  # measured by the controller: every session had ended
             logs.setdefault(rank, RankLog(rank)).exit_hang = {
                 "grace": run.exit_timeout,

@@ -170,9 +170,13 @@ def _pytest_ranks(directory: str, statuses: list[JobStatus]) -> tuple[dict[int, 
         for proc in node.workers:
             if proc.rank is None:
                 continue
-            log = load_rank_log(records_path(directory, proc.rank), proc.rank)
+            late = proc.late if isinstance(proc.late, dict) else None
+            cutoff = float(late.get("due") or 0.0) if late else None  # frozen at its deadline
+            log = load_rank_log(records_path(directory, proc.rank), proc.rank, cutoff_ts=cutoff)
             if log.started and log.start_ts < node.started - 1:
                 log = RankLog(proc.rank)  # records of an earlier job
+            elif late:
+                log.past_deadline(late)
             logs[proc.rank] = log
             ends[proc.rank] = RankEnd.of(proc, node.stop_reason, node.host)
     if not any(log.started for log in logs.values()):

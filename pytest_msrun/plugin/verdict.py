@@ -44,6 +44,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
+from pytest_msrun.control.observer import waiting_for_others
 from pytest_msrun.engine.processes import describe_returncode
 from pytest_msrun.engine.status import ProcessStatus
 from pytest_msrun.plugin.records import PHASES, RankLog, RankTest
@@ -133,6 +134,7 @@ class RankIssue:
     summary: str
     report: dict[str, Any] | None = None  # the serialized report, for "failed"
     phase: str = ""
+    waited: bool = False  # it timed out waiting in the control plane for other ranks: not a root cause before theirs
 
 
 @dataclass
@@ -163,7 +165,8 @@ class TestVerdict:
 
     @property
     def issues(self) -> list[RankIssue]:
-        return sorted((i for p in self.phases for i in p.issues), key=lambda i: i.at)
+        """Every rank's failure, first by time first - a rank that only waited for others last."""
+        return sorted((i for p in self.phases for i in p.issues), key=lambda i: (i.waited, i.at))
 
     @property
     def first_issue(self) -> RankIssue | None:
@@ -344,9 +347,13 @@ class Judge:
         if own is not None:
             seconds = own.get("timeout", self.timeout)
             summary = f"rank {rank} timed out after {seconds:g} s in the {phase} phase"
-            return RankIssue(rank, "timeout", float(own.get("ts", self._at(rank))), summary, phase=phase)
+            if own.get("by") == "msrun":
+                summary += " (it could not end itself: msrun found it there)"
+            waited = waiting_for_others(own.get("state"), rank, len(self.ranks))
+            return RankIssue(rank, "timeout", float(own.get("ts", self._at(rank))), summary, phase=phase, waited=waited)
         if self.timed_out and (end.returncode is None or end.terminated_by_msrun):
             summary = f"rank {rank} was still in the {phase} phase at the timeout ({self.timeout:g} s)"
+            summary += self.logs[rank].after_deadline_note(self.nodeid) if rank in self.logs else ""
             return RankIssue(rank, "timeout", self._at(rank), summary, phase=phase)
         log = self.logs.get(rank)
         if end.alive:

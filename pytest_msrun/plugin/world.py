@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_msrun.plugin import envscope
+from pytest_msrun.plugin import envscope, records
 from pytest_msrun.plugin.forked import FORK_ENV
 from pytest_msrun.plugin.greeter import Greeter
 from pytest_msrun.plugin.job import JobRun, Launched, TestJob, TestPaths
@@ -79,6 +79,7 @@ class WarmTest:
     leaks: dict[int, list[str]] = field(default_factory=dict)
     reported: set[tuple[int, str, str]] = field(default_factory=set)  # its teardown's reported failures
     env: dict[str, str] = field(default_factory=dict)  # its own variables (--msrun-env-scope=test)
+    absent: set[int] = field(default_factory=set)  # ranks that did not run it (no child of theirs to await)
 
     def finish(self, next_id: str | None, exit_timeout: float) -> JobRun:
         """The teardown (keeping what ``next_id`` shares with this test; ``None`` ends the world),
@@ -99,7 +100,7 @@ class WarmTest:
             world.stop()
             return world.job_run(self, False)
         if world.forking and not world.lost:
-            hung = world.await_ends(exit_timeout)
+            hung = world.await_ends(exit_timeout, self.absent)
             if world.dead:  # a child ended as a fresh rank would not: its template ended alike
                 world.stop()
                 return world.job_run(self, False)
@@ -235,7 +236,8 @@ class World:
         self.last = test
         replies, timed_out = self.exchange(msg, "called", deadline, release=True, failure_grace=True)
         refusals = [str(r.get("why")) for r in replies.values() if r.get("t") == "unforkable"]
-        if refusals or any(r.get("t") == "missing" for r in replies.values()):
+        test.absent = {rank for rank, r in replies.items() if r.get("t") in ("missing", "unforkable")}
+        if test.absent:
             test.missing = True
             test.unforkable = refusals[0] if refusals else ""
             if refusals:  # no test can fork there (and ranks that could, run this one now)
@@ -261,6 +263,7 @@ class World:
         *,
         release: bool = False,
         failure_grace: bool = False,
+        without: set[int] | None = None,
     ) -> tuple[dict[int, dict[str, Any]], bool]:
         """Send ``msg`` to every rank and collect each one's ``answer`` (or ``missing``); whether the
         deadline passed first. A rank that closes its connection, or the job ending, makes the world
@@ -268,8 +271,9 @@ class World:
         others finish it); so does (``failure_grace``) a failure on one rank while others are still
         at it past :data:`FAILURE_GRACE`.
         ``release``: ranks waiting in the control plane only for ranks that already answered are
-        failed at once (in a fresh job those ranks would have exited)."""
-        live = {rank: channel for rank, channel in self.channels.items() if rank not in self.lost}
+        failed at once (in a fresh job those ranks would have exited). ``without``: ranks not asked."""
+        skip = self.lost | (without or set())
+        live = {rank: channel for rank, channel in self.channels.items() if rank not in skip}
         if msg is not None:
             for channel in live.values():
                 try:
@@ -325,17 +329,18 @@ class World:
             sel.close()
         return replies, False
 
-    def await_ends(self, exit_timeout: float) -> list[int]:
+    def await_ends(self, exit_timeout: float, absent: set[int] | None = None) -> list[int]:
         """A forking world's children ending after their test, as processes do (threads joined,
         exit handlers run): the ranks whose child did not end within ``exit_timeout`` s. A child
         that ended as a fresh job's rank would not ended its template too (the world is dead)."""
-        replies, timed_out = self.exchange(None, "ended", time.monotonic() + exit_timeout)
+        absent = absent or set()
+        replies, timed_out = self.exchange(None, "ended", time.monotonic() + exit_timeout, without=absent)
         for reply in replies.values():
             if reply.get("retire"):
                 self.retire(str(reply["retire"]))
         if not timed_out:
             return []
-        return sorted(set(self.channels) - set(replies) - self.lost)
+        return sorted(set(self.channels) - set(replies) - self.lost - absent)
 
     def _settle(self, rank: int, seconds: float = 10.0) -> None:
         """Let a rank that left the world end its process, and msrun record how and act on it (its
@@ -377,6 +382,7 @@ class World:
         """The test ran out of time: where every rank is (control plane, stacks), then the world ends.
         ``waiting``: the ranks that had answered and waited for the controller (not stuck)."""
         self.dead = f"the test ran out of time ({test.timeout:g} s)"
+        cutoff = records.sizes(str(test.paths.report_dir), self.ranks)  # the record, frozen now
         state = None
         if self.job.has_control_plane():
             from pytest_msrun.control.observer import query_state
@@ -387,7 +393,7 @@ class World:
         run = self.job_run(test, True)
         for rank in waiting & set(run.ranks):
             run.ranks[rank] = dataclasses.replace(run.ranks[rank], held=True)
-        run.stacks, run.state = stacks, state
+        run.stacks, run.state, run.cutoff = stacks, state, cutoff
         return run
 
     def job_run(self, test: WarmTest, timed_out: bool) -> JobRun:

@@ -1,0 +1,124 @@
+"""A rank's standard streams, kept whole across what its tests do to them.
+
+A rank captures through its log (its stdout and stderr are the log file): a test writes there
+directly. pytest's own capture would have protected the process - it swaps ``sys.stdout`` and
+descriptors 1 and 2 during each test and puts them back after - so a test that closes
+``sys.stdout``, replaces it, or closes or redirects descriptor 1 or 2 harms no later test and no
+report. :class:`StandardStreams` gives a rank the same protection:
+
+* during a phase, ``sys.stdout`` and ``sys.stderr`` are the session's own writers over copies of
+  descriptors 1 and 2 (made again if a test closed them); pytest's terminal keeps the original
+  objects, which no test sees;
+* when the phase ends, what the test put in their place is dropped (its own objects stay its own)
+  and descriptors 1 and 2 are put back where they pointed if a test closed or redirected them.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from typing import IO, Any
+
+STREAMS = ("stdout", "stderr")
+
+
+def _identity(fd: int) -> tuple[int, int] | None:
+    try:
+        st = os.fstat(fd)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+class StandardStreams:
+    """Descriptors 1 and 2 and ``sys.stdout``/``sys.stderr`` as the rank had them, restored after
+    each phase of a test."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, int] = {}  # fd -> a private copy of it
+        self.identity: dict[int, tuple[int, int] | None] = {}
+        for fd in (1, 2):
+            self.identity[fd] = _identity(fd)
+            if self.identity[fd] is not None:
+                self.saved[fd] = os.dup(fd)  # close-on-exec by default
+        self.originals: dict[str, Any] = {name: getattr(sys, name) for name in STREAMS}
+        self.writers: dict[str, IO[str] | None] = dict.fromkeys(STREAMS)
+        self.repaired: list[str] = []  # what was put back, for the phase's report
+        for fd, name in ((1, "stdout"), (2, "stderr")):  # made now: not a test's leak
+            self._writer(name, fd)
+
+    def fds(self) -> set[int]:
+        """The descriptors this holds (a warm world's leak check does not count them)."""
+        out = set(self.saved.values())
+        for writer in self.writers.values():
+            try:
+                if writer is not None and not writer.closed:
+                    out.add(writer.fileno())
+            except (OSError, ValueError):
+                pass
+        return out
+
+    def _writer(self, name: str, fd: int) -> IO[str] | None:
+        """The session's writer for ``name`` over a copy of ``fd`` (a new one if a test closed it)."""
+        writer = self.writers[name]
+        if writer is not None and not writer.closed:
+            return writer
+        original = self.originals[name]
+        try:
+            raw = io.FileIO(os.dup(fd), "w", closefd=True)
+        except OSError:
+            return None
+        writer = io.TextIOWrapper(
+            raw,  # unbuffered below the text layer: nothing is lost on a crash
+            encoding=getattr(original, "encoding", None) or "utf-8",
+            errors=getattr(original, "errors", None) or "backslashreplace",
+            line_buffering=True,
+            write_through=True,
+        )
+        self.writers[name] = writer
+        return writer
+
+    def enter(self) -> None:
+        """A phase begins: the streams are the session's writers."""
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            writer = self._writer(name, fd)
+            if writer is not None:
+                setattr(sys, name, writer)
+
+    def leave(self) -> list[str]:
+        """A phase ended: flush its writers, put back what a test changed; what was put back."""
+        repaired = []
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            writer = self.writers[name]
+            current = getattr(sys, name)
+            if current is not writer and current is not self.originals[name]:
+                repaired.append(f"sys.{name} (replaced by the test)")
+            if writer is not None:
+                try:
+                    writer.flush()
+                except (OSError, ValueError):
+                    repaired.append(f"sys.{name} (closed by the test)")
+            setattr(sys, name, self.originals[name])
+            if fd in self.saved and _identity(fd) != self.identity[fd]:
+                repaired.append(f"descriptor {fd} ({'closed' if _identity(fd) is None else 'redirected'} by the test)")
+                try:
+                    os.dup2(self.saved[fd], fd, inheritable=True)
+                except OSError:
+                    pass
+        self.repaired += repaired
+        return repaired
+
+    def close(self) -> None:
+        for writer in self.writers.values():
+            if writer is not None:
+                try:
+                    writer.close()
+                except (OSError, ValueError):
+                    pass
+        for copy in self.saved.values():
+            try:
+                os.close(copy)
+            except OSError:
+                pass
+        self.saved.clear()

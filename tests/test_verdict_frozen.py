@@ -1,0 +1,175 @@
+"""Verdicts from a frozen record, in every mode: what a rank reports after a test's deadline is
+evidence, never that phase's result; time is kept outside a rank that cannot keep its own; a rank
+that ends its suite normally never stops its peers; a rank survives what a test does to its
+process (closed standard descriptors, a replaced ``sys.stdout`` or ``os._exit``).
+
+The scenarios run through :mod:`test_verdict_scenarios`'s harness: plugin modes (fresh, isolated,
+warm) and suite mode (``pmsrun ... pytest``).
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_verdict_scenarios import Scenario, plugin_cases, run_plugin_mode, run_suite_mode
+
+SCENARIOS = [
+    Scenario(
+        "a_rank_in_native_code_at_the_deadline_returns_when_asked_for_its_stacks",
+        """
+@pytest.mark.msrun(worker_num=2, timeout=6)
+def test_it(rank):
+    if rank == 1:
+        ctypes.PyDLL(None).sleep(30)  # returns early when a signal arrives (the stack request)
+""",
+        counts={"failed": 1},
+        never=("passed",),
+        patterns=(r"rank 1 was still in the call phase at the timeout", r"after the deadline it reported call passed"),
+        suite_patterns=(r"test_it\s+passed\s+timeout\s+failed",),
+        args=("--msrun-timeout=6",),
+    ),
+    Scenario(
+        "a_barrier_rank_1_never_enters_with_the_timeout_equal_to_the_cluster_time_out",
+        """
+@pytest.mark.msrun(worker_num=2, timeout=6)
+def test_it(rank, msrun):
+    if rank == 0:
+        msrun.barrier()
+    else:
+        wait_for(lambda: False, 30.0)
+""",
+        counts={"failed": 1},
+        never=("passed",),
+        patterns=(r"rank 1 was still in the call phase at the timeout",),
+        absent=(r"hangs at exit",),
+        suite_patterns=(r"test_it\s+\S+\s+timeout\s+failed",),
+        args=("--msrun-timeout=6",),
+    ),
+    Scenario(
+        "a_rank_whose_suite_ends_early_with_failures_stops_no_peer",
+        """
+@pytest.mark.msrun(worker_num=2)
+def test_fails_on_0(rank):
+    assert rank != 0, "an ordinary failure on rank 0"
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_last(rank, msrun, msrun_tmp_path):
+    msrun.barrier()
+    if rank == 1:  # still at work well after rank 0's session ended (with pytest's exit 1)
+        wait_for(lambda: (msrun_tmp_path / "never").exists(), 2.0)
+        assert False, "rank 1's own failure, after rank 0 left"
+""",
+        counts={"failed": 2},
+        never=("passed",),
+        patterns=(r"an ordinary failure on rank 0", r"rank 1's own failure"),
+        absent=(r"incomplete", r"not run", r"stopped by msrun"),
+        suite_patterns=(r"test_fails_on_0\s+failed\s+passed\s+failed", r"test_last\s+passed\s+failed\s+failed"),
+    ),
+    *[
+        Scenario(
+            f"a_rank_that_cannot_keep_its_own_time_{name}",
+            f"""
+@pytest.mark.msrun(worker_num=2)
+def test_stuck(rank, msrun):
+    if rank == 1:
+        {how}
+    else:
+        msrun.barrier()  # waits for rank 1, which never comes
+""",
+            never=("passed",),
+            patterns=(r"rank 1 was still in the call phase at the timeout",),
+            suite_patterns=(
+                r"test_stuck\s+(stopped|timeout)\s+timeout\s+failed",
+                r"rank 1 .*(ran out of time|timed out)",
+            ),
+            args=("--msrun-timeout=6",),
+        )
+        for name, how in (
+            ("holding_the_gil", "while True: ctypes.PyDLL(None).sleep(60)  # no thread of its own can run"),
+            ("stopped", "os.kill(os.getpid(), 19)  # SIGSTOP"),
+        )
+    ],
+    Scenario(
+        "an_isolated_test_that_replaces_os_exit",
+        """
+@pytest.mark.msrun(worker_num=2, isolated=True)
+def test_it(rank):
+    os._exit = lambda code: None  # never restored
+
+
+@pytest.mark.msrun(worker_num=2, isolated=True)
+def test_after(rank):
+    pass
+""",
+        counts={"passed": 2},
+        never=("failed", "errors"),
+        absent=(r"INTERNALERROR",),
+        suite_ok=True,
+        modes=("warm",),
+    ),
+    Scenario(
+        "a_rank_that_closes_its_standard_descriptors",
+        """
+@pytest.mark.msrun(worker_num=2)
+def test_closes(rank):
+    if rank == 1:
+        os.close(1)
+        os.close(2)
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_later_fails(rank):
+    assert rank != 1, "a real failure after the descriptors were closed"
+""",
+        counts={"passed": 1, "failed": 1},
+        never=("errors",),
+        patterns=(r"a real failure after the descriptors were closed",),
+        suite_patterns=(r"test_closes\s+passed\s+passed\s+passed", r"test_later_fails\s+passed\s+failed\s+failed"),
+    ),
+    Scenario(
+        "a_failing_rank_after_an_earlier_test_replaced_sys_stdout",
+        """
+@pytest.mark.msrun(worker_num=2)
+def test_replaces(rank):
+    sys.stdout = open(os.devnull, "w")
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_fails(rank):
+    print(f"output of rank {rank} before it fails")
+    assert rank != 1
+""",
+        counts={"passed": 1, "failed": 1},
+        patterns=(r"output of rank 1 before it fails",),
+        modes=("fresh", "warm"),
+    ),
+    Scenario(
+        "a_rank_that_does_not_collect_the_test",
+        """
+if os.environ.get("RANK_ID") == "1":
+    pytest.skip("not on rank 1", allow_module_level=True)
+
+
+@pytest.mark.msrun(worker_num=2, timeout=40)
+def test_it(rank):
+    pass
+""",
+        never=("passed",),
+        patterns=(r"a test must skip on every rank or on none|skipped at collection",),
+        seconds=25,  # the right verdict at once, not after a minute's wait for rank 1
+        modes=("fresh", "warm"),
+    ),
+]
+
+
+@pytest.mark.parametrize("scenario,mode", plugin_cases(SCENARIOS))
+def test_plugin_modes(pytester: pytest.Pytester, monkeypatch, scenario: Scenario, mode: str):
+    run_plugin_mode(pytester, monkeypatch, scenario, mode)
+
+
+SUITES = [s for s in SCENARIOS if "suite" in s.modes]
+
+
+@pytest.mark.parametrize("scenario", SUITES, ids=[s.name for s in SUITES])
+def test_suite_mode(msrun, scenario: Scenario):
+    run_suite_mode(msrun, scenario)
