@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -152,6 +153,14 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
     if use:
         ns.capture = "no"
     yield
+    envscope.wholesale_reads(False)  # plugins configure themselves next: until collection
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_collection(session: pytest.Session) -> Any:
+    """Wholesale reads of the environment count again while tests are collected (see envscope)."""
+    envscope.wholesale_reads(True)
+    return (yield)
 
 
 def _stdout_is_a_file() -> bool:

@@ -97,6 +97,24 @@ def test_two(rank):
     print(f"SEEN two {rank} {os.getpid()} {os.environ.get('MS_SHAPE')} {AT_IMPORT}")
 """
 
+COPIED_AT_IMPORT = """
+import os
+
+import pytest
+
+SNAPSHOT = {HOW}  # a copy of the whole environment, taken at import
+
+
+@pytest.mark.msrun(worker_num=2, env={"KIND": "x"})
+def test_x(rank):
+    assert SNAPSHOT.get("KIND") == "x", "the module's copy lacks the test's variable"
+
+
+@pytest.mark.msrun(worker_num=2, env={"KIND": "y"})
+def test_y(rank):
+    assert SNAPSHOT.get("KIND") == "y", "the module's copy lacks the test's variable"
+"""
+
 FAILING = """
 import pytest
 
@@ -163,6 +181,24 @@ def test_a_variable_read_while_collecting_makes_the_test_a_fresh_job(pytester, m
         assert seen[("w", rank)][1:] == ("w", "None")
 
 
+@pytest.mark.parametrize(
+    "how",
+    [
+        "os.environ.copy()",
+        "dict(os.environ)",
+        "{k: v for k, v in os.environ.items()}",
+        "{os.fsdecode(k): os.fsdecode(v) for k, v in os.environb.items()}",
+    ],
+    ids=["copy", "dict", "items", "environb"],
+)
+def test_a_module_that_copies_the_environment_at_import_sees_each_tests_variables(pytester, monkeypatch, how):
+    """A wholesale read while collecting reads every test's variables: each test runs as a fresh
+    job with them set from its start, and the module's copy has them."""
+    result = _run(pytester, monkeypatch, COPIED_AT_IMPORT.replace("{HOW}", how), "--msrun-env-scope=test")
+    result.assert_outcomes(passed=2)
+    assert result.stdout.str().count("ran as a fresh job: its world's ranks read KIND while collecting") == 2
+
+
 def test_variables_launchers_and_frameworks_read_stay_the_jobs(pytester, monkeypatch):
     result = _run(pytester, monkeypatch, JOB_SCOPED, "--msrun-env-scope=test")
     result.assert_outcomes(passed=2)
@@ -225,16 +261,41 @@ def test_apply_then_revert_leaves_the_environment_as_it_was(before, env):
 
 
 def test_tracking_notes_every_kind_of_look_up_of_a_watched_variable_and_ends():
-    envscope.track(["MSRUN_T_WATCHED", "MSRUN_T_ABSENT", "MSRUN_T_IN", "MSRUN_T_GETENV"])
+    envscope.track(["MSRUN_T_WATCHED", "MSRUN_T_ABSENT", "MSRUN_T_IN", "MSRUN_T_GETENV", "MSRUN_T_BYTES"])
     try:
         os.environ.get("MSRUN_T_WATCHED")
         assert "MSRUN_T_IN" not in os.environ
         os.getenv("MSRUN_T_GETENV")
         os.environ.get("MSRUN_T_UNWATCHED")
-        dict(os.environ)  # a copy of what is set looks up nothing absent
+        os.environb.get(b"MSRUN_T_BYTES")
     finally:
         read = envscope.reads()
-    assert read == ["MSRUN_T_GETENV", "MSRUN_T_IN", "MSRUN_T_WATCHED"]
+    assert read == ["MSRUN_T_BYTES", "MSRUN_T_GETENV", "MSRUN_T_IN", "MSRUN_T_WATCHED"]
     assert type(os.environ) is os._Environ
     os.environ.get("MSRUN_T_ABSENT")
     assert envscope.reads() == read  # nothing noted after the end
+
+
+@pytest.mark.parametrize(
+    "wholesale",
+    [
+        lambda: os.environ.copy(),
+        lambda: dict(os.environ),
+        lambda: {k: v for k, v in os.environ.items()},
+        lambda: list(os.environ),
+        lambda: len(os.environ),
+        lambda: dict(os.environb),
+        lambda: os.environb.copy(),
+    ],
+    ids=["copy", "dict", "items", "iter", "len", "environb-dict", "environb-copy"],
+)
+def test_a_wholesale_read_reads_every_watched_variable(wholesale):
+    """A module that copies or iterates the environment at import has a snapshot without the
+    test's variables (they are set only when the test starts): every one of them counts as read."""
+    envscope.track(["MSRUN_T_ONE", "MSRUN_T_TWO"])
+    try:
+        wholesale()
+    finally:
+        read = envscope.reads()
+    assert read == ["MSRUN_T_ONE", "MSRUN_T_TWO"]
+    assert type(os.environ) is os._Environ and type(os.environb) is os._Environ

@@ -8,9 +8,11 @@ started with them is kept out of it:
 * a variable a launcher, a framework or a native library reads at start-up or import
   (:data:`JOB_SCOPED_PREFIXES`: ``MSRUN_``, ``MS_``, ``OMP_``, ``CUDA_``, ...) stays the job's - a
   different value is another world;
-* a variable the world's ranks read through ``os.environ`` while they collected (a test module or
-  conftest reading it at import) - the ranks report those reads - makes the test run as a fresh
-  job with the variable set from the start;
+* a variable the world's ranks read through ``os.environ`` or ``os.environb`` while they
+  collected (a test module or conftest reading it at import) - the ranks report those reads -
+  makes the test run as a fresh job with the variable set from the start. A wholesale read
+  (``os.environ.copy()``, ``dict(os.environ)``, iterating it, ``len``) reads every variable, set
+  or not: it counts as a read of each test's variables;
 * fixtures broader than a test are torn down whenever the next test's variables differ, so no
   fixture set up under one test's values serves another's.
 
@@ -21,7 +23,7 @@ of another name with ``getenv`` at import sees the world's environment, not the 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 SCOPES = ("job", "test")
 TRACK_ENV = "MSRUN_ENV_TRACK"  # in a world's ranks: the variables whose reads during collection count
@@ -75,14 +77,59 @@ _read: set[str] = set()
 _watched: frozenset[str] = frozenset()
 
 
+_wholesale_counts = [True]  # whether a wholesale read counts now (not while plugins configure)
+
+
+def _wholesale() -> None:
+    if _wholesale_counts[0]:
+        _read.update(_watched)
+
+
+def wholesale_reads(count: bool) -> None:
+    """Whether wholesale reads count from now on: they do while conftests are imported and tests
+    collected (a module may keep a copy), not while plugins configure themselves (pytest-benchmark
+    copies the environment to run a command; no test's module sees that copy)."""
+    _wholesale_counts[0] = count
+
+
 class _Tracked(os._Environ):
     """``os.environ`` noting each look-up of a watched variable (``get``, ``in``, ``getenv`` and
-    ``[]`` all come here), found or not."""
+    ``[]`` all come here), found or not - and a wholesale read (a copy, iteration) as a look-up
+    of every watched variable."""
 
     def __getitem__(self, key: str) -> str:
         if key in _watched:
             _read.add(key)
         return super().__getitem__(key)
+
+    def __iter__(self) -> Iterator[str]:  # keys(), items(), values(), dict(), copy() all iterate
+        _wholesale()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        _wholesale()
+        return super().__len__()
+
+    def copy(self) -> dict[str, str]:
+        _wholesale()
+        return super().copy()
+
+
+class _TrackedBytes(os._Environ):
+    """``os.environb``, tracked as :class:`_Tracked` (its keys are bytes)."""
+
+    def __getitem__(self, key: bytes) -> bytes:
+        if os.fsdecode(key) in _watched:
+            _read.add(os.fsdecode(key))
+        return super().__getitem__(key)
+
+    def __iter__(self) -> Iterator[bytes]:
+        _wholesale()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        _wholesale()
+        return super().__len__()
 
 
 def track(watched: Iterable[str]) -> None:
@@ -92,12 +139,18 @@ def track(watched: Iterable[str]) -> None:
     _read.clear()
     if _watched and type(os.environ) is os._Environ:
         os.environ.__class__ = _Tracked
+    environb = getattr(os, "environb", None)
+    if _watched and environb is not None and type(environb) is os._Environ:
+        environb.__class__ = _TrackedBytes
 
 
 def reads() -> list[str]:
     """The watched variables looked up since :func:`track`; tracking ends."""
     if type(os.environ) is _Tracked:
         os.environ.__class__ = os._Environ  # type: ignore[assignment]
+    environb = getattr(os, "environb", None)
+    if environb is not None and type(environb) is _TrackedBytes:
+        environb.__class__ = os._Environ  # type: ignore[assignment]
     return sorted(_read)
 
 

@@ -456,8 +456,8 @@ class RankPlugin:
             return
         try:
             spec = spec_for(item)
-        except MarkerError:
-            return
+        except MarkerError as exc:  # an error at setup, as in plugin mode (not a test run without it)
+            pytest.fail(str(exc), pytrace=False)
         seconds = (spec.timeout if spec is not None else None) or self.default_timeout
         if not seconds:
             return

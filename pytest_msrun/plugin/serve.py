@@ -377,6 +377,7 @@ class WorldServer:
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtestloop(self, session: pytest.Session) -> bool:
         self.items = {item.nodeid: item for item in session.items}
+        env_read = envscope.reads()  # collection is over: what it read, not what comes next
         _adopt_orphans()
         if self.forking:
             forked.join_group()
@@ -388,7 +389,7 @@ class WorldServer:
         self.channel = channel = Channel(sock)
         plugin = self.rank_plugin
         hello = {"t": "hello", "rank": plugin.rank, "pid": os.getpid(), "token": self.token}
-        channel.send({**hello, "env_read": envscope.reads()})
+        channel.send({**hello, "env_read": env_read})
         setup_state = session._setupstate  # pytest's own fixture stack (xdist's workers drive it alike)
         try:
             while not self.quit:
