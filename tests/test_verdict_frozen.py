@@ -144,6 +144,19 @@ def test_fails(rank):
         modes=("fresh", "warm"),
     ),
     Scenario(
+        "an_invalid_marker",
+        """
+@pytest.mark.msrun(worker_num=0)
+def test_it(rank):
+    pass
+""",
+        counts={"errors": 1},
+        never=("passed",),
+        patterns=(r"must be a positive int",),
+        suite_patterns=(r"test_it\s+error\s+error\s+error", r"must be a positive int"),
+        modes=("warm", "suite"),
+    ),
+    Scenario(
         "a_rank_that_does_not_collect_the_test",
         """
 if os.environ.get("RANK_ID") == "1":

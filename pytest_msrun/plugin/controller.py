@@ -31,10 +31,10 @@ from pytest_msrun.plugin import covdata, envscope, options
 from pytest_msrun.plugin.job import TestJob, TestPaths
 from pytest_msrun.plugin.marker import MARKER, MarkerError, MsrunSpec, default_timeout, spec_for
 from pytest_msrun.plugin.merge import Merger
+from pytest_msrun.plugin.outcomes import TestVerdict
 from pytest_msrun.plugin.pool import DeviceShortage, ResourcePool, inventory
 from pytest_msrun.plugin.runner import Attempt, FreshAttempt, TestRecord, WarmAttempt
 from pytest_msrun.plugin.timeline import REPORT_ATTR, SessionReport, test_entry
-from pytest_msrun.plugin.verdict import TestVerdict
 from pytest_msrun.plugin.world import FORKING, MAX_WORLDS, World, eligible, world_key
 
 DEFAULT_EXIT_TIMEOUT = 60.0

@@ -33,8 +33,8 @@ from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.engine.status import STATUS_FILE, node_status_file, read_status
 from pytest_msrun.plugin import records
 from pytest_msrun.plugin.marker import MsrunSpec
+from pytest_msrun.plugin.outcomes import RankEnd
 from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, SHARED_TMP_ENV, records_path, stacks_path
-from pytest_msrun.plugin.verdict import RankEnd
 from pytest_msrun.proc import running
 
 STACK_WAIT = 2.0

@@ -179,9 +179,9 @@ class RankLog:
         test = self.tests.get(nodeid) if nodeid is not None else None
         when = next((w for w in reversed(PHASES) if test is not None and w in test.started), None)
         if test is None or when is None or (when in test.reports and (when == "teardown" or self.finished)):
-            if self.finished:
-                grace = {"grace": seconds, "ts": due, "after": "of its pytest session's end (msrun found it there)"}
-                self.exit_hang = self.exit_hang or grace
+            after = "of its pytest session's end" if self.finished else "of its last test's end"
+            grace = {"grace": seconds, "ts": due, "after": f"{after} (msrun found it there)"}
+            self.exit_hang = self.exit_hang or grace
             return
         if when in test.reports:  # between phases: in the next one
             when = PHASES[PHASES.index(when) + 1]

@@ -13,9 +13,9 @@ import time
 from collections import Counter
 
 from pytest_msrun.plugin.merge import Merger
+from pytest_msrun.plugin.outcomes import TestVerdict
 from pytest_msrun.plugin.records import PHASES
 from pytest_msrun.plugin.runner import TestRecord
-from pytest_msrun.plugin.verdict import TestVerdict
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:

@@ -32,8 +32,8 @@ from pytest_msrun.plugin.forked import FORK_ENV
 from pytest_msrun.plugin.greeter import Greeter
 from pytest_msrun.plugin.job import JobRun, Launched, TestJob, TestPaths
 from pytest_msrun.plugin.marker import MsrunSpec
+from pytest_msrun.plugin.outcomes import RankEnd
 from pytest_msrun.plugin.serve import WORLD_ENV, WORLD_TOKEN_ENV, Channel
-from pytest_msrun.plugin.verdict import RankEnd
 from pytest_msrun.proc import running
 
 MAX_WORLDS = 2  # worlds alive at once per controller (each holds its ranks' processes)

@@ -1,0 +1,227 @@
+"""The words of a verdict, shared by everything that shows one: how a rank's process ended
+(:class:`RankEnd`), why a rank did not pass a phase (:class:`RankIssue`), each phase's verdict and the
+test's (:class:`PhaseVerdict`, :class:`TestVerdict`), and how a report's failure reads.
+
+One vocabulary, read by the console's reports, JUnit, the HTML page, the suite table and msrun's
+exit status: a test's outcome is one of :data:`OUTCOMES`.
+
+Plain data: no pytest import, so the launcher side can use it too.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from pytest_msrun.engine.processes import describe_returncode
+from pytest_msrun.engine.status import ProcessStatus
+
+STRICT_XPASS = "[XPASS(strict)]"
+PASSING = ("passed", "skipped", "xfailed", "xpassed")
+# every outcome a test can have: pytest's own, then a suite's "incomplete" (a rank stopped because
+# of a failure elsewhere) and "not run" (no rank began it)
+OUTCOMES = ("passed", "failed", "error", "skipped", "xfailed", "xpassed", "incomplete", "not run")
+
+
+@dataclass
+class RankEnd:
+    """How a rank's process ended (msrun's status file), or that it lives on (a warm world)."""
+
+    returncode: int | None = None  # None: still running, or never started
+    ended: float | None = None
+    pid: int | None = None
+    log: str = ""
+    terminated_by_msrun: bool = False
+    stop_reason: str = ""  # why msrun stopped the job ("rank 1 exited with code 3", "msrun received SIGTERM")
+    host: str = ""  # the host the rank ran on
+    alive: bool = False  # a warm world's rank that finished the test and serves the next one
+    # a warm world's rank that was waiting for the controller (to tear the test down, or for the
+    # next one) when the world was stopped because another rank ran out of time: not due its teardown
+    held: bool = False
+    died_at: float | None = None  # when it crashed, from its error file or fatal-error dump
+
+    @classmethod
+    def of(cls, proc: ProcessStatus, stop_reason: str, host: str = "") -> RankEnd:
+        """From msrun's status of the rank's process, why msrun stopped the job, and the rank's host."""
+        return cls(
+            returncode=proc.returncode,
+            ended=proc.ended,
+            pid=proc.pid,
+            log=proc.log,
+            terminated_by_msrun=proc.terminated_by_msrun,
+            stop_reason=stop_reason,
+            host=host,
+            died_at=death_time(proc.log) if proc.returncode not in (None, 0) else None,
+        )
+
+    @property
+    def at(self) -> float | None:
+        """When the process ended, as well as it is known."""
+        return self.died_at if self.died_at is not None else self.ended
+
+    def describe(self, timed_out: bool) -> str:
+        if self.alive:
+            return "is still running (it finished the test)"
+        if self.returncode is None:
+            if timed_out:
+                return "was still running at the timeout"
+            return "never started" if self.pid is None else "has no recorded exit status"
+        how = describe_returncode(self.returncode)
+        if self.terminated_by_msrun:
+            how += f" (terminated by msrun: {self.stop_reason})" if self.stop_reason else " (terminated by msrun)"
+        return how
+
+
+def death_time(log: str) -> float | None:
+    """When a rank crashed, as written beside its log: its error file's time, else - when its log
+    ends with a fatal-error dump (written as it died) - the log's modification time."""
+    if not log:
+        return None
+    from pytest_msrun.engine.errorfile import error_file_for, read_error
+
+    error = read_error(error_file_for(log))
+    if error is not None and error.time:
+        return error.time
+    try:
+        with open(log, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, size - 16384))
+            tail = fh.read()
+        if b"Fatal Python error" in tail:
+            return os.stat(log).st_mtime
+    except OSError:
+        pass
+    return None
+
+
+@dataclass
+class RankIssue:
+    """Why one rank did not pass one phase."""
+
+    rank: int
+    kind: str  # failed (its own report) | died | timeout | stopped | exit (ended badly after its reports)
+    at: float
+    summary: str
+    report: dict[str, Any] | None = None  # the serialized report, for "failed"
+    phase: str = ""
+    waited: bool = False  # it timed out waiting in the control plane for other ranks: not a root cause before theirs
+
+
+@dataclass
+class PhaseVerdict:
+    phase: str
+    outcome: str  # passed | failed | skipped
+    present: dict[int, dict[str, Any]]  # rank -> its own report of the phase
+    issues: list[RankIssue] = field(default_factory=list)  # failures, first by time first
+    stopped: list[int] = field(default_factory=list)  # stopped by msrun after a failure elsewhere
+    wasxfail: str | None = None  # set when the merged outcome is XFAIL (skipped) or XPASS (passed)
+    message: str = ""  # a rule's own failure (a mix of skip and run)
+    cause: RankIssue | None = None  # for a phase failed only by stopped ranks: the failure that stopped them
+    skip_reason: str = ""  # a skip no report of this phase carries (every rank skipped at collection)
+
+
+@dataclass
+class TestVerdict:
+    """Every phase's verdict, each rank's cell, and the test's overall outcome."""
+
+    __test__ = False  # not a pytest test class
+
+    nodeid: str
+    phases: list[PhaseVerdict]
+    cells: dict[int, str]  # rank -> passed | failed | error | skipped | xfailed | crashed (...) | ...
+    outcome: str  # passed | failed | error | skipped | xfailed | xpassed | incomplete | not run
+    not_run: list[int] = field(default_factory=list)
+    note: str = ""  # why an outcome was changed after the rule (suite mode: a failure caused by another test)
+
+    @property
+    def issues(self) -> list[RankIssue]:
+        """Every rank's failure, first by time first - a rank that only waited for others last."""
+        return sorted((i for p in self.phases for i in p.issues), key=lambda i: (i.waited, i.at))
+
+    @property
+    def first_issue(self) -> RankIssue | None:
+        issues = self.issues
+        return issues[0] if issues else None
+
+    @property
+    def failing_ranks(self) -> list[int]:
+        return sorted({i.rank for p in self.phases for i in p.issues})
+
+    @property
+    def stopped(self) -> list[int]:
+        return sorted({r for p in self.phases for r in p.stopped})
+
+    @property
+    def passing(self) -> bool:
+        return self.outcome in PASSING
+
+
+def _longrepr_text(report: dict[str, Any]) -> str:
+    longrepr = report.get("longrepr")
+    if isinstance(longrepr, str):
+        return longrepr
+    if isinstance(longrepr, dict):
+        crash = (longrepr.get("reprcrash") or {}).get("message")
+        if crash:
+            return str(crash)
+    if isinstance(longrepr, (list, tuple)) and len(longrepr) == 3:
+        return str(longrepr[2])
+    return ""
+
+
+def is_strict_xpass(report: dict[str, Any]) -> bool:
+    return report.get("outcome") == "failed" and _longrepr_text(report).startswith(STRICT_XPASS)
+
+
+def is_subtest(report: dict[str, Any]) -> bool:
+    return report.get("_report_type") == "SubTestReport"
+
+
+def crash_message(report: dict[str, Any]) -> str:
+    """The one-line reason of a failed report."""
+    text = _longrepr_text(report).strip()
+    longrepr = report.get("longrepr")
+    if isinstance(longrepr, dict) and not (longrepr.get("reprcrash") or {}).get("message"):
+        text = ""
+    lines = text.splitlines()
+    if isinstance(longrepr, str) and lines:
+        line = lines[-1]
+    else:
+        line = lines[0] if lines else "failed"
+    if is_subtest(report):
+        context = report.get("_subtest.context") or {}
+        label = " ".join(
+            filter(
+                None,
+                [
+                    f"[{context['msg']}]" if context.get("msg") is not None else "",
+                    ", ".join(f"{k}={v!r}" for k, v in (context.get("kwargs") or {}).items()),
+                ],
+            )
+        )
+        return f"subtest {label or '(<subtest>)'} failed: {line}"
+    return line
+
+
+def skip_reason(report: dict[str, Any]) -> str:
+    longrepr = report.get("longrepr")
+    if isinstance(longrepr, (list, tuple)) and len(longrepr) == 3:
+        return str(longrepr[2])
+    return _longrepr_text(report)
+
+
+def were(ranks) -> str:
+    """``rank 0 was`` / ``ranks 0, 1 were``: a sentence's subject."""
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]} was" if len(ranks) == 1 else f"ranks {ranks_text(ranks)} were"
+
+
+def ranks_text(ranks) -> str:
+    """``0, 1, 3`` for a few ranks; ``0-511, 600`` for many."""
+    ranks = sorted(ranks)
+    if len(ranks) <= 8:
+        return ", ".join(map(str, ranks))
+    from pytest_msrun.cpulist import format_id_list
+
+    return format_id_list(ranks).replace(",", ", ")
