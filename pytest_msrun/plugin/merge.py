@@ -18,9 +18,9 @@ from _pytest._code.code import ReprFileLocation, TerminalRepr
 
 from pytest_msrun.engine.summary import extract_traceback, log_text
 from pytest_msrun.plugin.hang import diagnosis
-from pytest_msrun.plugin.rank import read_log
 from pytest_msrun.plugin.records import PHASES
 from pytest_msrun.plugin.runner import TestRecord
+from pytest_msrun.plugin.stdstreams import read_log
 from pytest_msrun.plugin.verdict import PhaseVerdict, RankEnd, RankIssue, TestVerdict, ranks_text, were
 
 MAX_RANK_SECTIONS = 8  # per-rank sections shown in a report; big dry runs list the rest compactly

@@ -17,13 +17,10 @@ import faulthandler
 import hashlib
 import json
 import os
-import signal
-import stat
 import sys
 import threading
 import time
 from collections.abc import Generator
-from os import _exit  # taken now: a test that replaces os._exit does not change how a rank ends
 from typing import IO, Any
 
 import pytest
@@ -32,7 +29,7 @@ from pytest_msrun.engine import ranknotes
 from pytest_msrun.plugin import options
 from pytest_msrun.plugin.env import current_rank, current_world
 from pytest_msrun.plugin.forked import dump_stacks_on_signals
-from pytest_msrun.plugin.marker import MARKER, MarkerError, default_timeout, marked_specs, spec_for
+from pytest_msrun.plugin.marker import default_timeout, marked_specs
 from pytest_msrun.plugin.records import (
     BASETEMP_ENV,
     CACHE_FILE,
@@ -43,50 +40,14 @@ from pytest_msrun.plugin.records import (
     stacks_path,
 )
 from pytest_msrun.plugin.serve import WORLD_ENV, WORLD_TOKEN_ENV, world_address
-from pytest_msrun.plugin.stdstreams import StandardStreams
+from pytest_msrun.plugin.stdstreams import StandardStreams, log_file, log_offset, read_log
+from pytest_msrun.plugin.suiteclock import SuiteClock
 
-TIMEOUT_EXIT = 124  # a rank that ran out of time ends with timeout(1)'s status
-WAITER_GRACE = 3.0  # s a rank that timed out waiting for others gives them to end first
 STRICT_XPASS = "[XPASS(strict)]"
 
 
 def _strict_xpass(report: pytest.TestReport) -> bool:
     return report.when == "call" and str(report.longrepr).startswith(STRICT_XPASS)
-
-
-MAX_SECTION = 1 << 20
-
-
-def log_file() -> str | None:
-    """The rank's log (its stdout), when stdout is a regular file."""
-    try:
-        if stat.S_ISREG(os.fstat(1).st_mode):
-            return os.readlink("/proc/self/fd/1")
-    except OSError:
-        pass
-    return None
-
-
-def log_offset() -> int | None:
-    try:
-        return os.lseek(1, 0, os.SEEK_CUR)
-    except OSError:
-        return None
-
-
-def read_log(path: str, start: int, end: int | None = None) -> str:
-    """``path`` from byte ``start`` to ``end`` (at most 1 MiB, the end kept), decoded leniently."""
-    try:
-        with open(path, "rb") as fh:
-            size = fh.seek(0, os.SEEK_END)
-            stop = size if end is None else min(end, size)
-            begin = max(start, stop - MAX_SECTION)
-            fh.seek(begin)
-            data = fh.read(max(0, stop - begin))
-    except OSError:
-        return ""
-    text = data.decode("utf-8", errors="replace")
-    return (f"[... {begin - start} bytes cut ...]\n" + text) if begin > start else text
 
 
 class RankPlugin:
@@ -105,7 +66,7 @@ class RankPlugin:
         self.streams = StandardStreams() if self.log is not None else None  # kept whole across tests
         self.phase_offset: int | None = None
         self.current: tuple[str, str] | None = None  # (nodeid, phase) running now
-        self.timer: threading.Timer | None = None
+        self.clock = SuiteClock(self)  # a suite's marked-test timeouts (a controller times its own)
         self.writer: RecordWriter | None = None
         self.session_writer: RecordWriter | None = None  # a warm world's, while a test's records are open
         self.test_failed = False
@@ -358,40 +319,12 @@ class RankPlugin:
         """Close the records. Every thread's stack still lands in the stacks file on SIGUSR1 until the
         process ends (a controller asks a rank that does not exit for them); in suite mode a rank
         that does not exit within the marked tests' timeout records so and ends itself."""
-        self._disarm()
+        self.clock.disarm()
         path = self.writer.fh.name if self.writer is not None else None
         if self.writer is not None:
             self.writer.close()
         if path and not self.controlled and self.default_timeout:
-            self._arm_exit_watchdog(path, self.default_timeout)
-
-    def _arm_exit_watchdog(self, path: str, seconds: float) -> None:
-        rank, world, stacks = self.rank, self.world, self.stacks
-
-        def fire() -> None:
-            time.sleep(seconds)
-            stack = ""
-            if stacks is not None:
-                stacks.flush()
-                start = os.lseek(stacks.fileno(), 0, os.SEEK_END)
-                faulthandler.dump_traceback(stacks, all_threads=True)
-                stacks.flush()
-                stack = read_log(stacks.name, start)
-            try:
-                RecordWriter(path, rank, world, append=True).write("exit_hang", grace=seconds, stack=stack)
-                sys.stderr.write(
-                    f"\nmsrun: rank {rank} did not exit within {seconds:g} s of its pytest session's end "
-                    f"(--msrun-timeout); it ends with exit status {TIMEOUT_EXIT}\n"
-                )
-                sys.stderr.flush()
-            except (OSError, ValueError):
-                pass
-            _exit(TIMEOUT_EXIT)
-
-        threading.Thread(target=fire, name="msrun-exit-watchdog", daemon=True).start()
-        ranknotes.set_deadline(seconds, "its exit after its pytest session ended", int(signal.SIGUSR1))
-        # A backstop that needs no Python (a hang in the interpreter's own finalization).
-        faulthandler.dump_traceback_later(seconds + 5, exit=True, file=stacks or sys.stderr)
+            self.clock.arm_exit_watchdog(path, self.default_timeout)
 
     # ---------------------------------------------------------------- phases
     def _phase(self, item: pytest.Item, when: str) -> Generator[None, None, None]:
@@ -435,7 +368,7 @@ class RankPlugin:
 
     @pytest.hookimpl(hookwrapper=True, tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> Generator[None, None, None]:
-        self._arm(item)
+        self.clock.arm(item)
         yield from self._phase(item, "setup")
 
     @pytest.hookimpl(hookwrapper=True, tryfirst=True)
@@ -447,65 +380,7 @@ class RankPlugin:
         try:
             yield from self._phase(item, "teardown")
         finally:
-            self._disarm()
-
-    # ---------------------------------------------------------------- timeouts (suite mode)
-    def _arm(self, item: pytest.Item) -> None:
-        """A marked test run in place gets its marker's timeout (else --msrun-timeout / ini)."""
-        if self.controlled or self.writer is None or item.get_closest_marker(MARKER) is None:
-            return
-        try:
-            spec = spec_for(item)
-        except MarkerError as exc:  # an error at setup, as in plugin mode (not a test run without it)
-            pytest.fail(str(exc), pytrace=False)
-        seconds = (spec.timeout if spec is not None else None) or self.default_timeout
-        if not seconds:
-            return
-        self.timer = threading.Timer(seconds, self._timed_out, args=(item.nodeid, seconds))
-        self.timer.daemon = True
-        self.timer.start()
-        # msrun keeps the time too: a rank that cannot run its timer (stopped, or holding the
-        # interpreter's lock in native code) is found late by msrun, which names it
-        ranknotes.set_deadline(seconds, f"{item.nodeid} (timeout {seconds:g} s)", int(signal.SIGUSR1))
-        # A backstop that needs no Python: if the main thread never lets the timer run, dump and exit.
-        faulthandler.dump_traceback_later(seconds + 30, exit=True, file=self.stacks or sys.stderr)
-
-    def _disarm(self) -> None:
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-            faulthandler.cancel_dump_traceback_later()
-            ranknotes.clear_deadline()
-
-    def _timed_out(self, nodeid: str, seconds: float) -> None:
-        """Record where this rank was and what the control plane knew, then end the rank."""
-        from pytest_msrun.control.observer import query_from_env, waiting_for_others
-
-        when = self.current[1] if self.current and self.current[0] == nodeid else "setup"
-        stack = ""
-        if self.stacks is not None:
-            self.stacks.flush()
-            start = os.lseek(self.stacks.fileno(), 0, os.SEEK_END)
-            faulthandler.dump_traceback(self.stacks, all_threads=True)
-            self.stacks.flush()
-            stack = read_log(self.stacks.name, start)
-        state = query_from_env(dict(os.environ))
-        self._write("timeout", nodeid=nodeid, when=when, timeout=seconds, state=state, stack=stack)
-        try:
-            sys.stderr.write(
-                f"\nmsrun: {nodeid} timed out after {seconds:g} s on rank {self.rank} in its {when} phase; "
-                f"this rank ends with exit status {TIMEOUT_EXIT}\n"
-            )
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
-        # Waiting for ranks that have not come (in a suite: a rank stuck in an earlier test, whose
-        # own clock runs out about now): let them end first - the first to end is the job's root
-        # cause, and it is theirs. msrun's teardown ends this rank meanwhile if they do. This rank
-        # kept its own time: msrun need not (it looks for the ranks that cannot).
-        ranknotes.clear_deadline()
-        time.sleep(WAITER_GRACE if waiting_for_others(state, self.rank, self.world) else 0.05)
-        _exit(TIMEOUT_EXIT)
+            self.clock.disarm()
 
 
 class SchedulerRolePlugin:

@@ -17,10 +17,45 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 import sys
 from typing import IO, Any
 
 STREAMS = ("stdout", "stderr")
+
+MAX_SECTION = 1 << 20
+
+
+def log_file() -> str | None:
+    """The rank's log (its stdout), when stdout is a regular file."""
+    try:
+        if stat.S_ISREG(os.fstat(1).st_mode):
+            return os.readlink("/proc/self/fd/1")
+    except OSError:
+        pass
+    return None
+
+
+def log_offset() -> int | None:
+    try:
+        return os.lseek(1, 0, os.SEEK_CUR)
+    except OSError:
+        return None
+
+
+def read_log(path: str, start: int, end: int | None = None) -> str:
+    """``path`` from byte ``start`` to ``end`` (at most 1 MiB, the end kept), decoded leniently."""
+    try:
+        with open(path, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            stop = size if end is None else min(end, size)
+            begin = max(start, stop - MAX_SECTION)
+            fh.seek(begin)
+            data = fh.read(max(0, stop - begin))
+    except OSError:
+        return ""
+    text = data.decode("utf-8", errors="replace")
+    return (f"[... {begin - start} bytes cut ...]\n" + text) if begin > start else text
 
 
 def _identity(fd: int) -> tuple[int, int] | None:

@@ -1,0 +1,321 @@
+"""The controller's warm worlds: which world a test runs in, when one starts, is started ahead,
+is kept for the next test, and ends.
+
+A :class:`WorldPool` owns every live world of one pytest session and the resources they hold. It
+hands out a test's :class:`~.runner.WarmAttempt` (or says why the test runs as a fresh job), keeps
+a world for the next test of its shape this process will run - or ends it - and ends worlds
+outside a test (evicted, dead between tests, the session over). What such an end reveals about a
+world's last test is returned as a :class:`LateEnd` for the controller to report; the pool never
+calls back into it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from pytest_msrun.engine.slurm import Allocation
+from pytest_msrun.plugin import envscope
+from pytest_msrun.plugin.job import JobRun, TestPaths
+from pytest_msrun.plugin.jobs import Jobs, node_path, static_skip
+from pytest_msrun.plugin.marker import MARKER, MarkerError, MsrunSpec, spec_for
+from pytest_msrun.plugin.pool import DeviceShortage, ResourcePool
+from pytest_msrun.plugin.runner import WarmAttempt
+from pytest_msrun.plugin.world import FORKING, MAX_WORLDS, WarmTest, World, eligible, world_key
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+@dataclass
+class LateEnd:
+    """A world ended after its last test was reported: ``run`` is how, ``why`` the reason."""
+
+    item: pytest.Item
+    world: World
+    last: WarmTest
+    run: JobRun
+    why: str
+
+
+class WorldPool:
+    """Every live world of one session (at most :data:`MAX_WORLDS`)."""
+
+    def __init__(
+        self,
+        jobs: Jobs,
+        resources: ResourcePool,
+        *,
+        exit_timeout: float,
+        warm: bool,
+        env_per_test: bool,
+        prefetch: bool,
+        xdist_worker: bool,
+        cluster: Allocation | None,
+    ) -> None:
+        self.jobs = jobs
+        self.resources = resources
+        self.exit_timeout = exit_timeout
+        self.warm = warm  # --msrun-worlds=warm: tests share worlds (fresh: each in a forked child)
+        self.env_per_test = env_per_test  # tests differing only in env share a world
+        self.prefetch = prefetch  # worlds, warm or forking
+        self.xdist_worker = xdist_worker  # xdist hands this process its items one by one
+        self.cluster = cluster
+        self.live: dict[tuple, World] = {}
+        self.last_item: dict[tuple, pytest.Item] = {}  # each live world's last test
+        self.expecting: dict[tuple, str | None] = {}  # the test each live world's fixtures were kept for
+        self._keys: dict[str, tuple | None] = {}
+        self.unforkable: dict[tuple, str] = {}  # forking worlds whose ranks cannot fork, and why
+        self._positions: tuple[int, int, dict[str, int]] | None = None
+        self.late: list[LateEnd] = []  # worlds' ends to report on their last tests (taken by take_late)
+
+    def take_late(self) -> list[LateEnd]:
+        late, self.late = self.late, []
+        return late
+
+    def stop_all(self) -> None:
+        """Stop every world now (an interrupted session: nothing is reported)."""
+        worlds, self.live = list(self.live.values()), {}
+        for world in worlds:
+            world.stop()
+            self.resources.release(world.lease)
+
+    def end_all(self, why: str) -> None:
+        for key in list(self.live):
+            self.end_outside(key, why)
+
+    def key_of(self, item: pytest.Item) -> tuple | None:
+        """The world ``item`` runs in (None: a fresh job of its own)."""
+        if item.nodeid not in self._keys:
+            key = None
+            if item.get_closest_marker(MARKER) is not None:
+                try:
+                    spec = spec_for(item)
+                except MarkerError:
+                    spec = None
+                several_hosts = spec is not None and self.cluster is not None and len(spec.node_sizes()) > 1
+                if spec is not None and eligible(spec) and not several_hosts:
+                    # isolated: each test in processes of its own, forked from the world's ranks
+                    forking = spec.isolated or not self.warm
+                    key = world_key(self._world_spec(spec), spec.devices) + ((FORKING,) if forking else ())
+                    if key in self.unforkable:
+                        key = None
+            self._keys[item.nodeid] = key
+        return self._keys[item.nodeid]
+
+    def _world_spec(self, spec: MsrunSpec) -> MsrunSpec:
+        """The job a world serving ``spec`` runs: with ``--msrun-env-scope=test``, without the
+        test's own variables (each test has them set when it starts)."""
+        if not self.env_per_test:
+            return spec
+        return dataclasses.replace(spec, env=envscope.split(spec.env)[0])
+
+    def _read_at_collection(self, world: World, item: pytest.Item) -> list[str]:
+        """The variables of ``item`` that the ranks of ``world`` looked up while they collected
+        (a test module or conftest read them at import): set per test they would differ from a job
+        that has them from its start."""
+        return sorted(set(world.test_envs.get(item.nodeid, {})) & world.env_read)
+
+    def _future(self, item: pytest.Item, nextitem: pytest.Item | None) -> Iterable[pytest.Item]:
+        """The items this process will run after ``item``, as far as it knows them: the rest of
+        ``session.items`` where pytest's own loop runs them, else (xdist hands them out one by
+        one) only ``nextitem``."""
+        only_next = [nextitem] if nextitem is not None else []
+        if self.xdist_worker:
+            return only_next
+        items = item.session.items
+        if self._positions is None or self._positions[:2] != (id(items), len(items)):
+            self._positions = (id(items), len(items), {it.nodeid: i for i, it in enumerate(items)})
+        index = self._positions[2].get(item.nodeid)
+        if index is None:
+            return only_next
+        following = items[index + 1] if index + 1 < len(items) else None
+        if following is not nextitem:  # another plugin's loop: trust only its nextitem
+            return only_next
+        return itertools.islice(items, index + 1, None)
+
+    def world_next(self, item: pytest.Item, nextitem: pytest.Item | None, key: tuple) -> str | None:
+        """The next test the world of ``item`` will run in this process, or None to end it with
+        ``item``: none follows, the session stops (``-x``, ``--maxfail``), another process waits
+        for its devices, or :data:`MAX_WORLDS` other shapes come first (it would be evicted)."""
+        session = item.session
+        world = self.live.get(key)
+        if world is None or world.dead or session.shouldfail or session.shouldstop:
+            return None
+        if self.resources.contended(world.lease):
+            return None
+        others: set[tuple] = set()
+        for future in self._future(item, nextitem):
+            other = self.key_of(future)
+            if other == key:
+                if self._read_at_collection(world, future):
+                    continue  # it runs as a fresh job
+                return future.nodeid
+            if other is not None and static_skip(future) is None:
+                others.add(other)
+                if len(others) >= MAX_WORLDS:
+                    return None
+        return None
+
+    def attempt(
+        self, item: pytest.Item, spec: MsrunSpec, key: tuple, nextitem: pytest.Item | None
+    ) -> tuple[WarmAttempt | None, str]:
+        """The test in its world (None, and why, when it must run as a fresh job). A world found
+        dying when the test reached it (its ranks left before they began it) is reported on the
+        test it ran before, and the test gets a new world."""
+        for _ in range(2):
+            world, why = self._world_for(item, spec, key)
+            if world is None:
+                return None, why
+            read = self._read_at_collection(world, item)
+            if read:
+                return None, (
+                    f"ran as a fresh job: its world's ranks read {', '.join(read)} while collecting, and "
+                    "--msrun-env-scope=test sets a test's variables only when it starts"
+                )
+            before, before_item = world.last, self.last_item.get(key)
+            self._prefetch(item, nextitem, key)
+            paths = TestPaths(self.jobs.test_dir(item), world.job.log_dir)
+            paths.make()
+            ranks = world.job.expected_ranks()
+            timeout = self.jobs.test_timeout(item, spec)
+            attempt = WarmAttempt(item.nodeid, world, paths, ranks, timeout, self.exit_timeout)
+            self.last_item[key] = item
+            if attempt.missing:  # a rank did not collect it (it differs from this process's collection)
+                attempt.finish(None, self.exit_timeout)
+                self.after(item, key, None)
+                why = attempt.test.unforkable
+                if why:  # so are the ranks of every world of its shape: its tests run as fresh jobs
+                    self.unforkable[key] = why
+                    self._keys = {nodeid: k for nodeid, k in self._keys.items() if k != key}
+                    return None, f"ran as a fresh job: {why}"
+                return None, "ran as a fresh job: a rank of its warm world did not collect it"
+            left = attempt.left_before()
+            if not left or before is None or before_item is None:
+                return attempt, ""
+            why = f"rank(s) {', '.join(map(str, left))} ended between tests"
+            self.late.append(LateEnd(before_item, world, before, attempt.record.run, why))
+            self.after(item, key, None)
+        return None, "ran as a fresh job: its warm world ended before the test reached it, twice"
+
+    def _world_for(self, item: pytest.Item, spec: MsrunSpec, key: tuple) -> tuple[World | None, str]:
+        """The live world of ``key`` (connected now if it was started ahead), or a new one (None
+        and why when it cannot start)."""
+        world = self.live.get(key)
+        if world is not None:
+            why = world.check()
+            if not why and not world.connected:
+                why = self._connect(world, self.jobs.timeout(spec))
+                if why:
+                    self.live.pop(key)
+                    return None, f"ran as a fresh job: its warm world did not start ({why})"
+            if not why:
+                return world, ""
+            self.end_outside(key, why)  # never used for this test: its end is the last test's
+        while len(self.live) >= MAX_WORLDS:
+            oldest = min(self.live.values(), key=lambda w: w.last_used)
+            self.end_outside(oldest.key, "evicted")
+        try:
+            lease = self.resources.lease(
+                ports=2, devices=spec.devices, inv=self.jobs.inventory, wait=self.jobs.timeout(spec)
+            )
+        except DeviceShortage:
+            return None, ""
+        world = self._start_world(item, spec, key, lease)
+        problem = self._connect(world, self.jobs.timeout(spec))
+        if problem:  # a fresh job of this test reports what went wrong, the way it always has
+            return None, f"ran as a fresh job: its warm world did not start ({problem})"
+        self.live[key] = world
+        return world, ""
+
+    def _start_world(self, item: pytest.Item, spec: MsrunSpec, key: tuple, lease: Any) -> World:
+        """Launch the world of ``key`` (its first test: ``item``) without waiting for it."""
+        job = self.jobs.new(item, self._world_spec(spec), lease.ports, lease.devices)
+        served = [i for i in item.session.items if self.key_of(i) == key]
+        job.nodeids = [node_path(i) for i in served]
+        test_envs: dict[str, dict[str, str]] = {}
+        if self.env_per_test:
+            for other in served:
+                other_spec = spec_for(other)
+                own = envscope.split(other_spec.env)[1] if other_spec is not None else {}
+                if own:
+                    test_envs[other.nodeid] = own
+        return World(key, job, lease, max(1, min(600, int(self.jobs.timeout(spec)))), test_envs)
+
+    def _connect(self, world: World, timeout: float) -> str:
+        """Wait until every rank of ``world`` is there; "" or why not (the world is then stopped)."""
+        problem = world.connect(time.monotonic() + timeout)
+        if problem:
+            world.dead = problem
+            world.stop()
+            self.resources.release(world.lease)
+        return problem
+
+    def _prefetch(self, item: pytest.Item, nextitem: pytest.Item | None, key: tuple) -> None:
+        """Start the world of the next shape this process will need while ``item`` runs (its
+        start-up then overlaps the test): only within :data:`MAX_WORLDS` (nothing is evicted for
+        it), when its ranks and those of the live worlds are no more than this host's CPUs (a
+        world started beside a busy one only slows both), and with free devices now."""
+        if not self.prefetch or len(self.live) >= MAX_WORLDS:
+            return
+        for future in self._future(item, nextitem):
+            other = self.key_of(future)
+            if other is None or other == key or static_skip(future) is not None:
+                continue
+            if other in self.live:
+                return
+            spec = spec_for(future)
+            busy = sum(world.job.spec.worker_num for world in self.live.values())
+            if spec is None or busy + spec.worker_num > _cpus():  # no CPU left to start it beside them
+                return
+            try:
+                lease = self.resources.lease(ports=2, devices=spec.devices, inv=self.jobs.inventory, wait=0)
+            except DeviceShortage:
+                return
+            self.live[other] = self._start_world(future, spec, other, lease)
+            return
+
+    def after(self, item: pytest.Item, key: tuple, next_id: str | None) -> None:
+        world = self.live.get(key)
+        if world is None:
+            return
+        if world.dead:
+            self.live.pop(key)
+            self.expecting.pop(key, None)
+            self.last_item.pop(key, None)
+            self.resources.release(world.lease)
+        else:
+            self.expecting[key] = next_id
+
+    def end_outside(self, key: tuple, why: str) -> None:
+        """End a world outside a test; whatever its end reveals (fixture finalizers that failed, a
+        rank that died or does not exit) is a late teardown error of the last test it ran."""
+        world = self.live.pop(key)
+        self.expecting.pop(key, None)
+        item = self.last_item.pop(key, None)
+        last = world.last
+        try:
+            if world.dead or last is None:
+                world.stop()
+                hung: list[int] = []
+                stacks: dict[int, str] = {}
+            else:
+                world.retire(why)
+                hung, stacks = world.end(self.exit_timeout)
+        finally:
+            self.resources.release(world.lease)
+        if item is None or last is None:
+            return
+        self.late.append(LateEnd(item, world, last, world.ended_run(last, hung, self.exit_timeout, stacks), why))
