@@ -4,16 +4,15 @@ The rooms: ports (:mod:`.ports`), the plan (:mod:`.plan`), the processes (:mod:`
 one event loop for exits, signals and the control plane (:mod:`.loop`), the link to the control
 plane (:mod:`.link`), the decisions (:mod:`.policy`) and the output (:mod:`.observers`). The
 agent wires them together in one loop whose stages are registering, being assigned ranks,
-starting the workers and supervising them (:meth:`Agent._drive`); :mod:`.dryrun` supervises
-simulated ranks with the same public API.
+starting the workers and supervising them (:meth:`Agent._drive`); how processes start
+(:mod:`.starting`) and how a run ends (:mod:`.ending`) are parts of it of their own;
+:mod:`.dryrun` supervises simulated ranks with the same public API.
 """
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable
 from enum import Enum
@@ -23,11 +22,11 @@ from pytest_msrun.control.clock import env_seconds
 from pytest_msrun.engine import console, errorfile, processes, ranknotes, timeline
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.containment import JobGuard
-from pytest_msrun.engine.kinds import JobState, Role
+from pytest_msrun.engine.ending import JobEnding
+from pytest_msrun.engine.kinds import Role
 from pytest_msrun.engine.link import ControlLink
 from pytest_msrun.engine.loop import Event, EventKind, EventLoop
 from pytest_msrun.engine.observers import (
-    BindingsObserver,
     ConsoleObserver,
     JobEvent,
     JobResult,
@@ -35,20 +34,19 @@ from pytest_msrun.engine.observers import (
     StatusObserver,
 )
 from pytest_msrun.engine.plan import (
-    SCHEDULER_MODULE,
     LaunchPlan,
     NodeFacts,
-    ProcessSpec,
     RankAssignment,
     assign,
     build_plan,
 )
 from pytest_msrun.engine.policy import EXIT_LAUNCH_ERROR, Ending, Policy
-from pytest_msrun.engine.ports import EXIT_USAGE, LaunchError, claim
-from pytest_msrun.engine.processes import Child, Launch, ProcessGroup
+from pytest_msrun.engine.ports import LaunchError, claim
+from pytest_msrun.engine.processes import Child, ProcessGroup
 from pytest_msrun.engine.progress import StatusLine
-from pytest_msrun.engine.status import STATUS_FILE, JobStatus, ProcessStatus, node_status_file
-from pytest_msrun.engine.tail import LogTailer, prefix_for
+from pytest_msrun.engine.starting import ProcessStarting, collect_from_now
+from pytest_msrun.engine.status import STATUS_FILE, node_status_file
+from pytest_msrun.engine.tail import LogTailer
 from pytest_msrun.record import replace
 
 TYPE_CHECKING = False
@@ -61,7 +59,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Agent", "JobResult"]
 
-SPAWN_SLICE = 0.05  # s of starting workers between two turns of the event loop
 REGISTER_RETRY = 0.2  # s between two attempts to reach the control plane
 
 
@@ -74,7 +71,7 @@ class Stage(Enum):
     SUPERVISING = "supervising"  # until the policy says the job ended
 
 
-class Agent:
+class Agent(ProcessStarting, JobEnding):
     """Runs one node's processes for one job; :meth:`run` returns its :class:`JobResult`."""
 
     def __init__(
@@ -130,138 +127,6 @@ class Agent:
         for observer in self.observers:
             observer.notify(event, payload)
 
-    def start(
-        self,
-        spec: ProcessSpec,
-        extra_env: dict[str, str] | None = None,
-        pass_fds: tuple[int, ...] = (),
-        call: str = "",
-        *,
-        held: bool = False,
-        announce: bool = True,
-    ) -> Child:
-        """Start one process of the plan (``call``: in a fork of msrun, see :meth:`_forkable`;
-        ``held``: before msrun is in the job's cgroup; ``announce=False`` or ``held``: its line
-        comes later - see :meth:`_start_first`)."""
-        if spec.error_file:
-            errorfile.clear(spec.error_file)
-        if spec.role == Role.WORKER and spec.rank is not None:
-            ranknotes.clear(self.cfg.log_dir, [spec.rank])  # an earlier job's, in the same log directory
-        trace_env = self.trace.child_env if self.trace is not None else {}
-        launch = Launch(
-            argv=spec.command,
-            env={**spec.env, **trace_env, **(extra_env or {})},
-            log_path=spec.log_path,
-            stdin_devnull=spec.role == Role.SCHEDULER or self.detached,
-            pass_fds=pass_fds,
-            in_child_cpus=spec.in_child_cpus,
-            call=call,
-        )
-        child = self.group.start(launch, spec, held=held)
-        timeline.mark(f"started {spec.label}")
-        if announce and not held:
-            self.emit(JobEvent.PROCESS_STARTED, child)
-        return child
-
-    def _forkable(self, spec: ProcessSpec) -> bool:
-        """The builtin control plane runs in a fork of msrun (its code is already imported here)
-        rather than a second interpreter: ready ~20 ms sooner, and that much less CPU taken from
-        the workers starting beside it. Not when a binding wraps it in a command (numactl), the
-        interpreter differs, or (checked at the fork) a thread runs here: a fork copies only the
-        calling thread."""
-        return (
-            spec.role == Role.SCHEDULER
-            and not spec.bind_prefix
-            and spec.argv[1:] == ["-S", "-m", SCHEDULER_MODULE]
-            and os.path.realpath(spec.argv[0]) == os.path.realpath(sys.executable)
-        )
-
-    def console_done(self, code: int) -> None:
-        """The caller's console is no longer needed (``--join=False``: msrun returns now)."""
-        if self.on_console_done is not None:
-            callback, self.on_console_done = self.on_console_done, None
-            callback(code)
-
-    def conclude(self, ending: Ending, extra: dict[str, Any] | None = None) -> JobResult:
-        """Stop everything this node started, then report how the job ended."""
-        graceful = ending.state is JobState.SUCCEEDED
-        self.status_line.clear()
-        timeline.mark(f"ending: {ending.state}")
-        self.emit(JobEvent.ENDING, ending)
-        self.teardown(graceful)
-        timeline.mark("torn down")
-        if self.tailer is not None:
-            self.tailer.stop()
-            self.tailer = None
-        terminated = [c.tag.label for c in self.group.children if c.terminated_by_us]
-        result = JobResult(ending.code, ending.state, self.policy.reported(), terminated)
-        result.status = self.snapshot(ending.state, ending.code, extra, ending.reason)
-        if self.cfg.join and not self.detached:
-            self._job_end_reports(result)
-        self.emit(JobEvent.ENDED, result)
-        timeline.mark("reported")
-        self._finish_trace()
-        if self.link is not None:
-            self.link.close()
-        return result
-
-    def _finish_trace(self) -> None:
-        if self.trace is not None:
-            line = self.trace.finish()
-            if line:
-                console.err_block(line)
-            self.trace = None
-
-    def _job_end_reports(self, result: JobResult) -> None:
-        """What the job's reporters say; the first verdict one gives is the job's exit status."""
-        from pytest_msrun.engine.hooks import run_job_end
-
-        assert result.status is not None
-        reports = run_job_end(result.status)
-        result.reports = [r.text for r in reports]
-        verdict = next((r.exit_code for r in reports if r.exit_code is not None), None)
-        if verdict is not None and verdict != result.exit_code:
-            result.exit_code = result.status.exit_code = verdict
-
-    def snapshot(
-        self, state: JobState, code: int | None, extra: dict[str, Any] | None = None, reason: str = ""
-    ) -> JobStatus:
-        plan = self.plan
-        return JobStatus(
-            job_id=self.facts.job_id,
-            state=str(state),
-            exit_code=code,
-            supervisor_pid=os.getpid(),
-            host=self.facts.hostname,
-            join=self.cfg.join,
-            started=self.started,
-            node_index=self.assignment.node_index if self.assignment else 0,
-            log_dir=self.cfg.log_dir,
-            processes=[
-                ProcessStatus(
-                    name=c.tag.name,
-                    role=str(c.tag.role),
-                    rank=c.tag.rank,
-                    pid=c.pid,
-                    log=os.path.abspath(c.tag.log_path),
-                    returncode=c.returncode,
-                    started=c.started,
-                    ended=c.ended,
-                    terminated_by_msrun=c.terminated_by_us,
-                    settled=self.policy.settled[c.pid].description if c.pid in self.policy.settled else "",
-                    late=self.policy.late[c.pid].to_json() if c.pid in self.policy.late else None,
-                )
-                for c in self.group.children
-            ],
-            failures=[f.to_json() for f in sorted(self.policy.reported(), key=lambda f: f.at)],
-            stop_reason=reason,
-            containment=self.guard.describe(),
-            notices=list(self.notices),
-            worker_num=plan.worker_num if plan is not None else None,
-            scheduler_mode=str(plan.scheduler_mode) if plan is not None else None,
-            extra=dict(extra or {}),
-        )
-
     # ------------------------------------------------------------------ the run
     def run(self) -> JobResult:
         with self.loop:
@@ -304,81 +169,6 @@ class Agent:
             self._start_scheduler(plan.scheduler, ports.listener)
         self._announce_first()
         return self._drive(plan, ranks_said=first)
-
-    def _start_first(self, plan: LaunchPlan, listener: Any) -> bool:
-        """Start workers before the control plane, for up to :data:`SPAWN_SLICE` s, so that their
-        interpreters start up while msrun still prepares the control plane (announced after it,
-        in msrun's order of lines: :meth:`_announce_first`). Only when the ranks are known and the
-        control plane is msrun's own, on a port msrun already listens on (a worker that connects
-        first waits in the listener's queue). While msrun still waits to be inside the job's
-        cgroup, only workers that can be held until then (Python ones: :mod:`.earlystart`), only
-        during the wait. Whether any started."""
-        scheduler = plan.scheduler
-        if (
-            scheduler is None
-            or listener is None
-            or scheduler.argv[1:] != ["-S", "-m", SCHEDULER_MODULE]
-            or plan.ranks_pending
-            or plan.dry_run
-            or not plan.workers
-        ):
-            return False
-        entering = self.guard.entering
-        waiting = entering is not None and entering.done.locked()
-        if waiting and not self._holdable(plan.workers[0]):
-            return False
-        from pytest_msrun.engine.earlystart import FirstStarted
-
-        self._ranks_known(plan)  # before any of them starts
-        first = self.first = FirstStarted(held=waiting)
-        until = time.monotonic() + SPAWN_SLICE
-        try:
-            for spec in plan.workers:
-                if self.loop.signal_received is not None or time.monotonic() >= until:
-                    break
-                if not waiting:
-                    first.children.append(self.start(spec, announce=False))
-                elif entering is not None and entering.done.locked():
-                    first.children.append(self.start(spec, first.env(), (first.read_fd,), held=True))
-                else:
-                    break
-        finally:
-            first.spawned()
-        return True
-
-    def _holdable(self, spec: ProcessSpec) -> bool:
-        """Whether every worker of the plan (they share ``spec``'s command) can start held."""
-        from pytest_msrun.engine.earlystart import holdable
-
-        if spec.role != Role.WORKER or not spec.error_file or spec.bind_prefix:
-            return False
-        return holdable(spec.argv, spec.env)
-
-    def _move_held_in(self) -> None:
-        """Move the held workers into the job's cgroup, which msrun is inside (:meth:`JobGuard.ready`);
-        any that cannot be moved is killed, still held: it ends as a worker killed by SIGKILL."""
-        first = self.first
-        cgroup = self.guard.ready()
-        if first is None or not first.held or first.moved or cgroup is None:
-            return
-        for child, why in first.move_in(cgroup.procs_file):
-            console.warning(f"could not move {child.tag.label} into the job's {cgroup.describe()}: {why}")
-            child.signal(signal.SIGKILL)
-
-    def _announce_first(self) -> None:
-        """The workers started first run on (held ones moved in, then let go) and are announced:
-        after the scheduler, in msrun's order of lines."""
-        first = self.first
-        if first is None:
-            return
-        self._move_held_in()
-        self.first = None
-        first.let_go()
-        scheduler = self.scheduler_child
-        if scheduler is not None:  # listed (status, summary) in msrun's order too
-            self.group.put_first(scheduler)
-        for child in first.children:
-            self.emit(JobEvent.PROCESS_STARTED, child)
 
     def _drive(self, plan: LaunchPlan, ranks_said: bool = False) -> JobResult:
         """Registration, assignment, starting and supervision as the stages of one loop.
@@ -496,7 +286,7 @@ class Agent:
     def _dry_run(self, plan: LaunchPlan) -> JobResult:
         from pytest_msrun.engine.dryrun import DryRunSupervisor
 
-        _collect_from_now()
+        collect_from_now()
         return DryRunSupervisor(self, plan).run()
 
     def _next_after_start(self, plan: LaunchPlan) -> None:
@@ -516,118 +306,6 @@ class Agent:
         if self.trace is not None and (self.link is not None or not plan.ranks_pending):
             index = self.assignment.node_index if self.assignment else max(0, self.cfg.node_rank)
             self.trace.place(index, plan.scheduler is not None, self.link)
-
-    @property
-    def scheduler_child(self) -> Child | None:
-        """The scheduler process this node started (None: another node hosts it, or none runs)."""
-        return next((c for c in self.group.children if c.tag.role == Role.SCHEDULER), None)
-
-    @property
-    def workers_started(self) -> bool:
-        return any(c.tag.role == Role.WORKER for c in self.group.children)
-
-    def _start_slice(self, todo: list[ProcessSpec]) -> bool:
-        """Start workers for up to :data:`SPAWN_SLICE` s (at least one); whether any are left.
-        Starting 128 workers on a loaded machine can take a minute: the loop turns between slices."""
-        total = len(self.plan.workers) if self.plan is not None else len(todo)
-        until = time.monotonic() + SPAWN_SLICE
-        while todo and self.loop.signal_received is None:
-            self.start(todo.pop(0))
-            self.status_line.show(f"started {total - len(todo)}/{total} workers on this node")
-            if time.monotonic() >= until:
-                break
-        return bool(todo) and self.loop.signal_received is None
-
-    def _spawned(self, plan: LaunchPlan) -> None:
-        """Every worker of this node was started (or starting stopped): say so once."""
-        if self._spawn_said:
-            return
-        self._spawn_said = True
-        _collect_from_now()
-        if self.cfg.bind_core.enabled or self.cfg.bind_numa.enabled:
-            self.observers.append(BindingsObserver(self.facts.hostname, self.facts.topology))
-        self.emit(JobEvent.SPAWNED, list(self.group.children))
-        workers = {
-            c.tag.rank: c.pid for c in self.group.children if c.tag.role == Role.WORKER and c.tag.rank is not None
-        }
-        self.deadlines = ranknotes.DeadlineWatch(self.cfg.log_dir, workers)
-        if self.cfg.join and not self.detached:
-            tailed = [(prefix_for(s.rank, s.local_index), s.log_path) for s in plan.workers if s.tail]
-            if tailed:
-                self.tailer = LogTailer(tailed)
-                self.tailer.start()
-
-    def _ended_by(self, outcome: str | Ending) -> JobResult:
-        """Conclude the job (an :class:`Ending`), or report why it could not start (a message)."""
-        if isinstance(outcome, Ending):
-            return self.conclude(outcome)
-        code = 128 + self.loop.signal_received if self.loop.signal_received else EXIT_LAUNCH_ERROR
-        return self._launch_error(outcome, self.policy.remote_code or code)
-
-    def _launch_error(self, message: str, code: int) -> JobResult:
-        self.status_line.clear()
-        console.err_block(f"msrun: error: {message}")
-        self.teardown(graceful=False)
-        result = JobResult(code, JobState.ERROR, [], [])
-        if self.group.children:  # something had started: say how it ended
-            result.status = self.snapshot(JobState.ERROR, code, reason=message)
-            self.emit(JobEvent.ENDED, result)
-        self._finish_trace()
-        self.console_done(code)
-        return result
-
-    def _make_log_dir(self) -> None:
-        """The log directory, made before anything starts: one that cannot be is a usage error."""
-        log_dir = self.cfg.log_dir
-        if log_dir and not os.path.isdir(log_dir):
-            old = os.umask(0o077)
-            try:
-                os.makedirs(log_dir, mode=0o700, exist_ok=True)
-            except OSError as exc:
-                raise LaunchError(
-                    f"--log_dir: cannot create {log_dir!r} ({exc.strerror or exc}); choose a directory you can write",
-                    EXIT_USAGE,
-                ) from None
-            finally:
-                os.umask(old)
-
-    def _start_scheduler(self, spec: ProcessSpec, listener: Any) -> None:
-        env: dict[str, str] = {}
-        fds: tuple[int, ...] = ()
-        if listener is not None:  # the port msrun bound is handed to the scheduler process
-            env["MSRUN_LISTEN_FD"] = str(listener.fileno())
-            fds += (listener.fileno(),)
-        theirs = None
-        forkable = self._forkable(spec)
-        if forkable:
-            # Its code (and json, which msrun needs too) loaded here, where both processes share it,
-            # while msrun may still wait to be inside the job's cgroup or the workers start up.
-            import importlib
-
-            importlib.import_module(SCHEDULER_MODULE)
-            wire.load_json()
-        self.guard.ready()  # in the job's cgroup first: the thread that moves msrun there has ended
-        self._move_held_in()  # (let go once the fork is done)
-        import _thread
-
-        call = f"{SCHEDULER_MODULE}:main" if forkable and _thread._count() == 0 else ""
-        if call:  # this node registers over a socketpair: no connect, no challenge
-            import _socket  # not socket: its import is a cost on msrun's start path
-
-            self.control_sock, theirs = _socket.socketpair()
-            env[wire.AGENT_FD_ENV] = str(theirs.fileno())
-            fds += (theirs.fileno(),)
-        try:
-            self.start(spec, env, fds, call)
-        except BaseException:
-            if self.control_sock is not None:
-                self.control_sock.close()
-                self.control_sock = None
-            raise
-        finally:
-            for sock in (listener, theirs):
-                if sock is not None:
-                    sock.close()
 
     # ------------------------------------------------------------------ the control plane
     def _register(self, plan: LaunchPlan) -> str | None:
@@ -790,39 +468,6 @@ class Agent:
                 self.trace.notice(text)
 
     # ------------------------------------------------------------------ teardown
-    def teardown(self, graceful: bool) -> None:
-        """Stop every process of this node's job and sweep what they left behind: the workers are
-        signalled first, then msrun's notes go to the control plane (so it learns where they were
-        caught), and only then is the control plane signalled."""
-        if self.first is not None:  # a worker still held reads end-of-file and exits
-            self.first.close()
-            self.first = None
-        live = self.group.alive()
-        scheduler = next((c for c in live if c.tag.role == Role.SCHEDULER), None)
-        # On several nodes the scheduler goes last: it must broadcast the failure to the others.
-        scheduler_last = scheduler is not None and bool(self.policy.failures) and self.several_nodes
-        if not graceful:
-            self.group.terminate(c for c in live if c is not scheduler)
-            if self.link is not None:
-                self.link.flush()
-            if scheduler is not None:
-                # After the notes: its SIGTERM must not overtake them (it would abort the job's
-                # clients with "stopped by SIGTERM" rather than the rank that failed).
-                if scheduler_last:
-                    self.group.wait(time.monotonic() + min(self.term_grace, 2.0))
-                self.group.terminate([scheduler])
-            self.group.stop(self.term_grace)
-        hit = self.group.sweep()
-        if hit and graceful:
-            console.warning(f"Killed {len(hit)} leftover process(es) started by the job: {hit}.")
-
-
-def _collect_from_now() -> None:
-    """msrun has started its job: the cyclic GC, held off while it started (see ``entry.main``),
-    runs again - supervision may last days. What start-up allocated is long-lived: frozen, so no
-    collection walks it again."""
-    gc.freeze()
-    gc.enable()
 
 
 def _scheduler_ended(returncode: int) -> str:

@@ -1,0 +1,291 @@
+"""Starting one node's processes: workers (early, held while msrun enters the job's cgroup,
+or in slices between turns of the event loop), the control plane (forked from msrun or spawned),
+and what is said once they are started. A part of :class:`~.agent.Agent`."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import sys
+import time
+
+from pytest_msrun.control import wire
+from pytest_msrun.engine import console, errorfile, ranknotes, timeline
+from pytest_msrun.engine.config import LaunchConfig
+from pytest_msrun.engine.containment import JobGuard
+from pytest_msrun.engine.kinds import Role
+from pytest_msrun.engine.loop import EventLoop
+from pytest_msrun.engine.observers import (
+    BindingsObserver,
+    JobEvent,
+)
+from pytest_msrun.engine.plan import (
+    SCHEDULER_MODULE,
+    LaunchPlan,
+    NodeFacts,
+    ProcessSpec,
+)
+from pytest_msrun.engine.ports import EXIT_USAGE, LaunchError
+from pytest_msrun.engine.processes import Child, Launch, ProcessGroup
+from pytest_msrun.engine.progress import StatusLine
+from pytest_msrun.engine.tail import LogTailer, prefix_for
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
+
+    from pytest_msrun.engine.earlystart import FirstStarted
+    from pytest_msrun.engine.observers import Observer
+    from pytest_msrun.engine.trace import TraceObserver
+
+
+SPAWN_SLICE = 0.05  # s of starting workers between two turns of the event loop
+
+
+def collect_from_now() -> None:
+    """msrun has started its job: the cyclic GC, held off while it started (see ``entry.main``),
+    runs again - supervision may last days. What start-up allocated is long-lived: frozen, so no
+    collection walks it again."""
+    gc.freeze()
+    gc.enable()
+
+
+class ProcessStarting:
+    """Starting this node's processes (a part of :class:`~.agent.Agent`)."""
+
+    _spawn_said: bool
+    cfg: LaunchConfig
+    control_sock: Any
+    deadlines: ranknotes.DeadlineWatch | None
+    detached: bool
+    facts: NodeFacts
+    first: FirstStarted | None
+    group: ProcessGroup
+    guard: JobGuard
+    loop: EventLoop
+    observers: list[Observer]
+    plan: LaunchPlan | None
+    status_line: StatusLine
+    tailer: LogTailer | None
+    trace: TraceObserver | None
+
+    if TYPE_CHECKING:
+
+        def _ranks_known(self, plan: LaunchPlan) -> None: ...
+
+        def emit(self, event: JobEvent, payload: Any = None) -> None: ...
+
+    def start(
+        self,
+        spec: ProcessSpec,
+        extra_env: dict[str, str] | None = None,
+        pass_fds: tuple[int, ...] = (),
+        call: str = "",
+        *,
+        held: bool = False,
+        announce: bool = True,
+    ) -> Child:
+        """Start one process of the plan (``call``: in a fork of msrun, see :meth:`_forkable`;
+        ``held``: before msrun is in the job's cgroup; ``announce=False`` or ``held``: its line
+        comes later - see :meth:`_start_first`)."""
+        if spec.error_file:
+            errorfile.clear(spec.error_file)
+        if spec.role == Role.WORKER and spec.rank is not None:
+            ranknotes.clear(self.cfg.log_dir, [spec.rank])  # an earlier job's, in the same log directory
+        trace_env = self.trace.child_env if self.trace is not None else {}
+        launch = Launch(
+            argv=spec.command,
+            env={**spec.env, **trace_env, **(extra_env or {})},
+            log_path=spec.log_path,
+            stdin_devnull=spec.role == Role.SCHEDULER or self.detached,
+            pass_fds=pass_fds,
+            in_child_cpus=spec.in_child_cpus,
+            call=call,
+        )
+        child = self.group.start(launch, spec, held=held)
+        timeline.mark(f"started {spec.label}")
+        if announce and not held:
+            self.emit(JobEvent.PROCESS_STARTED, child)
+        return child
+
+    def _forkable(self, spec: ProcessSpec) -> bool:
+        """The builtin control plane runs in a fork of msrun (its code is already imported here)
+        rather than a second interpreter: ready ~20 ms sooner, and that much less CPU taken from
+        the workers starting beside it. Not when a binding wraps it in a command (numactl), the
+        interpreter differs, or (checked at the fork) a thread runs here: a fork copies only the
+        calling thread."""
+        return (
+            spec.role == Role.SCHEDULER
+            and not spec.bind_prefix
+            and spec.argv[1:] == ["-S", "-m", SCHEDULER_MODULE]
+            and os.path.realpath(spec.argv[0]) == os.path.realpath(sys.executable)
+        )
+
+    def _start_first(self, plan: LaunchPlan, listener: Any) -> bool:
+        """Start workers before the control plane, for up to :data:`SPAWN_SLICE` s, so that their
+        interpreters start up while msrun still prepares the control plane (announced after it,
+        in msrun's order of lines: :meth:`_announce_first`). Only when the ranks are known and the
+        control plane is msrun's own, on a port msrun already listens on (a worker that connects
+        first waits in the listener's queue). While msrun still waits to be inside the job's
+        cgroup, only workers that can be held until then (Python ones: :mod:`.earlystart`), only
+        during the wait. Whether any started."""
+        scheduler = plan.scheduler
+        if (
+            scheduler is None
+            or listener is None
+            or scheduler.argv[1:] != ["-S", "-m", SCHEDULER_MODULE]
+            or plan.ranks_pending
+            or plan.dry_run
+            or not plan.workers
+        ):
+            return False
+        entering = self.guard.entering
+        waiting = entering is not None and entering.done.locked()
+        if waiting and not self._holdable(plan.workers[0]):
+            return False
+        from pytest_msrun.engine.earlystart import FirstStarted
+
+        self._ranks_known(plan)  # before any of them starts
+        first = self.first = FirstStarted(held=waiting)
+        until = time.monotonic() + SPAWN_SLICE
+        try:
+            for spec in plan.workers:
+                if self.loop.signal_received is not None or time.monotonic() >= until:
+                    break
+                if not waiting:
+                    first.children.append(self.start(spec, announce=False))
+                elif entering is not None and entering.done.locked():
+                    first.children.append(self.start(spec, first.env(), (first.read_fd,), held=True))
+                else:
+                    break
+        finally:
+            first.spawned()
+        return True
+
+    def _holdable(self, spec: ProcessSpec) -> bool:
+        """Whether every worker of the plan (they share ``spec``'s command) can start held."""
+        from pytest_msrun.engine.earlystart import holdable
+
+        if spec.role != Role.WORKER or not spec.error_file or spec.bind_prefix:
+            return False
+        return holdable(spec.argv, spec.env)
+
+    def _move_held_in(self) -> None:
+        """Move the held workers into the job's cgroup, which msrun is inside (:meth:`JobGuard.ready`);
+        any that cannot be moved is killed, still held: it ends as a worker killed by SIGKILL."""
+        first = self.first
+        cgroup = self.guard.ready()
+        if first is None or not first.held or first.moved or cgroup is None:
+            return
+        for child, why in first.move_in(cgroup.procs_file):
+            console.warning(f"could not move {child.tag.label} into the job's {cgroup.describe()}: {why}")
+            child.signal(signal.SIGKILL)
+
+    def _announce_first(self) -> None:
+        """The workers started first run on (held ones moved in, then let go) and are announced:
+        after the scheduler, in msrun's order of lines."""
+        first = self.first
+        if first is None:
+            return
+        self._move_held_in()
+        self.first = None
+        first.let_go()
+        scheduler = self.scheduler_child
+        if scheduler is not None:  # listed (status, summary) in msrun's order too
+            self.group.put_first(scheduler)
+        for child in first.children:
+            self.emit(JobEvent.PROCESS_STARTED, child)
+
+    def _start_slice(self, todo: list[ProcessSpec]) -> bool:
+        """Start workers for up to :data:`SPAWN_SLICE` s (at least one); whether any are left.
+        Starting 128 workers on a loaded machine can take a minute: the loop turns between slices."""
+        total = len(self.plan.workers) if self.plan is not None else len(todo)
+        until = time.monotonic() + SPAWN_SLICE
+        while todo and self.loop.signal_received is None:
+            self.start(todo.pop(0))
+            self.status_line.show(f"started {total - len(todo)}/{total} workers on this node")
+            if time.monotonic() >= until:
+                break
+        return bool(todo) and self.loop.signal_received is None
+
+    def _spawned(self, plan: LaunchPlan) -> None:
+        """Every worker of this node was started (or starting stopped): say so once."""
+        if self._spawn_said:
+            return
+        self._spawn_said = True
+        collect_from_now()
+        if self.cfg.bind_core.enabled or self.cfg.bind_numa.enabled:
+            self.observers.append(BindingsObserver(self.facts.hostname, self.facts.topology))
+        self.emit(JobEvent.SPAWNED, list(self.group.children))
+        workers = {
+            c.tag.rank: c.pid for c in self.group.children if c.tag.role == Role.WORKER and c.tag.rank is not None
+        }
+        self.deadlines = ranknotes.DeadlineWatch(self.cfg.log_dir, workers)
+        if self.cfg.join and not self.detached:
+            tailed = [(prefix_for(s.rank, s.local_index), s.log_path) for s in plan.workers if s.tail]
+            if tailed:
+                self.tailer = LogTailer(tailed)
+                self.tailer.start()
+
+    def _make_log_dir(self) -> None:
+        """The log directory, made before anything starts: one that cannot be is a usage error."""
+        log_dir = self.cfg.log_dir
+        if log_dir and not os.path.isdir(log_dir):
+            old = os.umask(0o077)
+            try:
+                os.makedirs(log_dir, mode=0o700, exist_ok=True)
+            except OSError as exc:
+                raise LaunchError(
+                    f"--log_dir: cannot create {log_dir!r} ({exc.strerror or exc}); choose a directory you can write",
+                    EXIT_USAGE,
+                ) from None
+            finally:
+                os.umask(old)
+
+    def _start_scheduler(self, spec: ProcessSpec, listener: Any) -> None:
+        env: dict[str, str] = {}
+        fds: tuple[int, ...] = ()
+        if listener is not None:  # the port msrun bound is handed to the scheduler process
+            env["MSRUN_LISTEN_FD"] = str(listener.fileno())
+            fds += (listener.fileno(),)
+        theirs = None
+        forkable = self._forkable(spec)
+        if forkable:
+            # Its code (and json, which msrun needs too) loaded here, where both processes share it,
+            # while msrun may still wait to be inside the job's cgroup or the workers start up.
+            import importlib
+
+            importlib.import_module(SCHEDULER_MODULE)
+            wire.load_json()
+        self.guard.ready()  # in the job's cgroup first: the thread that moves msrun there has ended
+        self._move_held_in()  # (let go once the fork is done)
+        import _thread
+
+        call = f"{SCHEDULER_MODULE}:main" if forkable and _thread._count() == 0 else ""
+        if call:  # this node registers over a socketpair: no connect, no challenge
+            import _socket  # not socket: its import is a cost on msrun's start path
+
+            self.control_sock, theirs = _socket.socketpair()
+            env[wire.AGENT_FD_ENV] = str(theirs.fileno())
+            fds += (theirs.fileno(),)
+        try:
+            self.start(spec, env, fds, call)
+        except BaseException:
+            if self.control_sock is not None:
+                self.control_sock.close()
+                self.control_sock = None
+            raise
+        finally:
+            for sock in (listener, theirs):
+                if sock is not None:
+                    sock.close()
+
+    @property
+    def scheduler_child(self) -> Child | None:
+        """The scheduler process this node started (None: another node hosts it, or none runs)."""
+        return next((c for c in self.group.children if c.tag.role == Role.SCHEDULER), None)
+
+    @property
+    def workers_started(self) -> bool:
+        return any(c.tag.role == Role.WORKER for c in self.group.children)
