@@ -144,6 +144,18 @@ def test_fails(rank):
         modes=("fresh", "warm"),
     ),
     Scenario(
+        "msrun_cannot_start_the_job",
+        """
+@pytest.mark.msrun(worker_num=2, env={"MSRUN_AUTH_TIMEOUT": "5s"})
+def test_it(rank):
+    pass
+""",
+        counts={"errors": 1},
+        never=("passed", "failed"),
+        patterns=(r"msrun could not start the job", r"MSRUN_AUTH_TIMEOUT='5s'"),
+        modes=("fresh", "warm"),
+    ),
+    Scenario(
         "an_invalid_marker",
         """
 @pytest.mark.msrun(worker_num=0)

@@ -280,11 +280,12 @@ class Controller:
         if rerun and failed_early:
             next_id = None  # the rerun gets a fresh world
         record = attempt.finish(next_id, self.exit_timeout)
+        record.leaks_fail = self.leaks == "error"  # an input of the rule, not a rewrite of its outcome
         final = record.verdict()
         merger = Merger(item, record, self.style, cwd)
         teardown = merger.reports(final, ("teardown",))
-        if record.leaks and self.leaks != "off":
-            self._report_leaks(item, teardown, record.leaks)
+        if record.leaks and self.leaks == "warn":
+            self._warn_leaks(item, record.leaks)
         if teardown:  # junitxml writes the properties of a test's last report: the earlier phases' too
             have = {name for name, _ in teardown[-1].user_properties}
             for report in setup_call:
@@ -393,17 +394,12 @@ class Controller:
             return
         self._log(item, reports)
 
-    def _report_leaks(self, item: pytest.Item, reports: list[pytest.TestReport], leaks: dict[int, list[str]]) -> None:
+    def _warn_leaks(self, item: pytest.Item, leaks: dict[int, list[str]]) -> None:
+        """What a test left behind in its warm world, as a warning it raised (--msrun-leaks=warn)."""
         lines = [f"rank {rank}: {what}" for rank, items in sorted(leaks.items()) for what in items]
         text = f"{item.nodeid} left behind in its warm world:\n  " + "\n  ".join(lines)
-        if self.leaks == "warn":  # attributed to the test, as a warning it raised would be
-            path = str(getattr(item, "path", item.location[0]))
-            warnings.warn_explicit(MsrunLeakWarning(text), MsrunLeakWarning, path, (item.location[1] or 0) + 1)
-            return
-        teardown = next((r for r in reports if r.when == "teardown"), None)
-        if teardown is not None and teardown.outcome == "passed":
-            teardown.outcome = "failed"
-            teardown.longrepr = text + "\n(--msrun-leaks=error; isolated=True runs the test in processes of its own)"
+        path = str(getattr(item, "path", item.location[0]))
+        warnings.warn_explicit(MsrunLeakWarning(text), MsrunLeakWarning, path, (item.location[1] or 0) + 1)
 
     def _simple(self, item: pytest.Item, when: str, outcome: str, text: str) -> pytest.TestReport:
         path = str(getattr(item, "path", item.location[0]))

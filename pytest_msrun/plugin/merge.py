@@ -148,8 +148,8 @@ class Merger:
     # ------------------------------------------------------------------ merging
     def reports(self, verdict: TestVerdict, phases: tuple[str, ...] = PHASES) -> list[pytest.TestReport]:
         """The merged reports of ``phases`` (a launch error is a setup error)."""
-        if self.run.launch_error:
-            return [self._launch_failure()] if "setup" in phases else []
+        if verdict.launch_error:
+            return [self._launch_failure(verdict.launch_error)] if "setup" in phases else []
         windows = self._windows(verdict)
         return [self._phase_report(p, windows[p.phase]) for p in verdict.phases if p.phase in phases]
 
@@ -361,8 +361,7 @@ class Merger:
         no_stack = {r: self.end(r).describe(True) for r in self.ranks if r not in self.run.stacks}
         return diagnosis(self.run.stacks, main_threads, self.ranks, self.run.state, no_stack)
 
-    def _launch_failure(self) -> pytest.TestReport:
+    def _launch_failure(self, text: str) -> pytest.TestReport:
         message = "msrun could not start the job"
-        text = self.run.launch_error
         longrepr = MergedLongrepr(message, text, [("reproduce", self.reproduce)], self._crash_location(message))
         return self._make("setup", "failed", longrepr, {}, (self.run.started, self.run.ended))

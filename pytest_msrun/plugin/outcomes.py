@@ -133,6 +133,7 @@ class TestVerdict:
     outcome: str  # passed | failed | error | skipped | xfailed | xpassed | incomplete | not run
     not_run: list[int] = field(default_factory=list)
     note: str = ""  # why an outcome was changed after the rule (suite mode: a failure caused by another test)
+    launch_error: str = ""  # msrun could not start the job: its output (the setup's error)
 
     @property
     def issues(self) -> list[RankIssue]:

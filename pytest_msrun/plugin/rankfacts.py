@@ -37,6 +37,8 @@ class RankFacts:
         job_ended: float = 0.0,
         final: Collection[int] | None = None,
         failed_elsewhere: bool = False,
+        leaks: dict[int, list[str]] | None = None,
+        launch_error: str = "",
     ) -> None:
         self.nodeid = nodeid
         self.ranks = ranks
@@ -48,6 +50,10 @@ class RankFacts:
         self.job_ended = job_ended
         self.final = set(ranks if final is None else final)
         self.failed_elsewhere = failed_elsewhere
+        self.leaks = {
+            r: list(items) for r, items in (leaks or {}).items() if items
+        }  # as failures (--msrun-leaks=error)
+        self.launch_error = launch_error  # msrun could not start the job
 
     # ------------------------------------------------------------------ facts per rank
     def test(self, rank: int) -> RankTest:

@@ -32,6 +32,7 @@ class TestRecord:
     log_dir: str
     leaks: dict[int, list[str]] = field(default_factory=dict)
     own_logs: dict[int, str] = field(default_factory=dict)  # a warm test's part of each rank's log
+    leaks_fail: bool = False  # --msrun-leaks=error: what the test left behind fails its teardown
 
     @classmethod
     def load(cls, nodeid: str, ranks: list[int], paths: TestPaths, run: JobRun) -> TestRecord:
@@ -58,6 +59,8 @@ class TestRecord:
             timed_out=run.timed_out,
             timeout=run.timeout,
             job_ended=run.ended,
+            leaks=self.leaks if self.leaks_fail else None,
+            launch_error=run.launch_error,
         )
 
 

@@ -101,6 +101,11 @@ class Judge(RankFacts):
 
     # ------------------------------------------------------------------ the rule
     def verdict(self) -> TestVerdict:
+        if self.launch_error:  # nothing ran: the setup's error, msrun's output its detail
+            message = "msrun could not start the job"
+            phases = [PhaseVerdict("setup", "failed", {}, message=message)]
+            cells = dict.fromkeys(self.ranks, "not run")
+            return TestVerdict(self.nodeid, phases, cells, "error", list(self.ranks), launch_error=self.launch_error)
         issues: dict[str, list[RankIssue]] = {p: [] for p in PHASES}
         stopped: dict[str, list[int]] = {p: [] for p in PHASES}
         present: dict[str, dict[int, dict[str, Any]]] = {p: {} for p in PHASES}
@@ -145,6 +150,13 @@ class Judge(RankFacts):
                 kind = self._kind(rank)  # from its setup and call alone: teardown and exit do not change it
                 if kind is not None:
                     kinds[rank] = kind
+        for rank, items in sorted(self.leaks.items()):  # --msrun-leaks=error: what a test left fails its teardown
+            what = "; ".join(items)
+            summary = (
+                f"rank {rank} left behind in its warm world: {what} (--msrun-leaks=error; isolated=True runs "
+                "the test in processes of its own)"
+            )
+            issues["teardown"].append(RankIssue(rank, "leak", self.job_ended, summary, phase="teardown"))
         # Every rank's own outcome together - only when every rank has one: a rank that did not
         # finish its setup and call makes the test fail anyway, and nobody knows what it would say.
         merged = self._merge(kinds, present) if set(kinds) == set(reached) else {}
@@ -338,6 +350,8 @@ class Judge(RankFacts):
         end = self.end_issue.get(rank)
         if end is not None:
             return self._exit_cell(rank)
+        if rank in self.leaks:
+            return "error"
         kind = kinds.get(rank)
         if kind is None:
             return "incomplete"
@@ -389,6 +403,10 @@ def invariant_breach(verdict: TestVerdict, facts: RankFacts) -> str:
     none failed, no timeout, and a clean process end (see the module doc)."""
     if not verdict.passing:
         return ""
+    if facts.launch_error:
+        return "although msrun could not start the job"
+    if facts.leaks:
+        return f"although ranks {ranks_text(sorted(facts.leaks))} left things behind (--msrun-leaks=error)"
     for rank in facts.ranks:
         if not facts.reached(rank) or facts.collect_skip(rank) is not None:
             continue
