@@ -113,6 +113,8 @@ class Controller:
         if scope not in envscope.SCOPES:
             raise pytest.UsageError(f"msrun_env_scope = {scope!r} in the ini file: use job or test")
         self.xdist_worker = hasattr(config, "workerinput")  # xdist hands this process its items one by one
+        # each world's last test and the teardown failures reported on it (a late judgement repeats none)
+        self.reported: dict[tuple, tuple[Any, set[tuple[int, str, str]]]] = {}
         self.jobs = Jobs(
             config,
             args=options.command_line(config),
@@ -311,7 +313,7 @@ class Controller:
         if attempt.warm and key is not None:
             world = self.worlds.live.get(key)
             if world is not None and world.last is not None:  # a late judgement repeats none of them
-                world.last.reported = _teardown_failures(final)
+                self.reported[key] = (world.last, _teardown_failures(final))
             self.worlds.after(item, key, next_id)
         return again
 
@@ -381,7 +383,8 @@ class Controller:
         record = TestRecord.load(item.nodeid, world.job.expected_ranks(), last.paths, late)
         verdict = record.verdict()
         cwd = str(self.config.invocation_params.dir)
-        if _teardown_failures(verdict) <= last.reported:
+        test, said = self.reported.get(world.key, (None, set()))
+        if _teardown_failures(verdict) <= (said if test is last else set()):
             return  # nothing the test's own teardown report did not say already
         reports = [r for r in Merger(item, record, self.style, cwd).reports(verdict, ("teardown",)) if r.failed]
         if not reports:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from pytest_msrun.control.observer import query_state
-from pytest_msrun.engine.cli import config_of
+from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.plan import job_ranks
 from pytest_msrun.engine.processes import term_grace, with_parent_death_signal
 from pytest_msrun.engine.slurm import Allocation
@@ -151,14 +151,30 @@ class TestJob:
         )
         self.paths.make()
 
+    def configs(self) -> list[LaunchConfig]:
+        """The engine's configuration of each msrun invocation of the job, built from the marker
+        directly (typed, as the command line describes it; the flags are this for the user)."""
+        spec = self.spec
+        sizes = spec.node_sizes()
+        return [
+            LaunchConfig(
+                task_script=sys.executable,
+                worker_num=spec.worker_num,
+                local_worker_num=size,
+                node_rank=node if len(sizes) > 1 else -1,
+                join=True,
+                scheduler=spec.scheduler,
+                sim_level=spec.sim_level if spec.sim_level is not None else -1,
+                sim_rank_id=spec.sim_rank_id if spec.sim_rank_id is not None else -1,
+                sim_select=spec.sim_ranks or "",
+            )
+            for node, size in enumerate(sizes)
+        ]
+
     def expected_ranks(self) -> list[int]:
-        """The ranks whose results the job owes, as msrun reads the job's own command lines."""
+        """The ranks whose results the job owes, as msrun plans its invocations."""
         if self._ranks is None:
-            env = self.env()
-            ranks: set[int] = set()
-            for node, size in enumerate(self.spec.node_sizes()):
-                ranks.update(job_ranks(config_of(self.msrun_args(node, size, 1, loopback=True), env)))
-            self._ranks = sorted(ranks)
+            self._ranks = sorted({rank for cfg in self.configs() for rank in job_ranks(cfg)})
         return self._ranks
 
     @property

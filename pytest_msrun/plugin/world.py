@@ -77,7 +77,6 @@ class WarmTest:
     missing: bool = False  # a rank did not collect the test: run it as a fresh job instead
     unforkable: str = ""  # why a forking world's ranks cannot fork it: run it as a fresh job instead
     leaks: dict[int, list[str]] = field(default_factory=dict)
-    reported: set[tuple[int, str, str]] = field(default_factory=set)  # its teardown's reported failures
     env: dict[str, str] = field(default_factory=dict)  # its own variables (--msrun-env-scope=test)
     absent: set[int] = field(default_factory=set)  # ranks that did not run it (no child of theirs to await)
 
