@@ -143,6 +143,48 @@ def test_fails(rank):
         patterns=(r"output of rank 1 before it fails",),
         modes=("fresh", "warm"),
     ),
+    *[
+        Scenario(
+            f"a_rank_in_native_code_at_the_deadline_in_its_{phase}",
+            f"""
+@pytest.fixture
+def native():
+    if RANK == 1 and "{phase}" == "setup":
+        ctypes.PyDLL(None).sleep(30)
+    yield
+    if RANK == 1 and "{phase}" == "teardown":
+        ctypes.PyDLL(None).sleep(30)
+
+
+@pytest.mark.msrun(worker_num=2, timeout=6)
+def test_it(rank, native):
+    pass
+""",
+            never=("passed",) if phase == "setup" else (),
+            patterns=(rf"rank 1 was still in the {phase} phase at the timeout",),
+            absent=(r"hangs at exit",),
+            suite_patterns=(r"test_it\s+\S+\s+timeout\s+(failed|error)",),
+            args=("--msrun-timeout=6",),
+        )
+        for phase in ("setup", "teardown")
+    ],
+    Scenario(
+        "a_test_that_redirects_descriptor_1_to_dev_null_then_a_failing_one",
+        """
+@pytest.mark.msrun(worker_num=2)
+def test_redirects(rank):
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_fails(rank):
+    print(f"still heard from rank {rank}", flush=True)
+    assert rank != 1
+""",
+        counts={"passed": 1, "failed": 1},
+        patterns=(r"still heard from rank 1",),
+        suite_patterns=(r"test_fails\s+passed\s+failed\s+failed",),
+    ),
     Scenario(
         "msrun_cannot_start_the_job",
         """
