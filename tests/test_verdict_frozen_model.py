@@ -129,3 +129,19 @@ def test_a_verdict_that_breaks_the_invariant_is_failed_closed(monkeypatch):
     assert closed.outcome == "error" and not closed.passing
     assert "although rank 0 failed its call" in closed.note
     assert any(p.phase == "teardown" and p.outcome == "failed" and p.message for p in closed.phases)
+
+
+@settings(max_examples=1000, deadline=None)
+@given(job())
+def test_one_vocabulary_every_view_says_the_same(j):
+    """The console, JUnit, the HTML page and the suite table read one outcome: a passing verdict
+    is shown as itself, a failing one as pytest's error (setup/teardown) or failure (call)."""
+    from pytest_msrun.plugin.outcomes import OUTCOMES, shown
+
+    v = run_rule(j)
+    assert v.outcome in OUTCOMES
+    if v.passing:
+        assert shown(v) == v.outcome
+    else:
+        failed = {p.phase for p in v.phases if p.outcome == "failed"}
+        assert shown(v) == ("failed" if failed == {"call"} else "error"), (v.outcome, failed)

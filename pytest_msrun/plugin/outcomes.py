@@ -95,6 +95,20 @@ def death_time(log: str) -> float | None:
     return None
 
 
+def shown(verdict: TestVerdict) -> str:
+    """The test's outcome in pytest's words, as the console, JUnit and the HTML page show it: a
+    failed setup or teardown is an error, a failed call a failure; otherwise the verdict's own
+    (a phase that failed only by ranks msrun stopped - "incomplete" - is still that phase's error)."""
+    failed = {p.phase for p in verdict.phases if p.outcome == "failed"}
+    if failed & {"setup", "teardown"}:
+        return "error"
+    if "call" in failed:
+        return "failed"
+    if verdict.outcome in ("incomplete", "not run"):
+        return "error"
+    return verdict.outcome
+
+
 @dataclass
 class RankIssue:
     """Why one rank did not pass one phase."""

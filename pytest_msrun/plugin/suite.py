@@ -227,28 +227,35 @@ def verdicts(logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> list[TestVer
                 order.append(nodeid)
     now = time.time()
     last = {rank: logs[rank].last_test for rank in ranks}
-
-    def judged(elsewhere: bool) -> list[TestVerdict]:
-        return [
-            judge(
-                nodeid,
-                ranks,
-                logs,
-                ends,
-                scope="suite",
-                job_ended=now,
-                final=[r for r in ranks if last[r] == nodeid],
-                failed_elsewhere=elsewhere,
-            )
-            for nodeid in order
-        ]
-
-    out = judged(True)
-    if not any(v.failing_ranks for v in out) and not any(logs[r].collect_errors for r in ranks):
-        out = judged(False)  # nothing reported explains a stop: the stop itself is a failure
+    elsewhere = failed_anywhere(logs, ends)  # what may explain msrun stopping a rank
+    out = [
+        judge(
+            nodeid,
+            ranks,
+            logs,
+            ends,
+            scope="suite",
+            job_ended=now,
+            final=[r for r in ranks if last[r] == nodeid],
+            failed_elsewhere=elsewhere,
+        )
+        for nodeid in order
+    ]
     for v in out:
         _blame_the_earlier_test(v, last, ends, logs)
     return out
+
+
+def failed_anywhere(logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> bool:
+    """Whether the suite's record holds a failure that can explain msrun stopping ranks - a failed
+    report or collection, a timeout, a hang at exit, a process that ended badly by itself - read
+    from the record (each test is then judged once, knowing it)."""
+    for log in logs.values():
+        if log.reported_failure() or log.exit_hang is not None:
+            return True
+        if any(test.timeout is not None for test in log.tests.values()):
+            return True
+    return any(end.returncode not in (0, None) and not end.terminated_by_msrun for end in ends.values())
 
 
 CLUSTER_ERRORS = ("ClusterError", "ClusterAborted")  # pytest_msrun.cluster's: a peer left, the job aborts

@@ -13,7 +13,7 @@ import time
 from collections import Counter
 
 from pytest_msrun.plugin.merge import Merger
-from pytest_msrun.plugin.outcomes import TestVerdict
+from pytest_msrun.plugin.outcomes import TestVerdict, shown
 from pytest_msrun.plugin.records import PHASES
 from pytest_msrun.plugin.runner import TestRecord
 
@@ -25,20 +25,6 @@ if TYPE_CHECKING:
 
 REPORT_ATTR = "msrun_timeline"
 OUTPUT_LIMIT = 64 * 1024  # characters of a rank's captured output kept on the page
-
-
-def _outcome(verdict: TestVerdict, reports: list[pytest.TestReport]) -> str:
-    """What pytest shows for the test: error (setup/teardown), failed, xfailed, xpassed, skipped, passed."""
-    if any(r.failed and r.when != "call" for r in reports):
-        return "error"
-    if any(r.failed for r in reports):
-        return "failed"
-    call = next((r for r in reports if r.when == "call"), None)
-    if call is not None and hasattr(call, "wasxfail"):
-        return "xfailed" if call.skipped else "xpassed"
-    if any(r.skipped for r in reports):
-        return "skipped"
-    return "passed" if verdict.outcome not in ("incomplete", "not run") else "error"
 
 
 def _rank_spans(record: TestRecord, rank: int) -> list[dict[str, Any]]:
@@ -86,7 +72,7 @@ def test_entry(
     merger: Merger, record: TestRecord, verdict: TestVerdict, reports: list[pytest.TestReport], mode: str
 ) -> dict[str, Any]:
     """The page's view of one marked test."""
-    outcome = _outcome(verdict, reports)
+    outcome = shown(verdict)  # the one vocabulary (outcomes.py), as the console's reports say it
     failed = next((r for r in reports if r.failed), None)
     skipped = next((r for r in reports if r.skipped), None)
     message = ""
