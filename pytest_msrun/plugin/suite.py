@@ -22,7 +22,7 @@ from pytest_msrun.engine.hooks import JobReport
 from pytest_msrun.engine.status import JobStatus
 from pytest_msrun.plugin.hang import diagnosis
 from pytest_msrun.plugin.records import CACHE_FILE, LASTFAILED, RankLog, load_rank_log, records_path, stacks_path
-from pytest_msrun.plugin.verdict import RankEnd, RankIssue, TestVerdict, judge, ranks_text
+from pytest_msrun.plugin.verdict import RankEnd, TestVerdict, judge, ranks_text
 
 REPORTER = "pytest_msrun.plugin.suite:job_report"
 FAILING = ("failed", "error")
@@ -241,8 +241,6 @@ def verdicts(logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> list[TestVer
         )
         for nodeid in order
     ]
-    for v in out:
-        _blame_the_earlier_test(v, last, ends, logs)
     return out
 
 
@@ -256,42 +254,6 @@ def failed_anywhere(logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> bool:
         if any(test.timeout is not None for test in log.tests.values()):
             return True
     return any(end.returncode not in (0, None) and not end.terminated_by_msrun for end in ends.values())
-
-
-CLUSTER_ERRORS = ("ClusterError", "ClusterAborted")  # pytest_msrun.cluster's: a peer left, the job aborts
-
-
-def _blame_the_earlier_test(
-    v: TestVerdict, last: dict[int, str | None], ends: dict[int, RankEnd], logs: dict[int, RankLog]
-) -> None:
-    """A test whose only failures are ranks waiting for the others - the cluster API's errors, or
-    running out of time in a collective they never joined - while those never began it because
-    their process had ended in an earlier test, failed because of that earlier test (which is
-    reported failed): it is incomplete here, and says why."""
-    from pytest_msrun.control.observer import waiting_for_others
-
-    if v.outcome not in FAILING or not v.not_run or not v.issues:
-        return
-    world = len(logs)
-
-    def waiting(issue: RankIssue) -> bool:
-        if issue.kind == "failed":
-            return any(e in issue.summary for e in CLUSTER_ERRORS)
-        record = logs[issue.rank].test(v.nodeid).timeout if issue.rank in logs else None
-        state = record.get("state") if record else None
-        return issue.kind == "timeout" and waiting_for_others(state, issue.rank, world)
-
-    if not all(waiting(i) for i in v.issues):
-        return
-    gone = [r for r in v.not_run if (ends.get(r) or RankEnd()).returncode is not None and last.get(r) != v.nodeid]
-    if gone != v.not_run:
-        return
-    where = sorted({str(last[r]) for r in gone if last.get(r)})
-    v.outcome = "incomplete"
-    v.note = (
-        f"ranks {ranks_text(v.failing_ranks)} failed only waiting for ranks "
-        f"{ranks_text(gone)}, which had ended" + (f" in {', '.join(where)}" if where else "")
-    )
 
 
 def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> Table:

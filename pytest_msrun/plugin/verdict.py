@@ -62,6 +62,8 @@ from pytest_msrun.plugin.outcomes import (
 from pytest_msrun.plugin.rankfacts import RankFacts
 from pytest_msrun.plugin.records import PHASES, RankLog
 
+CLUSTER_ERRORS = ("ClusterError", "ClusterAborted")  # pytest_msrun.cluster's: a peer left, the job aborts
+
 __all__ = [
     "OUTCOMES",
     "PASSING",
@@ -184,7 +186,33 @@ class Judge(RankFacts):
         cells = {rank: self.cell(rank, kinds) for rank in self.ranks}
         not_run = [r for r in self.ranks if cells[r] == "not run"]
         verdict = TestVerdict(self.nodeid, phases, cells, self._overall(phases, cells, not_run), not_run)
+        self._blame_an_earlier_test(verdict)
         return verdict
+
+    def _blame_an_earlier_test(self, verdict: TestVerdict) -> None:
+        """Suite mode: a test whose only failures are ranks waiting for the others - the cluster
+        API's errors, or a timeout in a collective they waited in - while those others never began
+        it, their process having ended in an earlier test (reported failed there), is incomplete
+        here, not failed: that earlier test is the failure. Part of the rule, applied once."""
+        if self.scope != "suite" or verdict.outcome not in ("failed", "error") or not verdict.not_run:
+            return
+        issues = verdict.issues
+        if not issues or not all(self._only_waited(issue) for issue in issues):
+            return
+        gone = [r for r in verdict.not_run if self.end(r).returncode is not None]
+        if gone != verdict.not_run:
+            return
+        where = sorted({str(self.logs[r].last_test) for r in gone if r in self.logs and self.logs[r].last_test})
+        verdict.outcome = "incomplete"
+        verdict.note = (
+            f"ranks {ranks_text(verdict.failing_ranks)} failed only waiting for ranks {ranks_text(gone)}, "
+            "which had ended" + (f" in {', '.join(where)}" if where else "")
+        )
+
+    def _only_waited(self, issue: RankIssue) -> bool:
+        if issue.kind == "failed":
+            return any(e in issue.summary for e in CLUSTER_ERRORS)
+        return issue.kind == "timeout" and issue.waited
 
     @staticmethod
     def _regroup_stopped(first: str, stopped: dict[str, list[int]]) -> None:
