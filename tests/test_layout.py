@@ -11,7 +11,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "pytest_msrun"
-BASE = {"record", "cpulist", "netaddr", "pathsearch", "proc", "perfetto", "boundedjson", "fsinfo", ""}
+BASE = {"record", "cpulist", "netaddr", "pathsearch", "proc", "perfetto", "boundedjson", "fsinfo", "fileio", ""}
 # Which layers each layer may import (lazy imports inside functions included).
 ALLOWED = {
     "base": {"base"},

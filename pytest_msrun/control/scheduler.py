@@ -426,6 +426,8 @@ class Scheduler:
             self.ranks.hello(conn, hello)
 
     def on_message(self, conn: Conn, msg: dict[str, Any]) -> None:
+        if LOG_FAILURE and not self.told_log_failure:  # said before whatever this message leads to
+            self.tell_write_failures()
         if conn.kind == "agent":
             self.agents.message(conn, msg)
         elif conn.kind == "rank":
@@ -491,6 +493,7 @@ class Scheduler:
             return
         log(f"aborting the job: {reason}")
         self.tell_drops(now_or_never=True)
+        self.tell_write_failures()
         self.event(f"abort: {reason}"[:200], {"reason": reason, "code": code}, scope="g")
         self.abort_msg = {"t": "abort", "reason": reason, "code": code}
         self.transport.broadcast(self.clients(), self.abort_msg)
@@ -502,6 +505,7 @@ class Scheduler:
             self.agents.registry.state = "ended"
             self.exit_code = code
             self.tell_drops(now_or_never=True)
+            self.tell_write_failures()  # before the end: a short job must hear of them too
             if code == 0:
                 log("every node reported success")
                 self.transport.broadcast(list(self.agents.by_conn), {"t": "end", "code": 0})
@@ -553,7 +557,10 @@ class Scheduler:
 
     def tell_write_failures(self) -> None:
         """Once each: this process's log or trace could not be written (a full disk) - the job
-        goes on, and every node's console says what failed, where, and what to do."""
+        goes on, and every node's console says what failed, where, and what to do (once a node
+        is there to hear it)."""
+        if not self.agents.by_conn:
+            return
         if LOG_FAILURE and not self.told_log_failure:
             self.told_log_failure = True
             self.notice(write_failure("the control plane's log", _own_log(), LOG_FAILURE[0], "--log_dir"))

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 
+from pytest_msrun.fileio import write_whole
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -281,19 +283,6 @@ def merge(spool: str, out: str, meta: dict[str, Any]) -> int:
     for name in names:
         for line in _lines(os.path.join(spool, name)):
             (head if '"ph":"M"' in line else body).append(line)
-    tmp = f"{out}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write('{"traceEvents":[')
-            fh.write(",\n".join([*dict.fromkeys(head), *body]))
-            fh.write('],"displayTimeUnit":"ms","otherData":')
-            fh.write(_dumps(meta))
-            fh.write("}\n")
-        os.replace(tmp, out)
-    except OSError:  # a full disk: no trace, and no partial file left
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    events = ",\n".join([*dict.fromkeys(head), *body])
+    write_whole(out, '{"traceEvents":[' + events + '],"displayTimeUnit":"ms","otherData":' + _dumps(meta) + "}\n")
     return len(body)

@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable
 
 from pytest_msrun.engine.status import JobStatus
+from pytest_msrun.fileio import write_whole
 from pytest_msrun.record import record
 
 HOOK_DIR = "msrun_hooks"
@@ -35,11 +36,7 @@ def register(log_dir: str, name: str, target: str) -> None:
     """Ask msrun to call ``target`` (``module:function``) with the job's status when the job ends."""
     directory = os.path.join(log_dir or ".", HOOK_DIR)
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, name)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(target + "\n")
-    os.replace(tmp, path)
+    write_whole(os.path.join(directory, name), target + "\n")
 
 
 def registered(log_dir: str) -> list[tuple[str, str]]:

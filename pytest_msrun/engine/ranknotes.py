@@ -43,17 +43,13 @@ def _path(log_dir: str, rank: int, kind: str) -> str:
 def _write(path: str, data: dict[str, object]) -> None:
     import json  # not on msrun's start path
 
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.{os.getpid()}.tmp"
+    from pytest_msrun.fileio import write_whole
+
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(data, fh)
-        os.replace(tmp, path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_whole(path, json.dumps(data))
     except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        pass
 
 
 def _read(path: str) -> dict[str, object] | None:

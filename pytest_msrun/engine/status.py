@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 
+from pytest_msrun.fileio import write_whole
 from pytest_msrun.record import asdict, field, fields, record
 
 TYPE_CHECKING = False
@@ -116,17 +117,10 @@ def encode_status(doc: dict[str, Any]) -> str:
 
 
 def write_status(log_dir: str, status: JobStatus, name: str = STATUS_FILE) -> None:
-    path = status_path(log_dir, name)
-    tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(encode_status({**status.to_json(), "updated": time.time()}))
-        os.replace(tmp, path)
+        write_whole(status_path(log_dir, name), encode_status({**status.to_json(), "updated": time.time()}))
     except OSError:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        pass
 
 
 def read_status(log_dir: str, name: str = STATUS_FILE) -> JobStatus | None:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 from filelock import FileLock
 
+from pytest_msrun.fileio import write_whole
+
 DEFAULT_PORT_RANGE = (30000, 32767)
 
 
@@ -156,10 +158,7 @@ class ResourcePool:
         return {"leases": {}, "waiting": {}}
 
     def _save(self, state: dict) -> None:
-        tmp = f"{self.state_path}.{os.getpid()}.tmp"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(state, fh)
-        os.replace(tmp, self.state_path)
+        write_whole(self.state_path, json.dumps(state))
 
     def _live(self, state: dict) -> dict:
         for part in ("leases", "waiting"):

@@ -12,6 +12,7 @@ import os
 import time
 from collections import Counter
 
+from pytest_msrun.fileio import write_whole
 from pytest_msrun.plugin.merge import Merger
 from pytest_msrun.plugin.outcomes import TestVerdict, shown
 from pytest_msrun.plugin.records import PHASES
@@ -182,8 +183,5 @@ class SessionReport:
             },
             "tests": self.entries,
         }
-        tmp = f"{self.path}.tmp{os.getpid()}"
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(render_page(session))
-        os.replace(tmp, self.path)
+        write_whole(self.path, render_page(session))
         return self.path
