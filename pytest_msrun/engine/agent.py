@@ -19,7 +19,7 @@ from enum import Enum
 
 from pytest_msrun.control import wire
 from pytest_msrun.control.clock import env_seconds
-from pytest_msrun.engine import console, errorfile, processes, ranknotes, timeline
+from pytest_msrun.engine import console, errorfile, processes, timeline
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.ending import JobEnding
@@ -53,6 +53,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from pytest_msrun.engine import ranknotes
     from pytest_msrun.engine.earlystart import FirstStarted
     from pytest_msrun.engine.observers import Observer
     from pytest_msrun.engine.trace import TraceObserver
@@ -399,6 +400,8 @@ class Agent(ProcessStarting, JobEnding):
         """A worker is still there after the deadline it set: its stacks (the signal it named),
         then the job ends, that worker its root cause."""
         child = next(c for c in workers if c.pid == late.pid)
+        from pytest_msrun.engine import ranknotes
+
         if late.stack_signal:
             try:
                 os.kill(child.pid, late.stack_signal)  # the rank alone: its own children may not catch it
@@ -420,7 +423,9 @@ class Agent(ProcessStarting, JobEnding):
             error = errorfile.read_error(spec.error_file) if child.returncode else None
             settled = ""
             if spec.role == Role.WORKER and spec.rank is not None and (child.returncode or 0) > 0:
-                settled = ranknotes.settled(self.cfg.log_dir, spec.rank, child.pid, child.returncode or 0) or ""
+                from pytest_msrun.engine.ranknotes import settled_status
+
+                settled = settled_status(self.cfg.log_dir, spec.rank, child.pid, child.returncode or 0) or ""
             ending = self.policy.exited(child, spec.label, spec.log_path, spec.role == Role.WORKER, error, settled)
             if ending is not None and ending.first is not None:
                 self._tell({"t": "failed", "reason": ending.reason, "code": min(255, ending.code)}, defer=True)

@@ -24,7 +24,6 @@ import time
 from pytest_msrun.engine.errorfile import RankError
 from pytest_msrun.engine.kinds import JobState
 from pytest_msrun.engine.processes import Child
-from pytest_msrun.engine.ranknotes import TIMEOUT_EXIT, Late
 from pytest_msrun.engine.summary import Failure, failure_of
 from pytest_msrun.record import field, record, replace
 
@@ -32,7 +31,10 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from pytest_msrun.engine.ranknotes import Late
+
 EXIT_LAUNCH_ERROR = 1
+TIMEOUT_EXIT = 124  # timeout(1)'s status: a worker that ran out of time (ranknotes.TIMEOUT_EXIT)
 
 
 @record(frozen=True)

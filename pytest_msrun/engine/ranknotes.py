@@ -98,22 +98,12 @@ def clear_deadline(env: Mapping[str, str] = os.environ) -> None:
 
 
 # ---------------------------------------------------------------- msrun's side
-def settled(log_dir: str, rank: int, pid: int, code: int) -> str | None:
+def settled_status(log_dir: str, rank: int, pid: int, code: int) -> str | None:
     """Why ``rank`` (process ``pid``) exiting with ``code`` is its settled result, or None."""
     note = _read(_path(log_dir, rank, "settled"))
     if note is None or note.get("code") != code or note.get("pid") != pid:
         return None
     return str(note.get("why") or "its own result")
-
-
-def clear(log_dir: str, ranks: Iterable[int]) -> None:
-    """Forget notes an earlier job left for these ranks."""
-    for rank in ranks:
-        for kind in ("settled", "deadline"):
-            try:
-                os.unlink(_path(log_dir, rank, kind))
-            except OSError:
-                pass
 
 
 class Late:

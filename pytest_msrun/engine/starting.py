@@ -11,7 +11,7 @@ import sys
 import time
 
 from pytest_msrun.control import wire
-from pytest_msrun.engine import console, errorfile, ranknotes, timeline
+from pytest_msrun.engine import console, errorfile, timeline
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.kinds import Role
@@ -35,6 +35,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from pytest_msrun.engine import ranknotes
     from pytest_msrun.engine.earlystart import FirstStarted
     from pytest_msrun.engine.observers import Observer
     from pytest_msrun.engine.trace import TraceObserver
@@ -91,8 +92,6 @@ class ProcessStarting:
         comes later - see :meth:`_start_first`)."""
         if spec.error_file:
             errorfile.clear(spec.error_file)
-        if spec.role == Role.WORKER and spec.rank is not None:
-            ranknotes.clear(self.cfg.log_dir, [spec.rank])  # an earlier job's, in the same log directory
         trace_env = self.trace.child_env if self.trace is not None else {}
         launch = Launch(
             argv=spec.command,
@@ -221,7 +220,9 @@ class ProcessStarting:
         workers = {
             c.tag.rank: c.pid for c in self.group.children if c.tag.role == Role.WORKER and c.tag.rank is not None
         }
-        self.deadlines = ranknotes.DeadlineWatch(self.cfg.log_dir, workers)
+        from pytest_msrun.engine.ranknotes import DeadlineWatch  # (notes an earlier job left name other pids)
+
+        self.deadlines = DeadlineWatch(self.cfg.log_dir, workers)
         if self.cfg.join and not self.detached:
             tailed = [(prefix_for(s.rank, s.local_index), s.log_path) for s in plan.workers if s.tail]
             if tailed:
