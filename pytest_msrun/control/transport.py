@@ -222,12 +222,8 @@ class Transport:
         foresaw) is logged with its traceback and costs that connection, never this process."""
         who = "the listener" if conn is None else f"{conn.peer} ({conn.kind or 'unauthenticated'})"
         self.log(f"error serving {who}; it is dropped:\n{format_error(exc)}")
-        if conn is not None:
-            try:
-                self.drop(conn, f"an error while serving it: {exc!r}"[:300], category="an error while serving it")
-            except Exception:  # closing failed too: forget it
-                self.conns = {fd: c for fd, c in self.conns.items() if c is not conn}
-                self.pending.pop(conn, None)
+        if conn is not None:  # drop() itself cannot fail: its handler's errors are logged
+            self.drop(conn, f"an error while serving it: {exc!r}"[:300], category="an error while serving it")
 
     def refuse(self, conn: Conn, reason: str) -> None:
         self.log(f"refused {conn.peer}: {reason}")
