@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import pytest
@@ -212,3 +213,23 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if isinstance(value, (list, tuple)):
         metafunc.fixturenames.append(PARAM)
         metafunc.parametrize(PARAM, nums, ids=[f"worker_num={n}" for n in nums])
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_report_to_serializable(config: pytest.Config, report: Any) -> dict[str, Any] | None:
+    """A merged report keeps its one-line failure (``[rank 1] AssertionError: ...``) when it is
+    sent elsewhere (pytest-xdist's controller, report-log files): pytest's own conversion turns it
+    into its text, whose first line is the headline."""
+    merge = sys.modules.get("pytest_msrun.plugin.merge")
+    if merge is None or not isinstance(getattr(report, "longrepr", None), merge.MergedLongrepr):
+        return None
+    return merge.to_serializable(report)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_report_from_serializable(config: pytest.Config, data: dict[str, Any]) -> Any:
+    if not isinstance(data, dict) or data.get("$report_type") != "TestReport" or "msrun_reprcrash" not in data:
+        return None
+    from pytest_msrun.plugin.merge import from_serializable
+
+    return from_serializable(data)

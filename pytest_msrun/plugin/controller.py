@@ -30,6 +30,7 @@ from pytest_msrun.plugin.marker import MARKER, MarkerError, MsrunSpec, default_t
 from pytest_msrun.plugin.merge import Merger
 from pytest_msrun.plugin.outcomes import TestVerdict
 from pytest_msrun.plugin.pool import DeviceShortage, ResourcePool, inventory
+from pytest_msrun.plugin.replay import Replay, not_carried
 from pytest_msrun.plugin.runner import Attempt, FreshAttempt, TestRecord
 from pytest_msrun.plugin.timeline import REPORT_ATTR, SessionReport, test_entry
 from pytest_msrun.plugin.worlds import LateEnd, WorldPool
@@ -185,7 +186,7 @@ class Controller:
         items[:] = [item for slot in order for item in blocks[slot]]
 
     def pytest_report_header(self, config: pytest.Config) -> str | list[str] | None:
-        lines = []
+        lines = not_carried(config)
         seed = getattr(config.option, "randomly_seed", None)
         if config.pluginmanager.hasplugin("randomly") and isinstance(seed, int):
             lines.append(
@@ -277,7 +278,7 @@ class Controller:
         setup_call = Merger(item, record, self.style, cwd).reports(first, ("setup", "call"))
         failed_early = any(r.failed for r in setup_call)
         if not rerun:
-            self._log(item, setup_call)
+            self._log(item, Replay(item, record.logs).with_subtests(setup_call))
         next_id = self.worlds.world_next(item, nextitem, key) if attempt.warm and key is not None else None
         if rerun and failed_early:
             next_id = None  # the rerun gets a fresh world
@@ -307,9 +308,13 @@ class Controller:
                 reports[failed].outcome = "rerun"  # type: ignore[assignment]
                 reports = reports[: failed + 1]
                 again = True
-            self._log(item, reports)
+            self._log(item, Replay(item, record.logs).with_subtests(reports))
         else:
             self._log(item, teardown)
+        extras = Replay(item, record.logs)  # what the ranks recorded beyond their reports
+        extras.warnings()
+        if not again:
+            extras.benchmarks()
         if attempt.warm and key is not None:
             world = self.worlds.live.get(key)
             if world is not None and world.last is not None:  # a late judgement repeats none of them

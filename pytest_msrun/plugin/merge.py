@@ -17,10 +17,11 @@ import pytest
 from _pytest._code.code import ReprFileLocation, TerminalRepr
 
 from pytest_msrun.engine.summary import extract_traceback, log_text
+from pytest_msrun.plugin.extras import carried_attributes, merge_properties
 from pytest_msrun.plugin.hang import diagnosis
 from pytest_msrun.plugin.records import PHASES
 from pytest_msrun.plugin.runner import TestRecord
-from pytest_msrun.plugin.stdstreams import read_log
+from pytest_msrun.plugin.stdstreams import read_log, tag_lines
 from pytest_msrun.plugin.verdict import PhaseVerdict, RankEnd, RankIssue, TestVerdict, ranks_text, were
 
 MAX_RANK_SECTIONS = 8  # per-rank sections shown in a report; big dry runs list the rest compactly
@@ -47,6 +48,48 @@ class MergedLongrepr(TerminalRepr):
             tw.sep("-", title)
             for line in text.rstrip("\n").splitlines():
                 tw.line(line)
+
+
+class TextLongrepr(TerminalRepr):
+    """A merged failure after a trip through JSON: its text, and the one-line failure it had."""
+
+    def __init__(self, text: str, reprcrash: ReprFileLocation | None) -> None:
+        self.text = text
+        self.reprcrash = reprcrash
+
+    def __str__(self) -> str:
+        return self.text
+
+    def toterminal(self, tw: Any) -> None:
+        for line in self.text.splitlines():
+            tw.line(line)
+
+
+def to_serializable(report: pytest.TestReport) -> dict[str, Any]:
+    """pytest's own JSON of ``report`` (its failure as text), with the failure's one line beside it."""
+    data = report._to_json()
+    data["$report_type"] = "TestReport"
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if isinstance(crash, ReprFileLocation):
+        data["msrun_reprcrash"] = dataclasses.asdict(crash)
+    return data
+
+
+def from_serializable(data: dict[str, Any]) -> pytest.TestReport:
+    data = {k: v for k, v in data.items() if k != "$report_type"}
+    crash = data.pop("msrun_reprcrash", None)
+    report = pytest.TestReport._from_json(data)
+    if isinstance(crash, dict) and isinstance(report.longrepr, str):
+        try:
+            location = ReprFileLocation(
+                path=str(crash.get("path", "")),
+                lineno=int(crash.get("lineno") or 0),
+                message=str(crash.get("message", "")),
+            )
+        except (TypeError, ValueError):
+            location = None
+        report.longrepr = TextLongrepr(report.longrepr, location)
+    return report
 
 
 class Merger:
@@ -196,14 +239,15 @@ class Merger:
         if len(keep) > MAX_RANK_SECTIONS:
             failing = [r for r in keep if r in died or present[r].failed]
             keep = sorted(set(failing[:MAX_RANK_SECTIONS]) | set(keep[:MAX_RANK_SECTIONS]))
+        label = len(self.ranks) > 1
         for rank in keep:
             if rank in present:
                 for title, content in present[rank].sections:
-                    out.append((f"{title} [rank {rank}]", content))
+                    out.append((f"{title} [rank {rank}]", tag_lines(content, rank) if label else content))
             elif self.capture:
                 text = self._died_output(rank, phase)
                 if text:
-                    out.append((f"Captured stdout {phase} [rank {rank}]", text))
+                    out.append((f"Captured stdout {phase} [rank {rank}]", tag_lines(text, rank) if label else text))
         return out
 
     def _make(
@@ -219,9 +263,7 @@ class Merger:
     ) -> pytest.TestReport:
         if isinstance(longrepr, list):  # a skip location (path, lineno, reason) that went through JSON
             longrepr = tuple(longrepr)
-        props: list[tuple[str, object]] = []
-        for rank in sorted(present):
-            props.extend(present[rank].user_properties)
+        props = merge_properties({rank: [(str(n), v) for n, v in present[rank].user_properties] for rank in present})
         sections = self._sections(phase, present, died or [])
         if self.run.note:  # the test did not run as asked (a warm world's test in a fresh job)
             props.append(("msrun_note", self.run.note))
@@ -244,6 +286,8 @@ class Merger:
             if phase == "call":
                 sections.append(("msrun hosts", "\n".join(f"rank {r}: {h}" for r, h in hosts.items())))
         start, stop = window
+        carried = carried_attributes({r: rep.__dict__ for r, rep in present.items()}, failing[0] if failing else None)
+        extra = {**carried, **extra}
         return pytest.TestReport(
             nodeid=self.item.nodeid,
             location=self.item.location,

@@ -44,6 +44,9 @@ SESSION_ONLY = frozenset(
         # on the rank's command line already (they act before configuration)
         "plugins", "inifilename", "rootdir", "override_ini", "pythonwarnings", "capture", "importmode",
         "confcutdir", "noconftest",
+        # pytest-benchmark: the controller shows, saves and compares every rank's measurements
+        "benchmark_save", "benchmark_autosave", "benchmark_save_data", "benchmark_json", "benchmark_compare",
+        "benchmark_compare_fail", "benchmark_histogram", "benchmark_cprofile_dump",
         # pytest-xdist: ranks never distribute
         "numprocesses", "maxprocesses", "dist", "tx", "rsyncdir", "rsyncignore", "looponfail", "distload",
         "loadgroup", "max_worker_restart", "maxschedchunk", "testrunuid",

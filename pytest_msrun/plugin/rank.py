@@ -100,6 +100,10 @@ class RankPlugin:
         if xmlpath and not self.controlled:
             base, ext = os.path.splitext(xmlpath)
             config.option.xmlpath = f"{base}.rank{self.rank}{ext or '.xml'}"
+        # warnings and benchmarks of its tests: for the controller's summary, or a suite's table
+        from pytest_msrun.plugin.rankextras import ExtrasRecorder
+
+        config.pluginmanager.register(ExtrasRecorder(self, config), "msrun-rank-extras")
         address = world_address(env)
         if address is not None and self.controlled:  # a warm world's rank: the controller sends tests
             from pytest_msrun.plugin.forked import FORK_ENV

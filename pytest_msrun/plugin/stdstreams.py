@@ -157,3 +157,10 @@ class StandardStreams:
             except OSError:
                 pass
         self.saved.clear()
+
+
+def tag_lines(text: str, rank: int) -> str:
+    """Each line of a rank's output with its rank in front (``[rank 1] ...``), as ``mpirun
+    --tag-output`` does: report files (JUnit's ``system-out``) join the ranks' outputs into one."""
+    tag = f"[rank {rank}] "
+    return "".join(tag + line for line in text.splitlines(keepends=True))

@@ -20,6 +20,7 @@ from typing import Any
 
 from pytest_msrun.engine.hooks import JobReport
 from pytest_msrun.engine.status import JobStatus
+from pytest_msrun.plugin.extras import suite_lines
 from pytest_msrun.plugin.hang import diagnosis
 from pytest_msrun.plugin.records import CACHE_FILE, LASTFAILED, RankLog, load_rank_log, records_path, stacks_path
 from pytest_msrun.plugin.verdict import RankEnd, TestVerdict, judge, ranks_text
@@ -291,6 +292,7 @@ def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -
             hosts.setdefault(host, []).append(rank)
     if len(hosts) > 1:
         lines.append("msrun: hosts: " + "; ".join(f"{h}: ranks {ranks_text(r)}" for h, r in hosts.items()))
+    lines += suite_lines((v.nodeid for v in judged), logs)
     lines.append(_totals(judged))
     passed = bool(judged) and all(v.passing for v in judged) and not collect_errors and not never
     none_ran = not judged and not collect_errors and not never
