@@ -295,3 +295,28 @@ def test_plugins_report_attributes_come_from_the_shown_rank_and_extras_from_all(
     assert carried["stat"] == "one" and "duration" not in carried and "outcome" not in carried
     assert [e["name"] for e in carried["extras"]] == ["n [rank 0]", "rank 1"]
     assert carried_attributes(per_rank, 7)["stat"] == "zero"  # a shown rank without a report: the lowest
+
+
+JUNIT_RECORDS = """
+import pytest
+
+@pytest.mark.msrun(worker_num=2)
+def test_recorded(msrun, record_testsuite_property, record_xml_attribute):
+    record_testsuite_property("build", "42")
+    record_xml_attribute("owner", "same")
+    record_xml_attribute("shard", str(msrun.rank))
+"""
+
+
+@pytest.mark.parametrize("mode", ["fresh", "warm"])
+def test_junit_suite_properties_and_attributes_from_ranks(pytester: pytest.Pytester, mode: str) -> None:
+    result = _run(pytester, JUNIT_RECORDS, mode, "--junitxml=out.xml", "-o", "junit_family=xunit1")
+    result.assert_outcomes(passed=1)
+    root = ET.parse(pytester.path / "out.xml").getroot()
+    suite = root.find("testsuite")
+    assert suite is not None
+    props = [(p.get("name"), p.get("value")) for p in suite.findall("properties/property")]
+    assert props == [("build", "42")], props
+    case = root.find(".//testcase")
+    assert case is not None and case.get("owner") == "same", case.attrib
+    assert case.get("shard_rank0") == "0" and case.get("shard_rank1") == "1", case.attrib

@@ -285,6 +285,8 @@ class Controller:
         record = attempt.finish(next_id, self.exit_timeout)
         record.leaks_fail = self.leaks == "error"  # an input of the rule, not a rewrite of its outcome
         final = record.verdict()
+        extras = Replay(item, record.logs)  # what the ranks recorded beyond their reports
+        extras.junit()
         merger = Merger(item, record, self.style, cwd)
         teardown = merger.reports(final, ("teardown",))
         if record.leaks and self.leaks == "warn":
@@ -311,7 +313,6 @@ class Controller:
             self._log(item, Replay(item, record.logs).with_subtests(reports))
         else:
             self._log(item, teardown)
-        extras = Replay(item, record.logs)  # what the ranks recorded beyond their reports
         extras.warnings()
         if not again:
             extras.benchmarks()

@@ -11,7 +11,7 @@ The controller's session shows them through pytest's hooks (:mod:`.replay`); a s
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from pytest_msrun.plugin.outcomes import ranks_text
@@ -24,9 +24,21 @@ def rank_label(ranks: Iterable[int]) -> str:
     return f"[rank {ranks[0]}]" if len(ranks) == 1 else f"[ranks {ranks_text(ranks)}]"
 
 
-def merge_properties(per_rank: Mapping[int, Sequence[tuple[str, Any]]]) -> list[tuple[str, Any]]:
+def property_label(name: str, rank: int) -> str:
+    return f"{name} [rank {rank}]"
+
+
+def attribute_label(name: str, rank: int) -> str:
+    """An XML attribute's name cannot hold spaces or brackets: ``name_rank1``."""
+    return f"{name}_rank{rank}"
+
+
+def merge_properties(
+    per_rank: Mapping[int, Sequence[tuple[str, Any]]], label: Callable[[str, int], str] = property_label
+) -> list[tuple[str, Any]]:
     """One list of ``(name, value)`` from every rank's: a pair every rank recorded appears once
-    as it is; any other pair as ``name [rank r]`` - so no rank's value is lost or misattributed."""
+    as it is; any other pair as ``name [rank r]`` (``label``) - so no rank's value is lost or
+    misattributed."""
     ranks = sorted(per_rank)
     out: list[tuple[str, Any]] = []
     shared: list[tuple[str, Any]] = []
@@ -38,7 +50,7 @@ def merge_properties(per_rank: Mapping[int, Sequence[tuple[str, Any]]]) -> list[
     for rank in ranks:
         for name, value in per_rank[rank]:
             if (name, value) not in shared:
-                out.append((f"{name} [rank {rank}]", value))
+                out.append((label(name, rank), value))
     return out
 
 

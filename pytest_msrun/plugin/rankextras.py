@@ -3,7 +3,8 @@
 Registered beside :class:`~pytest_msrun.plugin.rank.RankPlugin` in a rank the controller runs,
 as pytest-xdist's worker forwards what its session records: each warning a test raised
 (``warning``: category, message, where), and each benchmark pytest-benchmark measured
-(``benchmark``: its name, options and raw timings). The controller replays them
+(``benchmark``: its name, options and raw timings), and what a test gave junitxml
+(``junit``: ``record_testsuite_property``, ``record_xml_attribute``). The controller replays them
 (:mod:`pytest_msrun.plugin.replay`). Subtest reports already travel as reports; here their
 progress letter is kept out of the test's captured output (the rank's output is its log, and a
 subtest's report is logged in the middle of the call phase).
@@ -23,6 +24,7 @@ MAX_TIMINGS = 200_000  # per benchmark: its rounds, as pytest-benchmark keeps th
 
 class Writes(Protocol):
     current: tuple[str, str] | None
+    controlled: bool
 
     def _write(self, kind: str, **fields: Any) -> None: ...
 
@@ -71,6 +73,30 @@ def benchmark_fields(bench: Any) -> dict[str, Any] | None:
     }
 
 
+class _Attributes:
+    def __init__(self, write: Any, nodeid: str) -> None:
+        self.write = write
+        self.nodeid = nodeid
+
+    def add_attribute(self, name: str, value: object) -> None:
+        self.write("junit", what="attribute", nodeid=self.nodeid, name=str(name), value=str(value))
+
+
+class RankJunit:
+    """Stands in a rank for pytest's junitxml writer (only the controller writes the file):
+    ``record_testsuite_property`` and ``record_xml_attribute`` become records."""
+
+    def __init__(self, rank_plugin: Writes, family: str) -> None:
+        self.rank_plugin = rank_plugin
+        self.family = family
+
+    def add_global_property(self, name: str, value: object) -> None:
+        self.rank_plugin._write("junit", what="suite_property", name=str(name), value=str(value))
+
+    def node_reporter(self, report: Any) -> _Attributes:
+        return _Attributes(self.rank_plugin._write, str(getattr(report, "nodeid", report)))
+
+
 class ExtrasRecorder:
     """Records a rank's warnings and benchmarks, test by test, through the rank plugin's writer."""
 
@@ -79,6 +105,13 @@ class ExtrasRecorder:
         self.config = config
         self.benchmarks_seen = 0
         self.warnings: dict[str, int] = {}
+        if rank_plugin.controlled and config.pluginmanager.hasplugin("junitxml"):
+            from _pytest.junitxml import xml_key
+
+            if config.stash.get(xml_key, None) is None:  # pytest's own unregisters it at the end
+                junit = RankJunit(rank_plugin, str(config.getini("junit_family")))
+                config.stash[xml_key] = junit  # type: ignore[misc]
+                config.pluginmanager.register(junit, "msrun-rank-junit")
 
     def pytest_warning_recorded(self, warning_message: Any, when: str, nodeid: str, location: Any) -> None:
         if when != "runtest" or not nodeid:

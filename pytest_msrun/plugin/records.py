@@ -7,8 +7,8 @@ A rank (re)creates its file and writes, in order:
 * per test phase a ``phase`` record when the phase *begins* (with the rank log's offset) and a
   ``report`` when it ends (pytest's own serializable report) - and one more ``report`` per
   subtest, and per fixture finalizer failure at a warm world's end (``world_end``),
-* ``warning`` per warning a test raised and ``benchmark`` per pytest-benchmark measurement
-  (:mod:`.rankextras`),
+* ``warning`` per warning a test raised, ``benchmark`` per pytest-benchmark measurement, ``junit``
+  per suite property or XML attribute a test recorded (:mod:`.rankextras`),
 * ``timeout`` when a marked test ran out of time inside the job (suite mode),
 * ``finish`` with pytest's exit status, and ``exit_hang`` if the process then did not exit.
 
@@ -122,6 +122,7 @@ class RankTest:
     log_end: int | None = None  # where the rank's log stood when the test's teardown ended
     warnings: list[dict[str, Any]] = field(default_factory=list)  # what the test raised (see rankextras)
     benchmarks: list[dict[str, Any]] = field(default_factory=list)  # what pytest-benchmark measured
+    junit: list[dict[str, Any]] = field(default_factory=list)  # what it gave junitxml (see rankextras)
 
     def log_span(self) -> tuple[int, int | None] | None:
         """The test's part of the rank's log: from its setup's start to its teardown's end."""
@@ -257,10 +258,10 @@ def load_rank_log(path: str, rank: int, cutoff: int | None = None, cutoff_ts: fl
             if isinstance(spans, list):
                 test = out.tests.setdefault(nodeid, RankTest(nodeid))
                 test.collectives += [[*span, when] for span in spans if isinstance(span, list) and len(span) == 5]
-        elif kind in ("warning", "benchmark"):
-            nodeid = str(record.get("nodeid"))
+        elif kind in ("warning", "benchmark", "junit"):
+            nodeid = str(record.get("nodeid") or out.last_test or "")
             test = out.tests.setdefault(nodeid, RankTest(nodeid))
-            (test.warnings if kind == "warning" else test.benchmarks).append(record)
+            {"warning": test.warnings, "benchmark": test.benchmarks, "junit": test.junit}[kind].append(record)
         elif kind == "timeout":
             nodeid = str(record.get("nodeid"))
             out.tests.setdefault(nodeid, RankTest(nodeid)).timeout = record

@@ -9,6 +9,7 @@ As pytest-xdist replays its workers' events, the controller replays its ranks' r
   failure shown, labelled), skipped if every rank skipped it, else passed;
 * **user properties** (``record_property``): a property every rank recorded with the same value
   once, as recorded; otherwise each rank's as ``name [rank r]``;
+* **junitxml**: ``record_testsuite_property`` and ``record_xml_attribute`` of the ranks;
 * **pytest-benchmark** measurements: one row per rank (``name [rank r]``) in its table, its JSON
   and its saved runs - ranks measure on their own, and a slow rank is what a user looks for.
 
@@ -29,6 +30,7 @@ import pytest
 
 from pytest_msrun.plugin.extras import (
     MergedSubtest,
+    attribute_label,
     group_warnings,
     merge_properties,
     merge_subtests,
@@ -148,6 +150,35 @@ class Replay:
                     "location": None,
                 }
             )
+
+    # ------------------------------------------------------------------ junitxml
+    def junit(self) -> None:
+        """``record_testsuite_property`` and ``record_xml_attribute`` of the ranks, into the
+        controller's junitxml (before the test's last report, which writes its testcase): a suite
+        property once per distinct pair; an attribute every rank gave alike once, else per rank
+        (``name_rank1``)."""
+        try:
+            from _pytest.junitxml import xml_key
+        except ImportError:
+            return
+        xml = self.config.stash.get(xml_key, None)
+        if xml is None:
+            return
+        suite: list[tuple[str, str]] = []
+        attributes: dict[int, list[tuple[str, Any]]] = {}
+        for rank, test in self.tests.items():
+            for record in test.junit:
+                pair = (str(record.get("name")), str(record.get("value")))
+                if record.get("what") == "suite_property" and pair not in suite:
+                    suite.append(pair)
+                elif record.get("what") == "attribute":
+                    attributes.setdefault(rank, []).append(pair)
+        for name, value in suite:
+            xml.add_global_property(name, value)
+        if attributes:
+            reporter = xml.node_reporter(self.item.nodeid)
+            for name, value in merge_properties({r: attributes.get(r, []) for r in self.tests}, attribute_label):
+                reporter.add_attribute(name, value)
 
     # ------------------------------------------------------------------ pytest-benchmark
     def benchmarks(self) -> int:
