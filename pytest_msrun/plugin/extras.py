@@ -141,6 +141,8 @@ REPORT_KEYS = frozenset(
     {
         "nodeid", "location", "keywords", "outcome", "longrepr", "when", "user_properties", "sections",
         "duration", "start", "stop", "$report_type", "_report_type", "_subtest.context", "wasxfail", "_ts",
+        # the controller's session's own: reruns (pytest-rerunfailures), distribution (pytest-xdist)
+        "rerun", "node", "worker_id", "testrun_uid", "item_index",
     }
 )  # fmt: skip
 
