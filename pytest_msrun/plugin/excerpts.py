@@ -17,7 +17,7 @@ from pytest_msrun.plugin.hang import Frame, idle, is_harness, is_msrun, is_stdli
 TAIL_LINES = 15
 TRACEBACK_LINES = 24
 _HEADER_START = re.compile(r"^=+ test session starts =+$")
-_HEADER_END = re.compile(r"^(collected \d+ items?|no tests ran)\b")
+_HEADER_END = re.compile(r"^collected \d+ items?\b")
 
 
 def without_session_header(text: str) -> str:
@@ -25,7 +25,7 @@ def without_session_header(text: str) -> str:
     through its ``collected N items`` line, or to the end when collection never ended)."""
     out: list[str] = []
     inside = False
-    for line in text.splitlines():
+    for line in text.split("\n"):
         if _HEADER_START.match(line):
             inside = True
         elif inside and _HEADER_END.match(line):

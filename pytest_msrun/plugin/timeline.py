@@ -190,8 +190,9 @@ class SessionReport:
         return self.path
 
     def announce(self, reporter: Any) -> None:
-        """Name the written page on a line of its own, once (``write_sep`` ends the line it is on:
-        under ``-q`` pytest's own ``ensure_newline`` does not know of the progress line)."""
+        """Name the written page on a line of its own, once: from the terminal summary (pytest has
+        ended the progress line by then - under ``-q`` its ``ensure_newline`` does not know of that
+        line), or at the end of a session without one (``--no-summary``)."""
         if not self.written or self.announced or reporter is None:
             return
         self.announced = True
