@@ -35,6 +35,8 @@ from conftest import MARK, REPO, wait_gone
 
 README = REPO / "README.md"
 DOCS_DIR = REPO / "docs"
+GETTING_STARTED = DOCS_DIR / "getting-started.md"
+NEWCOMER_PAGES = (README, GETTING_STARTED)  # read by someone who just cloned the repository
 PAGES = [README, *sorted(DOCS_DIR.glob("*.md"))]
 COPIED = ("sample_code", "fixtures")  # what runnable blocks may use from the repository
 SHELLS = {"bash", "sh", "shell", "console", "zsh"}
@@ -143,6 +145,11 @@ def test_runnable_block(block: Block, tmp_path: Path) -> None:
     work.mkdir()
     for name in COPIED:
         shutil.copytree(REPO / name, work / name, ignore=shutil.ignore_patterns("__pycache__", "msrun_log"))
+    newcomer = block.page in NEWCOMER_PAGES
+    if newcomer:  # a clone: what the walk-through writes (its files, its outputs) is ignored by git
+        shutil.copy(REPO / ".gitignore", work / ".gitignore")
+        subprocess.run(["git", "init", "-q"], cwd=work, check=True)
+        before = git_status(work)
     for rel, text in page_files(block.page).items():
         target = work / rel
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -176,6 +183,17 @@ def test_runnable_block(block: Block, tmp_path: Path) -> None:
         f"{block.where} exited {proc.returncode}, the page says {expected}:\n{block.text}\n--- output:\n{out[-6000:]}"
     )
     assert not left, f"{block.where} left processes running: {[p.pid for p in left]}"
+    if newcomer:
+        new_paths = sorted(set(git_status(work)) - set(before))
+        assert not new_paths, f"{block.where}: git status of a clone shows what it wrote (.gitignore): {new_paths}"
+
+
+def git_status(work: Path) -> list[str]:
+    """``git status --porcelain`` of ``work``, every untracked file listed."""
+    out = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"], cwd=work, capture_output=True, text=True, check=True
+    )
+    return out.stdout.splitlines()
 
 
 def test_every_shell_block_is_marked_runnable_or_not():
@@ -279,3 +297,65 @@ def test_the_site_builds_strictly(tmp_path: Path):
     )
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
     assert (site / "index.html").exists() and (site / "html-report.png").exists()
+
+
+def _paragraph_before(page: Path, block: Block) -> str:
+    """The prose paragraph just above ``block`` (what a reader sees before it on GitHub)."""
+    lines = page.read_text().split("\n")[: block.line - 1]
+    while lines and not lines[-1].strip():
+        lines.pop()
+    para: list[str] = []
+    while lines and lines[-1].strip() and not OPEN.match(lines[-1]):
+        para.insert(0, lines.pop())
+    return " ".join(para)
+
+
+@pytest.mark.parametrize("page", NEWCOMER_PAGES, ids=lambda p: p.name)
+def test_the_files_to_create_are_named_in_prose(page: Path) -> None:
+    """GitHub does not show a fence's ``title``: the sentence before a file's block names it."""
+    unnamed = [
+        f"{b.where}: {b.attrs['title']}"
+        for b in blocks(page)
+        if "title" in b.attrs and f"`{b.attrs['title']}`" not in _paragraph_before(page, b)
+    ]
+    assert not unnamed, "file blocks whose file the paragraph before does not name: " + ", ".join(unnamed)
+
+
+def test_getting_started_is_the_readmes_walk_through() -> None:
+    """The site's page shows the README's files and commands, word for word (neither drifts)."""
+    readme = blocks(README)
+    files = {b.attrs["title"]: b.text for b in readme if "title" in b.attrs}
+    commands = {b.text for b in readme if b.lang in SHELLS}
+    for b in blocks(GETTING_STARTED):
+        if "title" in b.attrs:
+            assert files.get(b.attrs["title"]) == b.text, f"{b.where}: not the README's {b.attrs['title']}"
+        elif b.lang in SHELLS:
+            assert b.text in commands, f"{b.where}: a command the README does not show:\n{b.text}"
+    for page in NEWCOMER_PAGES:
+        assert "## What msrun is" in page.read_text() or "**What msrun is**" in page.read_text(), page
+
+
+def test_the_readme_says_how_long_the_suite_takes() -> None:
+    test_command = next(b for b in blocks(README) if b.text.strip() == 'python -m pytest -q -m "not slow"')
+    assert re.search(r"about \d+ minutes on \d+ CPUs", _paragraph_before(README, test_command))
+    quick = README.read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert "system packages" not in quick and test_command.text not in quick, "the quick start is one job"
+
+
+def test_plain_tox_skips_missing_interpreters() -> None:
+    import configparser
+
+    tox = configparser.ConfigParser()
+    tox.read(REPO / "tox.ini")
+    assert tox["tox"].get("skip_missing_interpreters") == "true"
+
+
+def test_the_site_and_the_walk_through_are_ignored_by_git(tmp_path: Path) -> None:
+    """``mkdocs build`` writes site/; the README's walk-through writes its files and outputs."""
+    shutil.copy(REPO / ".gitignore", tmp_path / ".gitignore")
+    subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
+    written = ["site/index.html", "msrun_log/worker_0.log", "report.html", "job.trace.json", *page_files(README)]
+    for rel in written:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x")
+    assert git_status(tmp_path) == ["?? .gitignore"]

@@ -156,10 +156,11 @@ class Controller:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         self.worlds.stop_all()
         if self.html is not None:
-            path = self.html.write()
-            reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-            if reporter is not None:
-                reporter.write_sep("-", f"msrun: HTML report of {len(self.html.entries)} marked test(s): {path}")
+            self.html.write()
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if self.html is not None:  # after the progress line's end, at every verbosity
+            self.html.announce(terminalreporter)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if self.html is not None:
@@ -167,6 +168,8 @@ class Controller:
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.worlds.stop_all()
+        if self.html is not None:  # no terminal summary (--no-summary, an internal error)
+            self.html.announce(config.pluginmanager.get_plugin("terminalreporter"))
 
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:

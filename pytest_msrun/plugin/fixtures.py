@@ -23,9 +23,12 @@ from pytest_msrun.plugin.records import SHARED_TMP_ENV
 ENV_PREFIXES = ("MS_", "RANK", "DEVICE_ID", "LOCAL_", "WORLD_SIZE", "GROUP_", "MASTER_", "MSRUN_")
 
 
-@dataclass
+@dataclass(repr=False)
 class MsrunContext:
-    """The job as seen from one rank; collectives go through :mod:`pytest_msrun.control.cluster`."""
+    """The job as seen from one rank; collectives go through :mod:`pytest_msrun.control.cluster`.
+
+    Its repr is short (``<msrun rank 1/2>``): pytest shows it in every failure that names the
+    fixture (arguments, ``--showlocals``, assertion introspection); the fields hold the rest."""
 
     rank: int
     world_size: int
@@ -34,6 +37,9 @@ class MsrunContext:
     shared_dir: Callable[[], Path]
     log_dir: Path | None
     env: dict[str, str] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        return f"<msrun rank {self.rank}/{self.world_size}>"
 
     @property
     def tmp_path(self) -> Path:

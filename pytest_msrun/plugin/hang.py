@@ -30,7 +30,14 @@ _COLLECTIVE_FILES = (
     os.path.join(_PACKAGE, "cluster.py"),
     os.path.join(_PACKAGE, "plugin", "fixtures.py"),
 )
-_HARNESS = ("_pytest", "pluggy", os.sep + "pytest" + os.sep)
+_HARNESS = ("_pytest", "pluggy", os.sep + "pytest" + os.sep, "<frozen runpy>", os.sep + "runpy.py")
+_SERVE = os.path.join(_PACKAGE, "plugin", "serve.py")
+# A rank of a warm world with no frame of the test's code, waiting for the controller in its serve
+# loop (serve.py's receive(), called from): what it is doing, in words.
+_IDLE = {
+    "pytest_runtest_teardown": "finished the test's call; waits for the other ranks before its teardown",
+    "pytest_runtestloop": "finished the test; waits in its warm world for the next one",
+}
 _INTERNAL = (os.path.join(_PACKAGE, "control"), os.path.join(_PACKAGE, "plugin"))
 MAX_CALLERS = 2
 
@@ -65,6 +72,31 @@ def _is_harness(path: str) -> bool:
     return any(part in path for part in _HARNESS)
 
 
+def is_harness(path: str) -> bool:
+    """A frame of pytest, pluggy or runpy: what runs the test, not the test."""
+    return _is_harness(path)
+
+
+def is_msrun(path: str) -> bool:
+    """A frame of this package."""
+    ap = os.path.abspath(path)
+    return ap.startswith(_PACKAGE + os.sep)
+
+
+def is_stdlib(path: str) -> bool:
+    ap = os.path.abspath(path)
+    return path.startswith("<frozen ") or (ap.startswith(_STDLIB) and "site-packages" not in ap)
+
+
+def idle(frames: list[Frame]) -> str | None:
+    """In words, what a rank idle in a warm world's serve loop is doing (None if it is not)."""
+    for i, (path, _, func) in enumerate(frames):
+        if os.path.abspath(path) == _SERVE and func == "receive":
+            caller = frames[i + 1] if i + 1 < len(frames) else ("", 0, "")
+            return _IDLE.get(caller[2]) if os.path.abspath(caller[0]) == _SERVE else None
+    return None
+
+
 def _is_internal(path: str) -> bool:
     if path.startswith("<frozen "):  # the standard library's frozen modules (posixpath, importlib, ...)
         return True
@@ -93,7 +125,7 @@ def signature(frames: list[Frame]) -> str:
             continue
         user.append(frame)
     if not user:
-        return _where(frames[0]) if frames else "no Python frame"
+        return idle(frames) or (_where(frames[0]) if frames else "no Python frame")
     parts = [_where(user[0], api)]
     if api is not None:
         parts.append(f"{user[0][2]}()")  # the function that called the collective

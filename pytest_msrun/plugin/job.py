@@ -79,6 +79,7 @@ class JobRun:
     ended: float
     ranks: dict[int, RankEnd] = field(default_factory=dict)
     stacks: dict[int, str] = field(default_factory=dict)
+    stacks_dir: str = ""  # where each rank's stacks file is (records.stacks_path): every frame
     state: dict[str, Any] | None = None  # the control plane's view at the timeout
     msrun_logs: list[str] = field(default_factory=list)
     launch_error: str = ""
@@ -346,6 +347,7 @@ class TestJob:
             started=started,
             ended=time.time(),
             stacks=stacks,
+            stacks_dir=str(self.report_dir),
             state=state,
             msrun_logs=logs,
             exit_hung=hung,

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from _pytest._code.code import ReprFileLocation, TerminalRepr
 
-from pytest_msrun.engine.summary import extract_traceback, log_text
+from pytest_msrun.plugin.excerpts import log_excerpt, stack_excerpt
 from pytest_msrun.plugin.extras import carried_attributes, merge_properties
 from pytest_msrun.plugin.hang import diagnosis
-from pytest_msrun.plugin.records import PHASES
+from pytest_msrun.plugin.records import PHASES, stacks_path
 from pytest_msrun.plugin.runner import TestRecord
 from pytest_msrun.plugin.stdstreams import read_log, tag_lines
 from pytest_msrun.plugin.verdict import PhaseVerdict, RankEnd, RankIssue, TestVerdict, ranks_text, were
@@ -136,21 +136,10 @@ class Merger:
             self._reports[key] = report if isinstance(report, pytest.TestReport) else None
         return self._reports[key]
 
-    def _log_excerpt(self, rank: int) -> str:
-        """The rank's fatal-error dump or last traceback, then the end of its log."""
-        path = self.log_path(rank)
-        text = log_text(path)
-        parts = []
-        tb = extract_traceback(text)
-        if tb:
-            lines = tb.splitlines()
-            parts.append("\n".join(lines[:24] + (["  ..."] if len(lines) > 24 else [])))
-        tail = "\n".join(text.splitlines()[-15:])
-        if not tail.strip():
-            parts.append(f"{path} is empty")
-        elif not tb or tail.strip() not in tb:
-            parts.append(f"last lines of {path}:\n{tail}")
-        return "\n".join(parts)
+    def _stack(self, rank: int, dump: str) -> str:
+        """The frames that matter of ``rank``'s stack dump, naming the file that keeps them all."""
+        source = stacks_path(self.run.stacks_dir, rank) if self.run.stacks_dir else ""
+        return stack_excerpt(dump, self.logs[rank].main_thread if rank in self.logs else None, source)
 
     def _issue_text(self, issue: RankIssue) -> str:
         if issue.report is not None:
@@ -163,13 +152,13 @@ class Merger:
                 report = self.config.hook.pytest_report_from_serializable(config=self.config, data=copy.deepcopy(data))
                 texts.append(getattr(report, "longreprtext", ""))
             return f"rank {issue.rank}: collection failed\n" + "\n".join(texts)
-        text = issue.summary + "\n" + self._log_excerpt(issue.rank)
+        text = issue.summary + "\n" + log_excerpt(self.log_path(issue.rank))
         hang = log.exit_hang or {}
         if issue.kind == "exit" and hang.get("stack"):
-            text += f"\nstack of rank {issue.rank} when it did not exit:\n{hang['stack']}"
+            text += f"\nstack of rank {issue.rank} when it did not exit:\n{self._stack(issue.rank, hang['stack'])}"
         elif issue.rank in self.run.stacks:
             when = "when it did not exit" if issue.kind == "exit" else "at the timeout"
-            text += f"\nstack of rank {issue.rank} {when}:\n{self.run.stacks[issue.rank]}"
+            text += f"\nstack of rank {issue.rank} {when}:\n{self._stack(issue.rank, self.run.stacks[issue.rank])}"
         return text
 
     def _report_text(self, issue: RankIssue) -> str:
@@ -384,7 +373,7 @@ class Merger:
         when = "at the timeout" if self.run.timed_out else "when it did not exit"
         for rank in sorted(self.run.stacks):
             if rank not in shown_stacks:
-                sections.append((f"stack of rank {rank} {when}", self.run.stacks[rank]))
+                sections.append((f"stack of rank {rank} {when}", self._stack(rank, self.run.stacks[rank])))
         shown = [i.rank for i in issues[: 1 + MAX_RANK_SECTIONS]] or self.ranks[:MAX_RANK_SECTIONS]
         if len(self.ranks) <= MAX_RANK_SECTIONS:
             shown = self.ranks

@@ -153,6 +153,8 @@ class SessionReport:
         self.phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self.worlds: set[str] = set()
         self.started = time.time()
+        self.written = False
+        self.announced = False
 
     def add(self, report: pytest.TestReport) -> None:
         """Called for every report of the session (the controller's, or xdist's workers')."""
@@ -184,4 +186,14 @@ class SessionReport:
             "tests": self.entries,
         }
         write_whole(self.path, render_page(session))
+        self.written = True
         return self.path
+
+    def announce(self, reporter: Any) -> None:
+        """Name the written page on a line of its own, once: from the terminal summary (pytest has
+        ended the progress line by then - under ``-q`` its ``ensure_newline`` does not know of that
+        line), or at the end of a session without one (``--no-summary``)."""
+        if not self.written or self.announced or reporter is None:
+            return
+        self.announced = True
+        reporter.write_sep("-", f"msrun: HTML report of {len(self.entries)} marked test(s): {self.path}")

@@ -406,6 +406,7 @@ class World:
             started=test.started,
             ended=time.time(),
             msrun_logs=list(self.launched.logs),
+            stacks_dir=str(self.job.report_dir),
         )
         ends = self.job.rank_ends()
         live = not self.dead and not self.launched.exited()
