@@ -171,11 +171,12 @@ class World:
         connect meanwhile are strangers at the door (:class:`Greeter`), never the test's problem."""
         self.claimed = self.claimed or time.time()
         greeter = Greeter(self.server, self.token)
+        held = self.job.debug.held()  # a breakpoint() while the ranks collect
         try:
             while len(self.channels) < len(self.ranks):
                 if self.launched.exited():
                     return "the world's msrun ended before every rank connected"
-                if time.monotonic() > deadline:
+                if time.monotonic() - (self.job.debug.held() - held) > deadline:
                     return "the world's ranks did not all connect in time"
                 for sock, rank, hello in greeter.serve(0.05):
                     if rank in self.channels or rank not in self.ranks:
@@ -285,9 +286,11 @@ class World:
             sel.register(channel.sock, selectors.EVENT_READ, rank)
         failed_at: float | None = None
         next_check = 0.0
+        debug, held = self.job.debug, self.job.debug.held()
         try:
             while len(replies) + len(self.lost & set(live)) < len(live):
-                now = time.monotonic()
+                # time a rank spends in the debugger counts for neither the deadline nor the grace
+                now = time.monotonic() - (debug.held() - held)
                 if now > deadline:
                     return replies, True
                 if failed_at is not None and now - failed_at > FAILURE_GRACE:
@@ -321,7 +324,7 @@ class World:
                         continue
                     replies[rank] = reply
                     if failure_grace and reply.get("failed") and failed_at is None:
-                        failed_at = time.monotonic()
+                        failed_at = time.monotonic() - (debug.held() - held)
                 if self.dead:
                     break
         finally:
@@ -439,10 +442,17 @@ class World:
         deadline = time.monotonic() + exit_timeout
         hung: list[int] = []
         stacks: dict[int, str] = {}
+        debug, held = self.job.debug, self.job.debug.held()  # a fixture's breakpoint() at the world's end
         for popen in self.launched.procs:
-            try:
-                popen.wait(timeout=max(0.01, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            while popen.poll() is None:
+                left = deadline + (debug.held() - held) - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    popen.wait(timeout=min(0.5, max(0.01, left)))
+                except subprocess.TimeoutExpired:
+                    pass
+            if popen.poll() is None:
                 hung = self.job.running_ranks()
                 stacks = self.job.collect_stacks()
                 break
