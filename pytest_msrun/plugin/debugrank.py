@@ -146,7 +146,7 @@ class RankDebugger:
         self.post_mortem = post_mortem
         self.nodeid = nodeid  # the test running now
         self.refused: set[tuple[str, str]] = set()
-        self._saved: tuple[Any, Any] | None = None
+        self._saved: tuple[Any, Any, Any] | None = None  # the hooks replaced
 
     @classmethod
     def from_env(cls, rank: int, post_mortem: bool, nodeid: Callable[[], str]) -> RankDebugger:
@@ -161,17 +161,20 @@ class RankDebugger:
     # ---------------------------------------------------------------- hooks of this process
     def install(self) -> None:
         if self._saved is None:
-            self._saved = (sys.breakpointhook, pdb.set_trace)
+            self._saved = (sys.breakpointhook, pdb.set_trace, getattr(pytest, "set_trace", None))
             sys.breakpointhook = self.breakpointhook
-            pdb.set_trace = self.set_trace  # type: ignore[assignment]
+            pdb.set_trace = self.set_trace
+            pytest.set_trace = self.set_trace  # type: ignore[attr-defined,unused-ignore]
 
     def uninstall(self) -> None:
         if self._saved is not None:
-            hook, set_trace = self._saved
+            hook, set_trace, pytest_set_trace = self._saved
             if sys.breakpointhook == self.breakpointhook:
                 sys.breakpointhook = hook
             if pdb.set_trace == self.set_trace:
-                pdb.set_trace = set_trace  # type: ignore[assignment]
+                pdb.set_trace = set_trace
+            if pytest_set_trace is not None and getattr(pytest, "set_trace", None) == self.set_trace:
+                pytest.set_trace = pytest_set_trace  # type: ignore[attr-defined,unused-ignore]
             self._saved = None
 
     def breakpointhook(self, *args: Any, **kwargs: Any) -> Any:
