@@ -72,7 +72,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         dest="msrun_inprocess",
         action="store_true",
         default=False,
-        help="run marked tests in this process as rank 0 of a one-rank world (for --pdb and debuggers)",
+        help="run marked tests in this process as rank 0 of a one-rank world (for IDE debuggers; a failure of "
+        "another rank does not happen there: --pdb stops a failing rank of a normal run on this terminal)",
     )
     group.addoption(
         "--msrun-devices",

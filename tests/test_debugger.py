@@ -14,7 +14,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import MARK, job_args, wait_gone
 
 READ_WAIT = 90.0  # seconds a prompt may take (a loaded machine starts ranks slowly)
