@@ -186,7 +186,7 @@ class RankDebugger:
         frame = sys._getframe(1)
         return self._trace(frame, kwargs.get("header"))
 
-    def set_trace(self, *, header: str | None = None) -> None:
+    def set_trace(self, *, header: str | None = None, **_: Any) -> None:
         self._trace(sys._getframe(1), header)
 
     def _trace(self, frame: FrameType, header: str | None) -> None:
