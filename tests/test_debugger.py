@@ -263,3 +263,42 @@ def test_suite_ranks_skip_pdb_and_breakpoints_and_go_on(msrun):
     log = job.log("worker_1.log")
     assert log.count("msrun: --pdb in rank 1 at suite/test_suite.py:3 skipped: no terminal") == 1, log
     assert log.count("msrun: breakpoint() in rank 1 at suite/test_suite.py:6 skipped: no terminal") == 1, log
+
+
+def _ask(server, hello: dict) -> bytes:
+    """One connection to ``server`` saying ``hello``; what it answered before closing."""
+    import json
+    import socket
+
+    host, _, port = server.address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(json.dumps(hello).encode() + b"\n")
+        answer = b""
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                return answer
+            answer += data
+
+
+def test_the_debug_server_refuses_strangers_and_says_no_terminal_once_per_place():
+    from pytest_msrun.plugin.debugserver import DebugServer
+
+    read, write = os.pipe()
+    server = DebugServer(post_mortem=True, terminal=None, stdout_fd=write)
+    os.close(write)  # the server writes to its own copy
+    try:
+        assert server.env()["MSRUN_DEBUG_PDB"] == "1" and not server.tty
+        assert _ask(server, {"token": "wrong", "rank": 1}) == b""  # closed, nothing said
+        hello = {"token": server.token, "rank": 1, "kind": "breakpoint", "where": "t.py:3", "nodeid": "t.py::x"}
+        for _ in range(2):
+            assert b'"ok": false' in _ask(server, hello)
+        assert b'"ok": false' in _ask(server, {**hello, "where": "t.py:4"})
+        assert server.held() == 0.0  # no session was opened
+    finally:
+        server.close()
+    with os.fdopen(read, "rb") as fh:
+        said = fh.read().decode()
+    assert said.count("breakpoint() in rank 1 at t.py:3 skipped: no terminal (stdin is not a tty)") == 1, said
+    assert said.count("breakpoint() in rank 1 at t.py:4 skipped") == 1, said
+    assert "wrong" not in said
