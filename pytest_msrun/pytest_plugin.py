@@ -72,7 +72,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         dest="msrun_inprocess",
         action="store_true",
         default=False,
-        help="run marked tests in this process as rank 0 of a one-rank world (for --pdb and debuggers)",
+        help="run marked tests in this process as rank 0 of a one-rank world (for IDE debuggers; a failure of "
+        "another rank does not happen there: --pdb stops a failing rank of a normal run on this terminal)",
     )
     group.addoption(
         "--msrun-devices",
@@ -146,6 +147,8 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
         from pytest_msrun.plugin.covdata import start_in_rank
 
         start_in_rank(dict(os.environ))  # the controller runs --cov: measured before conftests load
+    if roles.detect(os.environ) == roles.CONTROLLER:
+        _keep_terminal(early_config)
     ns = early_config.known_args_namespace
     use = (
         roles.detect(os.environ) == roles.RANK and getattr(ns, "capture", "fd") in ("fd", "sys") and _stdout_is_a_file()
@@ -162,6 +165,30 @@ def pytest_collection(session: pytest.Session) -> Any:
     """Wholesale reads of the environment count again while tests are collected (see envscope)."""
     envscope.wholesale_reads(True)
     return (yield)
+
+
+TERMINAL = pytest.StashKey[int]()
+
+
+def _keep_terminal(config: pytest.Config) -> None:
+    """The controller's terminal (stdin, when a tty), kept before pytest's capture points fd 0 at
+    /dev/null for the session: the ranks' debugger reads the user's input from it."""
+    try:
+        if not os.isatty(0):
+            return
+        fd = os.dup(0)
+    except OSError:
+        return
+    os.set_inheritable(fd, False)
+    config.stash[TERMINAL] = fd
+
+    def close() -> None:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+    config.add_cleanup(close)
 
 
 def _stdout_is_a_file() -> bool:

@@ -290,7 +290,14 @@ def test_junitxml_names_the_failing_ranks_and_pdb_is_explained_on_the_test(pytes
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--junitxml={xml}", "--pdb", "-q")
     result.assert_outcomes(failed=1)
     assert '<property name="msrun_failing_ranks" value="1"' in xml.read_text()
-    result.stdout.fnmatch_lines(["*msrun --pdb*", "*--pdb cannot stop in ranks*--msrun-inprocess*"])
+    result.stdout.fnmatch_lines(
+        [
+            "msrun: --pdb: the failure of rank 1 at test_fails.py:* skipped: no terminal (stdin is not a tty)",
+            "*msrun --pdb*",
+            "--pdb stops each failing rank in pdb on the controller's terminal*",
+        ]
+    )
+    assert "turn" not in result.stdout.str() and "add --msrun-inprocess" not in result.stdout.str()
 
 
 def test_ranks_load_hypothesis_only_when_a_test_uses_it(pytester: pytest.Pytester) -> None:

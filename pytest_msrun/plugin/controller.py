@@ -25,6 +25,7 @@ import pytest
 from pytest_msrun.engine.slurm import allocation
 from pytest_msrun.pathsearch import which
 from pytest_msrun.plugin import envscope, options
+from pytest_msrun.plugin.debugserver import NO_TTY, DebugServer
 from pytest_msrun.plugin.jobs import PYTEST_TIMEOUT, Jobs, static_skip
 from pytest_msrun.plugin.marker import MARKER, MarkerError, MsrunSpec, default_timeout, spec_for
 from pytest_msrun.plugin.merge import Merger
@@ -116,8 +117,14 @@ class Controller:
         self.xdist_worker = hasattr(config, "workerinput")  # xdist hands this process its items one by one
         # each world's last test and the teardown failures reported on it (a late judgement repeats none)
         self.reported: dict[tuple, tuple[Any, set[tuple[int, str, str]]]] = {}
+        # the ranks' breakpoint() and --pdb, on this terminal (said, and skipped, where there is none)
+        from pytest_msrun.pytest_plugin import TERMINAL
+
+        usepdb = bool(getattr(config.option, "usepdb", False))
+        self.debug = DebugServer(post_mortem=usepdb, terminal=config.stash.get(TERMINAL, None))
         self.jobs = Jobs(
             config,
+            debug=self.debug,
             args=options.command_line(config),
             trace_dir=_trace_dir(config),
             cluster=cluster,
@@ -168,6 +175,7 @@ class Controller:
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.worlds.stop_all()
+        self.debug.close()
         if self.html is not None:  # no terminal summary (--no-summary, an internal error)
             self.html.announce(config.pluginmanager.get_plugin("terminalreporter"))
 
@@ -201,9 +209,9 @@ class Controller:
 
     def _header_note(self, config: pytest.Config) -> str | None:
         if getattr(config.option, "usepdb", False):
-            return (
-                "msrun: --pdb cannot enter ranks in other processes; add --msrun-inprocess to debug marked tests here"
-            )
+            if not self.debug.tty:
+                return f"msrun: --pdb: a marked test's failing rank cannot stop in pdb here: {NO_TTY}"
+            return "msrun: --pdb: a marked test's failing rank stops in pdb on this terminal, prompt (Pdb rank N)"
         cluster = self.jobs.cluster
         if cluster is not None:
             return (

@@ -1,9 +1,11 @@
 """``--msrun-inprocess``: marked tests run in the pytest process, as rank 0 of a one-rank world.
 
-For ``--pdb`` and debuggers. During a marked test the process has the variables a one-rank msrun
-job gives its worker (``RANK_ID=0``, ``RANK_SIZE=1``, ``LOCAL_RANK=0``, ``WORLD_SIZE=1``, a free
-``MASTER_PORT`` for torch ``env://``, ...) - but no scheduler, so ``pytest_msrun.control.cluster`` forms a
-local group of one; afterwards the environment is restored exactly.
+For an IDE's debugger stepping through a test's code - not for a multi-rank failure, which a
+one-rank world does not have (``--pdb`` reaches the ranks of a normal run: :mod:`.debugrank`).
+During a marked test the process has the variables a one-rank msrun job gives its worker
+(``RANK_ID=0``, ``RANK_SIZE=1``, ``LOCAL_RANK=0``, ``WORLD_SIZE=1``, a free ``MASTER_PORT`` for
+torch ``env://``, ...) - but no scheduler, so ``pytest_msrun.control.cluster`` forms a local group
+of one; afterwards the environment is restored exactly.
 """
 
 from __future__ import annotations

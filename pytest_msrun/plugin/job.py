@@ -32,6 +32,7 @@ from pytest_msrun.engine.processes import term_grace, with_parent_death_signal
 from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.engine.status import STATUS_FILE, node_status_file, read_status
 from pytest_msrun.plugin import records
+from pytest_msrun.plugin.debugserver import DebugServer, NoDebug
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.outcomes import RankEnd
 from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, SHARED_TMP_ENV, records_path, stacks_path
@@ -126,8 +127,10 @@ class TestJob:
         extra_env: dict[str, str],
         live_output: bool,
         cluster: Allocation | None = None,
+        debug: DebugServer | NoDebug | None = None,
     ) -> None:
         self.nodeid = nodeid
+        self.debug = debug or NoDebug()
         self.nodeids = [nodeid]  # what each rank's pytest collects (a warm world: every test it may run)
         self.spec = spec
         self.paths = TestPaths(job_dir, job_dir / "logs")
@@ -271,6 +274,7 @@ class TestJob:
         env[SHARED_TMP_ENV] = str(self.shared_dir)
         env[BASETEMP_ENV] = str(self.basetemp)
         env["MSRUN_JOB_TOKEN"] = self.token
+        env.update(self.debug.env())  # never in the reproduce lines: the session's own server
         if self.cluster is None:  # every flag is given: a Slurm step this session runs in changes nothing
             env["MSRUN_SLURM"] = "0"
         env.pop("PYTEST_ADDOPTS", None)
@@ -309,11 +313,12 @@ class TestJob:
             deadline = time.monotonic() + timeout
             finished = FinishWatch(str(self.report_dir), self.expected_ranks())
             exit_deadline: float | None = None
+            held = self.debug.held()  # time in the debugger does not count
             while True:
                 alive = [p for p in procs if p.poll() is None]  # one look: a process may end any time
                 if not alive:
                     break
-                now = time.monotonic()
+                now = time.monotonic() - (self.debug.held() - held)
                 if now >= deadline:
                     timed_out = True
                     break

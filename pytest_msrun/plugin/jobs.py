@@ -17,6 +17,7 @@ import pytest
 
 from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.plugin import covdata, options
+from pytest_msrun.plugin.debugserver import DebugServer, NoDebug
 from pytest_msrun.plugin.job import TestJob
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.pool import DeviceInventory
@@ -61,8 +62,10 @@ class Jobs:
         cluster: Allocation | None,
         inventory: DeviceInventory,
         timeout: float,
+        debug: DebugServer | NoDebug | None = None,
     ) -> None:
         self.config = config
+        self.debug = debug or NoDebug()  # the ranks' debugger (breakpoint(), --pdb)
         self.args = args
         self.trace_dir = trace_dir
         self.cluster = cluster
@@ -106,6 +109,7 @@ class Jobs:
             },
             live_output=getattr(self.config.option, "capture", "fd") == "no",
             cluster=self.cluster,
+            debug=self.debug,
         )
 
     def _unused_plugins(self) -> list[str]:

@@ -264,9 +264,10 @@ class Merger:
                 sections.append(
                     (
                         "msrun --pdb",
-                        "--pdb cannot stop in ranks: they are other processes. To debug this test in this "
-                        "process, add --msrun-inprocess (it runs as rank 0 of a one-rank world); to see a "
-                        "rank fail again, run the job of the 'reproduce' section.",
+                        "--pdb stops each failing rank in pdb on the controller's terminal (prompt "
+                        "'(Pdb rank N)'); without one (stdin not a tty) it says so and goes on. "
+                        "--msrun-inprocess is no substitute here: it runs the test as rank 0 of a one-rank "
+                        "world, where another rank's failure does not happen.",
                     )
                 )
         hosts = self._hosts()

@@ -39,7 +39,7 @@ SESSION_ONLY = frozenset(
         # informational runs
         "help", "version", "showfixtures", "show_fixtures_per_test", "markers", "setuponly", "setupplan",
         "setupshow",
-        # debugging: a rank has no terminal
+        # debugging: the controller's (a rank has no terminal: its pdb reaches the controller, plugin/debugrank.py)
         "usepdb", "usepdb_cls", "trace",
         # on the rank's command line already (they act before configuration)
         "plugins", "inifilename", "rootdir", "override_ini", "pythonwarnings", "capture", "importmode",

@@ -104,6 +104,11 @@ class RankPlugin:
         from pytest_msrun.plugin.rankextras import ExtrasRecorder
 
         config.pluginmanager.register(ExtrasRecorder(self, config), "msrun-rank-extras")
+        from pytest_msrun.plugin.debugrank import RankDebugger
+
+        post_mortem = not self.controlled and bool(getattr(config.option, "usepdb", False))
+        debugger = RankDebugger.from_env(self.rank, post_mortem, self._running)
+        config.pluginmanager.register(debugger, "msrun-debug")
         address = world_address(env)
         if address is not None and self.controlled:  # a warm world's rank: the controller sends tests
             from pytest_msrun.plugin.forked import FORK_ENV
@@ -119,6 +124,10 @@ class RankPlugin:
             from pytest_msrun.engine.hooks import register
 
             register(directory, "pytest", "pytest_msrun.plugin.suite:job_report")
+
+    def _running(self) -> str:
+        """The node id of the test running now ("" between tests)."""
+        return self.current[0] if self.current is not None else ""
 
     def _write(self, kind: str, **fields: Any) -> None:
         if self.writer is not None:

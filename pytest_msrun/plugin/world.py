@@ -79,6 +79,7 @@ class WarmTest:
     leaks: dict[int, list[str]] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # its own variables (--msrun-env-scope=test)
     absent: set[int] = field(default_factory=set)  # ranks that did not run it (no child of theirs to await)
+    held: float = 0.0  # the debug server's held() when it began: time in the debugger since moves its deadline
 
     def finish(self, next_id: str | None, exit_timeout: float) -> JobRun:
         """The teardown (keeping what ``next_id`` shares with this test; ``None`` ends the world),
@@ -89,7 +90,7 @@ class WarmTest:
         # fixtures kept for the next test only if it runs with the same variables as this one
         keep = next_id is None or world.test_envs.get(next_id, {}) == self.env
         teardown = {"t": "teardown", "next": next_id, "keep": keep}
-        replies, timed_out = world.exchange(teardown, "done", self.deadline, release=True)
+        replies, timed_out = world.exchange(teardown, "done", self.deadline, release=True, held=self.held)
         self.leaks = {r: list(reply.get("leaks") or []) for r, reply in replies.items() if reply.get("leaks")}
         groups = {repr(reply.get("group")) for reply in replies.values()}
         lingering = any(reply.get("lingering") for reply in replies.values())
@@ -171,11 +172,12 @@ class World:
         connect meanwhile are strangers at the door (:class:`Greeter`), never the test's problem."""
         self.claimed = self.claimed or time.time()
         greeter = Greeter(self.server, self.token)
+        held = self.job.debug.held()  # a breakpoint() while the ranks collect
         try:
             while len(self.channels) < len(self.ranks):
                 if self.launched.exited():
                     return "the world's msrun ended before every rank connected"
-                if time.monotonic() > deadline:
+                if time.monotonic() - (self.job.debug.held() - held) > deadline:
                     return "the world's ranks did not all connect in time"
                 for sock, rank, hello in greeter.serve(0.05):
                     if rank in self.channels or rank not in self.ranks:
@@ -231,9 +233,9 @@ class World:
         if env:
             msg["env"] = env
         run = JobRun([], [], False, timeout, started, 0.0)
-        test = WarmTest(self, paths, nodeid, started, deadline, timeout, run, env=env)
+        test = WarmTest(self, paths, nodeid, started, deadline, timeout, run, env=env, held=self.job.debug.held())
         self.last = test
-        replies, timed_out = self.exchange(msg, "called", deadline, release=True, failure_grace=True)
+        replies, timed_out = self.exchange(msg, "called", deadline, release=True, failure_grace=True, held=test.held)
         refusals = [str(r.get("why")) for r in replies.values() if r.get("t") == "unforkable"]
         test.absent = {rank for rank, r in replies.items() if r.get("t") in ("missing", "unforkable")}
         if test.absent:
@@ -263,12 +265,14 @@ class World:
         release: bool = False,
         failure_grace: bool = False,
         without: set[int] | None = None,
+        held: float | None = None,
     ) -> tuple[dict[int, dict[str, Any]], bool]:
         """Send ``msg`` to every rank and collect each one's ``answer`` (or ``missing``); whether the
         deadline passed first. A rank that closes its connection, or the job ending, makes the world
         dead; a rank that leaves while msrun goes on is *lost* (the world ends after this test, the
         others finish it); so does (``failure_grace``) a failure on one rank while others are still
-        at it past :data:`FAILURE_GRACE`.
+        at it past :data:`FAILURE_GRACE`. Time ranks spend in the debugger since ``held`` (a value of
+        the debug server's :meth:`~.debugserver.DebugServer.held`; default: now) moves the deadline.
         ``release``: ranks waiting in the control plane only for ranks that already answered are
         failed at once (in a fresh job those ranks would have exited). ``without``: ranks not asked."""
         skip = self.lost | (without or set())
@@ -285,9 +289,12 @@ class World:
             sel.register(channel.sock, selectors.EVENT_READ, rank)
         failed_at: float | None = None
         next_check = 0.0
+        debug = self.job.debug
+        held = debug.held() if held is None else held
         try:
             while len(replies) + len(self.lost & set(live)) < len(live):
-                now = time.monotonic()
+                # time a rank spends in the debugger counts for neither the deadline nor the grace
+                now = time.monotonic() - (debug.held() - held)
                 if now > deadline:
                     return replies, True
                 if failed_at is not None and now - failed_at > FAILURE_GRACE:
@@ -321,7 +328,7 @@ class World:
                         continue
                     replies[rank] = reply
                     if failure_grace and reply.get("failed") and failed_at is None:
-                        failed_at = time.monotonic()
+                        failed_at = time.monotonic() - (debug.held() - held)
                 if self.dead:
                     break
         finally:
@@ -440,10 +447,17 @@ class World:
         deadline = time.monotonic() + exit_timeout
         hung: list[int] = []
         stacks: dict[int, str] = {}
+        debug, held = self.job.debug, self.job.debug.held()  # a fixture's breakpoint() at the world's end
         for popen in self.launched.procs:
-            try:
-                popen.wait(timeout=max(0.01, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            while popen.poll() is None:
+                left = deadline + (debug.held() - held) - time.monotonic()
+                if left <= 0:
+                    break
+                try:
+                    popen.wait(timeout=min(0.5, max(0.01, left)))
+                except subprocess.TimeoutExpired:
+                    pass
+            if popen.poll() is None:
                 hung = self.job.running_ranks()
                 stacks = self.job.collect_stacks()
                 break

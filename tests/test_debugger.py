@@ -1,0 +1,304 @@
+"""The ranks' debugger: ``--pdb`` and ``breakpoint()`` in a rank stop in pdb on the controller's
+terminal (a pseudo-terminal here), one rank at a time; without a terminal they are skipped, said once."""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from conftest import MARK, job_args, wait_gone
+
+READ_WAIT = 90.0  # seconds a prompt may take (a loaded machine starts ranks slowly)
+
+FAILS_ON_RANK_1 = """
+import pytest
+
+@pytest.mark.msrun(worker_num=2{extra})
+def test_fails_on_rank_1(rank):
+    local_value = rank * 10 + 7
+    assert rank != 1, f"rank {{rank}} fails"
+"""
+
+BREAKS = """
+import pytest
+
+@pytest.mark.msrun(worker_num=2{extra})
+def test_breaks(rank):
+    local_value = rank * 10 + 7
+    if rank in {ranks}:
+        {body}
+    assert local_value > 0
+"""
+
+
+@pytest.fixture
+def tracked(monkeypatch, request):
+    """Every process the test's controller starts is gone when the test ends."""
+    mark = f"debugger-{request.node.name}"
+    monkeypatch.setenv(MARK, mark)
+    yield mark
+    left = wait_gone(mark)
+    for proc in left:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    assert not left, [p.cmdline() for p in left if p.is_running()]
+
+
+class Terminal:
+    """``python -m pytest ARGS`` with a pseudo-terminal as its stdin, stdout and stderr."""
+
+    def __init__(self, cwd: Path, *args: str) -> None:
+        master, slave = os.openpty()
+        self.fd = master
+        self.seen = b""  # everything read so far
+        self.buffer = b""  # read and not yet matched
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest", *args],
+            cwd=cwd,
+            stdin=slave,
+            stdout=slave,
+            stderr=slave,
+            start_new_session=True,
+            env={**os.environ, "COLUMNS": "200"},  # the summary's lines whole
+        )
+        os.close(slave)
+
+    def expect(self, pattern: str, wait: float = READ_WAIT) -> re.Match[bytes]:
+        """Read until ``pattern`` (a regular expression) matches; fails at the deadline or the end."""
+        regex = re.compile(pattern.encode())
+        deadline = time.monotonic() + wait
+        while True:
+            found = regex.search(self.buffer)
+            if found:
+                self.buffer = self.buffer[found.end() :]
+                return found
+            left = deadline - time.monotonic()
+            assert left > 0, f"no {pattern!r} within {wait:g} s; the terminal showed:\n{self.text()}"
+            data = self._read(left)
+            assert data, f"no {pattern!r} before the end; the terminal showed:\n{self.text()}"
+
+    def send(self, line: str) -> None:
+        os.write(self.fd, line.encode() + b"\n")
+
+    def finish(self, wait: float = READ_WAIT) -> int:
+        """Read to the end; the exit status."""
+        deadline = time.monotonic() + wait
+        while self._read(max(0.0, deadline - time.monotonic())):
+            pass
+        assert self.proc.wait(timeout=max(1.0, deadline - time.monotonic())) is not None
+        return self.proc.returncode
+
+    def text(self) -> str:
+        return self.seen.decode(errors="replace")
+
+    def _read(self, wait: float) -> bytes:
+        ready, _, _ = select.select([self.fd], [], [], wait)
+        if not ready:
+            return b""
+        try:
+            data = os.read(self.fd, 1 << 16)
+        except OSError:  # EIO: every holder of the terminal's other end has closed it
+            return b""
+        self.seen += data
+        self.buffer += data
+        return data
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait()
+        os.close(self.fd)
+
+
+@pytest.fixture
+def terminal(pytester, tracked):
+    made: list[Terminal] = []
+
+    def start(*args: str) -> Terminal:
+        made.append(Terminal(pytester.path, "-p", "no:randomly", "-p", "no:cacheprovider", *args))
+        return made[-1]
+
+    yield start
+    for term in made:
+        term.close()
+
+
+MODES = {
+    "warm": ("", ()),
+    "fresh": ("", ("--msrun-worlds=fresh",)),
+    "job": (", scheduler='task'", ()),  # a fresh job of its own (never a world)
+}
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_pdb_stops_the_failing_rank_on_the_controllers_terminal(pytester, terminal, mode):
+    extra, args = MODES[mode]
+    pytester.makepyfile(test_fails=FAILS_ON_RANK_1.format(extra=extra))
+    term = terminal("--pdb", *args, "test_fails.py")
+    term.expect(r"AssertionError: rank 1 fails")  # the failure's traceback, before the prompt
+    term.expect(r"\(Pdb rank 1\) ")
+    term.send("p local_value")
+    term.expect(r"\r\n17\r\n")
+    term.expect(r"\(Pdb rank 1\) ")
+    term.send("c")
+    code = term.finish()
+    out = term.text()
+    assert code == 1, out
+    assert "1 failed" in out and "[rank 1] AssertionError: rank 1 fails" in out, out
+    assert "(Pdb rank 0)" not in out  # rank 0 did not fail
+    assert "the job's timeout is paused" in out
+
+
+def test_breakpoint_in_rank_1_opens_pdb_on_the_controllers_terminal(pytester, terminal):
+    pytester.makepyfile(test_breaks=BREAKS.format(extra="", ranks="(1,)", body="breakpoint()"))
+    term = terminal("--msrun-worlds=fresh", "test_breaks.py")
+    term.expect(r"breakpoint\(\) in rank 1 at test_breaks.py:7")
+    term.expect(r"\(Pdb rank 1\) ")
+    term.send("p local_value")
+    term.expect(r"\r\n17\r\n")
+    term.send("n")  # a step stays in the same session
+    term.expect(r"\(Pdb rank 1\) ")
+    term.send("c")
+    code = term.finish()
+    out = term.text()
+    assert code == 0 and "1 passed" in out, out
+    assert out.count("pdb here") == 1, out
+
+
+@pytest.mark.parametrize("mode", ["warm", "fresh"])
+def test_breakpoints_in_two_ranks_are_two_sessions_one_after_the_other(pytester, terminal, mode):
+    body = "import pdb; pdb.set_trace()" if mode == "fresh" else "breakpoint()"
+    pytester.makepyfile(test_breaks=BREAKS.format(extra="", ranks="(0, 1)", body=body))
+    term = terminal(*MODES[mode][1], "test_breaks.py")
+    ranks = []
+    for _ in range(2):
+        rank = int(term.expect(r"\(Pdb rank (\d)\) ").group(1))
+        ranks.append(rank)
+        term.send("p local_value")
+        term.expect(rf"\r\n{rank * 10 + 7}\r\n")
+        term.expect(rf"\(Pdb rank {rank}\) ")
+        term.send("c")
+        term.expect(rf"rank {rank} goes on")  # the next session begins only after this one ended
+    code = term.finish()
+    out = term.text()
+    assert sorted(ranks) == [0, 1], out
+    assert code == 0 and "1 passed" in out, out
+
+
+def test_the_jobs_timeout_is_paused_while_a_rank_is_in_the_debugger(pytester, terminal):
+    pytester.makepyfile(test_breaks=BREAKS.format(extra=", timeout=3", ranks="(1,)", body="breakpoint()"))
+    term = terminal("--msrun-worlds=fresh", "test_breaks.py")
+    term.expect(r"\(Pdb rank 1\) ")
+    term.send("import time; time.sleep(4)")  # longer than the test's timeout, in the debugger
+    term.expect(r"\(Pdb rank 1\) ")
+    term.send("c")
+    code = term.finish()
+    out = term.text()
+    assert code == 0 and "1 passed" in out, out
+
+
+SKIPPED = r"msrun: breakpoint\(\) in rank {rank} at test_breaks.py:8 skipped: no terminal \(stdin is not a tty\)"
+
+
+@pytest.mark.parametrize("worlds", ["warm", "fresh"])
+def test_without_a_terminal_breakpoints_and_pdb_are_skipped_and_said_once(pytester, tracked, worlds):
+    looped = BREAKS.format(extra="", ranks="(0, 1)", body="for _ in range(3):\n            breakpoint()")
+    pytester.makepyfile(test_breaks=looped, test_fails=FAILS_ON_RANK_1.format(extra=""))
+    result = pytester.run(
+        sys.executable,
+        "-m",
+        "pytest",
+        "--pdb",
+        "-p",
+        "no:randomly",
+        "-p",
+        "no:cacheprovider",
+        f"--msrun-worlds={worlds}",
+        "test_breaks.py",
+        "test_fails.py",
+        stdin=subprocess.DEVNULL,
+        timeout=180,
+    )
+    out = result.stdout.str()
+    assert result.ret == 1, out
+    for rank in (0, 1):
+        assert len(re.findall(SKIPPED.format(rank=rank), out)) == 1, out
+    assert out.count("msrun: --pdb: the failure of rank 1 at test_fails.py:6 skipped: no terminal") == 1, out
+    assert "goes on; the job" not in out  # no session began
+    assert re.search(r"1 failed, 1 passed", out), out
+    assert re.search(r"FAILED test_fails.py::test_fails_on_rank_1 - \[rank 1\] AssertionError", out), out
+
+
+SUITE = """
+def test_fails_on_rank_1(rank):
+    assert rank != 1
+
+def test_breaks(rank):
+    breakpoint()
+
+def test_after(rank):
+    assert True
+"""
+
+
+def test_suite_ranks_skip_pdb_and_breakpoints_and_go_on(msrun):
+    """``pmsrun pytest --pdb``: a rank has no terminal (its output is its log): a failure or a
+    breakpoint() is said once in its log, and the rank goes on with the suite."""
+    (msrun.cwd / "suite").mkdir()
+    (msrun.cwd / "suite" / "test_suite.py").write_text(textwrap.dedent(SUITE))
+    job = msrun.run(job_args(2, "--scheduler=builtin", "pytest", "-p", "no:cacheprovider", "--pdb", "suite"))
+    assert job.returncode == 1, job.stdout + job.stderr
+    assert re.search(r"test_after\s+passed\s+passed\s+passed", job.stdout), job.stdout
+    assert re.search(r"test_breaks\s+passed\s+passed\s+passed", job.stdout), job.stdout
+    log = job.log("worker_1.log")
+    assert log.count("msrun: --pdb in rank 1 at suite/test_suite.py:3 skipped: no terminal") == 1, log
+    assert log.count("msrun: breakpoint() in rank 1 at suite/test_suite.py:6 skipped: no terminal") == 1, log
+
+
+def _ask(server, hello: dict) -> bytes:
+    """One connection to ``server`` saying ``hello``; what it answered before closing."""
+    import json
+    import socket
+
+    host, _, port = server.address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(json.dumps(hello).encode() + b"\n")
+        answer = b""
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                return answer
+            answer += data
+
+
+def test_the_debug_server_refuses_strangers_and_says_no_terminal_once_per_place():
+    from pytest_msrun.plugin.debugserver import DebugServer
+
+    read, write = os.pipe()
+    server = DebugServer(post_mortem=True, terminal=None, stdout_fd=write)
+    os.close(write)  # the server writes to its own copy
+    try:
+        assert server.env()["MSRUN_DEBUG_PDB"] == "1" and not server.tty
+        assert _ask(server, {"token": "wrong", "rank": 1}) == b""  # closed, nothing said
+        hello = {"token": server.token, "rank": 1, "kind": "breakpoint", "where": "t.py:3", "nodeid": "t.py::x"}
+        for _ in range(2):
+            assert b'"ok": false' in _ask(server, hello)
+        assert b'"ok": false' in _ask(server, {**hello, "where": "t.py:4"})
+        assert server.held() == 0.0  # no session was opened
+    finally:
+        server.close()
+    with os.fdopen(read, "rb") as fh:
+        said = fh.read().decode()
+    assert said.count("breakpoint() in rank 1 at t.py:3 skipped: no terminal (stdin is not a tty)") == 1, said
+    assert said.count("breakpoint() in rank 1 at t.py:4 skipped") == 1, said
+    assert "wrong" not in said
