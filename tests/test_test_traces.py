@@ -11,6 +11,13 @@ from typing import Any
 
 import pytest
 from conftest import job_args
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pytest_msrun.plugin.outcomes import TestVerdict
+from pytest_msrun.plugin.records import PHASES, PhaseStart, RankLog, RankTest
+from pytest_msrun.plugin.tracetests import tally
+from pytest_msrun.plugin.tracetests import test_events as events_of
 
 RANK_PID, TESTS_PID, MSRUN_PID = 1000, 3, 1
 
@@ -107,3 +114,41 @@ def test_a_suites_trace_shows_each_test(msrun) -> None:
     assert job.returncode == 1, job.stdout + job.stderr
     ends = check_tests_in_trace(_events([trace]), ("test_passes", "test_fails_on_rank_1"))
     assert ends == ["job ended: failed (1); tests: 1 passed, 1 failed"]
+
+
+phase_times = st.lists(
+    st.tuples(st.floats(1e9, 2e9), st.one_of(st.none(), st.floats(0, 100)), st.booleans()), min_size=1, max_size=3
+)
+
+
+@given(ranks=st.dictionaries(st.integers(0, 7), phase_times, min_size=1, max_size=4), until=st.floats(1e9, 2.1e9))
+def test_every_phase_lies_within_its_test_and_every_test_within_its_verdict(
+    ranks: dict[int, list[tuple[float, float | None, bool]]], until: float
+) -> None:
+    """Built from any record: each rank's phases lie in its test span, which lies in the verdict's
+    span on the tests lane; a phase never finished ends at ``until`` (never before it began)."""
+    nodeid = "t.py::test_x"
+    logs = {}
+    for rank, phases in ranks.items():
+        test = RankTest(nodeid)
+        for when, (start, length, finished) in zip(PHASES, phases):
+            test.started[when] = PhaseStart(start, None)
+            if finished and length is not None:
+                test.reports[when] = {"start": start, "stop": start + length, "outcome": "passed"}
+        logs[rank] = RankLog(rank, tests={nodeid: test})
+    verdict = TestVerdict(nodeid, [], dict.fromkeys(ranks, "passed"), "passed")
+    events = events_of(verdict, "passed", logs, until)
+    (lane,) = [ev for ev in events if ev["pid"] == TESTS_PID]
+    for rank, phases in ranks.items():
+        row = [ev for ev in events if ev["pid"] == RANK_PID + rank]
+        (test,) = [ev for ev in row if ev["name"] == "test_x"]
+        spans = [ev for ev in row if ev["name"] in PHASES]
+        assert [ev["name"] for ev in spans] == list(PHASES[: len(phases)])
+        assert all(ev["dur"] >= 0 and _within(ev, test) for ev in spans) and _within(test, lane)
+
+
+@given(st.lists(st.sampled_from(["passed", "failed", "error", "skipped", "xfailed", "weird"]), max_size=20))
+def test_the_tally_counts_every_outcome_once(outcomes: list[str]) -> None:
+    said = tally(outcomes)
+    counted = {} if said == "none ran" else {k: int(n) for n, k in (part.split(" ", 1) for part in said.split(", "))}
+    assert counted == {k: outcomes.count(k) for k in set(outcomes)}

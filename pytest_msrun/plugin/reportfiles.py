@@ -34,7 +34,7 @@ def traces_dir(page: str) -> str:
 
 def environment(config: pytest.Config) -> dict[str, str]:
     """The session's environment, as the page shows it: versions, the seed, the command, the host."""
-    from pytest_msrun import __version__
+    import pytest_msrun
 
     plugins = sorted(
         {f"{dist.project_name}-{dist.version}" for _, dist in config.pluginmanager.list_plugin_distinfo()},
@@ -43,7 +43,7 @@ def environment(config: pytest.Config) -> dict[str, str]:
     env = {
         "python": f"{platform.python_implementation()} {platform.python_version()} ({sys.executable})",
         "pytest": pytest.__version__,
-        "pytest-msrun": __version__,
+        "pytest-msrun": pytest_msrun.__version__,
         "plugins": ", ".join(plugins),
         "platform": platform.platform(),
         "hostname": socket.gethostname(),
@@ -89,6 +89,12 @@ def link_files(entries: list[dict[str, Any]], page: str) -> None:
     (or below it) stays where it is."""
     page_dir = os.path.dirname(os.path.abspath(page))
     files = files_dir(page)
+    try:  # an earlier session's tests (its traces stay: this session's may be among them)
+        stale = [name for name in os.listdir(files) if re.match(r"\d{3}-", name)]
+    except OSError:
+        stale = []
+    for name in stale:
+        shutil.rmtree(os.path.join(files, name), ignore_errors=True)
     copied: dict[str, str] = {}  # a world's trace serves several tests: copied once
     for index, entry in enumerate(entries):
         folder = os.path.join(files, f"{index:03d}-{_safe(str(entry.get('nodeid', '')).split('::', 1)[-1])}")
