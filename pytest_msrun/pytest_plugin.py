@@ -48,8 +48,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         metavar="FILE.html",
         help="write one self-contained HTML page of the marked tests: verdicts, every rank's timeline "
-        "(phases, collectives, the first failure), outputs, logs, reproduce commands (first and all: "
-        "the same as --msrun-detail, as before)",
+        "(phases, collectives, the first failure), outputs, reproduce commands, the environment, a search "
+        "box, and links to each rank's log and the job's trace (copied into FILE_files/ beside it) "
+        "(first and all: the same as --msrun-detail, as before)",
     )
     group.addoption(
         "--msrun-detail",
@@ -65,7 +66,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         metavar="DIR",
         help="keep each marked test's job trace (Chrome trace format, for Perfetto) in DIR: one file per "
-        "fresh job, one per warm world",
+        "fresh job, one per warm world; each test in it (spans per rank, phases, failures, verdicts)",
     )
     group.addoption(
         "--msrun-inprocess",

@@ -167,9 +167,9 @@ def _kill(proc: subprocess.Popen[str], profile: Path) -> None:
         time.sleep(0.05)
 
 
-def _run(chromium: str, headless: str, args: list[str], out_dir: Path, port: int) -> subprocess.CompletedProcess[str]:
+def _command(chromium: str, headless: str, args: list[str], out_dir: Path, port: int) -> list[str]:
     profile = out_dir / "profile"
-    cmd = [
+    return [
         chromium,
         headless,
         "--no-sandbox",  # the tests run as root
@@ -192,6 +192,11 @@ def _run(chromium: str, headless: str, args: list[str], out_dir: Path, port: int
         f"--gaia-url=http://{CLOSED}/",
         *args,
     ]
+
+
+def _run(chromium: str, headless: str, args: list[str], out_dir: Path, port: int) -> subprocess.CompletedProcess[str]:
+    profile = out_dir / "profile"
+    cmd = _command(chromium, headless, args, out_dir, port)
     with _tmpdir(out_dir) as tmp:
         proc = subprocess.Popen(
             cmd,
@@ -248,3 +253,120 @@ def open_page(html_path: Path, out_dir: Path, screenshot: Path | None = None) ->
     finally:
         lines = proxy.close()
     return Page(dom=dom, requests=len(lines), lines=lines, screenshot=screenshot)
+
+
+class _Pipe:
+    """Chromium's DevTools protocol over ``--remote-debugging-pipe`` (fd 3 in, fd 4 out; JSON
+    messages ending in NUL): commands and their answers, events skipped."""
+
+    def __init__(self, send: int, receive: int) -> None:
+        self.send, self.receive = send, receive
+        self.buffer = b""
+        self.next_id = 0
+
+    def call(self, method: str, session: str | None = None, **params: object) -> dict:
+        import json
+        import select
+
+        self.next_id += 1
+        msg: dict[str, object] = {"id": self.next_id, "method": method, "params": params}
+        if session:
+            msg["sessionId"] = session
+        os.write(self.send, json.dumps(msg).encode() + b"\0")
+        deadline = time.monotonic() + TIMEOUT
+        while True:
+            while b"\0" in self.buffer:
+                raw, self.buffer = self.buffer.split(b"\0", 1)
+                answer = json.loads(raw)
+                if answer.get("id") == self.next_id:
+                    if "error" in answer:
+                        raise RuntimeError(f"{method}: {answer['error']}")
+                    return answer.get("result", {})
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.receive], [], [], left)[0]:
+                raise RuntimeError(f"chromium did not answer {method} in {TIMEOUT:g} s")
+            data = os.read(self.receive, 1 << 16)
+            if not data:
+                raise RuntimeError(f"chromium closed its DevTools pipe during {method}")
+            self.buffer += data
+
+    def evaluate(self, session: str, expression: str) -> object:
+        result = self.call("Runtime.evaluate", session, expression=expression, returnByValue=True)
+        return result.get("result", {}).get("value")
+
+
+def _high(fd: int) -> int:
+    """``fd`` moved to a number above 9, so that placing the pipe on fds 3 and 4 overwrites neither."""
+    import fcntl
+
+    moved = fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10)
+    os.close(fd)
+    return moved
+
+
+def type_into(html_path: Path, out_dir: Path, selector: str, text: str, probe: str) -> tuple[object, list[str]]:
+    """Load ``html_path`` in headless Chromium, wait for its script (``body[data-ready]``), type
+    ``text`` key by key into the element ``selector`` (focused, as a click would), then evaluate the
+    JavaScript ``probe``: its value, and the network requests the page tried."""
+    import json
+
+    chromium = find_chromium()
+    if chromium is None:
+        raise RuntimeError(f"no Chromium on PATH (tried {', '.join(NAMES)})")
+    out_dir = Path(out_dir).resolve()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    url = Path(html_path).resolve().as_uri()
+    child_in, to_child = (_high(fd) for fd in os.pipe())
+    from_child, child_out = (_high(fd) for fd in os.pipe())
+
+    def place() -> None:  # in the child: the protocol's fds 3 and 4 (dup2 makes them inheritable)
+        os.dup2(child_in, 3)
+        os.dup2(child_out, 4)
+
+    proxy = _RecordingProxy()
+    profile = out_dir / "profile"
+    cmd = _command(chromium, "--headless=new", ["--remote-debugging-pipe", url], out_dir, proxy.port)
+    try:
+        with _tmpdir(out_dir) as tmp:
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env=_env(out_dir, tmp),
+                cwd=out_dir,
+                start_new_session=True,
+                close_fds=False,
+                preexec_fn=place,
+            )
+            os.close(child_in)
+            os.close(child_out)
+            child_in = child_out = -1
+            try:
+                pipe = _Pipe(to_child, from_child)
+                deadline = time.monotonic() + TIMEOUT
+                pages: list[dict] = []
+                while not pages and time.monotonic() < deadline:  # the page's target may come a moment later
+                    pages = [t for t in pipe.call("Target.getTargets")["targetInfos"] if t["type"] == "page"]
+                if not pages:
+                    raise RuntimeError("chromium opened no page")
+                page = pages[0]
+                session = str(pipe.call("Target.attachToTarget", targetId=page["targetId"], flatten=True)["sessionId"])
+                deadline = time.monotonic() + TIMEOUT
+                while pipe.evaluate(session, "document.body && document.body.dataset.ready") != "1":
+                    if time.monotonic() > deadline:
+                        raise RuntimeError("the page's script did not run")
+                    time.sleep(0.05)
+                pipe.evaluate(session, f"document.querySelector({json.dumps(selector)}).focus()")
+                for key in text:
+                    pipe.call("Input.dispatchKeyEvent", session, type="keyDown", key=key, text=key)
+                    pipe.call("Input.dispatchKeyEvent", session, type="keyUp", key=key)
+                value = pipe.evaluate(session, probe)
+            finally:
+                _kill(proc, profile)
+    finally:
+        for fd in (child_in, child_out, to_child, from_child):
+            if fd >= 0:
+                os.close(fd)
+        lines = proxy.close()
+    return value, lines

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,101 @@ def test_pytest_html_rows_carry_each_marked_tests_timeline(pytester: pytest.Pyte
     text = page.read_text()
     # pytest-html keeps its rows as JSON in the page: our fragment is in each marked test's extras
     assert text.count("msrun-test") >= 2 and "first failure: rank 2 in call" in text
+
+
+class _Links(html.parser.HTMLParser):
+    """Every link of the page (by class), the environment block's facts, the search box."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.links: list[dict[str, str]] = []
+        self.env: dict[str, str] = {}
+        self.search = False
+        self._in_env = False
+        self._dt = ""
+        self._text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        a = {k: v or "" for k, v in attrs}
+        if tag == "a":
+            self.links.append(a)
+        elif tag == "details" and "environment" in a.get("class", "").split():
+            self._in_env = True
+        elif tag == "input" and a.get("id") == "msrun-search" and a.get("type") == "search":
+            self.search = True
+        self._text = []
+
+    def handle_data(self, data: str) -> None:
+        self._text.append(data)
+
+    def handle_endtag(self, tag: str) -> None:
+        text = "".join(self._text).strip()
+        if self._in_env and tag == "dt":
+            self._dt = text
+        elif self._in_env and tag == "dd":
+            self.env[self._dt] = text
+        elif tag == "details":
+            self._in_env = False
+
+
+@pytest.mark.parametrize("worlds", ["warm", "fresh"])
+def test_the_page_links_logs_and_traces_and_shows_the_environment(pytester: pytest.Pytester, worlds: str) -> None:
+    """Each test links its ranks' logs and its job's trace relative to the page: the page's folder
+    can be moved and opened from disk. The environment and a search box are on the page."""
+    pytester.makepyfile(test_agree=TESTS)
+    (pytester.path / "out").mkdir()
+    args = ["-p", "no:cacheprovider", "-p", "randomly", "--randomly-seed=1234", f"--msrun-worlds={worlds}"]
+    result = pytester.runpytest_subprocess(*args, "--msrun-report=out/report.html")
+    result.assert_outcomes(passed=1, failed=1)
+    moved = pytester.path / "moved"
+    shutil.move(pytester.path / "out", moved)
+    page = moved / "report.html"
+    parsed = _Links()
+    parsed.feed(page.read_text())
+    logs = [a for a in parsed.links if a.get("class") == "log-link"]
+    traces = [a for a in parsed.links if a.get("class") == "trace-link"]
+    assert sorted(a["data-rank"] for a in logs) == sorted("01230123"), logs
+    assert len(traces) == 2, parsed.links
+    for link in logs + traces:
+        href = link["href"]
+        assert not href.startswith("/") and ":" not in href, href
+        assert (page.parent / href).is_file(), f"{href} is not beside the moved page"
+    names = set()
+    for link in traces:  # each links the trace its test is in
+        events = json.loads((page.parent / link["href"]).read_text())["traceEvents"]
+        names |= {ev["args"]["nodeid"].split("::")[-1] for ev in events if ev["pid"] == 3 and ev["ph"] != "M"}
+    assert names == {"test_all_ranks_agree", "test_rank_two_disagrees"}
+    agreeing = [a for a in logs if a["href"].split("/")[-2].endswith("test_all_ranks_agree")]
+    assert len(agreeing) == 4 and "PASSED" in (page.parent / agreeing[0]["href"]).read_text() or agreeing
+    env = parsed.env
+    import platform
+
+    assert platform.python_version() in env["python"] and env["pytest"] == pytest.__version__
+    assert env["pytest-msrun"] == __import__("pytest_msrun").__version__
+    assert "pytest-randomly" in env["plugins"] and env["random seed"].startswith("1234")
+    assert "--msrun-report=out/report.html" in env["command"] and env["hostname"] == socket.gethostname()
+    assert parsed.search and 'data-search="test_agree.py::test_rank_two_disagrees failed' in page.read_text()
+
+
+@pytest.mark.browser
+def test_typing_in_the_search_box_hides_the_tests_that_do_not_match(
+    pytester: pytest.Pytester, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from browser import type_into
+
+    _, page = _session(pytester)
+    probe = (
+        'JSON.stringify([...document.querySelectorAll("section.msrun-test")].map(s => [s.dataset.nodeid, s.hidden])'
+        '.concat([[document.getElementById("msrun-shown").textContent]]))'
+    )
+    out = tmp_path_factory.mktemp("browser")
+    seen, requests = type_into(page, out, "#msrun-search", "expected THE answer", probe)
+    # (the browser's own update checks may reach the proxy; --dump-dom above checks the page makes none)
+    assert [r for r in requests if "gvt1.com" not in r and "google" not in r] == [], "the page made requests"
+    assert json.loads(str(seen)) == [
+        ["test_agree.py::test_all_ranks_agree", True],
+        ["test_agree.py::test_rank_two_disagrees", False],
+        ["1 of 2 shown"],
+    ]
+    seen, _ = type_into(page, out, "#msrun-search", "passed", probe)
+    assert json.loads(str(seen))[-1] == ["1 of 2 shown"] and json.loads(str(seen))[0][1] is False

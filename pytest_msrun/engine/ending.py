@@ -108,9 +108,13 @@ class JobEnding:
         assert result.status is not None
         reports = run_job_end(result.status)
         result.reports = [r.text for r in reports]
+        result.summaries = [r.summary for r in reports if r.summary]
         verdict = next((r.exit_code for r in reports if r.exit_code is not None), None)
         if verdict is not None and verdict != result.exit_code:
+            result.own_code = result.exit_code
             result.exit_code = result.status.exit_code = verdict
+        if self.trace is not None:
+            self.trace.reported([r.trace for r in reports if r.trace is not None])
 
     def snapshot(
         self, state: JobState, code: int | None, extra: dict[str, Any] | None = None, reason: str = ""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
+from typing import Any
 
 from pytest_msrun.engine.status import JobStatus
 from pytest_msrun.fileio import write_whole
@@ -26,10 +27,13 @@ HOOK_DIR = "msrun_hooks"
 @record
 class JobReport:
     """What a job-end reporter says: its text, and the job's exit status as it judges it (None:
-    msrun's own stands)."""
+    msrun's own stands); for a traced job, a one-line ``summary`` said at the trace's end and
+    ``trace``, what it adds to the trace (events; called only when the job is traced)."""
 
     text: str
     exit_code: int | None = None
+    summary: str = ""
+    trace: Callable[[], list[dict[str, Any]]] | None = None
 
 
 def register(log_dir: str, name: str, target: str) -> None:

@@ -46,6 +46,8 @@ class JobResult:
     terminated: list[str]  # labels of the processes msrun stopped
     status: JobStatus | None = None
     reports: list[str] = field(default_factory=list)  # what job-end reporters said
+    summaries: list[str] = field(default_factory=list)  # their one-line verdicts, for the trace's end
+    own_code: int | None = None  # the processes' exit status, where a reporter's verdict replaced it
 
 
 class ConsoleObserver:

@@ -21,10 +21,11 @@ import time
 from pytest_msrun.control import tracelog
 from pytest_msrun.engine import console
 from pytest_msrun.engine.kinds import JobState, Role
-from pytest_msrun.engine.observers import JobEvent
+from pytest_msrun.engine.observers import JobEvent, JobResult
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from typing import Any
 
     from pytest_msrun.engine.link import ControlLink
@@ -41,6 +42,17 @@ def _exit_args(code: int | None) -> dict[str, Any]:
         except ValueError:
             return {"signal": -code}
     return {"exit code": code}
+
+
+def _ended(result: JobResult) -> str:
+    """The trace's last line: how the job ended - with what job-end reporters judged (a suite's
+    tests), the processes' end said as such, and the exit status the verdict gave msrun."""
+    if not result.summaries:
+        return f"job ended: {result.state} ({result.exit_code})"
+    own = result.exit_code if result.own_code is None else result.own_code
+    ended = "processes exited 0" if result.state is JobState.SUCCEEDED and own == 0 else f"{result.state} ({own})"
+    verdict = f"; msrun exits {result.exit_code}" if result.exit_code != own else ""
+    return f"job ended: {ended}; {'; '.join(result.summaries)}{verdict}"
 
 
 class TraceObserver:
@@ -162,7 +174,7 @@ class TraceObserver:
                     self._exited(
                         rank, proc.name, proc.pid, proc.started, proc.ended, proc.returncode, proc.terminated_by_msrun
                     )
-            self.mark(f"job ended: {payload.state} ({payload.exit_code})", {"exit code": payload.exit_code})
+            self.mark(_ended(payload), {"exit code": payload.exit_code})
         if event in (JobEvent.SPAWNED, JobEvent.ENDING, JobEvent.ENDED):  # exits go in batches (:meth:`ship`)
             self.ship()
 
@@ -203,6 +215,17 @@ class TraceObserver:
             self.add(tracelog.instant(f"first failure: {first.label}", where, tid, first.at, args, "g"))
         if ending.state is not JobState.SUCCEEDED:
             self.mark(f"stop: {ending.reason or ending.state}"[:200], {"reason": ending.reason, "code": ending.code})
+
+    def reported(self, adders: list[Callable[[], list[dict[str, Any]]]]) -> None:
+        """What job-end reporters add to the trace (a suite's tests), built now: the job is traced."""
+        for add in adders:
+            try:
+                events = add()
+            except Exception as exc:  # a reporter's trace must never break the job's
+                console.warning(f"A job-end reporter's trace events failed: {type(exc).__name__}: {exc}.")
+                continue
+            for ev in events:
+                self.add(ev)
 
     def notice(self, text: str) -> None:
         self.mark(text[:200], {"notice": text})

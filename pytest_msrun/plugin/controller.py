@@ -29,11 +29,13 @@ from pytest_msrun.plugin.debugserver import NO_TTY, DebugServer
 from pytest_msrun.plugin.jobs import PYTEST_TIMEOUT, Jobs, static_skip
 from pytest_msrun.plugin.marker import MARKER, MarkerError, MsrunSpec, default_timeout, spec_for
 from pytest_msrun.plugin.merge import Merger
-from pytest_msrun.plugin.outcomes import TestVerdict
+from pytest_msrun.plugin.outcomes import TestVerdict, shown
 from pytest_msrun.plugin.pool import DeviceShortage, ResourcePool, inventory
 from pytest_msrun.plugin.replay import Replay, not_carried
-from pytest_msrun.plugin.runner import Attempt, FreshAttempt, TestRecord
+from pytest_msrun.plugin.reportfiles import traces_dir
+from pytest_msrun.plugin.runner import Attempt, FreshAttempt, TestRecord, WarmAttempt
 from pytest_msrun.plugin.timeline import REPORT_ATTR, SessionReport, test_entry
+from pytest_msrun.plugin.tracetests import TraceNotes
 from pytest_msrun.plugin.worlds import LateEnd, WorldPool
 
 DEFAULT_EXIT_TIMEOUT = 60.0
@@ -68,12 +70,15 @@ def _report_options(config: pytest.Config) -> tuple[str, SessionReport | None]:
         raise pytest.UsageError(f"--msrun-report={report}: the directory {where} does not exist")
     if hasattr(config, "workerinput"):  # an xdist worker: the controller process writes the page
         return detail, None
-    command = " ".join(["pytest", *config.invocation_params.args])
-    return detail, SessionReport(report, command)
+    return detail, SessionReport(report, config)
 
 
 def _trace_dir(config: pytest.Config) -> str:
-    value = config.getoption("msrun_trace")
+    """``--msrun-trace=DIR``; with an HTML page and no such option, the page's files folder (each
+    test links to its job's trace; xdist's workers write there too)."""
+    page = config.getoption("msrun_report")
+    html = page if page and page.lower().endswith((".html", ".htm")) else ""
+    value = config.getoption("msrun_trace") or (traces_dir(html) if html else "")
     if not value:
         return ""
     path = os.path.abspath(value)
@@ -122,6 +127,7 @@ class Controller:
 
         usepdb = bool(getattr(config.option, "usepdb", False))
         self.debug = DebugServer(post_mortem=usepdb, terminal=config.stash.get(TERMINAL, None))
+        self.traces = TraceNotes()  # each test's spans and verdict, added to its job's trace at the job's end
         self.jobs = Jobs(
             config,
             debug=self.debug,
@@ -162,6 +168,7 @@ class Controller:
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         self.worlds.stop_all()
+        self.traces.flush_all()
         if self.html is not None:
             self.html.write()
 
@@ -298,6 +305,9 @@ class Controller:
         final = record.verdict()
         extras = Replay(item, record.logs)  # what the ranks recorded beyond their reports
         extras.junit()
+        trace = attempt.job.extra_env.get("MSRUN_TRACE", "")
+        job = (attempt.warm, attempt.world.created if isinstance(attempt, WarmAttempt) else record.run.started)
+        self.traces.add(trace, job, final, shown(final), record.logs, record.run.ended)
         merger = Merger(item, record, self.style, cwd)
         teardown = merger.reports(final, ("teardown",))
         if record.leaks and self.leaks == "warn":
@@ -332,6 +342,8 @@ class Controller:
             if world is not None and world.last is not None:  # a late judgement repeats none of them
                 self.reported[key] = (world.last, _teardown_failures(final))
             self.worlds.after(item, key, next_id)
+        if key is None or not attempt.warm or key not in self.worlds.live:  # its job ended
+            self.traces.flush(trace)
         return again
 
     def _attach_timeline(
@@ -348,6 +360,7 @@ class Controller:
         entry = test_entry(merger, record, verdict, reports, "warm" if attempt.warm else "fresh")
         world = self.worlds.live.get(key) if key is not None else None
         entry["world"] = str(world.job.job_dir) if attempt.warm and world is not None else ""
+        entry["trace"] = attempt.job.extra_env.get("MSRUN_TRACE", "")
         setattr(report, REPORT_ATTR, entry)
         if self.config.pluginmanager.hasplugin("html"):
             try:
@@ -399,6 +412,9 @@ class Controller:
         late = dataclasses.replace(run, reproduce_lines=last.run.reproduce_lines, started=last.started)
         record = TestRecord.load(item.nodeid, world.job.expected_ranks(), last.paths, late)
         verdict = record.verdict()
+        trace = world.job.extra_env.get("MSRUN_TRACE", "")
+        self.traces.add(trace, (True, world.created), verdict, shown(verdict), record.logs, run.ended)
+        self.traces.flush(trace)
         cwd = str(self.config.invocation_params.dir)
         test, said = self.reported.get(world.key, (None, set()))
         if _teardown_failures(verdict) <= (said if test is last else set()):

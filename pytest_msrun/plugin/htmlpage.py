@@ -5,11 +5,13 @@ per test, its outcome, reproduce command, failure text and per-rank spans) into 
 inline CSS, JS and SVG that loads nothing from anywhere: it can be mailed, kept as a CI
 artifact or opened offline. Per test it draws a rank timeline - a lane per rank, phase bars
 coloured by outcome, collective bars above them, the first failure marked - beside the
-reproduce command, the hang view, the failure text and each rank's output. ``render_test(test)``
+reproduce command, the hang view, the failure text, each rank's output and links to each rank's
+log and the job's trace (relative, set by :mod:`.reportfiles`); above the tests, the session's
+environment and a search box over names, outcomes and messages. ``render_test(test)``
 is one test's part alone, its style scoped to it (for pytest-html's extras).
 
 Every value from the record is escaped; any key but a test's ``nodeid`` and ``outcome`` may be
-missing or None. With JS off the page shows everything; JS only adds the outcome filters.
+missing or None. With JS off the page shows everything; JS only adds the outcome filters and the search.
 Standard library only, no pytest import.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -58,14 +61,24 @@ svg .tick text{fill:var(--mute);font-size:10px}.tick line{stroke:#e4e8ec}.bar{fi
 .lane.failing .stripe{fill:#ffebe9}svg text.bar-label{fill:#fff;font-size:10px}
 .lane.failing text.label{fill:var(--red);font-weight:700}.mark line{stroke:var(--ink);stroke-width:1.5}
 .first-failure line{stroke:var(--red);stroke-dasharray:4 3}.first-failure path{fill:var(--red);stroke:#fff}
+.links{margin:4px 0;font-size:13px}.links a{margin-right:8px}input.search{font:inherit;font-size:13px;
+border:1px solid var(--line);border-radius:6px;padding:2px 8px;min-width:260px;margin-left:auto}
 """
 _PAGE_CSS = "body{margin:0}main{max-width:1120px;margin:0 auto;padding:24px 28px 48px}"
-_JS = """
+_JS = r"""
 const buttons = [...document.querySelectorAll("button.filter")], off = new Set();
+const search = document.getElementById("msrun-search"), count = document.getElementById("msrun-shown");
 function apply() {
-  for (const s of document.querySelectorAll("section.msrun-test")) s.hidden = off.has(s.dataset.outcome);
+  const terms = (search ? search.value : "").toLowerCase().split(/\s+/).filter(Boolean);
+  const tests = [...document.querySelectorAll("section.msrun-test")];
+  for (const s of tests) {
+    const text = s.dataset.search || "";
+    s.hidden = off.has(s.dataset.outcome) || !terms.every((t) => text.includes(t));
+  }
   for (const b of buttons) b.setAttribute("aria-pressed", String(!off.has(b.dataset.outcome)));
+  if (count) count.textContent = `${tests.filter((s) => !s.hidden).length} of ${tests.length} shown`;
 }
+if (search) search.addEventListener("input", apply);
 for (const b of buttons) b.addEventListener("click", () => {
   const o = b.dataset.outcome;
   if (o === "*") off.clear(); else if (off.has(o)) off.delete(o); else off.add(o);
@@ -107,6 +120,37 @@ def _secs(value: object) -> str:
     if s is None:
         return "?"
     return f"{s * 1000:.0f} ms" if abs(s) < 1 else f"{s:.2f} s"
+
+
+def _rel(href: object) -> str:
+    """A relative link into the page's folder, or "" (no scheme, no absolute path, no way up)."""
+    if not isinstance(href, str) or not re.fullmatch(r"[A-Za-z0-9._~%/-]+", href) or href.startswith("/"):
+        return ""
+    return "" if ".." in href.split("/") else href
+
+
+def _search_text(test: dict[str, Any]) -> str:
+    """What the search box matches a test by: its node id, outcome, messages (lower case)."""
+    ff = _dict(test.get("first_failure"))
+    parts = [test.get("nodeid"), test.get("outcome"), test.get("message"), ff.get("error")]
+    return " ".join(str(p) for p in parts if p).lower()
+
+
+def _links(test: dict[str, Any], ranks: list[dict[str, Any]]) -> str:
+    """The test's trace and each rank's log, linked relative to the page."""
+    out = []
+    trace = _rel(test.get("trace_href"))
+    if trace:
+        out.append(f'trace: <a class="trace-link" href="{_e(trace)}">{_e(trace.rsplit("/", 1)[-1])}</a>')
+    logs = [
+        f'<a class="log-link" data-rank="{_e(r.get("rank", i))}" href="{_e(_rel(r.get("log_href")))}">'
+        f"rank {_e(r.get('rank', i))}</a>"
+        for i, r in enumerate(ranks)
+        if _rel(r.get("log_href"))
+    ]
+    if logs:
+        out.append("logs: " + "".join(logs))
+    return f'<p class="links">{" · ".join(out)}</p>' if out else ""
 
 
 def _cls(outcome: object) -> str:
@@ -256,10 +300,14 @@ def _test(test: dict[str, Any]) -> str:
     if test.get("mode"):
         meta.append(f"{test['mode']} world")
     out = [
-        f'<section class="msrun-test" data-nodeid="{_e(test.get("nodeid"))}" data-outcome="{_e(outcome)}">',
+        f'<section class="msrun-test" data-nodeid="{_e(test.get("nodeid"))}" data-outcome="{_e(outcome)}" '
+        f'data-search="{_e(_search_text(test))}">',
         f'<div class="test-head"><span class="badge {_cls(outcome)}">{_e(outcome)}</span>'
         f'<h2 class="nodeid">{_e(test.get("nodeid"))}</h2><span class="muted">{_e(" · ".join(meta))}</span></div>',
     ]
+    links = _links(test, ranks)
+    if links:
+        out.append(links)
     if test.get("message"):
         out.append(f'<p class="message">{_e(test["message"])}</p>')
     ff = _dict(test.get("first_failure"))
@@ -314,11 +362,20 @@ def _header(session: dict[str, Any], tests: list[dict[str, Any]]) -> str:
     swatches = {"passed": "passed", "failed": "failed", "skipped": "skipped", "coll": "collective"}
     swatches["coll late"] = "collective this rank was waited for"
     legend = "".join(f'<span><i class="{c}"></i>{n}</span>' for c, n in swatches.items())
+    env = _dict(session.get("environment"))
+    environment = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in env.items() if v not in (None, ""))
+    if environment:
+        environment = (
+            f'<details class="environment"><summary>environment</summary><dl class="facts">{environment}</dl></details>'
+        )
     return (
         f'<header class="page"><h1>{_e(session.get("title") or "msrun test report")}</h1>'
         f'<dl class="facts">{"".join(f"<dt>{k}</dt><dd>{v}</dd>" for k, v in facts.items() if v)}</dl>'
+        f"{environment}"
         f'<nav class="filters"><span class="muted">show:</span>'
-        f'<button type="button" class="filter" data-outcome="*" aria-pressed="true">all</button>{buttons}</nav>'
+        f'<button type="button" class="filter" data-outcome="*" aria-pressed="true">all</button>{buttons}'
+        '<input type="search" class="search" id="msrun-search" placeholder="search tests, outcomes, messages" '
+        'aria-label="search tests"><span class="muted" id="msrun-shown"></span></nav>'
         f'<div class="legend">{legend}<span>&#9670; first failure</span></div></header>'
     )
 

@@ -69,6 +69,7 @@ class Attempt(Protocol):
 
     record: TestRecord
     warm: bool
+    job: TestJob  # its job (a warm test's: its world's)
 
     def finish(self, next_id: str | None, exit_timeout: float) -> TestRecord:
         """The teardown, keeping what the test ``next_id`` shares (None: nothing); the complete record."""
@@ -100,6 +101,7 @@ class WarmAttempt:
     ) -> None:
         self.nodeid = nodeid
         self.world = world
+        self.job = world.job
         self.paths = paths
         self.ranks = ranks
         self.test: WarmTest = world.begin(paths, nodeid, timeout, exit_timeout)

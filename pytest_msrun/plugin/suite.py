@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +24,7 @@ from pytest_msrun.engine.status import JobStatus
 from pytest_msrun.plugin.extras import suite_lines
 from pytest_msrun.plugin.hang import diagnosis
 from pytest_msrun.plugin.records import CACHE_FILE, LASTFAILED, RankLog, load_rank_log, records_path, stacks_path
+from pytest_msrun.plugin.tracetests import lanes, rank_rows, tally, test_events
 from pytest_msrun.plugin.verdict import RankEnd, TestVerdict, judge, ranks_text
 
 REPORTER = "pytest_msrun.plugin.suite:job_report"
@@ -86,7 +88,20 @@ def job_report(status: JobStatus) -> JobReport | None:
         verdict = NO_TESTS_COLLECTED  # pytest's status when it ran nothing (every rank skipped at collection)
     if verdict != code:
         text += f"\nmsrun: exit status {verdict}, as the pytest results above decide (the processes' own: {code})"
-    return JobReport(text, verdict)
+    return JobReport(text, verdict, f"tests: {tally(table.outcomes.values())}", _trace(table.verdicts, logs))
+
+
+def _trace(judged: list[TestVerdict], logs: dict[int, RankLog]) -> Callable[[], list[dict[str, Any]]]:
+    """The suite's tests in the job's trace (built only when the job is traced)."""
+
+    def events() -> list[dict[str, Any]]:
+        until = time.time()
+        out = [*lanes(), *rank_rows(sorted(logs))]
+        for v in judged:
+            out += test_events(v, v.outcome, logs, until)
+        return out
+
+    return events
 
 
 PASSING = ("passed", "skipped", "xfailed", "xpassed")
@@ -215,6 +230,7 @@ class Table:
     passed: bool
     none_ran: bool = False  # no test ran on any rank and nothing failed: pytest's exit status 5
     outcomes: dict[str, str] = field(default_factory=dict)  # nodeid -> the test's verdict
+    verdicts: list[TestVerdict] = field(default_factory=list)
 
 
 def verdicts(logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> list[TestVerdict]:
@@ -296,7 +312,7 @@ def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -
     lines.append(_totals(judged))
     passed = bool(judged) and all(v.passing for v in judged) and not collect_errors and not never
     none_ran = not judged and not collect_errors and not never
-    return Table("\n".join(lines), passed, none_ran, {v.nodeid: v.outcome for v in judged})
+    return Table("\n".join(lines), passed, none_ran, {v.nodeid: v.outcome for v in judged}, judged)
 
 
 def _explain(v: TestVerdict, directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> list[str]:

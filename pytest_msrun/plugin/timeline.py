@@ -16,6 +16,7 @@ from pytest_msrun.fileio import write_whole
 from pytest_msrun.plugin.merge import Merger
 from pytest_msrun.plugin.outcomes import TestVerdict, shown
 from pytest_msrun.plugin.records import PHASES
+from pytest_msrun.plugin.reportfiles import environment, link_files
 from pytest_msrun.plugin.runner import TestRecord
 
 TYPE_CHECKING = False
@@ -144,11 +145,13 @@ def test_entry(
 
 
 class SessionReport:
-    """Every marked test's entry of a session (from its reports), written as one HTML page."""
+    """Every marked test's entry of a session (from its reports), written as one HTML page with
+    its linked files beside it (:mod:`.reportfiles`)."""
 
-    def __init__(self, path: str, command: str) -> None:
+    def __init__(self, path: str, config: pytest.Config) -> None:
         self.path = os.path.abspath(path)
-        self.command = command
+        self.config = config
+        self.command = " ".join(["pytest", *config.invocation_params.args])
         self.entries: list[dict[str, Any]] = []
         self.phase_seconds: dict[str, float] = dict.fromkeys(PHASES, 0.0)
         self.worlds: set[str] = set()
@@ -172,10 +175,12 @@ class SessionReport:
         from pytest_msrun.plugin.htmlpage import render_page
 
         outcomes = Counter(str(e.get("outcome")) for e in self.entries)
+        link_files(self.entries, self.path)
         session = {
             "title": "msrun: marked tests",
             "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
             "command": self.command,
+            "environment": environment(self.config),
             "summary": {
                 "tests": len(self.entries),
                 "outcomes": dict(outcomes),
