@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
-from collections.abc import Generator, Iterable
+from collections.abc import Generator
 from typing import Any
 
 import pytest
@@ -31,18 +31,15 @@ from pytest_msrun.plugin.marker import MARKER, MarkerError, MsrunSpec, default_t
 from pytest_msrun.plugin.merge import Merger
 from pytest_msrun.plugin.outcomes import TestVerdict, shown
 from pytest_msrun.plugin.pool import DeviceShortage, ResourcePool, inventory
-from pytest_msrun.plugin.replay import Replay, not_carried
+from pytest_msrun.plugin.replay import not_carried
 from pytest_msrun.plugin.reportfiles import traces_dir
-from pytest_msrun.plugin.runner import Attempt, FreshAttempt, TestRecord, WarmAttempt
-from pytest_msrun.plugin.timeline import REPORT_ATTR, SessionReport, test_entry
+from pytest_msrun.plugin.reporting import Reporter
+from pytest_msrun.plugin.runner import Attempt, FreshAttempt, TestRecord
+from pytest_msrun.plugin.timeline import SessionReport
 from pytest_msrun.plugin.tracetests import TraceNotes
 from pytest_msrun.plugin.worlds import LateEnd, WorldPool
 
 DEFAULT_EXIT_TIMEOUT = 60.0
-
-
-class MsrunLeakWarning(pytest.PytestWarning):
-    """A test in a warm world left something behind on a rank (thread, process, file, environment)."""
 
 
 class MsrunWorldWarning(pytest.PytestWarning):
@@ -128,6 +125,7 @@ class Controller:
         usepdb = bool(getattr(config.option, "usepdb", False))
         self.debug = DebugServer(post_mortem=usepdb, terminal=config.stash.get(TERMINAL, None))
         self.traces = TraceNotes()  # each test's spans and verdict, added to its job's trace at the job's end
+        self.reporter = Reporter(config, self.style, self.leaks, self.timelines, self.traces)
         self.jobs = Jobs(
             config,
             debug=self.debug,
@@ -243,10 +241,6 @@ class Controller:
         item.session._setupstate.teardown_exact(nextitem)
         return True
 
-    def _log(self, item: pytest.Item, reports: Iterable[pytest.TestReport]) -> None:
-        for report in reports:
-            item.ihook.pytest_runtest_logreport(report=report)
-
     def run_item(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
         """Run ``item`` on its ranks and report it, phase by phase - again, as a whole job on a
         fresh world, while pytest-rerunfailures grants the failing test reruns."""
@@ -272,7 +266,7 @@ class Controller:
         try:
             spec = spec_for(item)
         except MarkerError as exc:
-            self._log(item, [self._simple(item, "setup", "failed", str(exc))])
+            self.reporter.log(item, [self.reporter.simple(item, "setup", "failed", str(exc))])
             return False
         assert spec is not None
         key = self.worlds.key_of(item)
@@ -285,58 +279,21 @@ class Controller:
             self._report_late_ends()
         if attempt is None:
             if skip is not None:
-                self._log(item, [self._simple(item, "setup", "skipped", skip)])
+                self.reporter.log(item, [self.reporter.simple(item, "setup", "skipped", skip)])
                 return False
             attempt = self._fresh_attempt(item, spec, note)
             if attempt is None:
                 return False
-        cwd = str(self.config.invocation_params.dir)
-        record = attempt.record
-        first = record.verdict()
-        setup_call = Merger(item, record, self.style, cwd).reports(first, ("setup", "call"))
-        failed_early = any(r.failed for r in setup_call)
-        if not rerun:
-            self._log(item, Replay(item, record.logs).with_subtests(setup_call))
+        setup_call = self.reporter.setup_call(item, attempt.record, rerun)
         next_id = self.worlds.world_next(item, nextitem, key) if attempt.warm and key is not None else None
-        if rerun and failed_early:
+        if rerun and any(r.failed for r in setup_call):
             next_id = None  # the rerun gets a fresh world
         record = attempt.finish(next_id, self.exit_timeout)
         record.leaks_fail = self.leaks == "error"  # an input of the rule, not a rewrite of its outcome
-        final = record.verdict()
-        extras = Replay(item, record.logs)  # what the ranks recorded beyond their reports
-        extras.junit()
+        world = self.worlds.live.get(key) if key is not None else None
+        world_dir = str(world.job.job_dir) if attempt.warm and world is not None else ""
+        final, again = self.reporter.final(item, attempt, record, setup_call, world_dir, rerun, count)
         trace = attempt.job.extra_env.get("MSRUN_TRACE", "")
-        job = (attempt.warm, attempt.world.created if isinstance(attempt, WarmAttempt) else record.run.started)
-        self.traces.add(trace, job, final, shown(final), record.logs, record.run.ended)
-        merger = Merger(item, record, self.style, cwd)
-        teardown = merger.reports(final, ("teardown",))
-        if record.leaks and self.leaks == "warn":
-            self._warn_leaks(item, record.leaks)
-        if teardown:  # junitxml writes the properties of a test's last report: the earlier phases' too
-            have = {name for name, _ in teardown[-1].user_properties}
-            for report in setup_call:
-                for name, value in report.user_properties:
-                    if name.startswith("msrun_") and name not in have:
-                        teardown[-1].user_properties.append((name, value))
-                        have.add(name)
-        if self.timelines and teardown:
-            self._attach_timeline(teardown[-1], merger, record, final, [*setup_call, *teardown], attempt, key)
-        again = False
-        if rerun:
-            reports = [*setup_call, *teardown]
-            for report in reports:
-                report.rerun = count  # type: ignore[attr-defined]
-            failed = next((i for i, r in enumerate(reports) if r.failed), None)
-            if failed is not None:  # as pytest-rerunfailures reports it: up to the failure, marked "rerun"
-                reports[failed].outcome = "rerun"  # type: ignore[assignment]
-                reports = reports[: failed + 1]
-                again = True
-            self._log(item, Replay(item, record.logs).with_subtests(reports))
-        else:
-            self._log(item, teardown)
-        extras.warnings()
-        if not again:
-            extras.benchmarks()
         if attempt.warm and key is not None:
             world = self.worlds.live.get(key)
             if world is not None and world.last is not None:  # a late judgement repeats none of them
@@ -346,38 +303,12 @@ class Controller:
             self.traces.flush(trace)
         return again
 
-    def _attach_timeline(
-        self,
-        report: pytest.TestReport,
-        merger: Merger,
-        record: TestRecord,
-        verdict: Any,
-        reports: list[pytest.TestReport],
-        attempt: Attempt,
-        key: tuple | None,
-    ) -> None:
-        """The test's timeline on its last report: for the HTML page, and pytest-html's extras."""
-        entry = test_entry(merger, record, verdict, reports, "warm" if attempt.warm else "fresh")
-        world = self.worlds.live.get(key) if key is not None else None
-        entry["world"] = str(world.job.job_dir) if attempt.warm and world is not None else ""
-        entry["trace"] = attempt.job.extra_env.get("MSRUN_TRACE", "")
-        setattr(report, REPORT_ATTR, entry)
-        if self.config.pluginmanager.hasplugin("html"):
-            try:
-                from pytest_html import extras  # type: ignore[import-untyped,import-not-found,unused-ignore]
-
-                from pytest_msrun.plugin.htmlpage import render_test
-
-                report.extras = [*getattr(report, "extras", []), extras.html(render_test(entry))]  # type: ignore[attr-defined]
-            except ImportError:
-                pass
-
     def _fresh_attempt(self, item: pytest.Item, spec: MsrunSpec, note: str) -> FreshAttempt | None:
         try:
             lease = self.pool.lease(ports=2, devices=spec.devices, inv=self.inventory, wait=self.jobs.timeout(spec))
         except DeviceShortage as exc:
             outcome = "skipped" if spec.devices > len(self.inventory.ids) else "failed"
-            self._log(item, [self._simple(item, "setup", outcome, f"msrun: {exc}")])
+            self.reporter.log(item, [self.reporter.simple(item, "setup", outcome, f"msrun: {exc}")])
             return None
         try:
             job = self.jobs.new(item, spec, lease.ports, lease.devices)
@@ -428,27 +359,7 @@ class Controller:
             text = f"{item.nodeid}: its warm world ended after it ({why}) and revealed:\n{reports[0].longreprtext}"
             warnings.warn(MsrunWorldWarning(text), stacklevel=1)
             return
-        self._log(item, reports)
-
-    def _warn_leaks(self, item: pytest.Item, leaks: dict[int, list[str]]) -> None:
-        """What a test left behind in its warm world, as a warning it raised (--msrun-leaks=warn)."""
-        lines = [f"rank {rank}: {what}" for rank, items in sorted(leaks.items()) for what in items]
-        text = f"{item.nodeid} left behind in its warm world:\n  " + "\n  ".join(lines)
-        path = str(getattr(item, "path", item.location[0]))
-        warnings.warn_explicit(MsrunLeakWarning(text), MsrunLeakWarning, path, (item.location[1] or 0) + 1)
-
-    def _simple(self, item: pytest.Item, when: str, outcome: str, text: str) -> pytest.TestReport:
-        path = str(getattr(item, "path", item.location[0]))
-        lineno = item.location[1] or 0
-        longrepr = (path, lineno, text) if outcome == "skipped" else text
-        return pytest.TestReport(
-            nodeid=item.nodeid,
-            location=item.location,
-            keywords={k: 1 for k in item.keywords},
-            outcome=outcome,  # type: ignore[arg-type]
-            longrepr=longrepr,
-            when=when,  # type: ignore[arg-type]
-        )
+        self.reporter.log(item, reports)
 
 
 def _teardown_failures(verdict: TestVerdict) -> set[tuple[int, str, str]]:

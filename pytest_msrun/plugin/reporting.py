@@ -1,0 +1,138 @@
+"""How one run of a marked test is reported in the controller's session, phase by phase.
+
+Setup and call are reported as soon as they are judged (with the subtests' reports before the
+call's), the teardown once the test's record is final; then what the ranks recorded beyond their
+reports (:mod:`.replay`), the test's spans for its job's trace, and its timeline for the HTML
+page. Under pytest-rerunfailures a failed run is reported as that plugin does: up to the failure,
+marked ``rerun``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+
+from pytest_msrun.plugin.merge import Merger
+from pytest_msrun.plugin.outcomes import TestVerdict, shown
+from pytest_msrun.plugin.replay import Replay
+from pytest_msrun.plugin.runner import Attempt, TestRecord, WarmAttempt
+from pytest_msrun.plugin.timeline import REPORT_ATTR, test_entry
+from pytest_msrun.plugin.tracetests import TraceNotes
+
+
+class MsrunLeakWarning(pytest.PytestWarning):
+    """A test in a warm world left something behind on a rank (thread, process, file, environment)."""
+
+
+class Reporter:
+    """Reports the runs of marked tests (one instance per controller)."""
+
+    def __init__(self, config: pytest.Config, style: str, leaks: str, timelines: bool, traces: TraceNotes) -> None:
+        self.config = config
+        self.style = style
+        self.leaks = leaks
+        self.timelines = timelines
+        self.traces = traces
+        self.cwd = str(config.invocation_params.dir)
+
+    def log(self, item: pytest.Item, reports: Iterable[pytest.TestReport]) -> None:
+        for report in reports:
+            item.ihook.pytest_runtest_logreport(report=report)
+
+    def simple(self, item: pytest.Item, when: str, outcome: str, text: str) -> pytest.TestReport:
+        """A report of the controller's own (a bad marker, a skip, no devices)."""
+        path = str(getattr(item, "path", item.location[0]))
+        lineno = item.location[1] or 0
+        longrepr = (path, lineno, text) if outcome == "skipped" else text
+        return pytest.TestReport(
+            nodeid=item.nodeid,
+            location=item.location,
+            keywords={k: 1 for k in item.keywords},
+            outcome=outcome,  # type: ignore[arg-type]
+            longrepr=longrepr,
+            when=when,  # type: ignore[arg-type]
+        )
+
+    def merged(self, item: pytest.Item, record: TestRecord) -> Merger:
+        return Merger(item, record, self.style, self.cwd)
+
+    def setup_call(self, item: pytest.Item, record: TestRecord, rerun: bool) -> list[pytest.TestReport]:
+        """Setup's and call's reports, logged now unless the run may be rerun."""
+        reports = self.merged(item, record).reports(record.verdict(), ("setup", "call"))
+        if not rerun:
+            self.log(item, Replay(item, record.logs).with_subtests(reports))
+        return reports
+
+    def final(
+        self,
+        item: pytest.Item,
+        attempt: Attempt,
+        record: TestRecord,
+        setup_call: list[pytest.TestReport],
+        world_dir: str,
+        rerun: bool,
+        count: int,
+    ) -> tuple[TestVerdict, bool]:
+        """The rest of the run, from its final record: its verdict, and whether to run it again."""
+        final = record.verdict()
+        extras = Replay(item, record.logs)  # what the ranks recorded beyond their reports
+        extras.junit()  # before the last report, which writes the test's junitxml testcase
+        trace = attempt.job.extra_env.get("MSRUN_TRACE", "")
+        job = (attempt.warm, attempt.world.created if isinstance(attempt, WarmAttempt) else record.run.started)
+        self.traces.add(trace, job, final, shown(final), record.logs, record.run.ended)
+        merger = self.merged(item, record)
+        teardown = merger.reports(final, ("teardown",))
+        if record.leaks and self.leaks == "warn":
+            self._warn_leaks(item, record.leaks)
+        if teardown:  # junitxml writes the properties of a test's last report: the earlier phases' too
+            have = {name for name, _ in teardown[-1].user_properties}
+            for report in setup_call:
+                for name, value in report.user_properties:
+                    if name.startswith("msrun_") and name not in have:
+                        teardown[-1].user_properties.append((name, value))
+                        have.add(name)
+        if self.timelines and teardown:
+            entry = test_entry(merger, record, final, [*setup_call, *teardown], "warm" if attempt.warm else "fresh")
+            entry["world"] = world_dir
+            entry["trace"] = trace
+            self._attach_timeline(teardown[-1], entry)
+        again = False
+        if rerun:
+            reports = [*setup_call, *teardown]
+            for report in reports:
+                report.rerun = count  # type: ignore[attr-defined]
+            failed = next((i for i, r in enumerate(reports) if r.failed), None)
+            if failed is not None:  # as pytest-rerunfailures reports it: up to the failure, marked "rerun"
+                reports[failed].outcome = "rerun"  # type: ignore[assignment]
+                reports = reports[: failed + 1]
+                again = True
+            self.log(item, extras.with_subtests(reports))
+        else:
+            self.log(item, teardown)
+        extras.warnings()
+        if not again:
+            extras.benchmarks()
+        return final, again
+
+    def _attach_timeline(self, report: pytest.TestReport, entry: dict[str, Any]) -> None:
+        """The test's timeline on its last report: for the HTML page, and pytest-html's extras."""
+        setattr(report, REPORT_ATTR, entry)
+        if self.config.pluginmanager.hasplugin("html"):
+            try:
+                from pytest_html import extras  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+                from pytest_msrun.plugin.htmlpage import render_test
+
+                report.extras = [*getattr(report, "extras", []), extras.html(render_test(entry))]  # type: ignore[attr-defined]
+            except ImportError:
+                pass
+
+    def _warn_leaks(self, item: pytest.Item, leaks: dict[int, list[str]]) -> None:
+        """What a test left behind in its warm world, as a warning it raised (--msrun-leaks=warn)."""
+        lines = [f"rank {rank}: {what}" for rank, items in sorted(leaks.items()) for what in items]
+        text = f"{item.nodeid} left behind in its warm world:\n  " + "\n  ".join(lines)
+        path = str(getattr(item, "path", item.location[0]))
+        warnings.warn_explicit(MsrunLeakWarning(text), MsrunLeakWarning, path, (item.location[1] or 0) + 1)
