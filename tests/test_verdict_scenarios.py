@@ -299,7 +299,7 @@ def test_after(rank):
 """,
         counts={"failed": 1, "passed": 1},
         never=("errors",),  # rank 0 waited for the controller: no "hangs at exit" blamed on it
-        patterns=(r"in the call phase \(ranks 1 had not finished\)",),
+        patterns=(r"in the call phase \(rank 1 had not finished\)",),
         args=("--msrun-timeout=15",),
         modes=("warm",),
     ),

@@ -325,7 +325,8 @@ class Merger:
             stuck = sorted(i.rank for i in issues)
             headline = (
                 f"msrun job timed out after {self.run.timeout:g} s in the {phase.phase} phase "
-                f"(ranks {ranks_text(stuck)} had not finished); where each rank was, then every rank's stack"
+                f"({'rank' if len(stuck) == 1 else 'ranks'} {ranks_text(stuck)} had not finished); where each rank "
+                "was, then every rank's stack"
             )
             root = self.hang_text(stuck)
             crash = self._crash_location(f"msrun job timed out after {self.run.timeout:g} s")
