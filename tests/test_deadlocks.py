@@ -81,6 +81,13 @@ def test_shrinks_alone(xs, rank, msrun):
 
 
 @pytest.mark.msrun(worker_num=2, timeout=60)
+@settings(deadline=None, database=None)
+@given(x=st.integers(0, 100))
+def test_fails_alike(x, rank, msrun):
+    assert max(msrun.all_gather(x)) < 50  # on gathered values: every rank fails and shrinks alike
+
+
+@pytest.mark.msrun(worker_num=2, timeout=60)
 @settings(deadline=None, max_examples=15, database=None)
 @given(x=st.integers(0, 2**64), xs=st.lists(st.text(), max_size=3))
 def test_drawn(x, xs, rank):
@@ -132,6 +139,13 @@ def test_a_hypothesis_test_shrinking_on_one_rank_fails_at_once_naming_the_other(
     assert "[rank 1] failed first" in text
     assert re.search(r"all_gather #\d+ cannot complete: rank 0 has left test_shrinks_alone's call \(passed\)", text)
     assert _call_seconds(text, "test_shrinks_alone") < 30
+
+
+def test_a_property_failing_alike_on_every_rank_shrinks_in_step(pytester, monkeypatch):
+    result = _run(pytester, monkeypatch, HYPOTHESIS, "-k", "alike")
+    text = result.stdout.str()
+    result.assert_outcomes(failed=1)
+    assert "also failed on ranks" in text and re.search(r"x=50,", text) and "CollectiveDeadlock" not in text
 
 
 @pytest.mark.parametrize("worlds", ["warm", "fresh"])
