@@ -210,6 +210,10 @@ def pytest_configure(config: pytest.Config) -> None:
 
         plugin = RankPlugin(config, records=where == roles.RANK, log_capture=config.stash.get(LOG_CAPTURE, False))
         config.pluginmanager.register(plugin, "msrun-rank")
+        if where == roles.RANK:
+            from pytest_msrun.plugin.callphase import CallPhase
+
+            config.pluginmanager.register(CallPhase(plugin.randomly_seed), "msrun-call")
     elif where == roles.SCHEDULER:
         from pytest_msrun.plugin.rank import SchedulerRolePlugin
 

@@ -51,10 +51,16 @@ def test_collectives_complete_once_for_every_rank_in_any_arrival_order(world, co
         group.join(rank)
     ops = [rnd.choice(["barrier", "gather", "bcast"]) for _ in range(count)]
     srcs = [rnd.randrange(world) for _ in range(count)]
-    arrivals = [(rank, seq) for rank in range(world) for seq in range(1, count + 1)]
-    rnd.shuffle(arrivals)
+    # Each rank enters its collectives in order, the next once the last returned (cluster.py's
+    # lock); the ranks interleave in any order.
     got: dict[int, list[dict]] = {rank: [] for rank in range(world)}
-    for rank, seq in arrivals:
+    entered = dict.fromkeys(range(world), 0)
+    while True:
+        free = [r for r in range(world) if entered[r] == len(got[r]) and entered[r] < count]
+        if not free:
+            break
+        rank = rnd.choice(free)
+        entered[rank] = seq = entered[rank] + 1
         op, src = ops[seq - 1], srcs[seq - 1]
         data = f"{rank}:{seq}" if op == "gather" or (op == "bcast" and rank == src) else None
         for who, msgs in deliveries(group.contribute(rank, op, seq, src, data)).items():
@@ -81,7 +87,12 @@ def test_a_rank_leaving_during_a_collective_fails_it_for_those_waiting_naming_ho
     assert sends == [
         (
             [0],
-            {"t": "error", "seq": 1, "reason": "rank 2 left the job (its process killed by SIGSEGV (exit status 139))"},
+            {
+                "t": "error",
+                "seq": 1,
+                "reason": "barrier #1 cannot complete: "
+                "rank 2 left the job (its process killed by SIGSEGV (exit status 139))",
+            },
         )
     ]
     later = deliveries(group.contribute(1, "barrier", 2, 0, None))
@@ -105,9 +116,122 @@ def test_ranks_that_finished_their_test_release_the_ones_waiting_for_them():
         group.join(rank)
     group.contribute(0, "barrier", 1, 0, None)
     sends = group.finished([1, 2], "finished its test")
-    assert sends == [([0], {"t": "error", "seq": 1, "reason": "rank 1 left the test (finished its test)"})]
+    reason = "barrier #1 cannot complete: rank 1 left the test (finished its test)"
+    assert sends == [([0], {"t": "error", "seq": 1, "reason": reason})]
     snap = group.snapshot()
     assert snap["ready"] and snap["collectives"] == [] and snap["last"] == {"0": "barrier #1"}
+
+
+def _formed(world: int) -> RankGroup:
+    group = RankGroup(world)
+    for rank in range(world):
+        group.join(rank)
+    return group
+
+
+def test_a_collective_of_a_call_fails_once_every_missing_rank_left_that_call():
+    group = _formed(3)
+    assert group.contribute(0, "gather", 1, 0, "a", ("t.py::test_x", "call")) == []
+    assert group.call_notice(1, "out", "t.py::test_x", "passed") == []  # rank 2 may still come
+    sends = group.call_notice(2, "out", "t.py::test_x", "raised AssertionError")
+    reason = (
+        "all_gather #1 cannot complete: rank 1 has left test_x's call (passed); "
+        "rank 2 has left test_x's call (raised AssertionError)"
+    )
+    assert sends == [([0], {"t": "error", "seq": 1, "reason": reason, "rewind": 0})]  # they never entered #1
+    # entered after they left: failed at once, naming where they are now
+    group.call_notice(1, "in", "t.py::test_y", "")
+    later = deliveries(group.contribute(0, "barrier", 2, 0, None, ("t.py::test_x", "call")))
+    assert later[0][0]["reason"].startswith(
+        "barrier #2 cannot complete: rank 1 has left test_x's call (passed) and is in test_y's call; rank 2"
+    )
+
+
+def test_left_calls_are_per_test_and_entering_a_call_again_forgets_leaving_it():
+    group = _formed(2)
+    group.call_notice(1, "out", "t.py::test_x", "passed")
+    group.call_notice(1, "in", "t.py::test_x", "")  # the same test again (a warm world)
+    assert group.contribute(0, "barrier", 1, 0, None, ("t.py::test_x", "call")) == []
+    group.call_notice(1, "out", "t.py::test_other", "passed")  # another test: no news for this one
+    assert 1 in group.collectives
+    assert deliveries(group.contribute(1, "barrier", 1, 0, None, ("t.py::test_x", "call")))[0][0]["t"] == "coll"
+
+
+def test_collectives_outside_a_call_are_not_failed_for_a_call_left():
+    group = _formed(2)
+    group.call_notice(1, "out", "t.py::test_x", "passed")
+    assert group.contribute(0, "barrier", 1, 0, None, ("t.py::test_x", "teardown")) == []
+    assert group.contribute(0, "barrier", 1, 0, None, None) == [] and 1 in group.collectives
+
+
+def test_ranks_waiting_in_different_collectives_each_name_the_other():
+    group = _formed(2)
+    group.contribute(0, "barrier", 1, 0, None)
+    group.contribute(1, "barrier", 1, 0, None)
+    assert group.contribute(0, "barrier", 2, 0, None) == []
+    got = deliveries(group.contribute(1, "gather", 3, 0, "x"))
+    assert got[0][0]["reason"] == "barrier #2 cannot complete: rank 1 is in all_gather #3"
+    assert got[1][0]["reason"] == "all_gather #3 cannot complete: rank 0 is in barrier #2"
+    assert not group.collectives
+
+
+def test_one_collective_entered_in_two_tests_calls_is_a_mismatch():
+    group = _formed(2)
+    group.contribute(0, "barrier", 1, 0, None, ("t.py::test_x", "call"))
+    got = deliveries(group.contribute(1, "barrier", 1, 0, None, ("t.py::test_y", "call")))
+    assert (
+        "barrier #1 mismatch: rank 1 entered it in test_y's call, another rank in test_x's call" in got[0][0]["reason"]
+    )
+
+
+# Ranks in one test's call: each step a rank enters its next collective (once its last returned),
+# skips one (a collective only it entered, whose error it caught) or leaves the call. The oracle:
+# a collective fails exactly when the control plane can know it cannot complete - each missing
+# rank has left the call, waits in another collective or entered a later one - and completes
+# when all entered it.
+steps = st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["enter", "enter", "leave", "skip"])), max_size=40)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(2, 4), steps)
+def test_a_collective_fails_exactly_when_it_cannot_complete(world, plan):
+    group = _formed(world)
+    test = ("t.py::test_p", "call")
+    seq = dict.fromkeys(range(world), 0)
+    high = dict.fromkeys(range(world), 0)  # the last seq each rank entered
+    waiting: dict[int, int] = {}  # rank -> the seq it waits in
+    gone: set[int] = set()  # ranks that left the call
+
+    def hopeless(s: int) -> bool:
+        outside = [r for r in range(world) if waiting.get(r) != s]
+        return bool(outside) and all(r in gone or r in waiting or high[r] > s for r in outside)
+
+    for who, action in plan:
+        rank = who % world
+        if rank in gone or rank in waiting:
+            continue
+        if action == "skip":
+            seq[rank] += 1
+            continue
+        if action == "leave":
+            gone.add(rank)
+            sends = group.call_notice(rank, "out", test[0], "passed")
+        else:
+            high[rank] = seq[rank] + 1
+            seq[rank] += 1
+            waiting[rank] = seq[rank]
+            sends = group.contribute(rank, "barrier", seq[rank], 0, None, test)
+        doomed = {s for s in set(waiting.values()) if hopeless(s)}
+        complete = {s for s in set(waiting.values()) if all(waiting.get(r) == s for r in range(world))}
+        got = deliveries(sends)
+        answered = {(peer, msg["seq"], msg["t"]) for peer, msgs in got.items() for msg in msgs}
+        for peer, msgs in got.items():  # a collective no missing rank entered counts for no one
+            seq[peer] = next((m["rewind"] for m in msgs if "rewind" in m), seq[peer])
+        expected = {(r, s, "error") for r, s in waiting.items() if s in doomed}
+        expected |= {(r, s, "coll") for r, s in waiting.items() if s in complete}
+        assert answered == expected
+        for peer, _, _ in answered:
+            del waiting[peer]
 
 
 def test_the_registry_refuses_extra_nodes_and_taken_node_ranks_and_orders_the_rest():

@@ -27,7 +27,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pytest_msrun import boundedjson
-from pytest_msrun.control import wire
+from pytest_msrun.control import calls, wire
+from pytest_msrun.control.group import RankGroup
 from pytest_msrun.control.transport import Transport
 from pytest_msrun.plugin.greeter import HELLO_LIMIT, Greeter
 
@@ -89,8 +90,8 @@ json_texts = st.one_of(
     numbers.map(lambda n: '{"t":"hello","kind":"agent","nonce":"x","pid":' + n + "}"),
     deep().map(lambda d: '{"t":"hello","kind":"rank","nonce":' + d + "}"),
     hostile_fields.map(lambda f: json.dumps(hello(**f))),
-    st.sampled_from(["auth", "coll", "bye", "hb", "done", "failed", "state", "finished"]).map(
-        lambda t: json.dumps({"t": t, "proof": "0" * 64, "ranks": [0, 1]})
+    st.sampled_from(["auth", "coll", "call", "bye", "hb", "done", "failed", "state", "finished"]).map(
+        lambda t: json.dumps({"t": t, "proof": "0" * 64, "ranks": [0, 1], "test": "t::x", "state": "out"})
     ),
 )
 bodies = st.one_of(json_texts.map(lambda s: s.encode("utf-8", "surrogatepass")), bad_utf8)
@@ -626,3 +627,33 @@ def test_a_flood_at_a_worlds_door_sheds_strangers_not_ranks():
         for s in socks:
             s.close()
         server.close()
+
+
+call_fields = st.dictionaries(
+    st.sampled_from(["t", "test", "state", "outcome", "when", "op", "seq", "src", "data"]),
+    st.one_of(values, st.sampled_from(["in", "out", "call", "setup", "teardown", "t.py::x"]), st.text(max_size=5000)),
+    max_size=6,
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), call_fields), max_size=12))
+def test_call_notices_and_collective_tags_are_parsed_totally(frames):
+    """What an authenticated rank sends as a call notice or a collective's test tag: a valid value
+    or None/False (its connection is then dropped) - never an exception, in the parsers or in the
+    group that acts on what they accept."""
+    group = RankGroup(3)
+    for rank in range(3):
+        group.join(rank)
+    for rank, msg in frames:
+        notice = calls.parse_notice(msg)
+        if notice is not None:
+            state, test, outcome = notice
+            assert state in ("in", "out") and 0 < len(test) <= calls.MAX_TEST and len(outcome) <= calls.MAX_OUTCOME
+            group.call_notice(rank, *notice)
+        where = calls.parse_where(msg)
+        if isinstance(where, tuple):
+            assert where[1] in calls.PHASES and 0 < len(where[0]) <= calls.MAX_TEST
+            group.contribute(rank, "barrier", 1 + rank, 0, None, where)
+        else:
+            assert where is None or where is False

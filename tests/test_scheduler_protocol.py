@@ -156,6 +156,33 @@ def test_oversized_message_from_a_rank_drops_only_that_rank(scheduler):
     assert proc.poll() is None
 
 
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"t": "call", "test": 5, "state": "out"},
+        {"t": "call", "test": "t.py::x", "state": "gone"},
+        {"t": "call", "test": "t.py::x", "state": "out", "outcome": ["passed"]},
+        {"t": "coll", "op": "barrier", "seq": 1, "src": 0, "test": "t.py::x", "when": "lunch"},
+        {"t": "coll", "op": "barrier", "seq": 1, "src": 0, "test": {"a": 1}, "when": "call"},
+    ],
+)
+def test_a_malformed_call_notice_or_tag_drops_that_rank_and_a_valid_one_fails_a_collective(scheduler, bad):
+    port, proc, log = scheduler
+    a, b = _agent(port), _agent(port)
+    a.recv(5), b.recv(5)
+    r0, r1 = _rank(port, 0), _rank(port, 1)
+    assert r0.recv(5)["t"] == "ready" and r1.recv(5)["t"] == "ready"
+    r0.send({"t": "coll", "op": "gather", "seq": 1, "src": 0, "data": "", "test": "t.py::test_x", "when": "call"})
+    r1.send({"t": "call", "test": "t.py::test_x", "state": "out", "outcome": "passed"})
+    reply = r0.recv(5)
+    assert reply["t"] == "error" and reply["reason"] == (
+        "all_gather #1 cannot complete: rank 1 has left test_x's call (passed)"
+    )
+    r1.send(bad)
+    assert _closed(r1.sock)
+    assert proc.poll() is None
+
+
 @pytest.mark.parametrize("alive", [False, True], ids=["gone", "alive-here"])
 def test_agent_heartbeat_timeout_aborts_unless_the_node_is_alive_here(tmp_path, alive):
     """A silent node is lost after MS_NODE_TIMEOUT - unless it is a live process of this host

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ClusterAborted",
     "ClusterError",
+    "CollectiveDeadlock",
     "all_gather_object",
     "barrier",
     "broadcast_object",
@@ -71,6 +72,24 @@ class ClusterAborted(ClusterError):
     """The job is being torn down because another process failed."""
 
 
+class CollectiveDeadlock(ClusterError):
+    """A collective that can never complete: a peer left the job, left the test's call, is waiting
+    in another collective, or called another operation (the message names each and where it is)."""
+
+
+OP_NAMES = {"barrier": "barrier", "gather": "all_gather", "bcast": "broadcast"}
+
+
+def _where() -> tuple[str, str] | None:
+    """The test phase this process is in (pytest's ``PYTEST_CURRENT_TEST``: "nodeid (call)")."""
+    current = os.environ.get("PYTEST_CURRENT_TEST", "")
+    nodeid, _, when = current.rpartition(" (")
+    when = when.rstrip(")")
+    if not nodeid or when not in ("setup", "call", "teardown"):
+        return None
+    return nodeid, when
+
+
 def _env_int(name: str, default: int, env: dict[str, str] | None = None) -> int:
     value = (env if env is not None else os.environ).get(name, "")
     try:
@@ -86,7 +105,8 @@ class _Group:
         self.channel = channel
         self.mode = mode  # "cluster" | "dryrun" | "standalone"
         self.seq = 0
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # one collective at a time
+        self.send_lock = threading.Lock()  # one frame at a time (a call notice beside a collective)
 
     def collective(self, op: str, data: bytes | None, src: int, timeout: float | None) -> Any:
         if self.mode == "dryrun" and op != "barrier":
@@ -117,8 +137,12 @@ class _Group:
         msg: dict[str, Any] = {"t": "coll", "op": op, "seq": seq, "src": src}
         if data is not None:
             msg["data"] = wire.pack_data(data)
+        where = _where()
+        if where is not None:  # the control plane pairs a test's collectives within its call
+            msg["test"], msg["when"] = where
         try:
-            self.channel.send(msg)
+            with self.send_lock:
+                self.channel.send(msg)
         except OSError as exc:
             raise ClusterError(f"{op}: lost the scheduler connection ({exc})") from None
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -134,7 +158,10 @@ class _Group:
             if kind == "abort":
                 raise ClusterAborted(f"job aborted: {reply.get('reason')}")
             if kind == "error":
-                raise ClusterError(f"{op} failed on rank {self.rank}: {reply.get('reason')}")
+                rewind = reply.get("rewind")
+                if isinstance(rewind, int) and not isinstance(rewind, bool) and 0 <= rewind < seq == self.seq:
+                    self.seq = rewind  # the peers never entered it: it counts for no one (stay in step)
+                raise CollectiveDeadlock(f"{OP_NAMES.get(op, op)} failed on rank {self.rank}: {reply.get('reason')}")
             if kind == "coll" and reply.get("seq") == seq:
                 data_out = reply.get("data")
                 if op == "gather":
@@ -142,6 +169,25 @@ class _Group:
                         raise ClusterError(f"{op} on rank {self.rank}: malformed reply from the scheduler")
                     return [wire.unpack_data(d) for d in data_out]
                 return None if data_out is None else wire.unpack_data(data_out)
+
+    def note_call(self, test: str, entered: bool, outcome: str) -> None:
+        """Tell the control plane this rank entered or left ``test``'s call phase."""
+        channel = self.channel
+        if channel is None:
+            return
+        msg = {"t": "call", "test": test, "state": "in" if entered else "out", "outcome": outcome}
+        idle = self.lock.acquire(blocking=False)  # no collective waiting on the socket's timeout
+        try:
+            with self.send_lock:
+                if idle:
+                    channel.send(msg)
+                else:  # a thread waits in a collective: the socket's mode stays its own
+                    channel.sock.sendall(wire.encode(msg))
+        except (OSError, ValueError):
+            pass  # a connection gone: the collectives learn of it themselves
+        finally:
+            if idle:
+                self.lock.release()
 
     def close(self) -> None:
         if self.channel is not None:
@@ -314,6 +360,15 @@ def _keep_connection_until_exit() -> None:
             group.channel.sock.detach()  # the fd stays open until the process exits
         except OSError:
             pass
+
+
+def note_call(test: str, entered: bool, outcome: str = "") -> None:
+    """pytest's rank plugin: this rank entered or left ``test``'s call phase. The control plane
+    then fails at once a collective entered in that call that a rank which left it would never
+    join (nothing is sent before :func:`init`)."""
+    group = _group
+    if group is not None and group.mode == "cluster":
+        group.note_call(test, entered, outcome)
 
 
 def finalize() -> None:

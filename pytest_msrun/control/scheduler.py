@@ -12,7 +12,8 @@ authenticated client:
 * **ranks** (``pytest_msrun.control.cluster.init()`` in a worker) join, then run collectives
   (barrier, all-gather, broadcast) relayed here as opaque bytes; a rank that leaves, fails, or
   whose process exits (agents report every worker exit) turns every blocked ``init()`` or
-  collective into an error instead of a hang.
+  collective into an error instead of a hang. Ranks under pytest say when they enter and leave a
+  test's call phase: a collective that can no longer complete fails at once (:mod:`.group`).
 * **observers** (the pytest controller on a timeout) read the control plane's state: who joined,
   who entered which collective, who left.
 
@@ -32,7 +33,7 @@ import signal
 import sys
 import time
 
-from pytest_msrun.control import tracelog
+from pytest_msrun.control import calls, tracelog
 from pytest_msrun.control.group import COLLECTIVE_OPS, RankGroup
 from pytest_msrun.control.registry import NodeInfo, NodeRegistry
 from pytest_msrun.control.transport import (
@@ -283,21 +284,28 @@ class Ranks:
             self.deliver(self.group.bye(rank))
             transport.close(conn)
             return
+        if kind == "call":  # the rank entered or left a test's call phase
+            notice = calls.parse_notice(msg)
+            if notice is None:
+                transport.drop(conn, "malformed call notice")
+                return
+            self.deliver(self.group.call_notice(rank, *notice))
+            return
         if kind != "coll":
             transport.drop(conn, f"unexpected rank message {kind!r}")
             return
         op, seq, src = msg.get("op"), msg.get("seq"), msg.get("src", 0)
-        data = msg.get("data")
+        data, where = msg.get("data"), calls.parse_where(msg)
         if op not in COLLECTIVE_OPS or not _is_int(seq, 0, 1 << 62) or not _is_int(src, 0, self.sched.worker_num - 1):
             transport.drop(conn, "malformed collective")
             return
-        if data is not None and not isinstance(data, str):
+        if (data is not None and not isinstance(data, str)) or where is False:
             transport.drop(conn, "malformed collective data")
             return
         if self.sched.trace is not None:
             self.entered.setdefault(seq, {})[rank] = time.time()
             self.coll_op.setdefault(seq, op)
-        self.deliver(self.group.contribute(rank, op, seq, src, data))
+        self.deliver(self.group.contribute(rank, op, seq, src, data, where if isinstance(where, tuple) else None))
 
     def _forget(self, conn: Conn, rank: int) -> None:
         self.rank_of.pop(conn, None)

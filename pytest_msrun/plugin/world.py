@@ -235,7 +235,10 @@ class World:
         run = JobRun([], [], False, timeout, started, 0.0)
         test = WarmTest(self, paths, nodeid, started, deadline, timeout, run, env=env, held=self.job.debug.held())
         self.last = test
-        replies, timed_out = self.exchange(msg, "called", deadline, release=True, failure_grace=True, held=test.held)
+        left = f"has left {nodeid.rsplit('::', 1)[-1]}'s call"
+        replies, timed_out = self.exchange(
+            msg, "called", deadline, release=True, released=left, failure_grace=True, held=test.held
+        )
         refusals = [str(r.get("why")) for r in replies.values() if r.get("t") == "unforkable"]
         test.absent = {rank for rank, r in replies.items() if r.get("t") in ("missing", "unforkable")}
         if test.absent:
@@ -263,6 +266,7 @@ class World:
         deadline: float,
         *,
         release: bool = False,
+        released: str = "finished its test",
         failure_grace: bool = False,
         without: set[int] | None = None,
         held: float | None = None,
@@ -274,7 +278,8 @@ class World:
         at it past :data:`FAILURE_GRACE`. Time ranks spend in the debugger since ``held`` (a value of
         the debug server's :meth:`~.debugserver.DebugServer.held`; default: now) moves the deadline.
         ``release``: ranks waiting in the control plane only for ranks that already answered are
-        failed at once (in a fresh job those ranks would have exited). ``without``: ranks not asked."""
+        failed at once (in a fresh job those ranks would have exited), saying they ``released``.
+        ``without``: ranks not asked."""
         skip = self.lost | (without or set())
         live = {rank: channel for rank, channel in self.channels.items() if rank not in skip}
         if msg is not None:
@@ -302,7 +307,7 @@ class World:
                     break
                 if release and replies and not self.declared and now >= next_check and self.job.has_control_plane():
                     next_check = now + STUCK_CHECK
-                    self.declared = self._release_waiters(set(replies))
+                    self.declared = self._release_waiters(set(replies), released)
                 if self.launched.exited():
                     self.dead = "the world's job ended (a rank died)"
                     break
@@ -360,7 +365,7 @@ class World:
         while not self.launched.exited() and time.monotonic() < deadline:
             time.sleep(0.01)
 
-    def _release_waiters(self, finished: set[int]) -> bool:
+    def _release_waiters(self, finished: set[int], why: str) -> bool:
         """Ranks still in the test that wait - to form the group, or in a collective - only for ranks
         that finished it would wait forever (in a fresh job those ranks exit and the wait fails):
         tell the control plane, which fails those waits now. Whether it was told."""
@@ -382,7 +387,7 @@ class World:
         )
         if not (stuck_in_init or stuck_in_collective):
             return False
-        return declare_finished(host, port, token, sorted(finished), "finished its test", timeout=1.0)
+        return declare_finished(host, port, token, sorted(finished), why, timeout=1.0)
 
     def stop_on_timeout(self, test: WarmTest, waiting: set[int]) -> JobRun:
         """The test ran out of time: where every rank is (control plane, stacks), then the world ends.
