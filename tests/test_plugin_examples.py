@@ -36,7 +36,7 @@ TABLE = [
             r"terminated by msrun",
             r"rank 0 was stopped after the first failure \(rank 1 killed by SIGSEGV",
             # what the crashed rank wrote is in the report (and in its log: checked below)
-            r"Captured stdout call \[rank 1\] -+\nrank 1 wrote this just before it crashed",
+            r"Captured stdout call \[rank 1\] -+\n\[rank 1\] rank 1 wrote this just before it crashed",
         ],
     ),
     ("os_exit_zero", [], {"failed": 1}, [r"rank 1 left no record during the call phase and exited with code 0"]),
