@@ -227,16 +227,21 @@ def _chromium(chromium: str, args: list[str], out_dir: Path, port: int) -> subpr
     return done
 
 
-def open_page(html_path: Path, out_dir: Path, screenshot: Path | None = None) -> Page:
-    """Load ``html_path`` in headless Chromium (state under ``out_dir``): the DOM after its
-    scripts ran, and the requests it tried. With ``screenshot`` a second run saves a 1280x1600
-    PNG there (its requests are counted too)."""
+def _prepare(html_path: Path, out_dir: Path) -> tuple[str, Path, str]:
+    """Chromium's path (or an error saying none was found), the state directory, the page's URL."""
     chromium = find_chromium()
     if chromium is None:
         raise RuntimeError(f"no Chromium on PATH (tried {', '.join(NAMES)})")
     out_dir = Path(out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
-    url = Path(html_path).resolve().as_uri()
+    return chromium, out_dir, Path(html_path).resolve().as_uri()
+
+
+def open_page(html_path: Path, out_dir: Path, screenshot: Path | None = None) -> Page:
+    """Load ``html_path`` in headless Chromium (state under ``out_dir``): the DOM after its
+    scripts ran, and the requests it tried. With ``screenshot`` a second run saves a 1280x1600
+    PNG there (its requests are counted too)."""
+    chromium, out_dir, url = _prepare(html_path, out_dir)
     budget = "--virtual-time-budget=2000"
     proxy = _RecordingProxy()
     try:
@@ -310,12 +315,7 @@ def type_into(html_path: Path, out_dir: Path, selector: str, text: str, probe: s
     JavaScript ``probe``: its value, and the network requests the page tried."""
     import json
 
-    chromium = find_chromium()
-    if chromium is None:
-        raise RuntimeError(f"no Chromium on PATH (tried {', '.join(NAMES)})")
-    out_dir = Path(out_dir).resolve()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    url = Path(html_path).resolve().as_uri()
+    chromium, out_dir, url = _prepare(html_path, out_dir)
     child_in, to_child = (_high(fd) for fd in os.pipe())
     from_child, child_out = (_high(fd) for fd in os.pipe())
 

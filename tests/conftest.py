@@ -201,6 +201,22 @@ def wait_gone(mark: str, timeout: float = 5.0) -> list[psutil.Process]:
     return wait_empty(lambda: marked_processes(mark), timeout)
 
 
+@pytest.fixture
+def tracked(monkeypatch, request):
+    """Every process the test's controller starts is gone when the test ends (they carry a mark
+    of this test in their environment)."""
+    mark = f"{request.node.module.__name__}-{request.node.name}"
+    monkeypatch.setenv(MARK, mark)
+    yield mark
+    left = wait_gone(mark)
+    for proc in left:
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    assert not left, [p.cmdline() for p in left if p.is_running()]
+
+
 def msrun_cgroups() -> set[str]:
     """Every ``msrun-<job id>`` cgroup on this host, in each hierarchy msrun uses (v2, v1 freezer)."""
     from pytest_msrun.engine import containment

@@ -12,9 +12,8 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
-from conftest import MARK, job_args, wait_gone
+from conftest import job_args
 
 READ_WAIT = 90.0  # seconds a prompt may take (a loaded machine starts ranks slowly)
 
@@ -37,21 +36,6 @@ def test_breaks(rank):
         {body}
     assert local_value > 0
 """
-
-
-@pytest.fixture
-def tracked(monkeypatch, request):
-    """Every process the test's controller starts is gone when the test ends."""
-    mark = f"debugger-{request.node.name}"
-    monkeypatch.setenv(MARK, mark)
-    yield mark
-    left = wait_gone(mark)
-    for proc in left:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    assert not left, [p.cmdline() for p in left if p.is_running()]
 
 
 class Terminal:

@@ -12,7 +12,7 @@ import xml.etree.ElementTree as ET
 
 import psutil
 import pytest
-from conftest import MARK, record, wait_for, wait_gone
+from conftest import record, wait_for, wait_gone
 
 EIGHT = """
 import pytest
@@ -35,20 +35,6 @@ def test_long(rank):
         open(os.path.join(os.environ["STARTED_DIR"], f"rank{rank}"), "w").close()
     time.sleep(60)  # the workload: a test still running when the controller is ended
 """
-
-
-@pytest.fixture
-def tracked(monkeypatch, request):
-    mark = f"controller-{request.node.name}"
-    monkeypatch.setenv(MARK, mark)
-    yield mark
-    left = wait_gone(mark)
-    for proc in left:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    assert not left, [p.cmdline() for p in left if p.is_running()]
 
 
 def test_junitxml_has_one_testcase_per_item(pytester, tracked):
