@@ -3,9 +3,11 @@ terminal (a pseudo-terminal here), one rank at a time; without a terminal they a
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import select
+import socket
 import subprocess
 import sys
 import textwrap
@@ -14,6 +16,8 @@ from pathlib import Path
 
 import pytest
 from conftest import job_args
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 READ_WAIT = 90.0  # seconds a prompt may take (a loaded machine starts ranks slowly)
 
@@ -286,3 +290,43 @@ def test_the_debug_server_refuses_strangers_and_says_no_terminal_once_per_place(
     assert said.count("breakpoint() in rank 1 at t.py:3 skipped: no terminal (stdin is not a tty)") == 1, said
     assert said.count("breakpoint() in rank 1 at t.py:4 skipped") == 1, said
     assert "wrong" not in said
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.one_of(
+        st.binary(max_size=300),
+        st.integers(1, 100_000).map(lambda n: b"[" * n + b"\n"),  # nesting before any token is checked
+        st.recursive(
+            st.one_of(st.none(), st.booleans(), st.integers(), st.text(max_size=8)),
+            lambda inner: st.one_of(
+                st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)
+            ),
+            max_leaves=20,
+        ).map(lambda v: json.dumps({"token": v, "rank": v, "where": v}).encode() + b"\n"),
+    )
+)
+def test_whatever_reaches_the_debug_port_ends_only_that_connection(data: bytes) -> None:
+    """A stranger's bytes (garbage, deep nesting, unhashable fields) are refused, and the server
+    still answers a rank after them."""
+    from pytest_msrun.plugin.debugserver import DebugServer
+
+    read, write = os.pipe()
+    server = DebugServer(post_mortem=False, terminal=None, stdout_fd=write)
+    os.close(write)
+    try:
+        host, _, port = server.address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            try:
+                sock.sendall(data)
+                sock.shutdown(socket.SHUT_WR)
+                sock.recv(100)
+            except OSError:
+                pass
+        hello = {"token": server.token, "rank": 0, "kind": "breakpoint", "where": "t.py:1", "nodeid": "t.py::x"}
+        assert b'"ok": false' in _ask(server, hello)  # still serving: refused for want of a terminal
+    finally:
+        server.close()
+    with os.fdopen(read, "rb") as fh:
+        said = fh.read().decode()
+    assert "debugger stopped" not in said, said

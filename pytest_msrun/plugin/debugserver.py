@@ -147,18 +147,28 @@ class DebugServer:
                     tag = key.data
                     if tag == "wake":
                         return
-                    if tag == "accept":
-                        self._accept(sel, waiting)
-                    elif tag == "hello":
-                        session = self._hello(key.fileobj, sel, waiting)  # type: ignore[arg-type]
-                        if session is not None:
-                            queue.append(session)
-                    elif tag == "rank" and active is not None:
-                        if not self._from_rank(active):
-                            self._end(active, sel)
+                    try:
+                        if tag == "accept":
+                            self._accept(sel, waiting)
+                        elif tag == "hello":
+                            session = self._hello(key.fileobj, sel, waiting)  # type: ignore[arg-type]
+                            if session is not None:
+                                queue.append(session)
+                        elif tag == "rank" and active is not None:
+                            if not self._from_rank(active):
+                                self._end(active, sel)
+                                active = None
+                        elif tag == "stdin" and active is not None:
+                            self._from_user(active, sel)
+                    except Exception as exc:  # noqa: BLE001 - that connection's fault, not the server's end
+                        sock = key.fileobj
+                        if tag == "hello" and isinstance(sock, socket.socket):
+                            waiting.pop(sock, None)
+                            _forget(sel, sock)
+                        elif tag == "rank" and active is not None:
+                            self._say(f"msrun: the ranks' debugger dropped {active.what}: {exc!r}")
+                            _forget(sel, active.sock)
                             active = None
-                    elif tag == "stdin" and active is not None:
-                        self._from_user(active, sel)
                 now = time.monotonic()
                 for sock, w in list(waiting.items()):
                     if now - w.since > HELLO_WAIT:
@@ -203,15 +213,12 @@ class DebugServer:
         sel.unregister(sock)
         del waiting[sock]
         line = w.data.partition(b"\n")[0]
-        try:
-            hello = json.loads(line) if data and b"\n" in w.data else None
-        except ValueError:
-            hello = None
-        token = hello.get("token") if isinstance(hello, dict) else None
+        hello = _hello_of(line) if data and b"\n" in w.data else None
+        token = hello.get("token") if hello is not None else None
         if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
             sock.close()  # a stranger, or a rank gone before it said who it is
             return None
-        assert isinstance(hello, dict)
+        assert hello is not None
         session = Session(sock, hello)
         if not self.tty:
             self._reply(sock, {"ok": False, "why": NO_TTY})
@@ -292,6 +299,30 @@ class DebugServer:
 
     def _say(self, line: str) -> None:
         _write_all(self.stdout, ("\n" + line + "\n").encode("utf-8", "replace"))
+
+
+def _hello_of(line: bytes) -> dict[str, object] | None:
+    """A rank's hello: one flat JSON object of short scalars (anything else: None). Parsed by the
+    total parser - whoever can reach the loopback port can send it."""
+    from pytest_msrun.boundedjson import Rejected, loads
+
+    try:
+        hello = loads(line, max_depth=1)
+    except Rejected:
+        return None
+    if not isinstance(hello, dict) or not all(
+        isinstance(v, (str, int, float, bool, type(None))) for v in hello.values()
+    ):
+        return None
+    return hello
+
+
+def _forget(sel: selectors.BaseSelector, sock: socket.socket) -> None:
+    try:
+        sel.unregister(sock)
+    except (KeyError, ValueError):
+        pass
+    sock.close()
 
 
 def _isatty(fd: int) -> bool:
