@@ -354,7 +354,14 @@ def test_the_site_and_the_walk_through_are_ignored_by_git(tmp_path: Path) -> Non
     """``mkdocs build`` writes site/; the README's walk-through writes its files and outputs."""
     shutil.copy(REPO / ".gitignore", tmp_path / ".gitignore")
     subprocess.run(["git", "init", "-q"], cwd=tmp_path, check=True)
-    written = ["site/index.html", "msrun_log/worker_0.log", "report.html", "job.trace.json", *page_files(README)]
+    written = [
+        "site/index.html",
+        "msrun_log/worker_0.log",
+        "report.html",
+        "report_files/000-test/rank0.log",
+        "job.trace.json",
+        *page_files(README),
+    ]
     for rel in written:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("x")
