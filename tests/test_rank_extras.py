@@ -183,7 +183,7 @@ def test_sum(msrun, benchmark):
 """
 
 
-@pytest.mark.parametrize("mode", ["fresh", "warm"])
+@pytest.mark.parametrize("mode", ["warm"])
 def test_benchmarks_are_one_row_per_rank_in_the_table_and_the_json(pytester: pytest.Pytester, mode: str) -> None:
     args = ("--benchmark-json=bench.json", "--benchmark-max-time=0.05", "--benchmark-autosave")
     result = _run(pytester, BENCH, mode, *args)
