@@ -150,6 +150,13 @@ def test_junit_has_every_ranks_properties_and_labelled_output(pytester: pytest.P
     assert "[rank 0] hello from 0" in out and "[rank 1] hello from 1" in out, out
 
 
+def test_without_junitxml_recording_properties_warns_of_nothing(pytester: pytest.Pytester) -> None:
+    """As in plain pytest: junitxml's family warnings only when the session writes junitxml."""
+    result = _run(pytester, JUNIT_RECORDS.replace("record_xml_attribute", "record_property"), "warm")
+    result.assert_outcomes(passed=1)
+    assert "warning" not in result.stdout.str().lower()
+
+
 def test_xdist_keeps_the_failures_one_line(pytester: pytest.Pytester) -> None:
     result = _run(pytester, PROPS + SUBTESTS.split("import pytest", 1)[1], "warm", "-n", "2", "-rA", "-vv")
     text = result.stdout.str()

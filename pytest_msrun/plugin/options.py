@@ -69,10 +69,16 @@ def shippable(options: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+JUNITXML = pytest.StashKey[bool]()  # in a rank: whether the controller writes a junitxml file
+JUNITXML_KEY = "msrun_junitxml"  # (not an option: never applied as one)
+
+
 def ship(config: pytest.Config, path: str) -> dict[str, str]:
     """Write the controller's options to ``path``; return the environment a rank needs to read them."""
+    data = shippable(vars(config.option))
+    data[JUNITXML_KEY] = bool(getattr(config.option, "xmlpath", None))
     with open(path, "w", encoding="utf-8") as fh:
-        json.dump(shippable(vars(config.option)), fh)
+        json.dump(data, fh)
     return {OPTIONS_ENV: path}
 
 
@@ -88,6 +94,7 @@ def apply(config: pytest.Config, env: dict[str, str] | None = None) -> list[str]
         return []
     if not isinstance(shipped, dict):
         return []
+    config.stash[JUNITXML] = shipped.get(JUNITXML_KEY) is True
     known = vars(config.option)
     applied = []
     for name, value in shippable(shipped).items():

@@ -18,13 +18,14 @@ from typing import Any, Protocol
 
 import pytest
 
+from pytest_msrun.plugin.options import JUNITXML
+
 MAX_WARNINGS = 200  # per test and rank: a warning in a loop is one entry per place anyway
 MAX_TIMINGS = 200_000  # per benchmark: its rounds, as pytest-benchmark keeps them
 
 
 class Writes(Protocol):
     current: tuple[str, str] | None
-    controlled: bool
 
     def _write(self, kind: str, **fields: Any) -> None: ...
 
@@ -105,7 +106,7 @@ class ExtrasRecorder:
         self.config = config
         self.benchmarks_seen = 0
         self.warnings: dict[str, int] = {}
-        if rank_plugin.controlled and config.pluginmanager.hasplugin("junitxml"):
+        if config.stash.get(JUNITXML, False) and config.pluginmanager.hasplugin("junitxml"):
             from _pytest.junitxml import xml_key
 
             if config.stash.get(xml_key, None) is None:  # pytest's own unregisters it at the end
