@@ -1,7 +1,8 @@
 """How what ranks recorded beyond their reports folds into one (pure rules; no pytest here).
 
 * warnings: each distinct one (category, message, place) once, with the ranks that raised it;
-* subtests: failed where any rank failed it, skipped where every rank skipped it, else passed;
+* subtests: failed where any rank failed it, else xfailed where any rank xfailed it, skipped where
+  every rank skipped it, else passed;
 * user properties: a pair every rank recorded once, as recorded; any other as ``name [rank r]``.
 
 The controller's session shows them through pytest's hooks (:mod:`.replay`); a suite's table
@@ -65,19 +66,16 @@ def subtest_key(data: Mapping[str, Any]) -> str:
 @dataclasses.dataclass
 class MergedSubtest:
     key: str
-    outcome: str  # passed, failed, skipped
+    outcome: str  # passed, failed, xfailed, skipped
     shown: int  # the rank whose report stands for it
     reports: dict[int, dict[str, Any]]  # rank -> its report of this subtest
     failed: list[int]
 
-    @property
-    def xfail(self) -> bool:
-        return self.outcome == "skipped" and "wasxfail" in self.reports[self.shown]
-
 
 def merge_subtests(per_rank: Mapping[int, Sequence[Mapping[str, Any]]]) -> list[MergedSubtest]:
     """Subtests in the order ranks ran them (the lowest rank's order first): failed where any rank
-    failed it, skipped where every rank skipped it, else passed."""
+    failed it, else xfailed where any rank xfailed it, skipped where every rank skipped it, else
+    passed."""
     merged: dict[str, MergedSubtest] = {}
     for rank in sorted(per_rank):
         for data in per_rank[rank]:
@@ -86,15 +84,23 @@ def merge_subtests(per_rank: Mapping[int, Sequence[Mapping[str, Any]]]) -> list[
             if rank not in entry.reports:  # a context a rank used twice: its first
                 entry.reports[rank] = dict(data)
     for entry in merged.values():
-        outcomes = {r: str(d.get("outcome")) for r, d in entry.reports.items()}
+        outcomes = {r: _subtest_outcome(d) for r, d in entry.reports.items()}
         failed = sorted(r for r, o in outcomes.items() if o == "failed")
+        xfailed = sorted(r for r, o in outcomes.items() if o == "xfailed")
         if failed:
             entry.outcome, entry.shown, entry.failed = "failed", failed[0], failed
+        elif xfailed:  # failed where it was expected to: shown as pytest shows it (SUBXFAIL)
+            entry.outcome, entry.shown = "xfailed", xfailed[0]
         elif all(o == "skipped" for o in outcomes.values()):
             entry.outcome, entry.shown = "skipped", min(outcomes)
         else:
             entry.outcome, entry.shown = "passed", min(r for r, o in outcomes.items() if o != "skipped")
     return list(merged.values())
+
+
+def _subtest_outcome(data: Mapping[str, Any]) -> str:
+    outcome = str(data.get("outcome"))
+    return "xfailed" if outcome == "skipped" and "wasxfail" in data else outcome
 
 
 def group_warnings(per_rank: Mapping[int, Sequence[Mapping[str, Any]]]) -> list[tuple[list[int], dict[str, Any]]]:
@@ -118,7 +124,7 @@ def suite_lines(nodeids: Iterable[str], logs: Mapping[int, Any]) -> list[str]:
     """A suite's table's lines of what its ranks recorded beyond verdicts: each distinct warning
     of each test with the ranks that raised it, and how many subtests passed, failed, skipped."""
     warned: list[str] = []
-    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    counts = {"passed": 0, "failed": 0, "xfailed": 0, "skipped": 0}
     for nodeid in nodeids:
         tests = {rank: log.test(nodeid) for rank, log in sorted(logs.items())}
         for ranks, rec in group_warnings({r: t.warnings for r, t in tests.items() if t.warnings}):
