@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from pytest_msrun.plugin.extras import carried_attributes, group_warnings, merge_properties, merge_subtests
 
 MODES = ["fresh", "warm", "isolated"]
+# pytest's own subtests (the fixture, and unittest's subTest as reports) came with pytest 9
+needs_subtests = pytest.mark.skipif(not hasattr(pytest, "Subtests"), reason="pytest < 9 has no subtests of its own")
 
 WARNS = """
 import warnings
@@ -88,6 +90,7 @@ def test_all_pass(msrun, subtests):
 """
 
 
+@needs_subtests
 @pytest.mark.parametrize("mode", MODES)
 def test_subtests_are_pytests_own_lines_and_counts(pytester: pytest.Pytester, mode: str) -> None:
     result = _run(pytester, SUBTESTS, mode, "-vv", "-rA")
@@ -104,6 +107,7 @@ def test_subtests_are_pytests_own_lines_and_counts(pytester: pytest.Pytester, mo
     assert "[rank 1] case 1 on 1" in text
 
 
+@needs_subtests
 def test_unittest_subtests_of_a_marked_test_case(pytester: pytest.Pytester) -> None:
     source = """
 import unittest
@@ -157,6 +161,7 @@ def test_without_junitxml_recording_properties_warns_of_nothing(pytester: pytest
     assert "warning" not in result.stdout.str().lower()
 
 
+@needs_subtests
 def test_xdist_keeps_the_failures_one_line(pytester: pytest.Pytester) -> None:
     result = _run(pytester, PROPS + SUBTESTS.split("import pytest", 1)[1], "warm", "-n", "2", "-rA", "-vv")
     text = result.stdout.str()
@@ -212,6 +217,7 @@ def test_a_plugin_whose_rank_data_is_lost_is_named_at_the_start(pytester: pytest
     assert "msrun: pytest-benchmark's cProfile tables of marked tests are not brought back" in header
 
 
+@needs_subtests
 def test_a_suites_table_shows_warnings_and_subtests(msrun) -> None:
     msrun.script("test_extras.py", WARNS + SUBTESTS.split("import pytest", 1)[1])
     job = msrun.run(job_args(2, "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "test_extras.py"))
