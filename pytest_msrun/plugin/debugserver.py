@@ -77,18 +77,25 @@ class DebugServer:
         self.tty = terminal is not None and _isatty(terminal)
         self.stdin = terminal if terminal is not None and self.tty else -1
         self.stdout = os.dup(stdout_fd)
-        self.server = socket.create_server(("127.0.0.1", 0), backlog=128)
-        self.server.setblocking(False)
-        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
         self.lock = threading.Lock()
         self._held = 0.0
         self._busy_since: float | None = None
         self.said: set[tuple] = set()
         self.sessions = 0  # served so far
-        self._wake_r, self._wake_w = os.pipe()
         self._closed = False
-        self.thread = threading.Thread(target=self._loop, name="msrun-debug", daemon=True)
-        self.thread.start()
+        self._address = ""  # the server and its thread start with the first job (a session may have none)
+
+    @property
+    def address(self) -> str:
+        """``host:port`` ranks connect to (the server starts listening the first time it is asked)."""
+        if not self._address:
+            self.server = socket.create_server(("127.0.0.1", 0), backlog=128)
+            self.server.setblocking(False)
+            self._wake_r, self._wake_w = os.pipe()
+            self.thread = threading.Thread(target=self._loop, name="msrun-debug", daemon=True)
+            self.thread.start()
+            self._address = f"127.0.0.1:{self.server.getsockname()[1]}"
+        return self._address
 
     # ---------------------------------------------------------------- for the jobs
     def env(self) -> dict[str, str]:
@@ -117,18 +124,20 @@ class DebugServer:
         if self._closed:
             return
         self._closed = True
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass
-        self.thread.join(timeout=5)
-        for fd in (self._wake_r, self._wake_w, self.stdout):
-            if fd >= 0:
-                try:
-                    os.close(fd)
-                except OSError:
-                    pass
-        self.server.close()
+        fds = [self.stdout]
+        if self._address:  # started
+            try:
+                os.write(self._wake_w, b"x")
+            except OSError:
+                pass
+            self.thread.join(timeout=5)
+            fds += [self._wake_r, self._wake_w]
+            self.server.close()
+        for fd in fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
 
     # ---------------------------------------------------------------- the thread
     def _loop(self) -> None:

@@ -126,7 +126,7 @@ class ExtrasRecorder:
     @pytest.hookimpl(wrapper=True)
     def pytest_report_teststatus(self, report: pytest.TestReport, config: pytest.Config) -> Generator[None, Any, Any]:
         status = yield
-        if getattr(report, "_report_type", None) is None and type(report).__name__ != "SubtestReport":
+        if type(report).__name__ != "SubtestReport":
             return status
         if self.rank_plugin.current is not None and isinstance(status, tuple) and len(status) == 3:
             return (status[0], "", status[2])  # its letter would land in the test's own output
