@@ -104,6 +104,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "test comes",
     )
     group.addoption(
+        "--msrun-fork-server",
+        dest="msrun_fork_server",
+        choices=("on", "off"),
+        default=None,
+        help="on (default): a template process of this session imports pytest and its plugins once; "
+        "each job's msrun and its Python ranks are forked from it rather than started as new "
+        "interpreters (where a fork stands for one exactly: same interpreter and start-up variables, "
+        "no binding command in front); off: every msrun and rank is a new process",
+    )
+    group.addoption(
         "--msrun-env-scope",
         dest="msrun_env_scope",
         choices=("job", "test"),
@@ -126,6 +136,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("msrun_worlds", "warm or fresh (see --msrun-worlds)", default="warm")
     parser.addini("msrun_prefetch", "on or off (see --msrun-prefetch)", default="on")
     parser.addini("msrun_env_scope", "job or test (see --msrun-env-scope)", default="job")
+    parser.addini("msrun_fork_server", "on or off (see --msrun-fork-server)", default="on")
     parser.addini("msrun_leaks", "warn, error or off (see --msrun-leaks)", default="warn")
     parser.addini("msrun_report", "failure detail: first or all (see --msrun-detail)", default="first")
     parser.addini("msrun_devices", "devices jobs may use (see --msrun-devices)", default="auto")

@@ -101,6 +101,7 @@ class Agent(ProcessStarting, JobEnding):
         self.stage = Stage.STARTING
         self._register_by = 0.0  # when registering gives up (--cluster_time_out)
         self._spawn_said = False
+        self._fork_refusals: set[str] = set()
         self.policy = Policy()
         self.deadlines: ranknotes.DeadlineWatch | None = None  # the workers' own deadlines, watched
         self.tailer: LogTailer | None = None

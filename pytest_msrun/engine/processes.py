@@ -166,9 +166,11 @@ def fork_call(
     output_fd: int | None = None,
     keep_fds: tuple[int, ...] = (),
     cpus: list[int] | None = None,
+    args: list[str] | None = None,
 ) -> int:
-    """Run ``call`` (``"module:function"``, called with the environment as a dict and returning
-    the exit status) in a forked copy of this process, in a session of its own; returns its pid.
+    """Run ``call`` (``"module:function"``, called with the environment as a dict - and ``args``
+    when given - and returning the exit status) in a forked copy of this process, in a session of
+    its own; returns its pid.
 
     What ``posix_spawn`` of a Python program would give, minus an interpreter's start-up and its
     imports: signals at their defaults and unblocked, fds 0-2 as given, every other descriptor
@@ -178,10 +180,7 @@ def fork_call(
     Signals stay blocked across the fork until the child has its session and default handlers: a
     SIGTERM sent the instant after it (by pid: its group does not exist yet) then ends it, rather
     than running a handler inherited from this process."""
-    for stream in (sys.stdout, sys.stderr):  # what is buffered here must not be written twice
-        with _suppress(OSError, ValueError):
-            stream.flush()
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+    blocked = block_signals_for_fork()
     try:
         pid = os.fork()
     except BaseException:
@@ -192,53 +191,21 @@ def fork_call(
         return pid
     code = 1
     try:
-        os.setsid()
-        import gc
-
-        gc.freeze()  # msrun's start-up objects: never walked here (nor copied by collections)
-        gc.enable()  # as a fresh interpreter has it (msrun holds it off while it starts)
-        with _suppress(ValueError, OSError):
-            signal.set_wakeup_fd(-1)
-        for sig in signal.valid_signals():
-            if sig not in (signal.SIGKILL, signal.SIGSTOP):
-                with _suppress(OSError, ValueError):
-                    signal.signal(sig, signal.SIG_DFL)
-        # as a fresh interpreter has them: KeyboardInterrupt, and EPIPE / EFBIG rather than death
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        for sig in _DEFAULT_IN_CHILD:
-            signal.signal(sig, signal.SIG_IGN)
-        signal.pthread_sigmask(signal.SIG_SETMASK, ())
-        if stdin_fd is not None:
-            os.dup2(stdin_fd, 0)
-        if output_fd is not None:
-            os.dup2(output_fd, 1)
-            os.dup2(output_fd, 2)
-        import io
-
-        # fresh streams on fds 0-2: this process's may be anything (pytest's capture, say)
-        sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
-        for name, fd in (("stdout", 1), ("stderr", 2)):
-            stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", line_buffering=True)
-            setattr(sys, name, stream)
-        low = 3
-        for fd in sorted(keep_fds):
-            os.closerange(low, fd)
-            os.set_inheritable(fd, False)
-            low = fd + 1
-        os.closerange(low, 1 << 16)
+        become_fresh_child(env, stdin_fd=stdin_fd, stdout_fd=output_fd, stderr_fd=output_fd, keep_fds=keep_fds)
         if cpus is not None:
             os.sched_setaffinity(0, cpus)
-        os.environ.clear()  # this is the child: the launcher's own environment is untouched
-        os.environ.update(env)
         module, _, function = call.partition(":")
-        with _suppress(OSError), open("/proc/self/comm", "w") as fh:  # what ps and top show
-            fh.write(f"msrun-{module.rsplit('.', 1)[-1]}"[:15])
+        # what ps and top show: the program a command stands for, else msrun's part
+        comm = os.path.basename(args[0]) if args else f"msrun-{module.rsplit('.', 1)[-1]}"
+        with _suppress(OSError), open("/proc/self/comm", "w") as fh:
+            fh.write(comm[:15])
         import importlib
 
-        result = getattr(importlib.import_module(module), function)(dict(env))
+        target = getattr(importlib.import_module(module), function)
+        result = target(dict(env)) if args is None else target(dict(env), list(args))
         code = result if isinstance(result, int) else 0
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = exit_code_of(exc)
     except BaseException:
         import traceback
 
@@ -249,6 +216,77 @@ def fork_call(
             with _suppress(Exception):
                 stream.flush()
         os._exit(code)
+
+
+def block_signals_for_fork() -> set[int | signal.Signals]:
+    """Flush this process's streams (nothing buffered may be written twice) and block every
+    signal; returns the mask to restore in the parent after the fork."""
+    for stream in (sys.stdout, sys.stderr):
+        with _suppress(OSError, ValueError):
+            stream.flush()
+    return signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+
+
+def exit_code_of(exc: SystemExit) -> int:
+    """The status ``SystemExit`` gives a process, as the interpreter computes it (a message is
+    printed to stderr and gives 1)."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    with _suppress(Exception):
+        print(exc.code, file=sys.stderr)
+    return 1
+
+
+def become_fresh_child(
+    env: Mapping[str, str],
+    *,
+    stdin_fd: int | None,
+    stdout_fd: int | None,
+    stderr_fd: int | None,
+    keep_fds: tuple[int, ...] = (),
+    unbuffered: bool = False,
+) -> None:
+    """In a forked child whose signals are blocked (:func:`block_signals_for_fork`): a session
+    of its own, signals as a fresh interpreter has them and unblocked, fds 0-2 as given with fresh
+    ``sys`` streams, every other descriptor closed but ``keep_fds``, ``os.environ`` = ``env``."""
+    os.setsid()
+    import gc
+
+    gc.freeze()  # the parent's objects: never walked here (nor copied by collections)
+    gc.enable()  # as a fresh interpreter has it (msrun holds it off while it starts)
+    with _suppress(ValueError, OSError):
+        signal.set_wakeup_fd(-1)
+    for sig in signal.valid_signals():
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):
+            with _suppress(OSError, ValueError):
+                signal.signal(sig, signal.SIG_DFL)
+    # as a fresh interpreter has them: KeyboardInterrupt, and EPIPE / EFBIG rather than death
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in _DEFAULT_IN_CHILD:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
+    for fd, target in ((stdin_fd, 0), (stdout_fd, 1), (stderr_fd, 2)):
+        if fd is not None and fd != target:
+            os.dup2(fd, target)
+    import io
+
+    # fresh streams on fds 0-2: this process's may be anything (pytest's capture, say)
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        raw = io.FileIO(fd, "w", closefd=False)
+        # write_through: PYTHONUNBUFFERED's streams (every write reaches the fd at once)
+        stream = io.TextIOWrapper(raw, encoding="utf-8", line_buffering=True, write_through=unbuffered)
+        setattr(sys, name, stream)
+    low = 3
+    for fd in sorted(keep_fds):
+        os.closerange(low, fd)
+        os.set_inheritable(fd, False)
+        low = fd + 1
+    os.closerange(low, 1 << 16)
+    os.environ.clear()  # this is the child: the launcher's own environment is untouched
+    os.environ.update(env)
 
 
 @record(frozen=True)
@@ -262,6 +300,7 @@ class Launch:
     pass_fds: tuple[int, ...] = ()  # made inheritable for this child (others stay closed)
     in_child_cpus: list[int] | None = None  # bind in the child (no taskset)
     call: str = ""  # "module:function" run in a fork of this process (``argv`` is what it stands for)
+    call_args: list[str] | None = None  # given to ``call`` after the environment (None: not)
 
 
 @record(eq=False)
@@ -363,6 +402,7 @@ def spawn(launch: Launch, tag: Any = None) -> Child:
                 output_fd=log,
                 keep_fds=launch.pass_fds,
                 cpus=launch.in_child_cpus,
+                args=launch.call_args,
             )
         else:
             pid = spawn_pid(launch.argv, launch.env, stdin_fd=null, output_fd=log, cpus=launch.in_child_cpus)

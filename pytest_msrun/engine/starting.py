@@ -11,7 +11,7 @@ import sys
 import time
 
 from pytest_msrun.control import wire
-from pytest_msrun.engine import console, errorfile, timeline
+from pytest_msrun.engine import console, errorfile, template, timeline
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.kinds import Role
@@ -56,6 +56,7 @@ class ProcessStarting:
     """Starting this node's processes (a part of :class:`~.agent.Agent`)."""
 
     _spawn_said: bool
+    _fork_refusals: set[str]  # why workers were spawned rather than forked (each said once)
     cfg: LaunchConfig
     control_sock: Any
     deadlines: ranknotes.DeadlineWatch | None
@@ -93,20 +94,44 @@ class ProcessStarting:
         if spec.error_file:
             errorfile.clear(spec.error_file)
         trace_env = self.trace.child_env if self.trace is not None else {}
+        env = {**spec.env, **trace_env, **(extra_env or {})}
+        call_args = None
+        if not call and not held and spec.role == Role.WORKER and not self._fork_refusal(spec, env):
+            call, call_args = f"{template.__name__}:run_module", list(spec.argv)
         launch = Launch(
             argv=spec.command,
-            env={**spec.env, **trace_env, **(extra_env or {})},
+            env=env,
             log_path=spec.log_path,
             stdin_devnull=spec.role == Role.SCHEDULER or self.detached,
             pass_fds=pass_fds,
             in_child_cpus=spec.in_child_cpus,
             call=call,
+            call_args=call_args,
         )
         child = self.group.start(launch, spec, held=held)
         timeline.mark(f"started {spec.label}")
         if announce and not held:
             self.emit(JobEvent.PROCESS_STARTED, child)
         return child
+
+    def _fork_refusal(self, spec: ProcessSpec, env: dict[str, str]) -> str:
+        """Why a worker is spawned rather than forked from this msrun ("" when it is forked):
+        only an msrun forked from a fork server forks workers (:mod:`.template`), each one that
+        a fork stands for exactly, and only while no other thread runs here. Said once."""
+        if not template.is_template():
+            return "not a fork server's msrun"  # said nowhere: the usual way
+        import _thread
+
+        if spec.bind_prefix:
+            why = f"a binding command ({os.path.basename(spec.bind_prefix[0])}) runs in front"
+        elif _thread._count():
+            why = "another thread runs in msrun"
+        else:
+            why = template.why_not_python(spec.argv, env, template.rank_hook_dir())
+        if why and why not in self._fork_refusals:
+            self._fork_refusals.add(why)
+            console.info(f"workers start as new processes, not forked from the fork server: {why}")
+        return why
 
     def _forkable(self, spec: ProcessSpec) -> bool:
         """The builtin control plane runs in a fork of msrun (its code is already imported here)
@@ -142,6 +167,8 @@ class ProcessStarting:
         entering = self.guard.entering
         waiting = entering is not None and entering.done.locked()
         if waiting and not self._holdable(plan.workers[0]):
+            return False
+        if waiting and template.is_template():  # forked once msrun is in the cgroup (no thread runs)
             return False
         from pytest_msrun.engine.earlystart import FirstStarted
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import sys
 import warnings
 from collections.abc import Generator
 from typing import Any
@@ -26,6 +27,7 @@ from pytest_msrun.engine.slurm import allocation
 from pytest_msrun.pathsearch import which
 from pytest_msrun.plugin import envscope, options
 from pytest_msrun.plugin.debugserver import NO_TTY, DebugServer
+from pytest_msrun.plugin.forkserver import ForkServer, preload_for
 from pytest_msrun.plugin.jobs import PYTEST_TIMEOUT, Jobs, static_skip
 from pytest_msrun.plugin.marker import MARKER, MarkerError, MsrunSpec, default_timeout, spec_for
 from pytest_msrun.plugin.merge import Merger
@@ -92,6 +94,19 @@ def exit_timeout(config: pytest.Config) -> float:
     return float(value)
 
 
+def _fork_server(config: pytest.Config) -> ForkServer:
+    """The session's fork server (started with the first marked test collected)."""
+
+    def log_path() -> str:
+        factory = config._tmp_path_factory  # type: ignore[attr-defined]
+        return str(factory.getbasetemp() / "msrun-fork-server.log")
+
+    def preload() -> list[str]:  # what the ranks load (hypothesis's plugin: see Jobs._unused_plugins)
+        return preload_for(config, [] if "hypothesis" in sys.modules else ["hypothesispytest"])
+
+    return ForkServer(preload, log_path)
+
+
 class Controller:
     """Registered in a normal pytest session: runs marked tests as jobs."""
 
@@ -113,6 +128,9 @@ class Controller:
         prefetch = config.getoption("msrun_prefetch") or config.getini("msrun_prefetch") or "on"
         if prefetch not in ("on", "off"):
             raise pytest.UsageError(f"msrun_prefetch = {prefetch!r} in the ini file: use on or off")
+        forking = config.getoption("msrun_fork_server") or config.getini("msrun_fork_server") or "on"
+        if forking not in ("on", "off"):
+            raise pytest.UsageError(f"msrun_fork_server = {forking!r} in the ini file: use on or off")
         scope = config.getoption("msrun_env_scope") or config.getini("msrun_env_scope") or "job"
         if scope not in envscope.SCOPES:
             raise pytest.UsageError(f"msrun_env_scope = {scope!r} in the ini file: use job or test")
@@ -126,9 +144,11 @@ class Controller:
         self.debug = DebugServer(post_mortem=usepdb, terminal=config.stash.get(TERMINAL, None))
         self.traces = TraceNotes()  # each test's spans and verdict, added to its job's trace at the job's end
         self.reporter = Reporter(config, self.style, self.leaks, self.timelines, self.traces)
+        self.forks = _fork_server(config) if forking == "on" else None
         self.jobs = Jobs(
             config,
             debug=self.debug,
+            forks=self.forks,
             args=options.command_line(config),
             trace_dir=_trace_dir(config),
             cluster=cluster,
@@ -170,7 +190,16 @@ class Controller:
         if self.html is not None:
             self.html.write()
 
+    def pytest_itemcollected(self, item: pytest.Item) -> None:
+        """The fork server starts with the first marked test collected: its imports overlap the
+        rest of the collection."""
+        if self.forks is not None and item.get_closest_marker(MARKER) is not None:
+            self.forks.begin()
+
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if self.forks is not None:
+            for why in self.forks.refusals:
+                terminalreporter.write_line(f"msrun: {why}")
         if self.html is not None:  # after the progress line's end, at every verbosity
             self.html.announce(terminalreporter)
 
@@ -181,6 +210,8 @@ class Controller:
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.worlds.stop_all()
         self.debug.close()
+        if self.forks is not None:
+            self.forks.close()
         if self.html is not None:  # no terminal summary (--no-summary, an internal error)
             self.html.announce(config.pluginmanager.get_plugin("terminalreporter"))
 

@@ -23,9 +23,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Union
 
 from pytest_msrun.control.observer import query_state
+from pytest_msrun.engine import template
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.plan import job_ranks
 from pytest_msrun.engine.processes import term_grace, with_parent_death_signal
@@ -33,11 +34,13 @@ from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.engine.status import STATUS_FILE, node_status_file, read_status
 from pytest_msrun.plugin import records
 from pytest_msrun.plugin.debugserver import DebugServer, NoDebug
+from pytest_msrun.plugin.forkserver import ForkedProcess, ForkServer
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.outcomes import RankEnd
 from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, SHARED_TMP_ENV, records_path, stacks_path
 from pytest_msrun.proc import running
 
+Process = Union[subprocess.Popen, ForkedProcess]  # an msrun: spawned, or forked by the fork server
 STACK_WAIT = 2.0
 CLI = "pmsrun"  # how a user types this project's msrun
 
@@ -103,7 +106,7 @@ class JobRun:
 class Launched:
     """A job's running msrun invocations: processes, their console logs, output pumps."""
 
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    procs: list[Process] = field(default_factory=list)
     logs: list[str] = field(default_factory=list)
     pumps: list[threading.Thread] = field(default_factory=list)
 
@@ -128,8 +131,10 @@ class TestJob:
         live_output: bool,
         cluster: Allocation | None = None,
         debug: DebugServer | NoDebug | None = None,
+        forks: ForkServer | None = None,
     ) -> None:
         self.nodeid = nodeid
+        self.forks = forks  # the session's fork server (None: msrun is spawned)
         self.debug = debug or NoDebug()
         self.nodeids = [nodeid]  # what each rank's pytest collects (a warm world: every test it may run)
         self.spec = spec
@@ -377,8 +382,13 @@ class TestJob:
     def has_control_plane(self) -> bool:
         return self.spec.sim_level is None and self.spec.scheduler != "task"
 
-    def _start(self, cmd: list[str], env: dict[str, str], log_path: str) -> tuple[subprocess.Popen, Any]:
-        """Start one msrun in its own session; it gets SIGTERM (and tears down) if this process dies."""
+    def _start(self, cmd: list[str], env: dict[str, str], log_path: str) -> tuple[Process, Any]:
+        """Start one msrun in its own session - forked by the session's fork server where it can,
+        else spawned; it gets SIGTERM (and tears down) if this process dies."""
+        if self.forks is not None:
+            forked = self._fork(cmd, env, log_path)
+            if forked is not None:
+                return forked
         argv, preexec = with_parent_death_signal(cmd, signal.SIGTERM)
         log_fh = open(log_path, "wb")  # noqa: SIM115 - handed to the child (and the pump), closed below
         pump = None
@@ -399,6 +409,46 @@ class TestJob:
             if not self.live_output:
                 log_fh.close()
         return popen, pump
+
+    def _fork(self, cmd: list[str], env: dict[str, str], log_path: str) -> tuple[Process, Any] | None:
+        """msrun forked by the fork server (None: spawn it). Why its ranks will not be forked in
+        turn, where this process can tell, is noted once."""
+        forks = self.forks
+        assert forks is not None
+        if forks.origin:
+            differ = template.differences(env, forks.origin)
+            if differ:
+                forks.refuse(f"ranks start as new processes where {', '.join(differ)} differ from this session's")
+        if self.spec.bind_numa != "False":
+            forks.refuse("ranks of tests with bind_numa start as new processes (numactl runs in front of them)")
+        log_fh = open(log_path, "wb")  # noqa: SIM115 - handed to the child (and the pump), closed below
+        read_fd = write_fd = -1
+        try:
+            if self.live_output:
+                read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+            out = write_fd if self.live_output else log_fh.fileno()
+            reader = os.fdopen(read_fd, "rb") if self.live_output else None
+            read_fd = -1
+            proc = forks.start_msrun(cmd, env, out, log_fh.fileno(), reader)
+            if proc is None:
+                if reader is not None:
+                    reader.close()
+                log_fh.close()
+                return None
+            pump = None
+            if reader is not None:
+                pump = threading.Thread(target=_pump_rank_lines, args=(reader, log_fh), daemon=True)
+                pump.start()
+            else:
+                log_fh.close()
+            return proc, pump
+        except BaseException:
+            log_fh.close()
+            raise
+        finally:
+            for fd in (read_fd, write_fd):
+                if fd >= 0:
+                    os.close(fd)
 
     # ---------------------------------------------------------------- helpers
     def _status_names(self) -> list[str]:
@@ -460,7 +510,7 @@ class TestJob:
         for pump in launched.pumps:
             pump.join(timeout=5)
 
-    def _stop(self, procs: list[subprocess.Popen]) -> None:
+    def _stop(self, procs: list[Process]) -> None:
         """msrun's own teardown on SIGTERM; SIGKILL of its session after a grace period."""
         for popen in procs:
             if popen.poll() is None:

@@ -18,6 +18,7 @@ import pytest
 from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.plugin import covdata, options
 from pytest_msrun.plugin.debugserver import DebugServer, NoDebug
+from pytest_msrun.plugin.forkserver import ForkServer
 from pytest_msrun.plugin.job import TestJob
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.pool import DeviceInventory
@@ -63,8 +64,10 @@ class Jobs:
         inventory: DeviceInventory,
         timeout: float,
         debug: DebugServer | NoDebug | None = None,
+        forks: ForkServer | None = None,
     ) -> None:
         self.config = config
+        self.forks = forks  # the session's fork server (None: every msrun is spawned)
         self.debug = debug or NoDebug()  # the ranks' debugger (breakpoint(), --pdb)
         self.args = args
         self.trace_dir = trace_dir
@@ -110,6 +113,7 @@ class Jobs:
             live_output=getattr(self.config.option, "capture", "fd") == "no",
             cluster=self.cluster,
             debug=self.debug,
+            forks=self.forks,
         )
 
     def _unused_plugins(self) -> list[str]:

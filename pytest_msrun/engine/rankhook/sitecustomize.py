@@ -128,10 +128,12 @@ def _chain():
 
 
 # Each step on its own: one that fails (the trace's disk is full) must not skip the next - above
-# all _leave, without which _chain would import this file again, and again.
-for _step in (_hold, _install, _trace_start, _leave):
-    try:
-        _step()
-    except Exception:
-        pass
-_chain()
+# all _leave, without which _chain would import this file again, and again. (A worker msrun forks
+# from its fork server runs the steps itself: engine/template.py.)
+if __name__ == "sitecustomize":
+    for _step in (_hold, _install, _trace_start, _leave):
+        try:
+            _step()
+        except Exception:
+            pass
+    _chain()

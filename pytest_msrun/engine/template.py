@@ -1,0 +1,380 @@
+"""A fork server: one interpreter that imported what a job runs, forking each job's msrun on request.
+
+A new Python process spends most of its start on imports (pytest and every installed plugin:
+~0.2-0.3 s), and a world's ranks are such processes. The template imports them once per session
+and node, collects nothing and reads no job's variables, then waits on a socketpair. For each
+request (an msrun command line, its environment, working directory and standard streams, passed as
+descriptors) it forks a child with ``CLONE_PARENT``: the child is the *requester's* own child, as
+if it had spawned it (its exit status, its signals, its parent-death signal), and runs msrun's entry
+point. That msrun, a copy of the template, forks its Python workers (``python -m pytest ...``)
+rather than starting interpreters (:func:`why_not_python` says when it may): they are msrun's own
+children, in its session rules, its job's cgroup and its binding, exactly as spawned ones.
+
+A fork stands for a fresh ``python`` only where start-up would have been the same: the same
+interpreter, no interpreter options, and the same values of every variable start-up reads
+(``PYTHON*``, the loader's, the locale's, ...; :data:`STARTUP_PREFIXES`). What may differ is only
+msrun's rank hook on ``PYTHONPATH``: a forked worker runs that hook's steps itself. A template
+whose imports started a thread, or whose installed code changed since it started, forks nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+
+FD_ENV = "MSRUN_TEMPLATE_FD"  # the template's end of its socketpair (a descriptor number)
+_RESTART_ENV = "MSRUN_TEMPLATE_RESTART"  # what a template that started over imports (JSON)
+ENGINE_MODULES = (  # what msrun runs in a job: its launch path and the control plane it forks
+    "pytest_msrun.entry",
+    "pytest_msrun.engine.cli",
+    "pytest_msrun.engine.agent",
+    "pytest_msrun.engine.containment",
+    "pytest_msrun.engine.earlystart",
+    "pytest_msrun.engine.ranknotes",
+    "pytest_msrun.control.scheduler",
+    "json",
+    "runpy",
+)
+# Variables an interpreter reads while it starts (or its C library does): a fork stands for a fresh
+# interpreter only where each of them has the template's value.
+STARTUP_PREFIXES = ("PYTHON", "LD_", "LC_", "MALLOC_", "GLIBC_", "COV_CORE_", "COVERAGE_")
+STARTUP_NAMES = frozenset({"TZ", "LANG", "LANGUAGE", "HOME", "TMPDIR"})
+REQUEST_LIMIT = 1 << 22  # bytes of one request (an environment and a command line)
+
+# In the template and every process forked from it: its start-up environment (None elsewhere).
+_origin: dict[str, str] | None = None
+_stamp: dict[str, int] = {}  # files and directories whose change makes the template stale
+
+
+def is_template() -> bool:
+    """Whether this process is the template or forked from it (msrun may fork its workers)."""
+    return _origin is not None
+
+
+def startup_vars(env: Mapping[str, str], hook_dir: str = "") -> dict[str, str]:
+    """The variables of ``env`` an interpreter's start-up reads (``hook_dir``, msrun's rank hook,
+    left out of ``PYTHONPATH``: a forked worker runs its steps itself)."""
+    out = {k: v for k, v in env.items() if k in STARTUP_NAMES or k.startswith(STARTUP_PREFIXES)}
+    if hook_dir and "PYTHONPATH" in out:
+        parts = [p for p in out["PYTHONPATH"].split(os.pathsep) if p != hook_dir]
+        if any(parts):
+            out["PYTHONPATH"] = os.pathsep.join(parts)
+        else:
+            del out["PYTHONPATH"]
+    return out
+
+
+def differences(env: Mapping[str, str], origin: Mapping[str, str], hook_dir: str = "") -> list[str]:
+    """The start-up variables whose values in ``env`` and ``origin`` differ (sorted names)."""
+    mine, theirs = startup_vars(env, hook_dir), startup_vars(origin)
+    return sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+
+
+def why_not_python(argv: list[str], env: Mapping[str, str], hook_dir: str = "") -> str:
+    """Why ``argv`` with ``env`` cannot run in a fork of this template ("" when it can): the fork
+    must stand for ``python -m MODULE ...`` started by this interpreter, with start-up reading the
+    same variables, from unchanged installed code."""
+    if _origin is None:
+        return "msrun was not forked from a fork server"
+    if len(argv) < 3 or argv[1] != "-m" or not argv[2] or argv[2].startswith("-"):
+        return "the command is not `python -m MODULE`"
+    from pytest_msrun.pathsearch import which
+
+    path = which(argv[0], path=env.get("PATH", os.defpath))
+    if path is None or os.path.realpath(path) != os.path.realpath(sys.executable):
+        return f"{argv[0]} is not the fork server's interpreter ({sys.executable})"
+    differ = differences(env, _origin, hook_dir)
+    if differ:
+        return f"{', '.join(differ)} differ{'s' if len(differ) == 1 else ''} from the fork server's"
+    return stale()
+
+
+def stale() -> str:
+    """Why the template's imports may no longer be the installed code ("" when they are)."""
+    for path, mtime in _stamp.items():
+        try:
+            now = os.stat(path).st_mtime_ns
+        except OSError:
+            now = -1
+        if now != mtime:
+            return f"{path} changed since the fork server started"
+    return ""
+
+
+def _take_stamp() -> dict[str, int]:
+    """What to watch: every import directory (a package installed or removed changes its mtime)
+    and the file of every top-level module imported here."""
+    paths = {p for p in sys.path[1:] if p and os.path.isdir(p)}
+    for name, module in list(sys.modules.items()):
+        if "." not in name:
+            path = getattr(module, "__file__", None)
+            if isinstance(path, str):
+                paths.add(path)
+    out: dict[str, int] = {}
+    for path in paths:
+        try:
+            out[path] = os.stat(path).st_mtime_ns
+        except OSError:
+            pass
+    return out
+
+
+def rank_hook_dir() -> str:
+    """msrun's rank hook directory, as msrun puts it on a worker's ``PYTHONPATH``."""
+    from pytest_msrun.engine.errorfile import hook_dir
+
+    return hook_dir(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def run_module(env: dict[str, str], argv: list[str]) -> int:
+    """In a fork of the template (``fork_call``): run ``python -m MODULE ARGS`` as a fresh
+    interpreter would - ``sys.argv``, ``sys.path[0]``, ``__main__``, msrun's rank hook, an uncaught
+    exception through ``sys.excepthook``, non-daemon threads joined and ``atexit`` handlers run at
+    the end. Returns the exit status."""
+    hook = rank_hook_dir()
+    if hook in env.get("PYTHONPATH", "").split(os.pathsep):
+        _run_rank_hook(hook)
+    sys.path[0] = os.getcwd()  # what -m puts first
+    sys.argv = ["-m", *argv[3:]]  # runpy puts the module's file first, as -m does
+    sys.orig_argv = list(argv)
+    code = 0
+    try:
+        import runpy
+
+        runpy._run_module_as_main(argv[2])  # type: ignore[attr-defined]
+    except SystemExit as exc:
+        from pytest_msrun.engine.processes import exit_code_of
+
+        code = exit_code_of(exc)
+    except BaseException:
+        code = 1
+        try:
+            sys.excepthook(*sys.exc_info())
+        except Exception:
+            pass
+    return _finalize(code)
+
+
+def _finalize(code: int) -> int:
+    """What an interpreter does on its way out, before ``os._exit``: join non-daemon threads,
+    run ``atexit`` handlers, flush the standard streams."""
+    threading = sys.modules.get("threading")
+    if threading is not None:
+        try:
+            threading._shutdown()
+        except BaseException:
+            pass
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    return code
+
+
+def _run_rank_hook(hook: str) -> None:
+    """msrun's rank hook's steps, as ``site`` runs them in a spawned worker (no hold: a fork is
+    made inside the job's cgroup; no chained ``sitecustomize``: the template ran it)."""
+    import runpy
+
+    steps = runpy.run_path(os.path.join(hook, "sitecustomize.py"), run_name="msrun_rankhook")
+    for name in ("_install", "_trace_start", "_leave"):
+        try:
+            steps[name]()
+        except Exception:
+            pass
+
+
+# ------------------------------------------------------------------------------------ the template
+
+_CLONE_PARENT = 0x00008000
+_SIGCHLD = 17
+_SYS_CLONE = {"x86_64": 56, "aarch64": 220}  # clone(2) where its first argument is the flags
+
+
+def clone_parent() -> int:
+    """Fork this process as a child of its *parent* (``clone(CLONE_PARENT)``): 0 in the child,
+    its pid here. Python's fork protocol around it (``PyOS_BeforeFork``/``AfterFork_*``: locks,
+    the GIL, ``os.register_at_fork`` handlers such as :mod:`random`'s reseeding)."""
+    import ctypes
+
+    number = _SYS_CLONE.get(os.uname().machine)
+    if number is None:
+        raise OSError(f"clone(CLONE_PARENT) is not wired up on {os.uname().machine}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    api = ctypes.pythonapi
+    api.PyOS_BeforeFork()
+    pid = libc.syscall(ctypes.c_long(number), ctypes.c_ulong(_CLONE_PARENT | _SIGCHLD), 0, 0, 0, 0)
+    if pid == 0:
+        api.PyOS_AfterFork_Child()
+        return 0
+    errno = ctypes.get_errno()
+    api.PyOS_AfterFork_Parent()
+    if pid < 0:
+        raise OSError(errno, os.strerror(errno))
+    return int(pid)
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def _preload(names: list[str], skip: list[str]) -> list[str]:
+    """Import ``names`` (then msrun's own) but ``skip``; those that failed, with why (a fork
+    imports them again). A module whose import starts a thread (numpy's BLAS pool, say) cannot be
+    in a template - a fork copies one thread and none of the locks the others hold: the template
+    starts over without it (``exec`` of itself: the threads end), so that module is the ranks'
+    own import."""
+    import importlib
+
+    failed = []
+    for name in [*names, *ENGINE_MODULES]:
+        if name in skip:
+            continue
+        try:
+            importlib.import_module(name)
+        except BaseException as exc:  # a plugin's import error is the rank's to report
+            failed.append(f"{name}: {type(exc).__name__}")
+        if _threads() > 1:
+            import json
+
+            os.environ[_RESTART_ENV] = json.dumps({"preload": names, "skip": [*skip, name]})
+            os.execv(sys.executable, [sys.executable, "-m", "pytest_msrun.engine.template"])
+    return failed
+
+
+def _start_msrun(request: dict, fds: list[int], parent: int) -> int:
+    """Fork msrun for ``request`` (its arguments, environment, working directory; ``fds``: its
+    stdin, stdout and stderr) as a child of ``parent``; returns its pid."""
+    from pytest_msrun.engine.processes import become_fresh_child, block_signals_for_fork, die_with_parent
+
+    blocked = block_signals_for_fork()
+    import signal
+
+    try:
+        pid = clone_parent()
+    except BaseException:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        raise
+    if pid:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        return pid
+    code = 1
+    try:
+        die_with_parent(signal.SIGTERM)  # msrun tears its job down on SIGTERM, as spawned
+        if os.getppid() != parent:  # the requester is gone already
+            os._exit(128 + signal.SIGTERM)
+        become_fresh_child(request["env"], stdin_fd=fds[0], stdout_fd=fds[1], stderr_fd=fds[2])
+        os.chdir(request["cwd"])
+        args = list(request["argv"])
+        import pytest_msrun
+
+        sys.argv = [os.path.join(os.path.dirname(pytest_msrun.__file__), "__main__.py"), *args]
+        from pytest_msrun.entry import main
+
+        code = main(args)
+    except SystemExit as exc:
+        from pytest_msrun.engine.processes import exit_code_of
+
+        code = exit_code_of(exc)
+    except BaseException:
+        import traceback
+
+        try:
+            traceback.print_exc()
+        except Exception:
+            pass
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+def serve(sock: object, parent: int) -> int:
+    """The template's life: a first message naming what to import, then one msrun per request,
+    until the requester closes its end."""
+    import gc
+    import json
+    import socket
+
+    assert isinstance(sock, socket.socket)
+    global _origin, _stamp
+    restart = os.environ.pop(_RESTART_ENV, "")  # this template started over (see _preload)
+    if restart:
+        hello = json.loads(restart)
+    else:
+        data, _, _, _ = socket.recv_fds(sock, REQUEST_LIMIT, 0)
+        if not data:
+            return 0
+        hello = json.loads(data)
+    _origin = {k: v for k, v in os.environ.items() if k != FD_ENV}
+    names = [n for n in hello.get("preload", []) if isinstance(n, str)]
+    failed = _preload(names, [n for n in hello.get("skip", []) if isinstance(n, str)])
+    del os.environ[FD_ENV]
+    _stamp = _take_stamp()
+    why = "" if _threads() == 1 else "an import started a thread (a fork copies only one)"
+    gc.collect()
+    gc.freeze()  # what the imports made stays shared with every fork (collections do not copy it)
+    sock.send(json.dumps({"ready": True, "why": why, "failed": failed}).encode())
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, REQUEST_LIMIT, 3)
+        except InterruptedError:
+            continue
+        if not data:
+            return 0
+        try:
+            request = json.loads(data)
+            problem = why or stale()
+            if problem:
+                reply: dict = {"error": problem}
+            elif len(fds) != 3:
+                reply = {"error": "a request carries stdin, stdout and stderr"}
+            else:
+                reply = {"pid": _start_msrun(request, fds, parent)}
+        except Exception as exc:  # this request's failure, not the template's end
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            for fd in fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        sock.send(json.dumps(reply).encode())
+
+
+def main() -> int:
+    import signal
+    import socket
+
+    from pytest_msrun.engine.processes import die_with_parent
+
+    parent = os.getppid()
+    die_with_parent(signal.SIGKILL)
+    if os.getppid() != parent:
+        return 1
+    fd = os.environ.get(FD_ENV, "")
+    if not fd.isdigit():
+        print(f"{FD_ENV} is not set: this module is started by pytest-msrun's plugin", file=sys.stderr)
+        return 2
+    sock = socket.socket(fileno=int(fd))
+    os.set_inheritable(sock.fileno(), True)  # kept across a start over (exec); never given to a fork
+    try:
+        return serve(sock, parent)
+    except (ConnectionError, KeyboardInterrupt):
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
