@@ -124,6 +124,10 @@ class ProcessStarting:
 
         if spec.bind_prefix:
             why = f"a binding command ({os.path.basename(spec.bind_prefix[0])}) runs in front"
+        elif self.guard.ready() is None:
+            # the watchdog's last resort finds a job's processes by MSRUN_JOB_ID in
+            # /proc/PID/environ, which shows a fork's template's environment
+            why = "the job has no cgroup"
         elif _thread._count():
             why = "another thread runs in msrun"
         else:

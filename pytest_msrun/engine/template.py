@@ -26,7 +26,6 @@ from collections.abc import Mapping
 FD_ENV = "MSRUN_TEMPLATE_FD"  # the template's end of its socketpair (a descriptor number)
 _RESTART_ENV = "MSRUN_TEMPLATE_RESTART"  # what a template that started over imports (JSON)
 ENGINE_MODULES = (  # what msrun runs in a job: its launch path and the control plane it forks
-    "pytest_msrun.entry",
     "pytest_msrun.engine.cli",
     "pytest_msrun.engine.agent",
     "pytest_msrun.engine.containment",
@@ -252,8 +251,9 @@ def _preload(names: list[str], skip: list[str]) -> list[str]:
 
 
 def _start_msrun(request: dict, fds: list[int], parent: int) -> int:
-    """Fork msrun for ``request`` (its arguments, environment, working directory; ``fds``: its
-    stdin, stdout and stderr) as a child of ``parent``; returns its pid."""
+    """Fork msrun for ``request`` (``call``: msrun's entry point as ``module:function``, called
+    with ``argv``; its environment, working directory; ``fds``: its stdin, stdout and stderr) as a
+    child of ``parent``; returns its pid."""
     from pytest_msrun.engine.processes import become_fresh_child, block_signals_for_fork, die_with_parent
 
     blocked = block_signals_for_fork()
@@ -275,12 +275,12 @@ def _start_msrun(request: dict, fds: list[int], parent: int) -> int:
         become_fresh_child(request["env"], stdin_fd=fds[0], stdout_fd=fds[1], stderr_fd=fds[2])
         os.chdir(request["cwd"])
         args = list(request["argv"])
-        import pytest_msrun
+        import importlib
 
-        sys.argv = [os.path.join(os.path.dirname(pytest_msrun.__file__), "__main__.py"), *args]
-        from pytest_msrun.entry import main
-
-        code = main(args)
+        module, _, function = str(request["call"]).partition(":")
+        entry = importlib.import_module(module)
+        sys.argv = [str(request.get("argv0") or getattr(entry, "__file__", module)), *args]
+        code = getattr(entry, function)(args)
     except SystemExit as exc:
         from pytest_msrun.engine.processes import exit_code_of
 
@@ -376,5 +376,7 @@ def main() -> int:
         return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # run as the imported module, whose state msrun's forks read
+    from pytest_msrun.engine import template
+
+    sys.exit(template.main())

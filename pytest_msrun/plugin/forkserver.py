@@ -25,6 +25,7 @@ import pytest
 from pytest_msrun.engine import template
 from pytest_msrun.engine.processes import with_parent_death_signal
 
+ENTRY = "pytest_msrun.entry:main"  # what `python -m pytest_msrun` runs (msrun), called with its arguments
 READY_TIMEOUT = 120.0  # s the first request waits for the template's imports
 REPLY_TIMEOUT = 30.0  # s a request waits for its pid (a fork: milliseconds)
 
@@ -186,7 +187,10 @@ class ForkServer:
         if self._broken or not self._await_ready():
             return None
         assert self._sock is not None
-        request = {"argv": cmd[3:], "env": env, "cwd": os.getcwd()}
+        import pytest_msrun
+
+        argv0 = os.path.join(os.path.dirname(pytest_msrun.__file__), "__main__.py")  # as python -m sets it
+        request = {"call": ENTRY, "argv0": argv0, "argv": cmd[3:], "env": env, "cwd": os.getcwd()}
         null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         try:
             socket.send_fds(self._sock, [json.dumps(request).encode()], [null, stdout, stderr])
@@ -223,7 +227,7 @@ def preload_for(config: pytest.Config, skip: list[str]) -> list[str]:
     """What a rank of this session imports before collecting: pytest, and the plugins loaded from
     installed distributions (entry points) but those in ``skip`` (``-p no:NAME`` given to ranks)."""
     names = ["pytest", "pytest_msrun.pytest_plugin", "pytest_msrun.plugin.rank", "pytest_msrun.plugin.serve"]
-    names.append("pytest_msrun.plugin.forked")
+    names += ["pytest_msrun.plugin.forked", ENTRY.partition(":")[0]]
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
         return names
     for plugin, _dist in config.pluginmanager.list_plugin_distinfo():

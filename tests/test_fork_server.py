@@ -1,0 +1,222 @@
+"""The fork server: a job's msrun and its Python ranks forked from a template interpreter stand
+for spawned ones exactly; what a fork cannot stand for starts as a new process and says why."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import textwrap
+
+import pytest
+from conftest import wait_gone
+
+from pytest_msrun.engine import template
+from pytest_msrun.plugin.forkserver import ForkServer
+
+PROBE = """
+import json, os, signal, sys, warnings
+
+import pytest
+
+
+def _describe():
+    env = dict(os.environ)
+    for name in ("MSRUN_JOB_ID", "MSRUN_JOB_TOKEN", "MSRUN_LOG_DIR", "MSRUN_ERROR_FILE", "MSRUN_PYTEST_OPTIONS",
+                 "MS_SCHED_PORT", "MASTER_PORT", "MSRUN_REPORT_DIR", "MSRUN_SHARED_TMP", "MSRUN_BASETEMP",
+                 "MSRUN_WORLD", "MSRUN_WORLD_TOKEN", "MSRUN_DEBUG", "MSRUN_DEBUG_TOKEN", "PYTEST_CURRENT_TEST"):
+        env.pop(name, None)
+    handlers = {}
+    for sig in signal.valid_signals():
+        try:
+            handler = signal.getsignal(sig)
+        except (OSError, ValueError):
+            continue
+        handlers[int(sig)] = handler if isinstance(handler, int) else getattr(handler, "__name__", "?")
+    return {
+        "env": {k: v for k, v in env.items() if not k.startswith("PYTEST_XDIST")},
+        "argv": sys.argv[1:],
+        "argv0": os.path.basename(sys.argv[0]),
+        "orig_argv": sys.orig_argv[1:3],
+        "path": sys.path,
+        "cwd": os.getcwd(),
+        "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, [])),
+        "handlers": handlers,
+        "cpus": sorted(os.sched_getaffinity(0)),
+        "session_leader": os.getsid(0) == os.getpid(),
+        "group_leader": os.getpgid(0) == os.getpid(),
+        "parent_is_msrun": open(f"/proc/{os.getppid()}/comm").read().strip(),
+        "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")) [:3],
+        "stdout_is_log": os.path.realpath(f"/proc/self/fd/1").endswith(f"worker_{os.environ['RANK_ID']}.log"),
+        "umask": os.umask(0o22),
+        "flags": list(sys.flags),
+        "excepthook": sys.excepthook.__name__,
+        "main": sys.modules["__main__"].__spec__.name,
+        "unbuffered": sys.stdout.write_through if hasattr(sys.stdout, "write_through") else None,
+    }
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_probe(rank):
+    forked = "pytest_msrun.engine.template" in sys.modules and sys.modules["pytest_msrun.engine.template"].is_template()
+    with open(os.path.join(os.environ["PROBE_DIR"], f"rank{rank}.json"), "w") as fh:
+        json.dump({"forked": forked, "me": _describe()}, fh)
+"""
+
+
+def _probe(pytester, monkeypatch, tracked, mode: str) -> dict[str, dict]:
+    out = pytester.path / "probe"
+    out.mkdir(exist_ok=True)
+    monkeypatch.setenv("PROBE_DIR", str(out))
+    pytester.makepyfile(test_probe=PROBE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--msrun-fork-server={mode}", timeout=240)
+    result.assert_outcomes(passed=1)
+    # each session's own directories (pytester's runpytest-N) named alike
+    names = ("rank0.json", "rank1.json")
+    texts = {name: re.sub(r"runpytest-\d+", "runpytest-N", (out / name).read_text()) for name in names}
+    return {name: json.loads(text) for name, text in texts.items()}
+
+
+def test_a_forked_rank_is_indistinguishable_from_a_spawned_one(pytester, monkeypatch, tracked):
+    forked = _probe(pytester, monkeypatch, tracked, "on")
+    spawned = _probe(pytester, monkeypatch, tracked, "off")
+    for name in ("rank0.json", "rank1.json"):
+        assert forked[name]["forked"], "the fork server did not fork this rank"
+        assert not spawned[name]["forked"]
+        mine, theirs = forked[name]["me"], spawned[name]["me"]
+        env, env_theirs = mine.pop("env"), theirs.pop("env")
+        keys = set(env) | set(env_theirs)
+        assert {k: (env.get(k), env_theirs.get(k)) for k in keys if env.get(k) != env_theirs.get(k)} == {}
+        differ = {key: (mine[key], theirs.get(key)) for key in mine if mine[key] != theirs.get(key)}
+        assert not differ, differ
+        assert mine["session_leader"] and mine["stdout_is_log"]
+
+
+def test_the_summary_says_why_ranks_start_as_new_processes(pytester, monkeypatch, tracked):
+    pytester.makepyfile(
+        test_why="""
+        import pytest
+
+        @pytest.mark.msrun(worker_num=2, env={"PYTHONHASHSEED": "7"})
+        def test_seeded(rank):
+            import sys
+            assert "pytest_msrun.engine.template" not in sys.modules  # a new interpreter
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=240)
+    result.assert_outcomes(passed=1)
+    lines = [line for line in result.stdout.lines if line.startswith("msrun: ranks start as new processes")]
+    assert len(lines) == 1 and "PYTHONHASHSEED" in lines[0], result.stdout.str()
+
+
+def test_a_stale_fork_server_forks_nothing_more(pytester, monkeypatch, tracked):
+    """Installed code changing mid-session (a directory on the import path): later jobs spawn."""
+    site = pytester.path / "site"
+    site.mkdir()
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("SITE_DIR", str(site))
+    pytester.makepyfile(
+        test_stale="""
+        import os, sys
+        import pytest
+
+        def forked():
+            return "pytest_msrun.engine.template" in sys.modules
+
+        @pytest.mark.msrun(worker_num=1)
+        def test_first(rank):
+            assert forked()
+            if rank == 0:
+                open(os.path.join(os.environ["SITE_DIR"], "newmodule.py"), "w").close()
+
+        @pytest.mark.msrun(worker_num=1, isolated=True, env={"OTHER": "1"})
+        def test_second(rank):
+            assert not forked()
+        """
+    )
+    # the second world starts after the first test (not ahead of it, beside it)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msrun-prefetch=off", timeout=240)
+    result.assert_outcomes(passed=2)
+    assert any("changed since the fork server started" in line for line in result.stdout.lines), result.stdout.str()
+
+
+def _job(tmp_path, worker: list[str]) -> list[str]:
+    log_dir = tmp_path / "logs"
+    return [
+        sys.executable,
+        "-m",
+        "pytest_msrun",
+        "--worker_num=1",
+        "--local_worker_num=1",
+        "--master_port=0",
+        "--join=True",
+        f"--log_dir={log_dir}",
+        *worker,
+    ]
+
+
+def test_a_module_whose_import_starts_a_thread_is_left_to_the_ranks(tmp_path, monkeypatch, tracked):
+    """numpy's BLAS pool, say: the template starts over without it, and forks as before."""
+    (tmp_path / "threadmod.py").write_text(
+        textwrap.dedent(
+            """
+            import threading
+            STOP = threading.Event()
+            threading.Thread(target=STOP.wait, daemon=True).start()
+            """
+        )
+    )
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ)  # the template starts with this environment, as the job's
+    server = ForkServer(lambda: ["threadmod"], lambda: str(tmp_path / "server.log"))
+    try:
+        cmd = _job(tmp_path, [sys.executable, "-m", "calendar", "2026", "12"])
+        with open(tmp_path / "msrun.log", "wb") as log:
+            proc = server.start_msrun(cmd, env, log.fileno(), log.fileno())
+        assert proc is not None, server.refusals
+        assert proc.wait(timeout=60) == 0, (tmp_path / "msrun.log").read_text()
+        assert "December 2026" in (tmp_path / "logs" / "worker_0.log").read_text()
+        assert not server.refusals
+    finally:
+        server.close()
+
+
+def test_an_exception_in_a_forked_worker_is_its_error_file_and_exit_status(tmp_path, monkeypatch, tracked):
+    (tmp_path / "boom.py").write_text("raise ValueError('forked and failed')\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ)
+    server = ForkServer(lambda: [], lambda: str(tmp_path / "server.log"))
+    try:
+        cmd = _job(tmp_path, [sys.executable, "-m", "boom"])
+        with open(tmp_path / "msrun.log", "wb") as log:
+            proc = server.start_msrun(cmd, env, log.fileno(), log.fileno())
+        assert proc is not None, server.refusals
+        assert proc.wait(timeout=60) == 1
+        record = json.loads((tmp_path / "logs" / "worker_0.error.json").read_text())
+        assert record["type"] == "ValueError" and record["message"] == "forked and failed"
+        assert "ValueError: forked and failed" in (tmp_path / "logs" / "worker_0.log").read_text()
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize(
+    "env,origin,hook,expected",
+    [
+        ({"PYTHONPATH": "/h:/a", "X": "1"}, {"PYTHONPATH": "/a"}, "/h", []),
+        ({"PYTHONPATH": "/h"}, {}, "/h", []),
+        ({"PYTHONPATH": "/b"}, {"PYTHONPATH": "/a"}, "/h", ["PYTHONPATH"]),
+        ({"LD_PRELOAD": "x.so", "LC_ALL": "C"}, {}, "", ["LC_ALL", "LD_PRELOAD"]),
+        ({"RANK": "1", "MS_ROLE": "MS_WORKER", "OMP_NUM_THREADS": "2"}, {}, "", []),
+    ],
+)
+def test_only_variables_start_up_reads_must_match(env, origin, hook, expected):
+    assert template.differences(env, origin, hook) == expected
+
+
+def test_the_template_leaves_nothing_when_its_session_closes_it(tmp_path, tracked):
+    server = ForkServer(lambda: ["json"], lambda: str(tmp_path / "server.log"))
+    server.begin()
+    assert server._await_ready()
+    server.close()
+    assert not wait_gone(tracked)
