@@ -9,6 +9,10 @@ import uuid
 
 import pytest
 from conftest import MARK, wait_gone
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pytest_msrun.plugin import rankmemory
 
 LEAKY = """
 import os
@@ -125,3 +129,125 @@ def test_bad_sizes_are_usage_errors(pytester, args, ini, said):
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert said in result.stderr.str()
     assert "use a size such as 200MB, 100MiB, 1GiB" in result.stderr.str()
+
+
+# ---------------------------------------------------------------- the rules, against tiny oracles
+FACTORS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4, "kB": 1000, "KB": 1000}
+FACTORS.update({"MB": 1000**2, "GB": 1000**3, "TB": 1000**4, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3})
+FACTORS.update({"TiB": 1024**4, "mib": 1024**2, "gb": 1000**3})
+
+
+@given(st.integers(0, 10**15 - 1), st.sampled_from(sorted(FACTORS)), st.sampled_from(["", " "]))
+def test_sizes_in_every_unit(n, unit, space):
+    assert rankmemory.parse_size(f"{n}{space}{unit}") == n * FACTORS[unit]
+
+
+@given(st.integers(0, 10**6), st.integers(0, 999), st.sampled_from(["MiB", "GB", "K"]))
+def test_fractional_sizes_round_down(whole, thousandths, unit):
+    expected = (whole * 1000 + thousandths) * FACTORS[unit] // 1000
+    assert rankmemory.parse_size(f"{whole}.{thousandths:03d}{unit}") == expected
+
+
+@given(st.text(max_size=30))
+def test_any_text_is_a_size_or_one_clear_error(text):
+    try:
+        assert rankmemory.parse_size(text) >= 0
+    except ValueError as exc:
+        assert "is not a size: use a size such as 200MB" in str(exc)
+
+
+@pytest.mark.parametrize("text", ["", "-1", "1e9", "nan", "inf", "1.5.5M", "12 parsecs", "0x10", "1,000"])
+def test_not_sizes(text):
+    with pytest.raises(ValueError, match="is not a size"):
+        rankmemory.parse_size(text)
+
+
+@given(st.integers(-(1 << 45), 1 << 45))
+def test_sizes_are_shown_close_to_their_value(n):
+    shown = rankmemory.format_size(n)
+    number, _, unit = shown.partition(" ")
+    factor = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}[unit]
+    assert abs(float(number) * factor - n) <= 0.05 * factor
+
+
+SIZES = st.integers(0, 1 << 36)
+
+
+@given(SIZES, SIZES, st.integers(-(1 << 30), 1 << 30), st.booleans(), st.integers(-1, 1 << 32))
+def test_a_growth_is_named_iff_past_the_bound_less_imports_and_a_new_runtime(before, after, owned, runtime, bound):
+    sample = {"before": before, "after": after, "owned": owned}
+    if runtime:
+        sample.update(runtime=True, devices={"cuda:0": [0, 0, 0, 0]})
+    named = bound > 0 and not runtime and after - before - max(owned, 0) > bound  # the oracle
+    items = rankmemory.judge(sample, bound)
+    assert bool(items) == named
+    if named:
+        assert items[0].startswith(f"resident memory grew by {rankmemory.format_size(after - before - max(owned, 0))}")
+
+
+@given(SIZES, SIZES, SIZES, SIZES, st.integers(1, 1 << 32))
+def test_device_growth_is_judged_by_allocated_memory(alloc0, alloc1, reserved0, reserved1, bound):
+    sample = {"before": 0, "after": 0, "owned": 0, "runtime": False}
+    sample["devices"] = {"cuda:1": [alloc0, reserved0, alloc1, reserved1]}
+    items = rankmemory.judge(sample, bound)
+    assert bool(items) == (alloc1 - alloc0 > bound)
+    assert all(item.startswith("cuda:1 memory allocated grew by") for item in items)
+
+
+@given(st.one_of(st.none(), st.text(), st.lists(st.integers()), st.dictionaries(st.text(), st.text())))
+def test_samples_from_the_wire_are_judged_totally(sample):
+    assert rankmemory.judge(sample, 1) == [] or isinstance(sample, dict)
+    assert rankmemory.past_max(sample, 1) is False
+
+
+@given(st.integers(-10, 1 << 40), st.integers(-10, 1 << 40))
+def test_past_max(resident, maximum):
+    assert rankmemory.past_max(resident, maximum) == (maximum > 0 and resident > maximum)
+
+
+class _Cuda:
+    def __init__(self, initialised: bool) -> None:
+        self.initialised = initialised
+
+    def is_initialized(self) -> bool:
+        return self.initialised
+
+    def device_count(self) -> int:
+        return 2
+
+    def memory_allocated(self, i: int) -> int:
+        return 100 + i
+
+    def memory_reserved(self, i: int) -> int:
+        return 200 + i
+
+
+class _Torch:
+    def __init__(self, initialised: bool) -> None:
+        self.cuda = _Cuda(initialised)
+
+
+def test_device_memory_only_where_a_framework_initialised_it():
+    assert rankmemory.devices({}) == {}  # never imported to look
+    assert rankmemory.devices({"torch": _Torch(False)}) == {}
+    assert rankmemory.devices({"torch": _Torch(True)}) == {"cuda:0": [100, 200], "cuda:1": [101, 201]}
+
+
+def _touched(size: int) -> bytearray:
+    return bytearray(b"m") * size
+
+
+def test_the_watch_counts_the_tests_growth_not_what_imports_grew_nor_garbage():
+    big = 120 << 20
+    watch = rankmemory.Watch()
+    watch.enter()  # a first import
+    imported = _touched(big)
+    watch.exit()
+    assert rankmemory.judge(watch.end(100 << 20), 100 << 20) == []
+    cycle: list = [_touched(big)]
+    cycle.append(cycle)  # garbage only a collection frees
+    del cycle
+    assert rankmemory.judge(watch.end(100 << 20), 100 << 20) == []
+    kept = _touched(big)
+    assert rankmemory.judge(watch.end(100 << 20), 100 << 20)
+    del imported, kept
