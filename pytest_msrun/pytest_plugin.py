@@ -131,6 +131,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="what a test in a warm world leaves behind (threads, child processes, open files, "
         "environment, working directory): a warning (default), a failure, or nothing",
     )
+    group.addoption(
+        "--msrun-leak-rss",
+        dest="msrun_leak_rss",
+        metavar="SIZE",
+        default=None,
+        help="a test in a warm or forking world that grows a rank's resident memory (or a device's "
+        "allocated memory) by more than SIZE left it behind, judged as --msrun-leaks says: 200MB, 100MiB, "
+        "1GiB, bytes, 0 (off); what first imports of modules and broader fixtures grow is not counted "
+        "(default: 100MiB)",
+    )
+    group.addoption(
+        "--msrun-max-rss",
+        dest="msrun_max_rss",
+        metavar="SIZE",
+        default=None,
+        help="a warm world whose rank's resident memory is past SIZE after a test ends after it, and "
+        "the next test starts a new one (a warning names the rank): 2GiB, 500MB, ... (default: 0, off)",
+    )
     parser.addini("msrun_timeout", "default timeout in seconds of a marked test's job", default="300")
     parser.addini("msrun_exit_timeout", "seconds ranks may take to exit (see --msrun-exit-timeout)", default="60")
     parser.addini("msrun_worlds", "warm or fresh (see --msrun-worlds)", default="warm")
@@ -138,6 +156,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("msrun_env_scope", "job or test (see --msrun-env-scope)", default="job")
     parser.addini("msrun_fork_server", "on or off (see --msrun-fork-server)", default="on")
     parser.addini("msrun_leaks", "warn, error or off (see --msrun-leaks)", default="warn")
+    parser.addini("msrun_leak_rss", "memory growth a test may leave (see --msrun-leak-rss)", default="100MiB")
+    parser.addini("msrun_max_rss", "a warm world's rank's resident bound (see --msrun-max-rss)", default="0")
     parser.addini("msrun_report", "failure detail: first or all (see --msrun-detail)", default="first")
     parser.addini("msrun_devices", "devices jobs may use (see --msrun-devices)", default="auto")
 

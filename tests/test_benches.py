@@ -73,6 +73,10 @@ BENCHES = {
             "target:",
         ],
     ),
+    "memory watch": (
+        ["bench_memory.py", "--calls", "200", "--rounds", "1", "--tests", "2", "--runs", "1"],
+        ["rank side, per test, small heap", "end to end, per test (on - off)", "target:"],
+    ),
     "dry run": (
         ["bench_dryrun.py", "--ranks", "16", "--small", "8"],
         ["16 simulated ranks", "msrun peak RSS"],

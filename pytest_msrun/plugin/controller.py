@@ -25,7 +25,7 @@ import pytest
 
 from pytest_msrun.engine.slurm import allocation
 from pytest_msrun.pathsearch import which
-from pytest_msrun.plugin import envscope, options
+from pytest_msrun.plugin import envscope, options, rankmemory
 from pytest_msrun.plugin.debugserver import NO_TTY, DebugServer
 from pytest_msrun.plugin.forkserver import ForkServer, preload_for
 from pytest_msrun.plugin.jobs import PYTEST_TIMEOUT, Jobs, static_skip
@@ -107,6 +107,20 @@ def _fork_server(config: pytest.Config) -> ForkServer:
     return ForkServer(preload, log_path)
 
 
+def memory_bounds(config: pytest.Config) -> tuple[int, int]:
+    """``--msrun-leak-rss`` and ``--msrun-max-rss`` in bytes (0: off); a bad value is a usage error."""
+    out = []
+    for name, default in (("leak_rss", rankmemory.DEFAULT_LEAK), ("max_rss", rankmemory.DEFAULT_MAX)):
+        option = config.getoption(f"msrun_{name}")
+        text = option if option is not None else (config.getini(f"msrun_{name}") or default)
+        try:
+            out.append(rankmemory.parse_size(text))
+        except ValueError as exc:
+            where = f"--msrun-{name.replace('_', '-')}" if option is not None else f"msrun_{name} in the ini file"
+            raise pytest.UsageError(f"{where}: {exc}") from None
+    return out[0], out[1]
+
+
 class Controller:
     """Registered in a normal pytest session: runs marked tests as jobs."""
 
@@ -164,6 +178,7 @@ class Controller:
             prefetch=prefetch == "on",
             xdist_worker=self.xdist_worker,
             cluster=cluster,
+            memory=memory_bounds(config),
         )
 
     # ---------------------------------------------------------------- the session

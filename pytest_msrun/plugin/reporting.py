@@ -27,6 +27,10 @@ class MsrunLeakWarning(pytest.PytestWarning):
     """A test in a warm world left something behind on a rank (thread, process, file, environment)."""
 
 
+class MsrunMemoryWarning(pytest.PytestWarning):
+    """A rank of a warm world passed ``--msrun-max-rss`` after a test: the world ended after it."""
+
+
 class Reporter:
     """Reports the runs of marked tests (one instance per controller)."""
 
@@ -87,6 +91,9 @@ class Reporter:
         teardown = merger.reports(final, ("teardown",))
         if record.leaks and self.leaks == "warn":
             self._warn_leaks(item, record.leaks)
+        if record.notes:
+            text = f"{item.nodeid} ended its warm world:\n  " + "\n  ".join(record.notes)
+            self._warn(item, MsrunMemoryWarning(text))
         if teardown:  # junitxml writes the properties of a test's last report: the earlier phases' too
             have = {name for name, _ in teardown[-1].user_properties}
             for report in setup_call:
@@ -134,5 +141,9 @@ class Reporter:
         """What a test left behind in its warm world, as a warning it raised (--msrun-leaks=warn)."""
         lines = [f"rank {rank}: {what}" for rank, items in sorted(leaks.items()) for what in items]
         text = f"{item.nodeid} left behind in its warm world:\n  " + "\n  ".join(lines)
+        self._warn(item, MsrunLeakWarning(text))
+
+    def _warn(self, item: pytest.Item, warning: pytest.PytestWarning) -> None:
+        """``warning`` as if the test raised it, at its line."""
         path = str(getattr(item, "path", item.location[0]))
-        warnings.warn_explicit(MsrunLeakWarning(text), MsrunLeakWarning, path, (item.location[1] or 0) + 1)
+        warnings.warn_explicit(warning, type(warning), path, (item.location[1] or 0) + 1)

@@ -33,6 +33,7 @@ class TestRecord:
     leaks: dict[int, list[str]] = field(default_factory=dict)
     own_logs: dict[int, str] = field(default_factory=dict)  # a warm test's part of each rank's log
     leaks_fail: bool = False  # --msrun-leaks=error: what the test left behind fails its teardown
+    notes: list[str] = field(default_factory=list)  # why its warm world ended after it (--msrun-max-rss)
 
     @classmethod
     def load(cls, nodeid: str, ranks: list[int], paths: TestPaths, run: JobRun) -> TestRecord:
@@ -131,6 +132,7 @@ class WarmAttempt:
         run = self.test.finish(next_id, exit_timeout)
         record = TestRecord.load(self.nodeid, self.ranks, self.paths, run)
         record.leaks = self.test.leaks
+        record.notes = self.test.notes
         self._own_logs(record)
         return record
 

@@ -41,7 +41,7 @@ from typing import Any
 import pytest
 
 from pytest_msrun.engine import processes
-from pytest_msrun.plugin import envscope, forked
+from pytest_msrun.plugin import envscope, forked, rankmemory
 from pytest_msrun.plugin.records import SHARED_TMP_ENV
 
 WORLD_ENV = "MSRUN_WORLD"
@@ -96,6 +96,7 @@ class Snapshot:
         self.before = State()
         self.cwd = os.getcwd()
         self.owned = Owned()
+        self.memory = rankmemory.Watch()  # what the test grows the rank by (theirs not counted)
         self._depth = 0
 
     # ---------------------------------------------------------------- who created what
@@ -107,10 +108,13 @@ class Snapshot:
             def __enter__(self) -> None:
                 snapshot._depth += 1
                 self.state = State() if snapshot._depth == 1 else None
+                if self.state is not None:
+                    snapshot.memory.enter()
 
             def __exit__(self, *exc: Any) -> None:
                 snapshot._depth -= 1
                 if self.state is not None:
+                    snapshot.memory.exit()
                     snapshot.owned.add(self.state, State(), imported)
 
         return _Owning()
@@ -219,6 +223,16 @@ class ImportWatch:
         if self.saved is not None:
             builtins.__import__, importlib.import_module = self.saved
             self.saved = None
+
+
+def _memory(snapshot: Snapshot, msg: dict[str, Any]) -> dict[str, Any]:
+    """The test's memory sample for its ``done`` when the controller watches memory (``msg["memory"]``:
+    the growth bound, the resident bound), else nothing."""
+    bounds = msg.get("memory")
+    if not isinstance(bounds, list) or not bounds:
+        return {}
+    bound = bounds[0] if isinstance(bounds[0], int) else 0
+    return {"memory": snapshot.memory.end(bound)}
 
 
 def _group_state() -> int | None:
@@ -440,10 +454,12 @@ class WorldServer:
         finally:
             streams = plugin.streams.fds() if plugin.streams is not None else set()
             leaks, lingering = snapshot.leaks(ignore_fds={writer.fh.fileno(), *_group_fds(), *streams})
+            memory = _memory(snapshot, msg)
             snapshot.restore()
             envscope.revert(replaced)
             self.snapshot = self.next = None
-        return {"failed": plugin.test_failed, "leaks": leaks, "lingering": lingering, "group": _group_state()}
+        done = {"failed": plugin.test_failed, "leaks": leaks, "lingering": lingering, "group": _group_state()}
+        return {**done, **memory}
 
     # ---------------------------------------------------------------- a forking world's template
     def _run_forked(self, item: pytest.Item, msg: dict[str, Any]) -> None:
@@ -470,7 +486,8 @@ class WorldServer:
             self.quit = True
         forked.take_group(info.get("group"))
         retire = forked.retire_reason(info, _children())
-        self.channel.send({"t": "ended", "nodeid": item.nodeid, "pid": pid, "code": code, "retire": retire})
+        ended = {"t": "ended", "nodeid": item.nodeid, "pid": pid, "code": code, "retire": retire}
+        self.channel.send({**ended, "rss": rankmemory.rss()})  # the template's (--msrun-max-rss)
         forked.raise_again(terminated)  # msrun ended the job while the child finished its test
 
     def _child(self, item: pytest.Item, msg: dict[str, Any], fd: int) -> None:
@@ -486,12 +503,14 @@ class WorldServer:
             envscope.apply(msg.get("env") or {})
             self.next = LateNext()
             self.last = item
-            item.ihook.pytest_runtest_protocol(item=item, nextitem=self.next)
+            self.snapshot = snapshot = Snapshot()  # for its memory: what imports and broader fixtures grew
+            with ImportWatch(snapshot):
+                item.ihook.pytest_runtest_protocol(item=item, nextitem=self.next)
             plugin.end_test()
             code = 1 if plugin.test_real_failure else 0
             assert self.channel is not None
             done = {"failed": plugin.test_failed, "leaks": [], "lingering": False, "group": _group_state()}
-            self.channel.send({"t": "done", "nodeid": item.nodeid, **done})
+            self.channel.send({"t": "done", "nodeid": item.nodeid, **done, **_memory(snapshot, msg)})
             info = {"done": True, "status": code, "group": forked.group_state(), "quit": self.quit}
             forked.tell_parent(fd, {**info, "runtimes": forked.new_runtimes()})
             forked.child_exit(code)

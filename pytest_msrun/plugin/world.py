@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_msrun.plugin import envscope, records
+from pytest_msrun.plugin import envscope, rankmemory, records
 from pytest_msrun.plugin.forked import FORK_ENV
 from pytest_msrun.plugin.greeter import Greeter
 from pytest_msrun.plugin.job import JobRun, Launched, TestJob, TestPaths
@@ -80,6 +80,7 @@ class WarmTest:
     env: dict[str, str] = field(default_factory=dict)  # its own variables (--msrun-env-scope=test)
     absent: set[int] = field(default_factory=set)  # ranks that did not run it (no child of theirs to await)
     held: float = 0.0  # the debug server's held() when it began: time in the debugger since moves its deadline
+    notes: list[str] = field(default_factory=list)  # why its world ended after it, for its report (--msrun-max-rss)
 
     def finish(self, next_id: str | None, exit_timeout: float) -> JobRun:
         """The teardown (keeping what ``next_id`` shares with this test; ``None`` ends the world),
@@ -92,6 +93,10 @@ class WarmTest:
         teardown = {"t": "teardown", "next": next_id, "keep": keep}
         replies, timed_out = world.exchange(teardown, "done", self.deadline, release=True, held=self.held)
         self.leaks = {r: list(reply.get("leaks") or []) for r, reply in replies.items() if reply.get("leaks")}
+        for rank, reply in replies.items():  # what the test grew each rank by: one more thing left behind
+            grown = rankmemory.judge(reply.get("memory"), world.memory[0])
+            if grown:
+                self.leaks.setdefault(rank, []).extend(grown)
         groups = {repr(reply.get("group")) for reply in replies.values()}
         lingering = any(reply.get("lingering") for reply in replies.values())
         if timed_out:
@@ -108,6 +113,8 @@ class WarmTest:
                 stacks = world.job.collect_stacks()
                 world.stop()
                 return world.ended_run(self, hung, exit_timeout, stacks)
+        if not world.dead:  # a rank (a forking world's template) past --msrun-max-rss: a new world next
+            self.retire_past_max(world.template_rss if world.forking else _resident(replies))
         if world.lost:
             world.retire("a rank left the world")
         if world.declared or len(groups) > 1:
@@ -121,6 +128,29 @@ class WarmTest:
             return world.ended_run(self, hung, exit_timeout, stacks)
         return world.job_run(self, False)
 
+    def retire_past_max(self, resident: dict[int, int]) -> None:
+        """End the world after this test when a rank's resident set passed ``--msrun-max-rss``."""
+        maximum = self.world.memory[1]
+        for rank, size in sorted(resident.items()):
+            if rankmemory.past_max(size, maximum):
+                what = "its template" if self.world.forking else "it"
+                self.notes.append(
+                    f"rank {rank}: resident memory {rankmemory.format_size(size)} past --msrun-max-rss="
+                    f"{rankmemory.format_size(maximum)}: the world ended after {what}, the next test starts a new one"
+                )
+        if self.notes:
+            self.world.retire("a rank's resident memory passed --msrun-max-rss")
+
+
+def _resident(replies: dict[int, dict[str, Any]]) -> dict[int, int]:
+    """Each rank's resident set after the test, from its memory sample."""
+    out = {}
+    for rank, reply in replies.items():
+        sample = reply.get("memory")
+        if isinstance(sample, dict) and isinstance(sample.get("after"), int):
+            out[rank] = sample["after"]
+    return out
+
 
 class World:
     """One warm world: its job, the controller's listening socket, one channel per rank."""
@@ -132,8 +162,11 @@ class World:
         lease: Any,
         cluster_time_out: int,
         test_envs: dict[str, dict[str, str]] | None = None,
+        memory: tuple[int, int] = (0, 0),
     ) -> None:
         self.key = key
+        self.memory = memory  # --msrun-leak-rss and --msrun-max-rss in bytes (0: off)
+        self.template_rss: dict[int, int] = {}  # a forking world's templates after the last child
         self.job = job
         self.lease = lease
         self.forking = bool(key) and key[-1] == FORKING  # each test in a child forked for it
@@ -232,6 +265,8 @@ class World:
         env = self.test_envs.get(nodeid, {})
         if env:
             msg["env"] = env
+        if any(self.memory):
+            msg["memory"] = list(self.memory)
         run = JobRun([], [], False, timeout, started, 0.0)
         test = WarmTest(self, paths, nodeid, started, deadline, timeout, run, env=env, held=self.job.debug.held())
         self.last = test
@@ -307,7 +342,7 @@ class World:
                     break
                 if release and replies and not self.declared and now >= next_check and self.job.has_control_plane():
                     next_check = now + STUCK_CHECK
-                    self.declared = self._release_waiters(set(replies), released)
+                    self.declared = release_waiters(self.job, self.ranks, set(replies), released)
                 if self.launched.exited():
                     self.dead = "the world's job ended (a rank died)"
                     break
@@ -346,6 +381,7 @@ class World:
         that ended as a fresh job's rank would not ended its template too (the world is dead)."""
         absent = absent or set()
         replies, timed_out = self.exchange(None, "ended", time.monotonic() + exit_timeout, without=absent)
+        self.template_rss = {r: reply["rss"] for r, reply in replies.items() if isinstance(reply.get("rss"), int)}
         for reply in replies.values():
             if reply.get("retire"):
                 self.retire(str(reply["retire"]))
@@ -364,30 +400,6 @@ class World:
         deadline = time.monotonic() + 1.0  # msrun reacts to an exit within milliseconds
         while not self.launched.exited() and time.monotonic() < deadline:
             time.sleep(0.01)
-
-    def _release_waiters(self, finished: set[int], why: str) -> bool:
-        """Ranks still in the test that wait - to form the group, or in a collective - only for ranks
-        that finished it would wait forever (in a fresh job those ranks exit and the wait fails):
-        tell the control plane, which fails those waits now. Whether it was told."""
-        from pytest_msrun.control.observer import declare_finished, query_state
-
-        host, port, token = self.job.master_host, self.job.ports[0], self.job.token
-        state = query_state(host, port, token, timeout=1.0)
-        if not state:
-            return False
-        everyone = set(self.ranks)
-        stuck_in_init = (
-            not state.get("ready")
-            and bool(everyone - set(state.get("joined", [])))
-            and (everyone - set(state.get("joined", [])) <= finished)
-        )
-        stuck_in_collective = any(
-            (everyone - set(c.get("ranks", []))) and (everyone - set(c.get("ranks", []))) <= finished
-            for c in state.get("collectives", [])
-        )
-        if not (stuck_in_init or stuck_in_collective):
-            return False
-        return declare_finished(host, port, token, sorted(finished), why, timeout=1.0)
 
     def stop_on_timeout(self, test: WarmTest, waiting: set[int]) -> JobRun:
         """The test ran out of time: where every rank is (control plane, stacks), then the world ends.
@@ -493,3 +505,28 @@ class World:
             channel.close()
         self.channels.clear()
         self.server.close()
+
+
+def release_waiters(job: TestJob, ranks: list[int], finished: set[int], why: str) -> bool:
+    """Ranks still in the test that wait - to form the group, or in a collective - only for ranks
+    that finished it would wait forever (in a fresh job those ranks exit and the wait fails):
+    tell the control plane, which fails those waits now. Whether it was told."""
+    from pytest_msrun.control.observer import declare_finished, query_state
+
+    host, port, token = job.master_host, job.ports[0], job.token
+    state = query_state(host, port, token, timeout=1.0)
+    if not state:
+        return False
+    everyone = set(ranks)
+    stuck_in_init = (
+        not state.get("ready")
+        and bool(everyone - set(state.get("joined", [])))
+        and (everyone - set(state.get("joined", [])) <= finished)
+    )
+    stuck_in_collective = any(
+        (everyone - set(c.get("ranks", []))) and (everyone - set(c.get("ranks", []))) <= finished
+        for c in state.get("collectives", [])
+    )
+    if not (stuck_in_init or stuck_in_collective):
+        return False
+    return declare_finished(host, port, token, sorted(finished), why, timeout=1.0)

@@ -64,8 +64,10 @@ class WorldPool:
         prefetch: bool,
         xdist_worker: bool,
         cluster: Allocation | None,
+        memory: tuple[int, int] = (0, 0),
     ) -> None:
         self.jobs = jobs
+        self.memory = memory  # --msrun-leak-rss, --msrun-max-rss (bytes, 0: off)
         self.resources = resources
         self.exit_timeout = exit_timeout
         self.warm = warm  # --msrun-worlds=warm: tests share worlds (fresh: each in a forked child)
@@ -252,7 +254,8 @@ class WorldPool:
                 own = envscope.split(other_spec.env)[1] if other_spec is not None else {}
                 if own:
                     test_envs[other.nodeid] = own
-        return World(key, job, lease, max(1, min(600, int(self.jobs.timeout(spec)))), test_envs)
+        cluster_time_out = max(1, min(600, int(self.jobs.timeout(spec))))
+        return World(key, job, lease, cluster_time_out, test_envs, memory=self.memory)
 
     def _connect(self, world: World, timeout: float) -> str:
         """Wait until every rank of ``world`` is there; "" or why not (the world is then stopped)."""

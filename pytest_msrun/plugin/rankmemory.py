@@ -1,0 +1,178 @@
+"""A rank's memory around each test of a warm or forking world, and the pure rules that judge it.
+
+In the rank, a :class:`Watch` samples the resident set (``/proc/self/statm``: one read) when a test
+starts and when it ends, and the device memory of a framework the rank has already initialised
+(``torch.cuda``; nothing is imported to look). What grows while a module is imported for the first
+time, or while a fixture broader than the test is set up, is theirs - it stays on purpose, as the
+threads and files they start do (:mod:`.serve`) - and is not counted; neither is the host memory of
+a test that first initialised a device runtime (a CUDA context is hundreds of MB). Only a growth
+past the bound is checked again, after a garbage collection and ``malloc_trim``, so a test that
+left garbage cycles or freed memory the allocator kept is not named: the common path is two reads.
+
+In the controller, :func:`judge` turns a rank's sample into leak items (``--msrun-leak-rss``,
+judged as ``--msrun-leaks`` says) and :func:`past_max` says when a world must end
+(``--msrun-max-rss``).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import re
+import sys
+from typing import Any
+
+DEFAULT_LEAK = "100MiB"  # a test growing a rank by more is named (imports and caches excused)
+DEFAULT_MAX = "0"  # off
+UNITS = {"": 1, "b": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
+UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
+SIZE = re.compile(r"\s*(\d{1,15}(?:\.\d{1,9})?)\s*([a-zA-Z]{0,3})\s*")
+USAGE = "use a size such as 200MB, 100MiB, 1GiB or a number of bytes (0: off)"
+try:
+    PAGE = os.sysconf("SC_PAGE_SIZE")
+except (AttributeError, ValueError, OSError):  # pragma: no cover - every Linux has it
+    PAGE = 4096
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``200MB`` (10**6), ``100MiB``/``100M`` (2**20), ``4096``: ValueError otherwise."""
+    match = SIZE.fullmatch(text) if isinstance(text, str) else None
+    unit = UNITS.get(match.group(2).lower()) if match else None
+    if match is None or unit is None:
+        raise ValueError(f"{text!r} is not a size: {USAGE}")
+    number, _, fraction = match.group(1).partition(".")
+    return (int(number + fraction) * unit) // 10 ** len(fraction)
+
+
+def format_size(n: int) -> str:
+    """``n`` bytes for people: ``200.0 MiB`` (signed when negative)."""
+    sign, n = ("-" if n < 0 else ""), abs(n)
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{sign}{n / size:.1f} {unit}"
+    return f"{sign}{n} B"
+
+
+# ---------------------------------------------------------------- in the rank
+def rss() -> int:
+    """This process's resident set in bytes (0 where ``/proc`` cannot tell)."""
+    try:
+        fd = os.open("/proc/self/statm", os.O_RDONLY)  # no buffered file object: a few microseconds
+        try:
+            return int(os.read(fd, 256).split()[1]) * PAGE
+        finally:
+            os.close(fd)
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def devices(modules: Any = None) -> dict[str, list[int]]:
+    """Device memory of a framework already initialised here: ``{"cuda:0": [allocated, reserved]}``."""
+    torch = (sys.modules if modules is None else modules).get("torch")
+    cuda = getattr(torch, "cuda", None)
+    try:
+        if cuda is None or not cuda.is_initialized():
+            return {}
+        return {f"cuda:{i}": [cuda.memory_allocated(i), cuda.memory_reserved(i)] for i in range(cuda.device_count())}
+    except Exception:  # noqa: BLE001 - a broken runtime is not a test's leak
+        return {}
+
+
+def _trim() -> None:
+    """Give freed heap back to the system (glibc), so that what the allocator keeps is not counted."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class Watch:
+    """One test's memory: sampled at its start and end, less what imports and broader fixtures grew."""
+
+    def __init__(self) -> None:
+        self.before = rss()
+        self.devices = devices()
+        self.owned = 0  # grown inside imports of new modules and broader fixtures' setup
+        self._at = 0
+
+    def enter(self) -> None:
+        """An import or a broader fixture begins (outermost only)."""
+        self._at = rss()
+
+    def exit(self) -> None:
+        self.owned += rss() - self._at
+
+    def end(self, bound: int) -> dict[str, Any]:
+        """The sample after the test; a growth past ``bound`` is measured again after collecting."""
+        sample = self._sample()
+        if bound > 0 and (counted(sample) > bound or any(g > bound for g in device_growths(sample).values())):
+            gc.collect()
+            _trim()
+            sample = self._sample()
+        return sample
+
+    def _sample(self) -> dict[str, Any]:
+        after = devices()
+        sample: dict[str, Any] = {"before": self.before, "after": rss(), "owned": self.owned}
+        if after:
+            sample["devices"] = {name: [*self.devices.get(name, [0, 0]), *now] for name, now in after.items()}
+            sample["runtime"] = not self.devices  # first initialised in this test
+        return sample
+
+
+# ---------------------------------------------------------------- in the controller
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def counted(sample: Any) -> int:
+    """The host growth a test is judged by: after - before - what imports and broader fixtures grew
+    (0 when the test first initialised a device runtime)."""
+    if not isinstance(sample, dict) or sample.get("runtime") is True:
+        return 0
+    return _int(sample.get("after")) - _int(sample.get("before")) - max(0, _int(sample.get("owned")))
+
+
+def device_growths(sample: Any) -> dict[str, int]:
+    """Each device's growth of allocated memory: ``{"cuda:0": bytes}``."""
+    found = sample.get("devices") if isinstance(sample, dict) else None
+    if not isinstance(found, dict):
+        return {}
+    out = {}
+    for name, values in found.items():
+        if isinstance(values, list) and len(values) == 4:
+            out[str(name)] = _int(values[2]) - _int(values[0])
+    return out
+
+
+def judge(sample: Any, bound: int) -> list[str]:
+    """The leak items of one rank's sample: each growth past ``bound`` (0: none)."""
+    if bound <= 0 or not isinstance(sample, dict):
+        return []
+    out = []
+    growth = counted(sample)
+    if growth > bound:
+        before, after = _int(sample.get("before")), _int(sample.get("after"))
+        owned = max(0, _int(sample.get("owned")))
+        excused = f"; {format_size(owned)} of it imports and broader fixtures, not counted" if owned else ""
+        out.append(
+            f"resident memory grew by {format_size(growth)} ({format_size(before)} -> {format_size(after)}"
+            f"{excused}; --msrun-leak-rss={format_size(bound)})"
+        )
+    for name, grew in sorted(device_growths(sample).items()):
+        if grew > bound:
+            values = sample["devices"][name]
+            out.append(
+                f"{name} memory allocated grew by {format_size(grew)} ({format_size(_int(values[0]))} -> "
+                f"{format_size(_int(values[2]))}, reserved {format_size(_int(values[3]))}; "
+                f"--msrun-leak-rss={format_size(bound)})"
+            )
+    return out
+
+
+def past_max(resident: Any, maximum: int) -> bool:
+    """Whether a rank's resident set after a test passed ``--msrun-max-rss`` (0: never)."""
+    return maximum > 0 and _int(resident) > maximum
