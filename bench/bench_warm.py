@@ -1,6 +1,6 @@
 """Warm worlds: per-test cost of a trivial 2-rank marked test over the same test unmarked.
 
-    python bench/bench_warm.py [--tests 20] [--runs 5] [--no-torch] [--no-extras]
+    python bench/bench_warm.py [--tests 20] [--runs 5] [--no-torch] [--no-extras] [--only-interleaved]
 
 Interleaved, shuffled sessions of the same files in one invocation:
 
@@ -15,7 +15,11 @@ Interleaved, shuffled sessions of the same files in one invocation:
   started ahead (the default), with ``--msrun-prefetch=off``, and in one world with
   ``--msrun-env-scope=test`` (each test's variables set for it alone), against one world's start
   plus the same nine tests (one shape of nine) and plus three (one shape of three); target: three
-  shapes within 1.2x of one world's start plus its tests.
+  shapes within 1.2x of one world's start plus its tests;
+* nine tests in three ``worker_num`` shapes (2, 3 and 4 ranks, ``worker_num=[2, 3, 4]`` on three
+  tests: 2, 3, 4, 2, 3, 4, ...) against the same nine grouped by shape (one test parametrized over
+  ``i`` too: 2, 2, 2, 3, ...), with the worlds each started (distinct rank-0 processes); target:
+  at most 1.3x grouped, or one world per shape. ``--only-interleaved`` runs this case alone.
 
 Then, once each: a file of 20 where test 5 segfaults on rank 1 (how many of tests 6-20 pass, here
 and under MultiProcContinuousTest's poison pill), and 20 tests sharing a module fixture that takes
@@ -32,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -132,6 +137,30 @@ def shapes(k: int, names: str) -> str:
     )
 
 
+def by_size(grouped: bool) -> str:
+    """Nine trivial tests over worker_num 2, 3 and 4, interleaved or grouped by shape; rank 0 notes
+    its process in ``$WORLD_LOG`` (one line a test: distinct lines are the worlds started)."""
+    note = (
+        "import os\n\nimport pytest\n\n\ndef note(rank):\n    if rank == 0:\n"
+        "        with open(os.environ['WORLD_LOG'], 'a') as fh:\n            fh.write(f'{os.getpid()}\\n')\n\n"
+    )
+    if grouped:
+        return note + (
+            "\n@pytest.mark.msrun(worker_num=[2, 3, 4])\n@pytest.mark.parametrize('i', range(3))\n"
+            "def test_size(rank, i):\n    note(rank)\n"
+        )
+    return note + "".join(
+        f"\n@pytest.mark.msrun(worker_num=[2, 3, 4])\ndef test_{i}(rank):\n    note(rank)\n\n" for i in range(3)
+    )
+
+
+def worlds_of(args: list[str], cwd: Path, env: dict[str, str], log: Path) -> tuple[float, int]:
+    """One session's wall time and the worlds it started."""
+    log.unlink(missing_ok=True)
+    wall, _ = session(args, cwd, {**env, "WORLD_LOG": str(log)})
+    return wall, len(set(log.read_text().split()))
+
+
 def has_continuous() -> bool:
     probe = "from torch.testing._internal.common_distributed import MultiProcContinuousTest"
     return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
@@ -147,6 +176,9 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--no-torch", action="store_true", help="leave out MultiProcContinuousTest")
     ap.add_argument("--no-extras", action="store_true", help="leave out the crash and fixture sessions")
+    ap.add_argument(
+        "--only-interleaved", action="store_true", help="only nine 2/3/4-rank tests, interleaved vs grouped by shape"
+    )
     args = ap.parse_args()
     n = args.tests
     torch = not args.no_torch and has_continuous()
@@ -167,6 +199,8 @@ def main() -> int:
             "test_shapes_9.py": shapes(9, "a"),
             "test_crash.py": CRASH,
             "test_fixture.py": FIXTURE,
+            "test_sizes_interleaved.py": by_size(grouped=False),
+            "test_sizes_grouped.py": by_size(grouped=True),
         }
         if torch:
             files["test_mpc_n.py"] = continuous(n)
@@ -186,13 +220,30 @@ def main() -> int:
             "one_shape_9": lambda i: session(["test_shapes_9.py"], d, env)[0],
             "three_shared": lambda i: session(["test_shapes_3.py", "--msrun-env-scope=test"], d, env)[0],
         }
+        worlds: dict[str, list[int]] = {"interleaved": [], "grouped": []}
+
+        def sizes(how: str) -> Callable[[int], float]:
+            def one(i: int) -> float:
+                wall, started = worlds_of([f"test_sizes_{how}.py"], d, env, d / f"{how}.log")
+                worlds[how].append(started)
+                return wall
+
+            return one
+
+        contenders["sizes_interleaved"] = sizes("interleaved")
+        contenders["sizes_grouped"] = sizes("grouped")
+        if args.only_interleaved:
+            contenders = {k: v for k, v in contenders.items() if k.startswith("sizes_")}
+            torch = False
         if torch:
             contenders["mpc_n"] = lambda i: session(["test_mpc_n.py"], d, env, plugin=False)[0]
             contenders["mpc_1"] = lambda i: session(["test_mpc_1.py"], d, env, plugin=False)[0]
         interleaved(1, contenders)  # warm caches
+        for started in worlds.values():
+            started.clear()
         t = interleaved(args.runs, contenders)
         extra: list[tuple[str, str]] = []
-        if not args.no_extras:
+        if not args.no_extras and not args.only_interleaved:
             _, text = session(["test_crash.py"], d, env, ok=(1,))
             c = counts(text)
             outcome = f"{c.get('passed', 0)} passed, {c.get('failed', 0)} failed"
@@ -210,6 +261,9 @@ def main() -> int:
             fresh_fixture, _ = session(["test_fixture.py", "--msrun-worlds=fresh"], d, env)
             extra.append(("20 tests sharing a 1 s module fixture, warm", f"{warm_fixture:8.2f} s"))
             extra.append(("the same, --msrun-worlds=fresh", f"{fresh_fixture:8.2f} s"))
+
+    if args.only_interleaved:
+        return interleaved_rows(t, worlds)
 
     def diff(a: str, b: str, div: int) -> list[float]:
         return [(x - y) / div for x, y in zip(t[a], t[b])]
@@ -244,8 +298,24 @@ def main() -> int:
         )
     for what, value in extra:
         print(f"  {what:<60} {value}")
+    missed = interleaved_rows(t, worlds)
     ok = statistics.median(warm) <= 0.050
     print(f"\ntarget: one more warm test <= 50 ms: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok and not missed else 1
+
+
+def interleaved_rows(t: dict[str, list[float]], worlds: dict[str, list[int]]) -> int:
+    """The interleaved-shapes case: its rows and its target (1: missed)."""
+    mine, grouped = statistics.median(t["sizes_interleaved"]), statistics.median(t["sizes_grouped"])
+    started = max(worlds["interleaved"])  # the most any measured round started
+    print(f"  {'nine 2/3/4-rank tests interleaved (2, 3, 4, 2, ...)':<60} {ms(t['sizes_interleaved'])}")
+    print(f"  {'the same nine grouped by shape (2, 2, 2, 3, ...)':<60} {ms(t['sizes_grouped'])}")
+    ok = mine / grouped <= 1.3 or started == 3
+    print(
+        f"  interleaved shapes: {mine / grouped:.2f}x grouped, worlds started {started} interleaved / "
+        f"{max(worlds['grouped'])} grouped (target <= 1.30x grouped or one world per shape: "
+        f"{'PASS' if ok else 'FAIL'}; {cpus()} CPUs)"
+    )
     return 0 if ok else 1
 
 

@@ -99,9 +99,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         choices=("on", "off"),
         default=None,
         help="on (default): while a test runs in its warm world, start the world of the next shape "
-        "the session will need (within the limit of two worlds, when its ranks and the live worlds' fit "
-        "this machine's CPUs), so its start-up overlaps the test; off: each world starts when its first "
-        "test comes",
+        "the session will need (within --msrun-max-ranks, when its ranks, the running world's and those "
+        "still starting fit this machine's CPUs), so its start-up overlaps the test; off: each world "
+        "starts when its first test comes",
+    )
+    group.addoption(
+        "--msrun-max-ranks",
+        dest="msrun_max_ranks",
+        default=None,
+        help="auto (default) or N: the ranks the warm worlds of this pytest process may hold together. An "
+        "idle world is kept while a test of its shape is still to come; a world that needs room ends the "
+        "worlds needed farthest ahead. auto: the memory available at 512 MiB a rank (shared by xdist's "
+        "workers)",
     )
     group.addoption(
         "--msrun-fork-server",
@@ -153,6 +162,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("msrun_exit_timeout", "seconds ranks may take to exit (see --msrun-exit-timeout)", default="60")
     parser.addini("msrun_worlds", "warm or fresh (see --msrun-worlds)", default="warm")
     parser.addini("msrun_prefetch", "on or off (see --msrun-prefetch)", default="on")
+    parser.addini("msrun_max_ranks", "auto or N (see --msrun-max-ranks)", default="auto")
     parser.addini("msrun_env_scope", "job or test (see --msrun-env-scope)", default="job")
     parser.addini("msrun_fork_server", "on or off (see --msrun-fork-server)", default="on")
     parser.addini("msrun_leaks", "warn, error or off (see --msrun-leaks)", default="warn")

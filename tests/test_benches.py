@@ -70,6 +70,7 @@ BENCHES = {
             "fresh processes per test",
             "three shapes",
             "three shapes, env scope test",
+            "interleaved shapes:",
             "target:",
         ],
     ),

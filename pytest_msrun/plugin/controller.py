@@ -29,6 +29,7 @@ from pytest_msrun.plugin import envscope, options, rankmemory
 from pytest_msrun.plugin.debugserver import NO_TTY, DebugServer
 from pytest_msrun.plugin.forkserver import ForkServer, preload_for
 from pytest_msrun.plugin.jobs import PYTEST_TIMEOUT, Jobs, static_skip
+from pytest_msrun.plugin.keeping import default_ranks
 from pytest_msrun.plugin.marker import MARKER, MarkerError, MsrunSpec, default_timeout, spec_for
 from pytest_msrun.plugin.merge import Merger
 from pytest_msrun.plugin.outcomes import TestVerdict, shown
@@ -179,6 +180,7 @@ class Controller:
             xdist_worker=self.xdist_worker,
             cluster=cluster,
             memory=memory_bounds(config),
+            max_ranks=_max_ranks(config, self.xdist_worker),
         )
 
     # ---------------------------------------------------------------- the session
@@ -406,6 +408,17 @@ class Controller:
             warnings.warn(MsrunWorldWarning(text), stacklevel=1)
             return
         self.reporter.log(item, reports)
+
+
+def _max_ranks(config: pytest.Config, xdist_worker: bool) -> int:
+    """``--msrun-max-ranks`` (ini ``msrun_max_ranks``): N, or auto - :func:`.keeping.default_ranks`."""
+    value = str(config.getoption("msrun_max_ranks") or config.getini("msrun_max_ranks") or "auto").strip()
+    if value == "auto":
+        workers = int(getattr(config, "workerinput", {}).get("workercount", 1)) if xdist_worker else 1
+        return default_ranks(workers)
+    if not value.isdigit() or int(value) < 1:
+        raise pytest.UsageError(f"--msrun-max-ranks / msrun_max_ranks = {value!r}: use auto or a positive count")
+    return int(value)
 
 
 def _teardown_failures(verdict: TestVerdict) -> set[tuple[int, str, str]]:

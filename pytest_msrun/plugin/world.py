@@ -36,7 +36,6 @@ from pytest_msrun.plugin.outcomes import RankEnd
 from pytest_msrun.plugin.serve import WORLD_ENV, WORLD_TOKEN_ENV, Channel
 from pytest_msrun.proc import running
 
-MAX_WORLDS = 2  # worlds alive at once per controller (each holds its ranks' processes)
 FAILURE_GRACE = 0.5  # s the other ranks may still finish a test one rank failed (a fresh job's teardown gap)
 STUCK_CHECK = 0.25  # s between looks at the control plane while some ranks finished a test and others not
 
@@ -52,6 +51,11 @@ def world_key(spec: MsrunSpec, devices: int) -> tuple[Any, ...]:
         devices,
         tuple(sorted(spec.env.items())),
     )
+
+
+def world_need(key: tuple[Any, ...]) -> tuple[int, int]:
+    """The ranks and devices a world of ``key`` holds while it lives."""
+    return int(key[0]), int(key[5])
 
 
 def eligible(spec: MsrunSpec) -> bool:

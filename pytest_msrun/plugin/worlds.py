@@ -3,8 +3,9 @@ is kept for the next test, and ends.
 
 A :class:`WorldPool` owns every live world of one pytest session and the resources they hold. It
 hands out a test's :class:`~.runner.WarmAttempt` (or says why the test runs as a fresh job), keeps
-a world for the next test of its shape this process will run - or ends it - and ends worlds
-outside a test (evicted, dead between tests, the session over). What such an end reveals about a
+a world idle for the next test of its shape this process will run - within a budget of live ranks
+and devices, :mod:`.keeping`'s policy deciding - or ends it, and ends worlds outside a test
+(evicted, dead between tests, the session over). What such an end reveals about a
 world's last test is returned as a :class:`LateEnd` for the controller to report; the pool never
 calls back into it.
 """
@@ -12,10 +13,8 @@ calls back into it.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import os
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,10 +24,11 @@ from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.plugin import envscope
 from pytest_msrun.plugin.job import JobRun, TestPaths
 from pytest_msrun.plugin.jobs import Jobs, node_path, static_skip
+from pytest_msrun.plugin.keeping import NEVER, Budget, Schedule, survives, victims
 from pytest_msrun.plugin.marker import MARKER, MarkerError, MsrunSpec, spec_for
 from pytest_msrun.plugin.pool import DeviceShortage, ResourcePool
 from pytest_msrun.plugin.runner import WarmAttempt
-from pytest_msrun.plugin.world import FORKING, MAX_WORLDS, WarmTest, World, eligible, world_key
+from pytest_msrun.plugin.world import FORKING, WarmTest, World, eligible, world_key, world_need
 
 
 def _cpus() -> int:
@@ -50,8 +50,19 @@ class LateEnd:
     why: str
 
 
+@dataclass
+class _Plan:
+    """Tests this process will run, as world keys: ``own`` with statically skipped tests (a world
+    kept for one still runs it), ``starts`` without them (they start no world)."""
+
+    items: list[pytest.Item]
+    own: Schedule[tuple]
+    starts: Schedule[tuple]
+    index: dict[str, int]
+
+
 class WorldPool:
-    """Every live world of one session (at most :data:`MAX_WORLDS`)."""
+    """Every live world of one session (together within ``max_ranks`` ranks and the inventory's devices)."""
 
     def __init__(
         self,
@@ -64,6 +75,7 @@ class WorldPool:
         prefetch: bool,
         xdist_worker: bool,
         cluster: Allocation | None,
+        max_ranks: int,
         memory: tuple[int, int] = (0, 0),
     ) -> None:
         self.jobs = jobs
@@ -80,7 +92,9 @@ class WorldPool:
         self.expecting: dict[tuple, str | None] = {}  # the test each live world's fixtures were kept for
         self._keys: dict[str, tuple | None] = {}
         self.unforkable: dict[tuple, str] = {}  # forking worlds whose ranks cannot fork, and why
-        self._positions: tuple[int, int, dict[str, int]] | None = None
+        self.budget = Budget(max_ranks, len(jobs.inventory.ids))
+        self._plan: tuple[tuple[int, int, int], _Plan] | None = None  # the session's items as keys, cached
+        self.worlds_started = 0
         self.late: list[LateEnd] = []  # worlds' ends to report on their last tests (taken by take_late)
 
     def take_late(self) -> list[LateEnd]:
@@ -130,46 +144,46 @@ class WorldPool:
         that has them from its start."""
         return sorted(set(world.test_envs.get(item.nodeid, {})) & world.env_read)
 
-    def _future(self, item: pytest.Item, nextitem: pytest.Item | None) -> Iterable[pytest.Item]:
-        """The items this process will run after ``item``, as far as it knows them: the rest of
-        ``session.items`` where pytest's own loop runs them, else (xdist hands them out one by
-        one) only ``nextitem``."""
-        only_next = [nextitem] if nextitem is not None else []
-        if self.xdist_worker:
-            return only_next
-        items = item.session.items
-        if self._positions is None or self._positions[:2] != (id(items), len(items)):
-            self._positions = (id(items), len(items), {it.nodeid: i for i, it in enumerate(items)})
-        index = self._positions[2].get(item.nodeid)
-        if index is None:
-            return only_next
-        following = items[index + 1] if index + 1 < len(items) else None
-        if following is not nextitem:  # another plugin's loop: trust only its nextitem
-            return only_next
-        return itertools.islice(items, index + 1, None)
+    def _ahead(self, item: pytest.Item, nextitem: pytest.Item | None) -> tuple[_Plan, int]:
+        """The tests this process will run, as far as it knows them, and the position after
+        ``item``: the rest of ``session.items`` where pytest's own loop runs them, else (xdist hands
+        them out one by one; another plugin's loop) only ``nextitem``."""
+        if not self.xdist_worker:
+            items = item.session.items
+            stamp = (id(items), len(items), len(self.unforkable))
+            if self._plan is None or self._plan[0] != stamp:
+                self._plan = (stamp, self._plan_of(items))
+            plan = self._plan[1]
+            index = plan.index.get(item.nodeid)
+            if index is not None and (items[index + 1] if index + 1 < len(items) else None) is nextitem:
+                return plan, index + 1
+        return self._plan_of([nextitem] if nextitem is not None else []), 0
+
+    def _plan_of(self, items: list[pytest.Item]) -> _Plan:
+        own = [self.key_of(it) for it in items]
+        starts = [key if key is not None and static_skip(it) is None else None for key, it in zip(own, items)]
+        return _Plan(items, Schedule(own), Schedule(starts), {it.nodeid: i for i, it in enumerate(items)})
+
+    def _needs(self) -> dict[tuple, tuple[int, int]]:
+        return {key: world_need(key) for key in self.live}
 
     def world_next(self, item: pytest.Item, nextitem: pytest.Item | None, key: tuple) -> str | None:
         """The next test the world of ``item`` will run in this process, or None to end it with
         ``item``: none follows, the session stops (``-x``, ``--maxfail``), another process waits
-        for its devices, or :data:`MAX_WORLDS` other shapes come first (it would be evicted)."""
+        for its devices, or the tests before it would start worlds that evict it (:mod:`.keeping`)."""
         session = item.session
         world = self.live.get(key)
         if world is None or world.dead or session.shouldfail or session.shouldstop:
             return None
         if self.resources.contended(world.lease):
             return None
-        others: set[tuple] = set()
-        for future in self._future(item, nextitem):
-            other = self.key_of(future)
-            if other == key:
-                if self._read_at_collection(world, future):
-                    continue  # it runs as a fresh job
-                return future.nodeid
-            if other is not None and static_skip(future) is None:
-                others.add(other)
-                if len(others) >= MAX_WORLDS:
-                    return None
-        return None
+        plan, start = self._ahead(item, nextitem)
+        at = plan.own.next_use(key, start)
+        while at != NEVER and self._read_at_collection(world, plan.items[int(at)]):
+            at = plan.own.next_use(key, int(at) + 1)  # it runs as a fresh job
+        if at == NEVER or not survives(key, self._needs(), world_need, plan.starts, start, int(at), self.budget):
+            return None
+        return plan.items[int(at)].nodeid
 
     def attempt(
         self, item: pytest.Item, spec: MsrunSpec, key: tuple, nextitem: pytest.Item | None
@@ -178,7 +192,7 @@ class WorldPool:
         dying when the test reached it (its ranks left before they began it) is reported on the
         test it ran before, and the test gets a new world."""
         for _ in range(2):
-            world, why = self._world_for(item, spec, key)
+            world, why = self._world_for(item, spec, key, nextitem)
             if world is None:
                 return None, why
             read = self._read_at_collection(world, item)
@@ -212,9 +226,12 @@ class WorldPool:
             self.after(item, key, None)
         return None, "ran as a fresh job: its warm world ended before the test reached it, twice"
 
-    def _world_for(self, item: pytest.Item, spec: MsrunSpec, key: tuple) -> tuple[World | None, str]:
-        """The live world of ``key`` (connected now if it was started ahead), or a new one (None
-        and why when it cannot start)."""
+    def _world_for(
+        self, item: pytest.Item, spec: MsrunSpec, key: tuple, nextitem: pytest.Item | None
+    ) -> tuple[World | None, str]:
+        """The live world of ``key`` (connected now if it was started ahead), or a new one - room
+        made for it by ending the live worlds needed farthest ahead - (None and why when it cannot
+        start)."""
         world = self.live.get(key)
         if world is not None:
             why = world.check()
@@ -226,9 +243,9 @@ class WorldPool:
             if not why:
                 return world, ""
             self.end_outside(key, why)  # never used for this test: its end is the last test's
-        while len(self.live) >= MAX_WORLDS:
-            oldest = min(self.live.values(), key=lambda w: w.last_used)
-            self.end_outside(oldest.key, "evicted")
+        plan, start = self._ahead(item, nextitem)
+        for victim in victims(self._needs(), world_need(key), self.budget, lambda k: plan.starts.next_use(k, start)):
+            self.end_outside(victim, f"evicted: a {spec.worker_num}-rank world needed room ({self.budget.ranks} ranks)")
         try:
             lease = self.resources.lease(
                 ports=2, devices=spec.devices, inv=self.jobs.inventory, wait=self.jobs.timeout(spec)
@@ -255,6 +272,7 @@ class WorldPool:
                 if own:
                     test_envs[other.nodeid] = own
         cluster_time_out = max(1, min(600, int(self.jobs.timeout(spec))))
+        self.worlds_started += 1
         return World(key, job, lease, cluster_time_out, test_envs, memory=self.memory)
 
     def _connect(self, world: World, timeout: float) -> str:
@@ -268,26 +286,28 @@ class WorldPool:
 
     def _prefetch(self, item: pytest.Item, nextitem: pytest.Item | None, key: tuple) -> None:
         """Start the world of the next shape this process will need while ``item`` runs (its
-        start-up then overlaps the test): only within :data:`MAX_WORLDS` (nothing is evicted for
-        it), when its ranks and those of the live worlds are no more than this host's CPUs (a
-        world started beside a busy one only slows both), and with free devices now."""
-        if not self.prefetch or len(self.live) >= MAX_WORLDS:
+        start-up then overlaps the test): only within the budget (nothing is evicted for it), when
+        its ranks, the running world's and those of worlds still starting are no more than this
+        host's CPUs (a world started beside busy ranks only slows them; idle worlds wait, costing
+        no CPU), and with free devices now."""
+        if not self.prefetch:
             return
-        for future in self._future(item, nextitem):
-            other = self.key_of(future)
-            if other is None or other == key or static_skip(future) is not None:
+        plan, start = self._ahead(item, nextitem)
+        for at in range(start, len(plan.starts.keys)):
+            other = plan.starts.keys[at]
+            if other is None or other == key:
                 continue
-            if other in self.live:
+            spec = spec_for(plan.items[at])
+            if other in self.live or spec is None or not self.budget.fits([*self._needs().values(), world_need(other)]):
                 return
-            spec = spec_for(future)
-            busy = sum(world.job.spec.worker_num for world in self.live.values())
-            if spec is None or busy + spec.worker_num > _cpus():  # no CPU left to start it beside them
+            busy = sum(w.job.spec.worker_num for k, w in self.live.items() if k == key or not w.connected)
+            if busy + spec.worker_num > _cpus():  # no CPU left to start it beside them
                 return
             try:
                 lease = self.resources.lease(ports=2, devices=spec.devices, inv=self.jobs.inventory, wait=0)
             except DeviceShortage:
                 return
-            self.live[other] = self._start_world(future, spec, other, lease)
+            self.live[other] = self._start_world(plan.items[at], spec, other, lease)
             return
 
     def after(self, item: pytest.Item, key: tuple, next_id: str | None) -> None:
