@@ -19,13 +19,12 @@ Figures are medians over rounds with the 25th-75th percentile in brackets; ratio
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_env, interleaved, machine, ms, run_timed  # noqa: E402
+from common import bench_env, interleaved, machine, ms, quartiles, run_timed  # noqa: E402
 
 SHAPES = """
 import pytest
@@ -53,13 +52,12 @@ def _shapes(shapes: list[str]) -> str:
 
 
 def stats(values: list[float]) -> str:
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return f"{ms(statistics.median(values))} [{ms(q[0])}-{ms(q[2])}]"
+    return ms(values).strip()
 
 
 def ratio(values: list[float]) -> str:
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return f"{statistics.median(values):.2f}x [{q[0]:.2f}-{q[2]:.2f}]"
+    lo, mid, hi = quartiles(values)
+    return f"{mid:.2f}x [{lo:.2f}-{hi:.2f}]"
 
 
 def main() -> None:
