@@ -111,9 +111,13 @@ def test_the_summary_says_why_ranks_start_as_new_processes(pytester, monkeypatch
 
 
 def test_a_stale_fork_server_forks_nothing_more(pytester, monkeypatch, tracked):
-    """Installed code changing mid-session (a directory on the import path): later jobs spawn."""
+    """A plugin the fork server imported, upgraded mid-session (its module rewritten): later jobs'
+    msruns are spawned, and the summary says why; files a job writes beside it change nothing."""
     site = pytester.path / "site"
-    site.mkdir()
+    (site / "siteplugin-1.0.dist-info").mkdir(parents=True)
+    (site / "siteplugin-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: siteplugin\nVersion: 1.0\n")
+    (site / "siteplugin-1.0.dist-info" / "entry_points.txt").write_text("[pytest11]\nsiteplugin = siteplugin\n")
+    (site / "siteplugin.py").write_text("VERSION = 1\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("SITE_DIR", str(site))
     pytester.makepyfile(
@@ -127,18 +131,26 @@ def test_a_stale_fork_server_forks_nothing_more(pytester, monkeypatch, tracked):
         @pytest.mark.msrun(worker_num=1)
         def test_first(rank):
             assert forked()
-            if rank == 0:
-                open(os.path.join(os.environ["SITE_DIR"], "newmodule.py"), "w").close()
+            open(os.path.join(os.environ["SITE_DIR"], "notes.txt"), "w").close()  # beside: nothing
 
-        @pytest.mark.msrun(worker_num=1, isolated=True, env={"OTHER": "1"})
+        @pytest.mark.msrun(worker_num=1, env={"SECOND": "1"})
         def test_second(rank):
+            assert forked()
+            path = os.path.join(os.environ["SITE_DIR"], "siteplugin.py")
+            with open(path, "w") as fh:
+                fh.write("VERSION = 2\\n")
+            os.utime(path, ns=(0, 0))
+
+        @pytest.mark.msrun(worker_num=1, env={"THIRD": "1"})
+        def test_third(rank):
             assert not forked()
         """
     )
-    # the second world starts after the first test (not ahead of it, beside it)
+    # each world starts after the test before it (not ahead of it, beside it)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msrun-prefetch=off", timeout=240)
-    result.assert_outcomes(passed=2)
-    assert any("changed since the fork server started" in line for line in result.stdout.lines), result.stdout.str()
+    result.assert_outcomes(passed=3)
+    lines = [line for line in result.stdout.lines if "changed since the fork server started" in line]
+    assert len(lines) == 1 and "siteplugin.py" in lines[0], result.stdout.str()
 
 
 def _job(tmp_path, worker: list[str]) -> list[str]:
@@ -220,3 +232,61 @@ def test_the_template_leaves_nothing_when_its_session_closes_it(tmp_path, tracke
     assert server._await_ready()
     server.close()
     assert not wait_gone(tracked)
+
+
+def test_a_project_that_ran_marked_tests_starts_its_fork_server_with_the_session(pytester, tracked):
+    """pytest's cache remembers a session with marked tests: the next starts the fork server before
+    it collects (its imports overlap the collection); a session without them forgets it."""
+    pytester.makepyfile(
+        test_marked="import pytest\n\n@pytest.mark.msrun(worker_num=1)\ndef test_m(rank):\n    pass\n",
+        test_plain="def test_p():\n    pass\n",
+    )
+
+    def fork_server_started(*args: str) -> bool:
+        base = pytester.path / f"bt{len(list(pytester.path.glob('bt*')))}"
+        pytester.runpytest_subprocess(f"--basetemp={base}", *args, timeout=240).assert_outcomes(passed=1)
+        return (base / "msrun-fork-server.log").exists()
+
+    assert not fork_server_started("test_plain.py")
+    assert fork_server_started("test_marked.py")
+    assert fork_server_started("test_plain.py")  # remembered from the last session
+    assert not fork_server_started("test_plain.py")  # which had none
+
+
+ESCAPER = """
+import os, subprocess, sys, time
+pid = subprocess.Popen([sys.executable, "-c", "import os, time; os.setsid(); time.sleep(300)"]).pid
+with open(os.environ["PIDS_FILE"], "w") as fh:
+    fh.write(f"{os.getpid()} {pid}")
+time.sleep(300)
+"""
+
+
+@pytest.mark.cgroup("v2")
+def test_kill_9_of_a_forked_msrun_leaves_nothing(tmp_path, monkeypatch, tracked):
+    """A forked msrun's forked worker and the process it started in a session of its own (out of
+    every process group msrun knows) end with msrun's SIGKILL: the job's cgroup holds them."""
+    from conftest import msrun_cgroups, wait_for
+
+    (tmp_path / "escaper.py").write_text(ESCAPER)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("PIDS_FILE", str(tmp_path / "pids"))
+    before = msrun_cgroups()
+    server = ForkServer(lambda: [], lambda: str(tmp_path / "server.log"))
+    try:
+        with open(tmp_path / "msrun.log", "wb") as log:
+            proc = server.start_msrun(
+                _job(tmp_path, [sys.executable, "-m", "escaper"]), dict(os.environ), log.fileno(), log.fileno()
+            )
+        assert proc is not None, server.refusals
+        pids = wait_for(lambda: (tmp_path / "pids").exists() and (tmp_path / "pids").read_text().split(), timeout=60)
+        worker = int(pids[0])
+        assert open(f"/proc/{worker}/cmdline").read().split("\0")[1:3] == ["-m", "pytest_msrun.engine.template"]
+        proc.kill()
+        assert proc.wait(timeout=30) == -9
+        server.close()  # (the template carries the mark too)
+        left = wait_gone(tracked, timeout=10)
+        assert not left, [p.cmdline() for p in left]
+        wait_for(lambda: not (msrun_cgroups() - before), timeout=10)
+    finally:
+        server.close()

@@ -134,7 +134,7 @@ class ProcessStarting:
             why = template.why_not_python(spec.argv, env, template.rank_hook_dir())
         if why and why not in self._fork_refusals:
             self._fork_refusals.add(why)
-            console.info(f"workers start as new processes, not forked from the fork server: {why}")
+            console.warning(f"workers start as new processes, not forked from the fork server: {why}")
         return why
 
     def _forkable(self, spec: ProcessSpec) -> bool:

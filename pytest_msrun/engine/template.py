@@ -102,20 +102,16 @@ def stale() -> str:
 
 
 def _take_stamp() -> dict[str, int]:
-    """What to watch: every import directory (a package installed or removed changes its mtime)
-    and the file of every top-level module imported here."""
-    paths = {p for p in sys.path[1:] if p and os.path.isdir(p)}
-    for name, module in list(sys.modules.items()):
-        if "." not in name:
-            path = getattr(module, "__file__", None)
-            if isinstance(path, str):
-                paths.add(path)
+    """What to watch: the file of every top-level module imported here (a package upgraded or
+    reinstalled rewrites its ``__init__``). Files a job writes beside them change nothing."""
     out: dict[str, int] = {}
-    for path in paths:
-        try:
-            out[path] = os.stat(path).st_mtime_ns
-        except OSError:
-            pass
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None) if "." not in name else None
+        if isinstance(path, str):
+            try:
+                out[path] = os.stat(path).st_mtime_ns
+            except OSError:
+                pass
     return out
 
 

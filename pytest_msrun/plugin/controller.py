@@ -27,7 +27,7 @@ from pytest_msrun.engine.slurm import allocation
 from pytest_msrun.pathsearch import which
 from pytest_msrun.plugin import envscope, options, rankmemory
 from pytest_msrun.plugin.debugserver import NO_TTY, DebugServer
-from pytest_msrun.plugin.forkserver import ForkServer, preload_for
+from pytest_msrun.plugin.forkserver import ForkServer, ForkServerHooks, preload_for
 from pytest_msrun.plugin.jobs import PYTEST_TIMEOUT, Jobs, static_skip
 from pytest_msrun.plugin.keeping import default_ranks
 from pytest_msrun.plugin.marker import MARKER, MarkerError, MsrunSpec, default_timeout, spec_for
@@ -160,6 +160,8 @@ class Controller:
         self.traces = TraceNotes()  # each test's spans and verdict, added to its job's trace at the job's end
         self.reporter = Reporter(config, self.style, self.leaks, self.timelines, self.traces)
         self.forks = _fork_server(config) if forking == "on" else None
+        if self.forks is not None:  # its session hooks: when it starts, what it says, its end
+            config.pluginmanager.register(ForkServerHooks(self.forks), "msrun-fork-server")
         self.jobs = Jobs(
             config,
             debug=self.debug,
@@ -207,16 +209,7 @@ class Controller:
         if self.html is not None:
             self.html.write()
 
-    def pytest_itemcollected(self, item: pytest.Item) -> None:
-        """The fork server starts with the first marked test collected: its imports overlap the
-        rest of the collection."""
-        if self.forks is not None and item.get_closest_marker(MARKER) is not None:
-            self.forks.begin()
-
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
-        if self.forks is not None:
-            for why in self.forks.refusals:
-                terminalreporter.write_line(f"msrun: {why}")
         if self.html is not None:  # after the progress line's end, at every verbosity
             self.html.announce(terminalreporter)
 
@@ -227,8 +220,6 @@ class Controller:
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.worlds.stop_all()
         self.debug.close()
-        if self.forks is not None:
-            self.forks.close()
         if self.html is not None:  # no terminal summary (--no-summary, an internal error)
             self.html.announce(config.pluginmanager.get_plugin("terminalreporter"))
 

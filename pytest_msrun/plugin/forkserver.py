@@ -24,6 +24,7 @@ import pytest
 
 from pytest_msrun.engine import template
 from pytest_msrun.engine.processes import with_parent_death_signal
+from pytest_msrun.plugin.marker import MARKER
 
 ENTRY = "pytest_msrun.entry:main"  # what `python -m pytest_msrun` runs (msrun), called with its arguments
 READY_TIMEOUT = 120.0  # s the first request waits for the template's imports
@@ -221,6 +222,42 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+MARKED_BEFORE = "msrun/marked-tests"  # pytest's cache: the last session collected marked tests
+
+
+class ForkServerHooks:
+    """A session's hooks for its fork server: started with the first marked test collected - or
+    at the session's start where the project's last session had marked tests (pytest's cache), so
+    its imports overlap the whole collection; why anything started as a new process, said in the
+    summary; ended with the session."""
+
+    def __init__(self, forks: ForkServer) -> None:
+        self.forks = forks
+        self.marked_collected = False
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        cache = getattr(session.config, "cache", None)
+        if cache is not None and cache.get(MARKED_BEFORE, False):
+            self.forks.begin()
+
+    def pytest_itemcollected(self, item: pytest.Item) -> None:
+        if not self.marked_collected and item.get_closest_marker(MARKER) is not None:
+            self.marked_collected = True
+            self.forks.begin()
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        cache = getattr(session.config, "cache", None)
+        if cache is not None and cache.get(MARKED_BEFORE, False) != self.marked_collected:
+            cache.set(MARKED_BEFORE, self.marked_collected)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        for why in self.forks.refusals:
+            terminalreporter.write_line(f"msrun: {why}")
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        self.forks.close()
 
 
 def preload_for(config: pytest.Config, skip: list[str]) -> list[str]:
