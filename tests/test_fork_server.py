@@ -8,6 +8,7 @@ import os
 import re
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from conftest import wait_gone
@@ -54,10 +55,12 @@ def _describe():
         "excepthook": sys.excepthook.__name__,
         "main": sys.modules["__main__"].__spec__.name,
         "unbuffered": sys.stdout.write_through if hasattr(sys.stdout, "write_through") else None,
+        "cpus_allowed": [l for l in open("/proc/self/status") if l.startswith("Cpus_allowed_list")],
+        "memory_policy": open("/proc/self/numa_maps").readline().split()[1].split("=")[0],
     }
 
 
-@pytest.mark.msrun(worker_num=2)
+@pytest.mark.msrun(worker_num=2, MARKER_ARGS)
 def test_probe(rank):
     forked = "pytest_msrun.engine.template" in sys.modules and sys.modules["pytest_msrun.engine.template"].is_template()
     with open(os.path.join(os.environ["PROBE_DIR"], f"rank{rank}.json"), "w") as fh:
@@ -65,11 +68,11 @@ def test_probe(rank):
 """
 
 
-def _probe(pytester, monkeypatch, tracked, mode: str) -> dict[str, dict]:
+def _probe(pytester, monkeypatch, tracked, mode: str, marker_args: str) -> dict[str, dict]:
     out = pytester.path / "probe"
     out.mkdir(exist_ok=True)
     monkeypatch.setenv("PROBE_DIR", str(out))
-    pytester.makepyfile(test_probe=PROBE)
+    pytester.makepyfile(test_probe=PROBE.replace(", MARKER_ARGS", marker_args))
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--msrun-fork-server={mode}", timeout=240)
     result.assert_outcomes(passed=1)
     # each session's own directories (pytester's runpytest-N) named alike
@@ -78,9 +81,17 @@ def _probe(pytester, monkeypatch, tracked, mode: str) -> dict[str, dict]:
     return {name: json.loads(text) for name, text in texts.items()}
 
 
-def test_a_forked_rank_is_indistinguishable_from_a_spawned_one(pytester, monkeypatch, tracked):
-    forked = _probe(pytester, monkeypatch, tracked, "on")
-    spawned = _probe(pytester, monkeypatch, tracked, "off")
+@pytest.mark.parametrize(
+    "marker_args",
+    [
+        "",
+        ", bind_core=True",  # taskset -c in front of a spawned rank
+        pytest.param(", bind_numa=True", marks=pytest.mark.numactl),  # numactl --membind ...
+    ],
+)
+def test_a_forked_rank_is_indistinguishable_from_a_spawned_one(pytester, monkeypatch, tracked, marker_args):
+    forked = _probe(pytester, monkeypatch, tracked, "on", marker_args)
+    spawned = _probe(pytester, monkeypatch, tracked, "off", marker_args)
     for name in ("rank0.json", "rank1.json"):
         assert forked[name]["forked"], "the fork server did not fork this rank"
         assert not spawned[name]["forked"]
@@ -114,9 +125,10 @@ def test_a_stale_fork_server_forks_nothing_more(pytester, monkeypatch, tracked):
     """A plugin the fork server imported, upgraded mid-session (its module rewritten): later jobs'
     msruns are spawned, and the summary says why; files a job writes beside it change nothing."""
     site = pytester.path / "site"
-    (site / "siteplugin-1.0.dist-info").mkdir(parents=True)
-    (site / "siteplugin-1.0.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: siteplugin\nVersion: 1.0\n")
-    (site / "siteplugin-1.0.dist-info" / "entry_points.txt").write_text("[pytest11]\nsiteplugin = siteplugin\n")
+    info = site / "siteplugin-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: siteplugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[pytest11]\nsiteplugin = siteplugin\n")
     (site / "siteplugin.py").write_text("VERSION = 1\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("SITE_DIR", str(site))
@@ -281,7 +293,8 @@ def test_kill_9_of_a_forked_msrun_leaves_nothing(tmp_path, monkeypatch, tracked)
         assert proc is not None, server.refusals
         pids = wait_for(lambda: (tmp_path / "pids").exists() and (tmp_path / "pids").read_text().split(), timeout=60)
         worker = int(pids[0])
-        assert open(f"/proc/{worker}/cmdline").read().split("\0")[1:3] == ["-m", "pytest_msrun.engine.template"]
+        cmdline = Path(f"/proc/{worker}/cmdline").read_text().split("\0")
+        assert cmdline[1:3] == ["-m", "pytest_msrun.engine.template"]  # forked: the template's
         proc.kill()
         assert proc.wait(timeout=30) == -9
         server.close()  # (the template carries the mark too)

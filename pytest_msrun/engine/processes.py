@@ -166,6 +166,7 @@ def fork_call(
     output_fd: int | None = None,
     keep_fds: tuple[int, ...] = (),
     cpus: list[int] | None = None,
+    mems: list[int] | None = None,
     args: list[str] | None = None,
 ) -> int:
     """Run ``call`` (``"module:function"``, called with the environment as a dict - and ``args``
@@ -179,21 +180,29 @@ def fork_call(
 
     Signals stay blocked across the fork until the child has its session and default handlers: a
     SIGTERM sent the instant after it (by pid: its group does not exist yet) then ends it, rather
-    than running a handler inherited from this process."""
+    than running a handler inherited from this process.
+
+    ``cpus`` and ``mems`` (``MPOL_BIND``) are this thread's around the fork, so the child has them
+    from its first instruction (as ``taskset``'s and ``numactl``'s would, before anyone looks)."""
+    saved = os.sched_getaffinity(0) if cpus is not None else None
     blocked = block_signals_for_fork()
     try:
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        if mems:
+            set_memory_policy(mems)
         pid = os.fork()
     except BaseException:
+        _restore_placement(saved, bool(mems))
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         raise
     if pid:
+        _restore_placement(saved, bool(mems))
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         return pid
     code = 1
     try:
         become_fresh_child(env, stdin_fd=stdin_fd, stdout_fd=output_fd, stderr_fd=output_fd, keep_fds=keep_fds)
-        if cpus is not None:
-            os.sched_setaffinity(0, cpus)
         module, _, function = call.partition(":")
         # what ps and top show: the program a command stands for, else msrun's part
         comm = os.path.basename(args[0]) if args else f"msrun-{module.rsplit('.', 1)[-1]}"
@@ -216,6 +225,42 @@ def fork_call(
             with _suppress(Exception):
                 stream.flush()
         os._exit(code)
+
+
+_SYS_SET_MEMPOLICY = {"x86_64": 238, "aarch64": 237}
+_MPOL_DEFAULT, _MPOL_BIND = 0, 2
+
+
+def set_memory_policy(nodes: list[int] | None) -> None:
+    """This thread's memory policy: ``MPOL_BIND`` to ``nodes`` (as ``numactl --membind`` sets
+    it), or the default (None)."""
+    import ctypes
+
+    number = _SYS_SET_MEMPOLICY.get(os.uname().machine)
+    if number is None:
+        raise OSError(f"set_mempolicy is not wired up on {os.uname().machine}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    if nodes:
+        bits = 64
+        words = max(nodes) // bits + 1
+        mask = (ctypes.c_ulong * words)()
+        for node in nodes:
+            mask[node // bits] |= 1 << (node % bits)
+        result = libc.syscall(ctypes.c_long(number), _MPOL_BIND, mask, ctypes.c_ulong(words * bits + 1))
+    else:
+        result = libc.syscall(ctypes.c_long(number), _MPOL_DEFAULT, None, ctypes.c_ulong(0))
+    if result != 0:
+        errno = ctypes.get_errno()
+        raise OSError(errno, f"set_mempolicy: {os.strerror(errno)}")
+
+
+def _restore_placement(cpus: set[int] | None, mems: bool) -> None:
+    """After a fork that placed its child: this thread back where it was (msrun has the default
+    memory policy)."""
+    if cpus is not None:
+        os.sched_setaffinity(0, cpus)
+    if mems:
+        set_memory_policy(None)
 
 
 def block_signals_for_fork() -> set[int | signal.Signals]:
@@ -299,6 +344,7 @@ class Launch:
     stdin_devnull: bool = True  # else the launcher's stdin (a worker of a --join=True job)
     pass_fds: tuple[int, ...] = ()  # made inheritable for this child (others stay closed)
     in_child_cpus: list[int] | None = None  # bind in the child (no taskset)
+    in_child_mems: list[int] | None = None  # MPOL_BIND in the child (a fork's numactl --membind)
     call: str = ""  # "module:function" run in a fork of this process (``argv`` is what it stands for)
     call_args: list[str] | None = None  # given to ``call`` after the environment (None: not)
 
@@ -402,6 +448,7 @@ def spawn(launch: Launch, tag: Any = None) -> Child:
                 output_fd=log,
                 keep_fds=launch.pass_fds,
                 cpus=launch.in_child_cpus,
+                mems=launch.in_child_mems,
                 args=launch.call_args,
             )
         else:

@@ -96,15 +96,19 @@ class ProcessStarting:
         trace_env = self.trace.child_env if self.trace is not None else {}
         env = {**spec.env, **trace_env, **(extra_env or {})}
         call_args = None
+        cpus, mems = spec.in_child_cpus, None
         if not call and not held and spec.role == Role.WORKER and not self._fork_refusal(spec, env):
             call, call_args = f"{template.__name__}:run_module", list(spec.argv)
+            if spec.bind_prefix:  # what the binding command in front would set, set on the fork
+                cpus, mems = template.binding_in_place(spec.bind_prefix) or (None, None)
         launch = Launch(
             argv=spec.command,
             env=env,
             log_path=spec.log_path,
             stdin_devnull=spec.role == Role.SCHEDULER or self.detached,
             pass_fds=pass_fds,
-            in_child_cpus=spec.in_child_cpus,
+            in_child_cpus=cpus,
+            in_child_mems=mems,
             call=call,
             call_args=call_args,
         )
@@ -122,7 +126,7 @@ class ProcessStarting:
             return "not a fork server's msrun"  # said nowhere: the usual way
         import _thread
 
-        if spec.bind_prefix:
+        if spec.bind_prefix and template.binding_in_place(spec.bind_prefix) is None:
             why = f"a binding command ({os.path.basename(spec.bind_prefix[0])}) runs in front"
         elif self.guard.ready() is None:
             # the watchdog's last resort finds a job's processes by MSRUN_JOB_ID in

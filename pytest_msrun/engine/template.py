@@ -89,6 +89,37 @@ def why_not_python(argv: list[str], env: Mapping[str, str], hook_dir: str = "") 
     return stale()
 
 
+def binding_in_place(prefix: list[str]) -> tuple[list[int] | None, list[int] | None] | None:
+    """The CPUs and the memory nodes (``MPOL_BIND``) a binding command in front would give its
+    process, for a fork to set on itself - msrun's shapes only: ``taskset -c C``, ``numactl
+    [--membind M] (--physcpubind C | --cpunodebind N)``, ``numactl --membind M``. ``--cpunodebind``
+    is the nodes' CPUs within this process's, as libnuma computes it. None: not one of them."""
+    from pytest_msrun.cpulist import RangeSyntaxError, parse_id_list
+
+    name = os.path.basename(prefix[0]) if prefix else ""
+    try:
+        if name == "taskset" and len(prefix) == 3 and prefix[1] == "-c":
+            return parse_id_list(prefix[2]), None
+        if name != "numactl" or len(prefix) % 2 != 1:
+            return None
+        options = dict(zip(prefix[1::2], prefix[2::2]))
+        if len(options) != len(prefix) // 2 or not set(options) <= {"--membind", "--physcpubind", "--cpunodebind"}:
+            return None
+        mems = parse_id_list(options["--membind"]) if "--membind" in options else None
+        cpus = parse_id_list(options["--physcpubind"]) if "--physcpubind" in options else None
+        if "--cpunodebind" in options:
+            if cpus is not None:
+                return None
+            mine = os.sched_getaffinity(0)
+            cpus = []
+            for node in parse_id_list(options["--cpunodebind"]):
+                with open(f"/sys/devices/system/node/node{node}/cpulist") as fh:
+                    cpus += [c for c in parse_id_list(fh.read().strip()) if c in mine]
+        return cpus, mems
+    except (RangeSyntaxError, OSError, ValueError):
+        return None
+
+
 def stale() -> str:
     """Why the template's imports may no longer be the installed code ("" when they are)."""
     for path, mtime in _stamp.items():

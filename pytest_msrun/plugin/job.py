@@ -419,8 +419,6 @@ class TestJob:
             differ = template.differences(env, forks.origin)
             if differ:
                 forks.refuse(f"ranks start as new processes where {', '.join(differ)} differ from this session's")
-        if self.spec.bind_numa != "False":
-            forks.refuse("ranks of tests with bind_numa start as new processes (numactl runs in front of them)")
         log_fh = open(log_path, "wb")  # noqa: SIM115 - handed to the child (and the pump), closed below
         read_fd = write_fd = -1
         try:
