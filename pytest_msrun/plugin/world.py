@@ -10,8 +10,9 @@ this test: its ranks tear every fixture down, exit, and their process ends are j
 A world ends, and the next test of its shape starts a new one, when a test crashes a rank (the
 job ends: msrun's first-failure rule), fails on a rank while another is still inside it (that
 rank may be blocked on the failed one: the world is stopped as a fresh job's would be), runs out
-of time (stacks first), leaves a thread or a process running (it could crash the next test), or
-leaves the ranks' control-plane state diverged. It also ends after the last test the controller
+of time (stacks first), leaves a thread or a process running (it could crash the next test),
+leaves the ranks' control-plane state diverged, or leaves a rank past ``--msrun-max-rss``
+(:mod:`.rankmemory`). It also ends after the last test the controller
 will send it, and - however the controller ends - with the session (parent-death signal, own
 sessions). A world found dead before a test is sent is never used for it.
 """
@@ -95,6 +96,7 @@ class WarmTest:
         # fixtures kept for the next test only if it runs with the same variables as this one
         keep = next_id is None or world.test_envs.get(next_id, {}) == self.env
         teardown = {"t": "teardown", "next": next_id, "keep": keep}
+        world.template_rss = {}  # a forking world's, once its children ended after this test
         replies, timed_out = world.exchange(teardown, "done", self.deadline, release=True, held=self.held)
         self.leaks = {r: list(reply.get("leaks") or []) for r, reply in replies.items() if reply.get("leaks")}
         for rank, reply in replies.items():  # what the test grew each rank by: one more thing left behind
