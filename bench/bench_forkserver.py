@@ -1,14 +1,15 @@
 """The fork server: sessions with marked 2-rank tests, ranks forked from the session's template
 (``--msrun-fork-server=on``, the default) against new interpreters (``off``), same run.
 
-    python bench/bench_forkserver.py [--runs 5]
+    python bench/bench_forkserver.py [--runs 5] [--only-this-project]
 
 Interleaved, shuffled rounds of pytest sessions in this checkout's environment (every plugin of the
-test extra installed); per round:
+test extra installed; ``--only-this-project``: ``PYTEST_DISABLE_PLUGIN_AUTOLOAD=1`` and ``-p
+pytest_msrun.pytest_plugin``, pytest with this plugin alone); per round:
 
 * one marked test against the same test unmarked (target: on ≤ 1.5× the unmarked session with the
-  test extra's plugins), and a world's start: ``T(1 marked) - T(1 plain)``, on against off
-  (target ≤ 0.3×);
+  test extra's plugins, ≤ 1.3× with this plugin alone), and a world's start: ``T(1 marked) -
+  T(1 plain)``, on against off (target ≤ 0.3×);
 * nine 2-rank tests in three shapes differing only in ``env`` against the same nine in one shape
   (target ≤ 1.2×);
 * eight ``isolated=True`` tests under ``--msrun-worlds=fresh``: ``(T(8 marked) - T(8 plain)) / 8``.
@@ -63,11 +64,14 @@ def ratio(values: list[float]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--only-this-project", action="store_true", help="no plugin but this one")
     args = parser.parse_args()
     print(machine())
+    alone = ["-p", "pytest_msrun.pytest_plugin"] if args.only_this_project else []
+    print("plugins:", "this one alone (autoload off)" if alone else "every installed one (the test extra's)")
     with tempfile.TemporaryDirectory(prefix="bench-forkserver-") as tmp:
         root = Path(tmp)
-        env = bench_env(root)
+        env = bench_env(root, **({"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"} if alone else {}))
         cases = {
             "plain1": _file(1, ""),
             "marked1": _file(1, "@pytest.mark.msrun(worker_num=2)\n"),
@@ -85,7 +89,8 @@ def main() -> None:
             (root / name / f"test_{name}.py").write_text(_shapes(shapes))
 
         def session(case: str, *options: str):
-            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *options]
+            cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", *alone]
+            cmd += options
 
             def run(i: int) -> float:
                 return run_timed([*cmd, f"--basetemp={root}/bt-{case}-{i}"], env, cwd=root / case)

@@ -78,6 +78,10 @@ BENCHES = {
         ["bench_memory.py", "--calls", "200", "--rounds", "1", "--tests", "2", "--runs", "1"],
         ["rank side, per test, small heap", "end to end, per test (on - off)", "target:"],
     ),
+    "fork server": (
+        ["bench_forkserver.py", "--runs", "1", "--only-this-project"],
+        ["fork server on:", "a world's start, on / off, per round", "target <= 0.3x"],
+    ),
     "dry run": (
         ["bench_dryrun.py", "--ranks", "16", "--small", "8"],
         ["16 simulated ranks", "msrun peak RSS"],
