@@ -92,7 +92,6 @@ class WorldPool:
         self.unforkable: dict[tuple, str] = {}  # forking worlds whose ranks cannot fork, and why
         self.budget = Budget(max_ranks, len(jobs.inventory.ids))
         self._plan: tuple[tuple[int, int, int], _Plan] | None = None  # the session's items as keys, cached
-        self.worlds_started = 0
         self.late: list[LateEnd] = []  # worlds' ends to report on their last tests (taken by take_late)
 
     def take_late(self) -> list[LateEnd]:
@@ -269,7 +268,6 @@ class WorldPool:
                 own = envscope.split(other_spec.env)[1] if other_spec is not None else {}
                 if own:
                     test_envs[other.nodeid] = own
-        self.worlds_started += 1
         return World(key, job, lease, max(1, min(600, int(self.jobs.timeout(spec)))), test_envs)
 
     def _connect(self, world: World, timeout: float) -> str:
