@@ -66,7 +66,7 @@ def pytest_collection_modifyitems(items):
 
 CONFTEST_INTERLEAVE = """
 def pytest_collection_modifyitems(items):
-    # a1 b1 c1 a2 b2 c2: three shapes, at most two worlds alive
+    # a1 b1 c1 a2 b2 c2: three shapes interleaved, each world kept idle for its second test
     items.sort(key=lambda item: (item.callspec.params["i"], item.name))
 """
 

@@ -94,7 +94,6 @@ class WorldPool:
         self.unforkable: dict[tuple, str] = {}  # forking worlds whose ranks cannot fork, and why
         self.budget = Budget(max_ranks, len(jobs.inventory.ids))
         self._plan: tuple[tuple[int, int, int], _Plan] | None = None  # the session's items as keys, cached
-        self.worlds_started = 0
         self.late: list[LateEnd] = []  # worlds' ends to report on their last tests (taken by take_late)
 
     def take_late(self) -> list[LateEnd]:
@@ -272,7 +271,6 @@ class WorldPool:
                 if own:
                     test_envs[other.nodeid] = own
         cluster_time_out = max(1, min(600, int(self.jobs.timeout(spec))))
-        self.worlds_started += 1
         return World(key, job, lease, cluster_time_out, test_envs, memory=self.memory)
 
     def _connect(self, world: World, timeout: float) -> str:
