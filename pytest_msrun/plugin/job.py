@@ -23,24 +23,23 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Union
+from typing import Any
 
 from pytest_msrun.control.observer import query_state
-from pytest_msrun.engine import template
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.plan import job_ranks
-from pytest_msrun.engine.processes import term_grace, with_parent_death_signal
+from pytest_msrun.engine.processes import term_grace
 from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.engine.status import STATUS_FILE, node_status_file, read_status
 from pytest_msrun.plugin import records
 from pytest_msrun.plugin.debugserver import DebugServer, NoDebug
-from pytest_msrun.plugin.forkserver import ForkedProcess, ForkServer
+from pytest_msrun.plugin.forkserver import ForkServer
 from pytest_msrun.plugin.marker import MsrunSpec
+from pytest_msrun.plugin.msrunproc import Process, start_msrun
 from pytest_msrun.plugin.outcomes import RankEnd
 from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, SHARED_TMP_ENV, records_path, stacks_path
 from pytest_msrun.proc import running
 
-Process = Union[subprocess.Popen, ForkedProcess]  # an msrun: spawned, or forked by the fork server
 STACK_WAIT = 2.0
 CLI = "pmsrun"  # how a user types this project's msrun
 
@@ -383,70 +382,7 @@ class TestJob:
         return self.spec.sim_level is None and self.spec.scheduler != "task"
 
     def _start(self, cmd: list[str], env: dict[str, str], log_path: str) -> tuple[Process, Any]:
-        """Start one msrun in its own session - forked by the session's fork server where it can,
-        else spawned; it gets SIGTERM (and tears down) if this process dies."""
-        if self.forks is not None:
-            forked = self._fork(cmd, env, log_path)
-            if forked is not None:
-                return forked
-        argv, preexec = with_parent_death_signal(cmd, signal.SIGTERM)
-        log_fh = open(log_path, "wb")  # noqa: SIM115 - handed to the child (and the pump), closed below
-        pump = None
-        try:
-            popen = subprocess.Popen(
-                argv,
-                env=env,
-                stdout=subprocess.PIPE if self.live_output else log_fh,
-                stderr=log_fh if self.live_output else subprocess.STDOUT,
-                start_new_session=True,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=preexec,
-            )
-            if self.live_output:
-                pump = threading.Thread(target=_pump_rank_lines, args=(popen.stdout, log_fh), daemon=True)
-                pump.start()
-        finally:
-            if not self.live_output:
-                log_fh.close()
-        return popen, pump
-
-    def _fork(self, cmd: list[str], env: dict[str, str], log_path: str) -> tuple[Process, Any] | None:
-        """msrun forked by the fork server (None: spawn it). Why its ranks will not be forked in
-        turn, where this process can tell, is noted once."""
-        forks = self.forks
-        assert forks is not None
-        if forks.origin:
-            differ = template.differences(env, forks.origin)
-            if differ:
-                forks.refuse(f"ranks start as new processes where {', '.join(differ)} differ from this session's")
-        log_fh = open(log_path, "wb")  # noqa: SIM115 - handed to the child (and the pump), closed below
-        read_fd = write_fd = -1
-        try:
-            if self.live_output:
-                read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
-            out = write_fd if self.live_output else log_fh.fileno()
-            reader = os.fdopen(read_fd, "rb") if self.live_output else None
-            read_fd = -1
-            proc = forks.start_msrun(cmd, env, out, log_fh.fileno(), reader)
-            if proc is None:
-                if reader is not None:
-                    reader.close()
-                log_fh.close()
-                return None
-            pump = None
-            if reader is not None:
-                pump = threading.Thread(target=_pump_rank_lines, args=(reader, log_fh), daemon=True)
-                pump.start()
-            else:
-                log_fh.close()
-            return proc, pump
-        except BaseException:
-            log_fh.close()
-            raise
-        finally:
-            for fd in (read_fd, write_fd):
-                if fd >= 0:
-                    os.close(fd)
+        return start_msrun(cmd, env, log_path, live_output=self.live_output, forks=self.forks)
 
     # ---------------------------------------------------------------- helpers
     def _status_names(self) -> list[str]:
@@ -564,21 +500,6 @@ def _read(path: str) -> str:
         return Path(path).read_text(errors="replace")
     except OSError:
         return ""
-
-
-def _pump_rank_lines(stream: IO[bytes], log_fh: IO[bytes]) -> None:
-    """With ``-s``: show the ranks' tailed lines live, keep msrun's whole output in its log."""
-    try:
-        for line in iter(stream.readline, b""):
-            log_fh.write(line)
-            if line.startswith(b"[rank ") or line.startswith(b"[local "):
-                try:
-                    sys.stdout.buffer.write(line)
-                    sys.stdout.flush()
-                except (OSError, ValueError, AttributeError):
-                    pass
-    finally:
-        log_fh.close()
 
 
 def _catches(pid: int, sig: int) -> bool:
