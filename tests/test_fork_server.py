@@ -72,9 +72,11 @@ def _probe(pytester, monkeypatch, tracked, mode: str, marker_args: str) -> dict[
     out = pytester.path / "probe"
     out.mkdir(exist_ok=True)
     monkeypatch.setenv("PROBE_DIR", str(out))
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # msrun sets it for every rank
     pytester.makepyfile(test_probe=PROBE.replace(", MARKER_ARGS", marker_args))
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--msrun-fork-server={mode}", timeout=240)
     result.assert_outcomes(passed=1)
+    assert not [line for line in result.stdout.lines if line.startswith("msrun:")]  # nothing to say
     # each session's own directories (pytester's runpytest-N) named alike
     names = ("rank0.json", "rank1.json")
     texts = {name: re.sub(r"runpytest-\d+", "runpytest-N", (out / name).read_text()) for name in names}

@@ -57,8 +57,8 @@ def _fork(
 ) -> tuple[Process, threading.Thread | None] | None:
     """msrun forked by the fork server (None: spawn it). Why its ranks will not be forked in turn,
     where this process can tell, is noted once."""
-    if forks.origin:
-        differ = template.differences(env, forks.origin)
+    if forks.origin:  # the ranks' environment: this one, with what msrun gives every child
+        differ = template.differences({**env, "PYTHONUNBUFFERED": "1"}, forks.origin)
         if differ:
             forks.refuse(f"ranks start as new processes where {', '.join(differ)} differ from this session's")
     log_fh = open(log_path, "wb")  # noqa: SIM115 - handed to the child (and the pump), closed below
