@@ -128,10 +128,10 @@ class ProcessStarting:
 
         if spec.bind_prefix and template.binding_in_place(spec.bind_prefix) is None:
             why = f"a binding command ({os.path.basename(spec.bind_prefix[0])}) runs in front"
-        elif self.guard.ready() is None:
-            # the watchdog's last resort finds a job's processes by MSRUN_JOB_ID in
-            # /proc/PID/environ, which shows a fork's template's environment
-            why = "the job has no cgroup"
+        elif self.guard.ready() is None and not template.shows_itself():
+            # without a cgroup the watchdog's last resort finds a job's processes by MSRUN_JOB_ID
+            # in /proc/PID/environ, which shows a fork's template's where it cannot show its own
+            why = "the job has no cgroup, and a fork cannot show its own environment here"
         elif _thread._count():
             why = "another thread runs in msrun"
         else:

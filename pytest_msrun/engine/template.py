@@ -153,11 +153,61 @@ def rank_hook_dir() -> str:
     return hook_dir(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
+_SHOWN: list[object] = []  # the buffers /proc/PID/cmdline and environ show (alive as long as this process)
+
+
+def show_as(argv: list[str], env: Mapping[str, str]) -> bool:
+    """Make ``/proc/PID/cmdline`` and ``/proc/PID/environ`` (what ``ps``, ``psutil`` and msrun's
+    watchdog read) those of ``argv`` started with ``env``, as an ``exec`` would have set them
+    (``prctl(PR_SET_MM_MAP)``: no privilege needed). Whether it could (False: they stay the
+    template's - a kernel without checkpoint/restore, a seccomp filter)."""
+    import ctypes
+
+    class MemoryMap(ctypes.Structure):
+        _fields_ = [
+            (name, ctypes.c_uint64)
+            for name in (
+                "start_code", "end_code", "start_data", "end_data", "start_brk", "brk", "start_stack",
+                "arg_start", "arg_end", "env_start", "env_end", "auxv",
+            )
+        ] + [("auxv_size", ctypes.c_uint32), ("exe_fd", ctypes.c_uint32)]  # fmt: skip
+
+    try:
+        with open("/proc/self/stat", "rb") as fh:
+            fields = fh.read().rsplit(b")", 1)[1].split()
+        stat = {n: int(fields[n - 3]) for n in (26, 27, 28, 45, 46, 47)}  # proc(5)'s field numbers
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.sbrk.restype = ctypes.c_void_p
+        args = b"".join(os.fsencode(a) + b"\0" for a in argv)
+        variables = b"".join(os.fsencode(f"{k}={v}") + b"\0" for k, v in env.items())
+        arg_buf = ctypes.create_string_buffer(args, len(args))
+        env_buf = ctypes.create_string_buffer(variables, max(1, len(variables)))
+        mm = MemoryMap(
+            start_code=stat[26], end_code=stat[27], start_stack=stat[28], start_data=stat[45], end_data=stat[46],
+            start_brk=stat[47], brk=libc.sbrk(0) or stat[47],
+            arg_start=ctypes.addressof(arg_buf), arg_end=ctypes.addressof(arg_buf) + len(args),
+            env_start=ctypes.addressof(env_buf), env_end=ctypes.addressof(env_buf) + len(variables),
+            auxv=0, auxv_size=0, exe_fd=0xFFFFFFFF,
+        )  # fmt: skip
+        if libc.prctl(35, 14, ctypes.byref(mm), ctypes.sizeof(mm), 0) != 0:  # PR_SET_MM, PR_SET_MM_MAP
+            return False
+    except (OSError, ValueError, IndexError, AttributeError):
+        return False
+    _SHOWN[:] = [arg_buf, env_buf]
+    return True
+
+
+def shows_itself() -> bool:
+    """Whether this process showed itself as the command it stands for (:func:`show_as`)."""
+    return bool(_SHOWN)
+
+
 def run_module(env: dict[str, str], argv: list[str]) -> int:
     """In a fork of the template (``fork_call``): run ``python -m MODULE ARGS`` as a fresh
     interpreter would - ``sys.argv``, ``sys.path[0]``, ``__main__``, msrun's rank hook, an uncaught
     exception through ``sys.excepthook``, non-daemon threads joined and ``atexit`` handlers run at
     the end. Returns the exit status."""
+    show_as(argv, env)
     hook = rank_hook_dir()
     if hook in env.get("PYTHONPATH", "").split(os.pathsep):
         _run_rank_hook(hook)
@@ -301,6 +351,8 @@ def _start_msrun(request: dict, fds: list[int], parent: int) -> int:
             os._exit(128 + signal.SIGTERM)
         become_fresh_child(request["env"], stdin_fd=fds[0], stdout_fd=fds[1], stderr_fd=fds[2])
         os.chdir(request["cwd"])
+        if request.get("cmdline"):
+            show_as(list(request["cmdline"]), request["env"])
         args = list(request["argv"])
         import importlib
 
