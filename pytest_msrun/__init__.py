@@ -2,6 +2,10 @@
 
 The package root stays import-light: the ``msrun`` launcher imports only what it needs,
 so nothing heavy (pytest, psutil, NVML) is loaded on the launch path.
+
+PYTEST_DONT_REWRITE: this package is loaded before pytest starts in a rank forked from the fork
+server (``engine/template.py``), so pytest must not expect to rewrite this module's asserts (it has
+none); its submodules are rewritten as usual where pytest imports them.
 """
 
 from __future__ import annotations

@@ -26,8 +26,13 @@ VOLATILE = ("MSRUN_JOB_ID", "MSRUN_JOB_TOKEN", "MSRUN_LOG_DIR", "MSRUN_ERROR_FIL
             "MSRUN_WORLD", "MSRUN_WORLD_TOKEN", "MSRUN_DEBUG", "MSRUN_DEBUG_TOKEN", "PYTEST_CURRENT_TEST")
 
 
+def _read(path, mode="r"):
+    with open(path, mode) as fh:
+        return fh.read()
+
+
 def _proc_environ():
-    pairs = open("/proc/self/environ", "rb").read().split(b"\\0")
+    pairs = _read("/proc/self/environ", "rb").split(b"\\0")
     out = dict(p.decode().split("=", 1) for p in pairs if p)
     return {k: v for k, v in out.items() if k not in VOLATILE and not k.startswith("PYTEST_XDIST")}
 
@@ -57,7 +62,7 @@ def _describe():
         "cpus": sorted(os.sched_getaffinity(0)),
         "session_leader": os.getsid(0) == os.getpid(),
         "group_leader": os.getpgid(0) == os.getpid(),
-        "parent_is_msrun": open(f"/proc/{os.getppid()}/comm").read().strip(),
+        "parent_is_msrun": _read(f"/proc/{os.getppid()}/comm").strip(),
         "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")) [:3],
         "stdout_is_log": os.path.realpath(f"/proc/self/fd/1").endswith(f"worker_{os.environ['RANK_ID']}.log"),
         "umask": os.umask(0o22),
@@ -65,11 +70,11 @@ def _describe():
         "excepthook": sys.excepthook.__name__,
         "main": sys.modules["__main__"].__spec__.name,
         "unbuffered": sys.stdout.write_through if hasattr(sys.stdout, "write_through") else None,
-        "cpus_allowed": [l for l in open("/proc/self/status") if l.startswith("Cpus_allowed_list")],
-        "memory_policy": open("/proc/self/numa_maps").readline().split()[1].split("=")[0],
-        "cmdline": open("/proc/self/cmdline").read().split("\\0"),
+        "cpus_allowed": [l for l in _read("/proc/self/status").splitlines() if l.startswith("Cpus_allowed_list")],
+        "memory_policy": _read("/proc/self/numa_maps").splitlines()[0].split()[1].split("=")[0],
+        "cmdline": _read("/proc/self/cmdline").split("\\0"),
         "proc_environ": _proc_environ(),
-        "parent_cmdline": open(f"/proc/{os.getppid()}/cmdline").read().split("\\0")[1:3],
+        "parent_cmdline": _read(f"/proc/{os.getppid()}/cmdline").split("\\0")[1:3],
     }
 
 
@@ -87,7 +92,9 @@ def _probe(pytester, monkeypatch, tracked, mode: str, marker_args: str) -> dict[
     monkeypatch.setenv("PROBE_DIR", str(out))
     monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # msrun sets it for every rank
     pytester.makepyfile(test_probe=PROBE.replace(", MARKER_ARGS", marker_args))
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", f"--msrun-fork-server={mode}", timeout=240)
+    # -W error: a plugin the fork server imported must not warn in the rank (rewriting: "already imported")
+    args = ("-p", "no:cacheprovider", "-W", "error", f"--msrun-fork-server={mode}")
+    result = pytester.runpytest_subprocess(*args, timeout=240)
     result.assert_outcomes(passed=1)
     assert not [line for line in result.stdout.lines if line.startswith("msrun:")]  # nothing to say
     # each session's own directories (pytester's runpytest-N) named alike
@@ -208,7 +215,7 @@ def test_a_module_whose_import_starts_a_thread_is_left_to_the_ranks(tmp_path, mo
     )
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     env = dict(os.environ)  # the template starts with this environment, as the job's
-    server = ForkServer(lambda: ["threadmod"], lambda: str(tmp_path / "server.log"))
+    server = ForkServer(lambda: (["threadmod"], []), lambda: str(tmp_path / "server.log"))
     try:
         cmd = _job(tmp_path, [sys.executable, "-m", "calendar", "2026", "12"])
         with open(tmp_path / "msrun.log", "wb") as log:
@@ -225,7 +232,7 @@ def test_an_exception_in_a_forked_worker_is_its_error_file_and_exit_status(tmp_p
     (tmp_path / "boom.py").write_text("raise ValueError('forked and failed')\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     env = dict(os.environ)
-    server = ForkServer(lambda: [], lambda: str(tmp_path / "server.log"))
+    server = ForkServer(lambda: ([], []), lambda: str(tmp_path / "server.log"))
     try:
         cmd = _job(tmp_path, [sys.executable, "-m", "boom"])
         with open(tmp_path / "msrun.log", "wb") as log:
@@ -254,7 +261,7 @@ def test_only_variables_start_up_reads_must_match(env, origin, hook, expected):
 
 
 def test_the_template_leaves_nothing_when_its_session_closes_it(tmp_path, tracked):
-    server = ForkServer(lambda: ["json"], lambda: str(tmp_path / "server.log"))
+    server = ForkServer(lambda: (["json"], []), lambda: str(tmp_path / "server.log"))
     server.begin()
     assert server._await_ready()
     server.close()
@@ -299,7 +306,7 @@ def test_kill_9_of_a_forked_msrun_leaves_nothing(tmp_path, monkeypatch, tracked)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("PIDS_FILE", str(tmp_path / "pids"))
     before = msrun_cgroups()
-    server = ForkServer(lambda: [], lambda: str(tmp_path / "server.log"))
+    server = ForkServer(lambda: ([], []), lambda: str(tmp_path / "server.log"))
     try:
         with open(tmp_path / "msrun.log", "wb") as log:
             proc = server.start_msrun(

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from conftest import job_args
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from pytest_msrun.plugin.outcomes import TestVerdict
@@ -122,6 +122,7 @@ phase_times = st.lists(
 
 
 @given(ranks=st.dictionaries(st.integers(0, 7), phase_times, min_size=1, max_size=4), until=st.floats(1e9, 2.1e9))
+@example(ranks={0: [(1073741725.0, 99.556640625, True)]}, until=1e9)  # a span through seconds moved a µs
 def test_every_phase_lies_within_its_test_and_every_test_within_its_verdict(
     ranks: dict[int, list[tuple[float, float | None, bool]]], until: float
 ) -> None:

@@ -303,27 +303,43 @@ def _threads() -> int:
         return 1
 
 
-def _preload(names: list[str], skip: list[str]) -> list[str]:
-    """Import ``names`` (then msrun's own) but ``skip``; those that failed, with why (a fork
-    imports them again). A module whose import starts a thread (numpy's BLAS pool, say) cannot be
-    in a template - a fork copies one thread and none of the locks the others hold: the template
-    starts over without it (``exec`` of itself: the threads end), so that module is the ranks'
-    own import."""
+def _preload(hello: dict) -> list[str]:
+    """Import the hello's ``preload`` modules, then msrun's own, then - inside ``prepare``
+    (``module:function`` returning what ends it, or None where it cannot be made) - its
+    ``plugins``, but ``skip``; returns those that failed, with why (a fork imports them again).
+
+    A module whose import starts a thread (numpy's BLAS pool, say) cannot be in a template - a
+    fork copies one thread and none of the locks the others hold: the template starts over
+    without it (``exec`` of itself: the threads end), so that module is the ranks' own import."""
     import importlib
 
-    failed = []
-    for name in [*names, *ENGINE_MODULES]:
-        if name in skip:
-            continue
-        try:
-            importlib.import_module(name)
-        except BaseException as exc:  # a plugin's import error is the rank's to report
-            failed.append(f"{name}: {type(exc).__name__}")
-        if _threads() > 1:
-            import json
+    def names(key: str) -> list[str]:
+        return [n for n in hello.get(key) or [] if isinstance(n, str)]
 
-            os.environ[_RESTART_ENV] = json.dumps({"preload": names, "skip": [*skip, name]})
-            os.execv(sys.executable, [sys.executable, "-m", "pytest_msrun.engine.template"])
+    skip, failed = names("skip"), []
+    prepare = str(hello.get("prepare") or "")
+    for group in ("preload", "plugins"):
+        done = None
+        if group == "plugins" and prepare:
+            module, _, function = prepare.partition(":")
+            done = getattr(importlib.import_module(module), function)()
+            if done is None:  # no such hook here: the ranks import the plugins themselves
+                break
+        todo = names(group) + (list(ENGINE_MODULES) if group == "preload" else [])
+        for name in todo:
+            if name in skip:
+                continue
+            try:
+                importlib.import_module(name)
+            except BaseException as exc:  # a plugin's import error is the rank's to report
+                failed.append(f"{name}: {type(exc).__name__}")
+            if _threads() > 1:
+                import json
+
+                os.environ[_RESTART_ENV] = json.dumps({**hello, "skip": [*skip, name]})
+                os.execv(sys.executable, [sys.executable, "-m", "pytest_msrun.engine.template"])
+        if callable(done):
+            done()
     return failed
 
 
@@ -398,8 +414,7 @@ def serve(sock: object, parent: int) -> int:
             return 0
         hello = json.loads(data)
     _origin = {k: v for k, v in os.environ.items() if k != FD_ENV}
-    names = [n for n in hello.get("preload", []) if isinstance(n, str)]
-    failed = _preload(names, [n for n in hello.get("skip", []) if isinstance(n, str)])
+    failed = _preload(hello)
     del os.environ[FD_ENV]
     _stamp = _take_stamp()
     why = "" if _threads() == 1 else "an import started a thread (a fork copies only one)"

@@ -102,7 +102,7 @@ def _fork_server(config: pytest.Config) -> ForkServer:
         factory = config._tmp_path_factory  # type: ignore[attr-defined]
         return str(factory.getbasetemp() / "msrun-fork-server.log")
 
-    def preload() -> list[str]:  # what the ranks load (hypothesis's plugin: see Jobs._unused_plugins)
+    def preload() -> tuple[list[str], list[str]]:  # what the ranks load (hypothesis's plugin: see Jobs._unused_plugins)
         return preload_for(config, [] if "hypothesis" in sys.modules else ["hypothesispytest"])
 
     return ForkServer(preload, log_path)

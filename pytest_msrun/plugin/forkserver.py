@@ -95,8 +95,8 @@ class ForkedProcess:
 class ForkServer:
     """The template process of one session, started on first use; :meth:`start_msrun` forks an msrun."""
 
-    def __init__(self, preload: Callable[[], list[str]], log_path: Callable[[], str]) -> None:
-        self.preload = preload  # what the template imports, asked when it starts
+    def __init__(self, preload: Callable[[], tuple[list[str], list[str]]], log_path: Callable[[], str]) -> None:
+        self.preload = preload  # what the template imports (modules, plugins), asked when it starts
         self.log_path = log_path  # where its output goes, asked when it starts
         self.refusals: list[str] = []  # why msruns or their workers started as new processes (once each)
         self._proc: subprocess.Popen | None = None
@@ -135,7 +135,9 @@ class ForkServer:
         finally:
             theirs.close()
         self._sock = ours
-        ours.send(json.dumps({"preload": self.preload()}).encode())
+        preload, plugins = self.preload()
+        hello = {"preload": preload, "plugins": plugins, "prepare": f"{__name__}:rewriting_hook"}
+        ours.send(json.dumps(hello).encode())
 
     def begin(self) -> None:
         """Start the template now (its imports overlap what this session does meanwhile)."""
@@ -224,6 +226,41 @@ class ForkServer:
                 proc.wait()
 
 
+def rewriting_hook() -> Callable[[], None] | None:
+    """In the template, before it imports plugins: pytest's assertion-rewriting import hook with
+    the modules of every plugin distribution marked, as a rank's pytest installs it - so a plugin
+    is imported (and its asserts rewritten) as a rank would import it, and the rank's pytest finds
+    it imported by its own kind of hook (no "already imported, cannot be rewritten" warning).
+    Returns what removes the hook after the imports; None where this pytest's internals differ
+    (the template then imports no plugin: each rank does)."""
+    import importlib.metadata
+
+    try:
+        from _pytest.assertion import install_importhook
+        from _pytest.config import _iter_rewritable_modules, get_config
+
+        config = get_config([])
+        if not hasattr(config, "_inicfg"):  # (pytest 9 reads ini values from it; none are set here)
+            config._inicfg = {}
+        hook = install_importhook(config)
+        files = (
+            str(file)
+            for dist in importlib.metadata.distributions()
+            if any(ep.group == "pytest11" for ep in dist.entry_points)
+            for file in dist.files or []
+        )
+        for name in _iter_rewritable_modules(files):
+            hook.mark_rewrite(name)
+    except Exception:
+        return None
+
+    def remove() -> None:
+        if hook in sys.meta_path:
+            sys.meta_path.remove(hook)
+
+    return remove
+
+
 MARKED_BEFORE = "msrun/marked-tests"  # pytest's cache: the last session collected marked tests
 
 
@@ -260,16 +297,18 @@ class ForkServerHooks:
         self.forks.close()
 
 
-def preload_for(config: pytest.Config, skip: list[str]) -> list[str]:
-    """What a rank of this session imports before collecting: pytest, and the plugins loaded from
-    installed distributions (entry points) but those in ``skip`` (``-p no:NAME`` given to ranks)."""
+def preload_for(config: pytest.Config, skip: list[str]) -> tuple[list[str], list[str]]:
+    """What a rank of this session imports before collecting: pytest and this plugin's modules,
+    then the plugins loaded from installed distributions (entry points) but those in ``skip``
+    (``-p no:NAME`` given to ranks)."""
     names = ["pytest", "pytest_msrun.pytest_plugin", "pytest_msrun.plugin.rank", "pytest_msrun.plugin.serve"]
     names += ["pytest_msrun.plugin.forked", ENTRY.partition(":")[0]]
+    plugins: list[str] = []
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
-        return names
+        return names, plugins
     for plugin, _dist in config.pluginmanager.list_plugin_distinfo():
         name = getattr(plugin, "__name__", None)
         plugin_name = config.pluginmanager.get_name(plugin)
         if isinstance(name, str) and plugin_name not in skip and name not in names:
-            names.append(name)
-    return names
+            plugins.append(name)
+    return names, plugins

@@ -73,13 +73,19 @@ def _phase_spans(verdict: TestVerdict, log: RankLog, until: float) -> list[dict[
     return out
 
 
+def _span_us(name: str, pid: int, tid: int, start: int, end: int, args: dict[str, Any]) -> dict[str, Any]:
+    """A span from microseconds other spans already hold (no round trip through seconds: at
+    today's clock a float of seconds can move a microsecond, and a test's span must hold its phases)."""
+    return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": start, "dur": max(0, end - start), "args": args}
+
+
 def test_events(verdict: TestVerdict, outcome: str, logs: dict[int, RankLog], until: float) -> list[dict[str, Any]]:
     """The trace events of one judged test (``outcome``: its verdict as reported): per rank a span
     with its phases inside and its failures; a span on the tests lane with the verdict. ``until``:
     where a phase a rank never finished ends (its death, the job's end)."""
     events: list[dict[str, Any]] = []
     name, nodeid = test_name(verdict.nodeid), verdict.nodeid
-    bounds: list[float] = []
+    bounds: list[int] = []  # microseconds, as the spans hold them
     for rank in sorted(logs):
         phases = _phase_spans(verdict, logs[rank], until)
         if not phases:
@@ -88,7 +94,7 @@ def test_events(verdict: TestVerdict, outcome: str, logs: dict[int, RankLog], un
         end = max(ev["ts"] + ev["dur"] for ev in phases)
         bounds += [start, end]
         own = {"nodeid": nodeid, "on this rank": verdict.cells.get(rank, ""), "verdict": outcome}
-        events.append(tracelog.span(name, tracelog.RANK_PID + rank, TEST_TID, start / 1e6, end / 1e6, own))
+        events.append(_span_us(name, tracelog.RANK_PID + rank, TEST_TID, start, end, own))
         events += phases
     for issue in verdict.issues:
         at = float((issue.report or {}).get("stop") or 0.0) or issue.at or until
@@ -102,7 +108,7 @@ def test_events(verdict: TestVerdict, outcome: str, logs: dict[int, RankLog], un
         args["first failure"] = f"rank {first.rank}" + (f" in {first.phase}" if first.phase else "")
         args["message"] = short(first.summary)
     if bounds:
-        events.append(tracelog.span(f"{outcome}: {name}", TESTS_PID, 0, min(bounds) / 1e6, max(bounds) / 1e6, args))
+        events.append(_span_us(f"{outcome}: {name}", TESTS_PID, 0, min(bounds), max(bounds), args))
     else:  # no rank began it: an instant where the job ended
         events.append(tracelog.instant(f"{outcome}: {name}", TESTS_PID, 0, until, args))
     return events
