@@ -233,21 +233,33 @@ def test_device_memory_only_where_a_framework_initialised_it():
     assert rankmemory.devices({"torch": _Torch(True)}) == {"cuda:0": [100, 200], "cuda:1": [101, 201]}
 
 
-def _touched(size: int) -> bytearray:
+WATCHED = """
+from pytest_msrun.plugin import rankmemory
+
+
+def _touched(size):
     return bytearray(b"m") * size
 
 
+big = 120 << 20
+watch = rankmemory.Watch()
+watch.enter()  # a first import
+imported = _touched(big)
+watch.exit()
+assert rankmemory.judge(watch.end(100 << 20), 100 << 20) == [], "an import's growth counted"
+cycle = [_touched(big)]
+cycle.append(cycle)  # garbage only a collection frees
+del cycle
+assert rankmemory.judge(watch.end(100 << 20), 100 << 20) == [], "garbage counted"
+kept = _touched(big)
+assert rankmemory.judge(watch.end(100 << 20), 100 << 20), "a kept 120 MiB not named"
+"""
+
+
 def test_the_watch_counts_the_tests_growth_not_what_imports_grew_nor_garbage():
-    big = 120 << 20
-    watch = rankmemory.Watch()
-    watch.enter()  # a first import
-    imported = _touched(big)
-    watch.exit()
-    assert rankmemory.judge(watch.end(100 << 20), 100 << 20) == []
-    cycle: list = [_touched(big)]
-    cycle.append(cycle)  # garbage only a collection frees
-    del cycle
-    assert rankmemory.judge(watch.end(100 << 20), 100 << 20) == []
-    kept = _touched(big)
-    assert rankmemory.judge(watch.end(100 << 20), 100 << 20)
-    del imported, kept
+    """In a process of its own (this one's heap holds whatever earlier tests left)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", WATCHED], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
