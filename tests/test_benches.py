@@ -80,7 +80,7 @@ BENCHES = {
     ),
     "fork server": (
         ["bench_forkserver.py", "--runs", "1", "--only-this-project"],
-        ["fork server on:", "a world's start, on / off, per round", "target <= 0.3x"],
+        ["fork server on:", "a further world's start, on / off, per round", "target <= 0.3x"],
     ),
     "dry run": (
         ["bench_dryrun.py", "--ranks", "16", "--small", "8"],
