@@ -39,6 +39,9 @@ def pytest_collection_modifyitems(items):
 """
 
 
+MODES = ("on", "off")
+
+
 def _file(n: int, mark: str) -> str:
     return "import pytest\n\n" + "".join(f"{mark}def test_{i}():\n    pass\n\n" for i in range(n))
 
@@ -119,10 +122,8 @@ def main() -> None:
         print(f"  a world's start (1 marked - 1 plain): {stats(start)}")
         print(f"  nine tests, three shapes / one shape: {ratio(shapes)}")
         print(f"  an isolated test (--msrun-worlds=fresh), over unmarked: {stats(fresh)}")
-    further = {
-        mode: [(times[f"shapes3 {mode}"][i] - times[f"shape1 {mode}"][i]) / 2 for i in range(n)] for mode in ("on", "off")
-    }
-    for mode in ("on", "off"):
+    further = {mode: [(times[f"shapes3 {mode}"][i] - times[f"shape1 {mode}"][i]) / 2 for i in range(n)] for mode in MODES}
+    for mode in MODES:
         print(f"a further world's start ((three shapes - one shape) / 2), {mode}: {stats(further[mode])}")
     per_round = [a / b for a, b in zip(further["on"], further["off"])]
     print(f"a further world's start, on / off, per round: {ratio(per_round)} (target <= 0.3x)")
