@@ -122,7 +122,10 @@ def main() -> None:
         print(f"  a world's start (1 marked - 1 plain): {stats(start)}")
         print(f"  nine tests, three shapes / one shape: {ratio(shapes)}")
         print(f"  an isolated test (--msrun-worlds=fresh), over unmarked: {stats(fresh)}")
-    further = {mode: [(times[f"shapes3 {mode}"][i] - times[f"shape1 {mode}"][i]) / 2 for i in range(n)] for mode in MODES}
+    further: dict[str, list[float]] = {}
+    for mode in MODES:
+        three, one = times[f"shapes3 {mode}"], times[f"shape1 {mode}"]
+        further[mode] = [(three[i] - one[i]) / 2 for i in range(n)]
     for mode in MODES:
         print(f"a further world's start ((three shapes - one shape) / 2), {mode}: {stats(further[mode])}")
     per_round = [a / b for a, b in zip(further["on"], further["off"])]
