@@ -11,7 +11,7 @@ import sys
 import time
 
 from pytest_msrun.control import wire
-from pytest_msrun.engine import console, errorfile, template, timeline
+from pytest_msrun.engine import console, errorfile, timeline
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.kinds import Role
@@ -39,6 +39,16 @@ if TYPE_CHECKING:
     from pytest_msrun.engine.earlystart import FirstStarted
     from pytest_msrun.engine.observers import Observer
     from pytest_msrun.engine.trace import TraceObserver
+
+
+TEMPLATE_MODULE = "pytest_msrun.engine.template"
+
+
+def _template() -> Any:
+    """The fork server's module when this msrun is a fork of one (None: a plain msrun, which then
+    never imports it - it is not on ``pmsrun``'s start path)."""
+    module = sys.modules.get(TEMPLATE_MODULE)
+    return module if module is not None and module.is_template() else None
 
 
 SPAWN_SLICE = 0.05  # s of starting workers between two turns of the event loop
@@ -98,9 +108,9 @@ class ProcessStarting:
         call_args = None
         cpus, mems = spec.in_child_cpus, None
         if not call and not held and spec.role == Role.WORKER and not self._fork_refusal(spec, env):
-            call, call_args = f"{template.__name__}:run_module", list(spec.argv)
+            call, call_args = f"{TEMPLATE_MODULE}:run_module", list(spec.argv)
             if spec.bind_prefix:  # what the binding command in front would set, set on the fork
-                cpus, mems = template.binding_in_place(spec.bind_prefix) or (None, None)
+                cpus, mems = _template().binding_in_place(spec.bind_prefix) or (None, None)
         launch = Launch(
             argv=spec.command,
             env=env,
@@ -122,7 +132,8 @@ class ProcessStarting:
         """Why a worker is spawned rather than forked from this msrun ("" when it is forked):
         only an msrun forked from a fork server forks workers (:mod:`.template`), each one that
         a fork stands for exactly, and only while no other thread runs here. Said once."""
-        if not template.is_template():
+        template = _template()
+        if template is None:
             return "not a fork server's msrun"  # said nowhere: the usual way
         import _thread
 
@@ -176,7 +187,7 @@ class ProcessStarting:
         waiting = entering is not None and entering.done.locked()
         if waiting and not self._holdable(plan.workers[0]):
             return False
-        if waiting and template.is_template():  # forked once msrun is in the cgroup (no thread runs)
+        if waiting and _template() is not None:  # forked once msrun is in the cgroup (no thread runs)
             return False
         from pytest_msrun.engine.earlystart import FirstStarted
 
