@@ -221,9 +221,7 @@ def fork_call(
         with _suppress(Exception):
             traceback.print_exc()
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            with _suppress(Exception):
-                stream.flush()
+        flush_std_streams()
         os._exit(code)
 
 
@@ -263,12 +261,17 @@ def _restore_placement(cpus: set[int] | None, mems: bool) -> None:
         set_memory_policy(None)
 
 
+def flush_std_streams() -> None:
+    """Write out what ``sys.stdout`` and ``sys.stderr`` buffer (a closed or broken stream is skipped)."""
+    for stream in (sys.stdout, sys.stderr):
+        with _suppress(Exception):
+            stream.flush()
+
+
 def block_signals_for_fork() -> set[int | signal.Signals]:
     """Flush this process's streams (nothing buffered may be written twice) and block every
     signal; returns the mask to restore in the parent after the fork."""
-    for stream in (sys.stdout, sys.stderr):
-        with _suppress(OSError, ValueError):
-            stream.flush()
+    flush_std_streams()
     return signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
 
 

@@ -234,7 +234,7 @@ def run_module(env: dict[str, str], argv: list[str]) -> int:
 
 def _finalize(code: int) -> int:
     """What an interpreter does on its way out, before ``os._exit``: join non-daemon threads,
-    run ``atexit`` handlers, flush the standard streams."""
+    run ``atexit`` handlers (``fork_call``, which runs this, flushes the standard streams after)."""
     threading = sys.modules.get("threading")
     if threading is not None:
         try:
@@ -244,11 +244,6 @@ def _finalize(code: int) -> int:
     import atexit
 
     atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
     return code
 
 
@@ -388,11 +383,9 @@ def _start_msrun(request: dict, fds: list[int], parent: int) -> int:
         except Exception:
             pass
     finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
+        from pytest_msrun.engine.processes import flush_std_streams
+
+        flush_std_streams()
         os._exit(code)
 
 
