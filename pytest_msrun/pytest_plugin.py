@@ -190,6 +190,9 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
 
         start_in_rank(dict(os.environ))  # the controller runs --cov: measured before conftests load
     if roles.detect(os.environ) == roles.CONTROLLER:
+        from pytest_msrun.plugin.earlytemplate import fork_session
+
+        fork_session(early_config)  # before any conftest, coverage or capture starts
         _keep_terminal(early_config)
     ns = early_config.known_args_namespace
     use = (

@@ -86,17 +86,33 @@ def test_probe(rank):
 """
 
 
-def _probe(pytester, monkeypatch, tracked, mode: str, marker_args: str) -> dict[str, dict]:
+THREAD_PLUGIN = """
+import threading
+
+threading.Thread(target=threading.Event().wait, daemon=True).start()
+"""
+# how the session's template comes to be: forked from the session's own process at its start (no
+# plugin runs a thread: pytest-randomly's numpy starts BLAS threads), or spawned (a plugin's thread)
+TEMPLATES = {"forked": ("-p", "no:randomly"), "spawned": ("-p", "threadplugin")}
+
+
+def _probe(pytester, monkeypatch, tracked, mode: str, marker_args: str, how: str = "forked") -> dict[str, dict]:
     out = pytester.path / "probe"
     out.mkdir(exist_ok=True)
     monkeypatch.setenv("PROBE_DIR", str(out))
     monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # msrun sets it for every rank
-    pytester.makepyfile(test_probe=PROBE.replace(", MARKER_ARGS", marker_args))
+    if str(pytester.path) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):  # (-p threadplugin)
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(pytester.path), os.environ.get("PYTHONPATH")])))
+    pytester.makepyfile(test_probe=PROBE.replace(", MARKER_ARGS", marker_args), threadplugin=THREAD_PLUGIN)
     # -W error: a plugin the fork server imported must not warn in the rank (rewriting: "already imported")
-    args = ("-p", "no:cacheprovider", "-W", "error", f"--msrun-fork-server={mode}")
-    result = pytester.runpytest_subprocess(*args, timeout=240)
+    base = pytester.path / "bt"  # (one name: the ranks see paths below it)
+    args = ("-p", "no:cacheprovider", "-W", "error", f"--msrun-fork-server={mode}", f"--basetemp={base}")
+    result = pytester.runpytest_subprocess(*args, *TEMPLATES[how], timeout=240)
     result.assert_outcomes(passed=1)
     assert not [line for line in result.stdout.lines if line.startswith("msrun:")]  # nothing to say
+    if mode == "on":
+        said = {"forked": "forked from the session's process", "spawned": "started"}[how]
+        assert f": {said};" in (base / "msrun-fork-server.log").read_text()
     # each session's own directories (pytester's runpytest-N) named alike
     names = ("rank0.json", "rank1.json")
     texts = {name: re.sub(r"runpytest-\d+", "runpytest-N", (out / name).read_text()) for name in names}
@@ -120,9 +136,10 @@ def _shows_itself() -> bool:
         pytest.param(", bind_numa=True", marks=pytest.mark.numactl),  # numactl --membind ...
     ],
 )
-def test_a_forked_rank_is_indistinguishable_from_a_spawned_one(pytester, monkeypatch, tracked, marker_args):
-    forked = _probe(pytester, monkeypatch, tracked, "on", marker_args)
-    spawned = _probe(pytester, monkeypatch, tracked, "off", marker_args)
+@pytest.mark.parametrize("how", TEMPLATES)
+def test_a_forked_rank_is_indistinguishable_from_a_spawned_one(pytester, monkeypatch, tracked, marker_args, how):
+    forked = _probe(pytester, monkeypatch, tracked, "on", marker_args, how)
+    spawned = _probe(pytester, monkeypatch, tracked, "off", marker_args, how)
     for name in ("rank0.json", "rank1.json"):
         assert forked[name]["forked"], "the fork server did not fork this rank"
         assert not spawned[name]["forked"]
@@ -278,6 +295,27 @@ def test_the_template_leaves_nothing_when_its_session_closes_it(tmp_path, tracke
     assert server._await_ready()
     server.close()
     assert not wait_gone(tracked)
+
+
+def test_a_clean_session_forks_its_template_from_itself_and_ends_it(pytester, tracked):
+    """A session that starts clean (``python -m pytest``, one thread, nothing traced, its first)
+    forks its template from itself before any conftest is imported; the template ends with the
+    session - one without a marked test, one stopped by a usage error after the fork - and one in
+    a process that ran another session before it (in-process pytester) is started instead."""
+    pytester.makepyfile(
+        test_marked="import pytest\n\n@pytest.mark.msrun(worker_num=2)\ndef test_m(rank):\n    pass\n",
+        test_plain="def test_p():\n    pass\n",
+    )
+    base = pytester.path / "bt"
+    pytester.runpytest_subprocess(f"--basetemp={base}", "test_marked.py", timeout=240).assert_outcomes(passed=1)
+    assert ": forked from the session's process;" in (base / "msrun-fork-server.log").read_text()
+    pytester.runpytest_subprocess(f"--basetemp={base}", "test_plain.py", timeout=240).assert_outcomes(passed=1)
+    assert pytester.runpytest_subprocess("--no-such-option", timeout=240).ret == pytest.ExitCode.USAGE_ERROR
+    assert pytester.runpytest_subprocess("--msrun-worlds=bogus", timeout=240).ret == pytest.ExitCode.USAGE_ERROR
+    assert not wait_gone(tracked)
+    inner = pytester.path / "bt-inprocess"
+    pytester.runpytest_inprocess(f"--basetemp={inner}", "test_marked.py").assert_outcomes(passed=1)
+    assert ": started;" in (inner / "msrun-fork-server.log").read_text()
 
 
 def test_a_project_that_ran_marked_tests_starts_its_fork_server_with_the_session(pytester, tracked):

@@ -315,7 +315,8 @@ def _preload(hello: dict) -> list[str]:
     prepare = str(hello.get("prepare") or "")
     for group in ("preload", "plugins"):
         done = None
-        if group == "plugins" and prepare:
+        # (a template forked from the session's process has its plugins imported: nothing to prepare)
+        if group == "plugins" and prepare and not all(n in sys.modules for n in names(group)):
             module, _, function = prepare.partition(":")
             done = getattr(importlib.import_module(module), function)()
             if done is None:  # no such hook here: the ranks import the plugins themselves
@@ -389,9 +390,31 @@ def _start_msrun(request: dict, fds: list[int], parent: int) -> int:
         os._exit(code)
 
 
-def serve(sock: object, parent: int) -> int:
-    """The template's life: a first message naming what to import, then one msrun per request,
-    until the requester closes its end."""
+def _await_session(sock: object, hello: dict) -> bool:
+    """In a template forked from the session's process before the session knew where its log
+    goes (``hello["early"]``): wait for the session's first message, which carries that log as a
+    descriptor (made this process's stdout and stderr). False: the session ended first."""
+    import socket
+
+    assert isinstance(sock, socket.socket)
+    while True:
+        try:
+            data, fds, _, _ = socket.recv_fds(sock, REQUEST_LIMIT, 1)
+            break
+        except InterruptedError:
+            continue
+    for fd in fds:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+    hello["early"] = "done"  # (a start over, see _preload, waits for nothing more)
+    return bool(data)
+
+
+def serve(sock: object, parent: int, early: dict | None = None) -> int:
+    """The template's life: a first message naming what to import (or ``early``'s, in a template
+    forked from the session's own process), then one msrun per request, until the requester
+    closes its end."""
     import gc
     import json
     import socket
@@ -399,7 +422,9 @@ def serve(sock: object, parent: int) -> int:
     assert isinstance(sock, socket.socket)
     global _origin, _stamp
     restart = os.environ.pop(_RESTART_ENV, "")  # this template started over (see _preload)
-    if restart:
+    if early is not None:
+        hello = early
+    elif restart:
         hello = json.loads(restart)
     else:
         data, _, _, _ = socket.recv_fds(sock, REQUEST_LIMIT, 0)
@@ -407,12 +432,19 @@ def serve(sock: object, parent: int) -> int:
             return 0
         hello = json.loads(data)
     _origin = {k: v for k, v in os.environ.items() if k != FD_ENV}
+    # "lazy": the session may have no job (its imports wait for its first); "eager": they start now
+    if hello.get("early") == "lazy" and not _await_session(sock, hello):
+        return 0
     failed = _preload(hello)
     del os.environ[FD_ENV]
+    if hello.get("early") == "eager" and not _await_session(sock, hello):
+        return 0
     _stamp = _take_stamp()
     why = "" if _threads() == 1 else "an import started a thread (a fork copies only one)"
     gc.collect()
     gc.freeze()  # what the imports made stays shared with every fork (collections do not copy it)
+    how = "forked from the session's process" if hello.get("early") else "started"
+    print(f"fork server {os.getpid()}: {how}; {len(sys.modules)} modules imported", flush=True)
     sock.send(json.dumps({"ready": True, "why": why, "failed": failed}).encode())
     while True:
         try:

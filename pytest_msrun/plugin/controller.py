@@ -27,6 +27,7 @@ from pytest_msrun.engine.slurm import allocation
 from pytest_msrun.pathsearch import which
 from pytest_msrun.plugin import envscope, options, rankmemory
 from pytest_msrun.plugin.debugserver import NO_TTY, DebugServer
+from pytest_msrun.plugin.earlytemplate import EARLY
 from pytest_msrun.plugin.forkserver import ForkServer, ForkServerHooks, preload_for
 from pytest_msrun.plugin.jobs import PYTEST_TIMEOUT, Jobs, static_skip
 from pytest_msrun.plugin.keeping import default_ranks
@@ -105,7 +106,7 @@ def _fork_server(config: pytest.Config) -> ForkServer:
     def preload() -> tuple[list[str], list[str]]:  # what the ranks load (hypothesis's plugin: see Jobs._unused_plugins)
         return preload_for(config, [] if "hypothesis" in sys.modules else ["hypothesispytest"])
 
-    return ForkServer(preload, log_path)
+    return ForkServer(preload, log_path, config.stash.get(EARLY, None))
 
 
 def memory_bounds(config: pytest.Config) -> tuple[int, int]:

@@ -26,8 +26,14 @@ from pytest_msrun.engine import template
 from pytest_msrun.engine.processes import with_parent_death_signal
 from pytest_msrun.plugin.marker import MARKER
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from pytest_msrun.plugin.earlytemplate import EarlyTemplate
+
 ENTRY = "pytest_msrun.entry:main"  # what `python -m pytest_msrun` runs (msrun), called with its arguments
 READY_TIMEOUT = 120.0  # s the first request waits for the template's imports
+# what every rank imports as it starts (its debugger's hooks, its extras' and call phase's plugins)
+RANK_MODULES = ("pytest_msrun.plugin.debugrank", "pytest_msrun.plugin.rankextras", "pytest_msrun.plugin.callphase")
 REPLY_TIMEOUT = 30.0  # s a request waits for its pid (a fork: milliseconds)
 
 
@@ -95,11 +101,17 @@ class ForkedProcess:
 class ForkServer:
     """The template process of one session, started on first use; :meth:`start_msrun` forks an msrun."""
 
-    def __init__(self, preload: Callable[[], tuple[list[str], list[str]]], log_path: Callable[[], str]) -> None:
+    def __init__(
+        self,
+        preload: Callable[[], tuple[list[str], list[str]]],
+        log_path: Callable[[], str],
+        early: EarlyTemplate | None = None,
+    ) -> None:
         self.preload = preload  # what the template imports (modules, plugins), asked when it starts
         self.log_path = log_path  # where its output goes, asked when it starts
+        self.early = early  # the template forked from this process at its start, if any
         self.refusals: list[str] = []  # why msruns or their workers started as new processes (once each)
-        self._proc: subprocess.Popen | None = None
+        self._proc: subprocess.Popen | ForkedProcess | None = None
         self._sock: socket.socket | None = None
         self._ready = False
         self._broken = ""  # why it forks nothing more
@@ -111,12 +123,19 @@ class ForkServer:
             self.refusals.append(why)
 
     def _start(self) -> None:
+        early, self.early = self.early, None
+        if early is not None and early.sock is not None:  # forked from this process at its start
+            try:
+                with open(self.log_path(), "wb") as log:
+                    socket.send_fds(early.sock, [b'{"session": true}'], [log.fileno()])
+            except OSError:  # it is gone: one is spawned instead
+                early.close()
+            else:
+                self._proc, self._sock, self.origin = early.proc, early.sock, early.origin
+                early.sock = None
+                return
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = dict(os.environ)
-        # as every rank has it (msrun sets it): a fork must stand for a fresh rank's interpreter
-        env["PYTHONUNBUFFERED"] = "1"
-        for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS"):
-            env.pop(name, None)
+        env = template_env()
         self.origin = dict(env)
         env[template.FD_ENV] = str(theirs.fileno())
         argv, preexec = with_parent_death_signal([sys.executable, "-m", template.__name__], signal.SIGKILL)
@@ -214,6 +233,8 @@ class ForkServer:
 
     def close(self) -> None:
         """End the template (its forks are this process's children and live on)."""
+        if self.early is not None:
+            self.early.close()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -224,6 +245,16 @@ class ForkServer:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+def template_env() -> dict[str, str]:
+    """The template's environment: this process's, as a rank's interpreter starts with it."""
+    env = dict(os.environ)
+    # as every rank has it (msrun sets it): a fork must stand for a fresh rank's interpreter
+    env["PYTHONUNBUFFERED"] = "1"
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS"):
+        env.pop(name, None)
+    return env
 
 
 def rewriting_hook() -> Callable[[], None] | None:
@@ -302,7 +333,7 @@ def preload_for(config: pytest.Config, skip: list[str]) -> tuple[list[str], list
     then the plugins loaded from installed distributions (entry points) but those in ``skip``
     (``-p no:NAME`` given to ranks)."""
     names = ["pytest", "pytest_msrun.pytest_plugin", "pytest_msrun.plugin.rank", "pytest_msrun.plugin.serve"]
-    names += ["pytest_msrun.plugin.forked", ENTRY.partition(":")[0]]
+    names += ["pytest_msrun.plugin.forked", ENTRY.partition(":")[0], *RANK_MODULES]
     plugins: list[str] = []
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
         return names, plugins
