@@ -318,6 +318,28 @@ def test_a_clean_session_forks_its_template_from_itself_and_ends_it(pytester, tr
     assert ": started;" in (inner / "msrun-fork-server.log").read_text()
 
 
+def test_a_project_plugin_is_imported_by_each_rank_under_its_own_environment(pytester, tracked):
+    """A plugin of the project's own (``-p localplugin``, a module under the rootdir) imported by
+    the session before its template was forked from it is imported again by each rank, as a
+    started rank would: its import-time reads see the rank's environment, not the session's."""
+    pytester.makepyfile(
+        localplugin="import os\n\nRANK_AT_IMPORT = os.environ.get('RANK_ID')\n",
+        test_rank="""
+        import os
+        import pytest
+        import localplugin
+
+        @pytest.mark.msrun(worker_num=2)
+        def test_rank(rank):
+            assert localplugin.RANK_AT_IMPORT == os.environ["RANK_ID"] == str(rank)
+        """,
+    )
+    base = pytester.path / "bt"
+    result = pytester.runpytest_subprocess(f"--basetemp={base}", "-p", "localplugin", timeout=240)
+    result.assert_outcomes(passed=1)
+    assert ": forked from the session's process;" in (base / "msrun-fork-server.log").read_text()
+
+
 def test_a_project_that_ran_marked_tests_starts_its_fork_server_with_the_session(pytester, tracked):
     """pytest's cache remembers a session with marked tests: the next starts the fork server before
     it collects (its imports overlap the collection); a session without them forgets it."""

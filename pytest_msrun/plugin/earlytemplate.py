@@ -97,6 +97,25 @@ def _marked_before(config: pytest.Config) -> bool | None:
         return False
 
 
+def project_modules(rootdir: str) -> list[str]:
+    """The modules imported from the project's own files (under ``rootdir``, not an installed
+    package's: a ``-p`` plugin of the project, what it imported): a started template never
+    imports them, so a fork of this process forgets them and each rank imports them anew."""
+    import site
+
+    installed = [sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages(), site.getusersitepackages()]
+    kept = tuple(os.path.join(p, "") for p in {*installed, *map(os.path.realpath, installed)} if p)
+    roots = tuple(os.path.join(p, "") for p in {rootdir, os.path.realpath(rootdir)})
+    out = []
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if not isinstance(file, str) or name.partition(".")[0] == "pytest_msrun":
+            continue
+        if file.startswith(roots) and not file.startswith(kept):
+            out.append(name)
+    return out
+
+
 def fork_session(config: pytest.Config) -> None:
     """At the session's start - every plugin imported (through pytest's assertion rewriting, as a
     rank imports them), no conftest, nothing collected, no thread - fork this process as the
@@ -115,8 +134,10 @@ def fork_session(config: pytest.Config) -> None:
     hello = {
         "preload": preload,
         "plugins": plugins,
-        # the modules of plugins the ranks do not load: gone from the template, as from a started one
-        "forget": [
+        # the modules of plugins the ranks do not load, and the project's own: gone from the
+        # template, as from a started one (a rank imports them under its own environment)
+        "forget": project_modules(str(config.rootpath))
+        + [
             getattr(p, "__name__", "")
             for p, _ in config.pluginmanager.list_plugin_distinfo()
             if config.pluginmanager.get_name(p) in skip
