@@ -75,6 +75,10 @@ def _describe():
         "cmdline": _read("/proc/self/cmdline").split("\\0"),
         "proc_environ": _proc_environ(),
         "parent_cmdline": _read(f"/proc/{os.getppid()}/cmdline").split("\\0")[1:3],
+        "warnings_filters": [repr(f) for f in warnings.filters],
+        "modules_of_the_project": sorted(m for m in sys.modules if m in ("threadplugin",)),
+        "path_hooks": [type(h).__name__ for h in sys.path_hooks],
+        "meta_path": [type(h).__name__ for h in sys.meta_path],
     }
 
 
@@ -102,7 +106,8 @@ def _probe(pytester, monkeypatch, tracked, mode: str, marker_args: str, how: str
     monkeypatch.setenv("PROBE_DIR", str(out))
     monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # msrun sets it for every rank
     if str(pytester.path) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):  # (-p threadplugin)
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(pytester.path), os.environ.get("PYTHONPATH")])))
+        paths = [str(pytester.path), os.environ.get("PYTHONPATH")]
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
     pytester.makepyfile(test_probe=PROBE.replace(", MARKER_ARGS", marker_args), threadplugin=THREAD_PLUGIN)
     # -W error: a plugin the fork server imported must not warn in the rank (rewriting: "already imported")
     base = pytester.path / "bt"  # (one name: the ranks see paths below it)
