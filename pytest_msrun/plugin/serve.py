@@ -387,6 +387,7 @@ class WorldServer:
         self.next: LateNext | None = None  # the running test's
         self.snapshot: Snapshot | None = None
         self.quit = False  # the controller is gone or said quit while a test ran
+        self.called = False  # a forked child said its call was over (its template reads the answer)
         self.last: pytest.Item | None = None
 
     @pytest.hookimpl(tryfirst=True)
@@ -485,6 +486,10 @@ class WorldServer:
             forked.mirror(code)
         if info.get("quit"):
             self.quit = True
+        if info.get("called"):  # the controller's answer to the child's "called", unread by the child
+            answer = self.channel.receive()
+            if answer is None or answer.get("t") != "teardown":
+                self.quit = True  # the controller is gone, or ends the world now
         forked.take_group(info.get("group"))
         retire = forked.retire_reason(info, _children())
         ended = {"t": "ended", "nodeid": item.nodeid, "pid": pid, "code": code, "retire": retire}
@@ -513,6 +518,7 @@ class WorldServer:
             done = {"failed": plugin.test_failed, "leaks": [], "lingering": False, "group": _group_state()}
             self.channel.send({"t": "done", "nodeid": item.nodeid, **done, **_memory(snapshot, msg)})
             info = {"done": True, "status": code, "group": forked.group_state(), "quit": self.quit}
+            info["called"] = self.called
             forked.tell_parent(fd, {**info, "runtimes": forked.new_runtimes()})
             forked.child_exit(code)
         except BaseException as exc:  # noqa: BLE001 - the template mirrors the end
@@ -525,10 +531,16 @@ class WorldServer:
         if self.next is not None and nextitem is self.next and self.channel is not None:
             # "failed": what would end this rank in a fresh job (a strict xfail that passed would not)
             self.channel.send({"t": "called", "nodeid": item.nodeid, "failed": self.rank_plugin.test_real_failure})
+            if self.forking:
+                # A forked child keeps nothing for a next test: it tears every fixture down at once,
+                # as a fresh job's rank does, not waiting for the controller's answer (its template
+                # reads it once the child ended: whether the world goes on).
+                self.called = True
+                return (yield)
             answer = self.channel.receive()
             if answer is None or answer.get("t") != "teardown":
                 self.quit = True  # the controller is gone, or ends the world now: tear everything down
-            elif not self.forking:  # a forked child keeps nothing: every fixture ends with it
+            else:
                 following = answer.get("next")
                 if not answer.get("keep", True):  # the next test's variables differ: no fixture serves it
                     following = None
