@@ -37,6 +37,8 @@ _SERVE = os.path.join(_PACKAGE, "plugin", "serve.py")
 _IDLE = {
     "pytest_runtest_teardown": "finished the test's call; waits for the other ranks before its teardown",
     "pytest_runtestloop": "finished the test; waits in its warm world for the next one",
+    # a forking world's template, its child for the test ended (it tore down without waiting)
+    "_run_forked": "finished the test in a process of its own, which ended; waits for the other ranks",
 }
 _INTERNAL = (os.path.join(_PACKAGE, "control"), os.path.join(_PACKAGE, "plugin"))
 MAX_CALLERS = 2
