@@ -66,7 +66,8 @@ def unforkable_session(config: pytest.Config) -> str:
     forking = getattr(ns, "msrun_fork_server", None) or config.getini("msrun_fork_server") or "on"
     if forking != "on":
         return "the fork server is off"
-    if getattr(ns, "collectonly", False) or getattr(ns, "msrun_inprocess", False):
+    runs_nothing = ("collectonly", "msrun_inprocess", "help", "version", "showfixtures", "show_fixtures_per_test")
+    if any(getattr(ns, name, False) for name in runs_nothing):
         return "this session runs no job"
     if getattr(ns, "numprocesses", None) or getattr(ns, "tx", None) or hasattr(config, "workerinput"):
         return "pytest-xdist runs the tests in other processes"
