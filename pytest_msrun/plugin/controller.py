@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import sys
 import warnings
 from collections.abc import Generator
 from typing import Any
@@ -103,8 +102,8 @@ def _fork_server(config: pytest.Config) -> ForkServer:
         factory = config._tmp_path_factory  # type: ignore[attr-defined]
         return str(factory.getbasetemp() / "msrun-fork-server.log")
 
-    def preload() -> tuple[list[str], list[str]]:  # what the ranks load (hypothesis's plugin: see Jobs._unused_plugins)
-        return preload_for(config, [] if "hypothesis" in sys.modules else ["hypothesispytest"])
+    def preload() -> tuple[list[str], list[str]]:  # what the ranks load
+        return preload_for(config, options.unused_rank_plugins(config))
 
     return ForkServer(preload, log_path, config.stash.get(EARLY, None))
 

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
 import sys
 from typing import Any
 
@@ -22,7 +21,8 @@ import pytest
 
 from pytest_msrun.engine import template
 from pytest_msrun.engine.processes import become_fresh_child, block_signals_for_fork, die_with_parent
-from pytest_msrun.plugin.forkserver import MARKED_BEFORE, ForkedProcess, preload_for, template_env
+from pytest_msrun.plugin import options
+from pytest_msrun.plugin.forkserver import MARKED_BEFORE, ForkedProcess, end_template, preload_for, template_env
 
 
 class EarlyTemplate:
@@ -36,14 +36,8 @@ class EarlyTemplate:
     def close(self) -> None:
         """End it where no fork server took it (the session ended first, or had no controller)."""
         sock, self.sock = self.sock, None
-        if sock is None:
-            return
-        sock.close()  # its end of file: it returns
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        if sock is not None:
+            end_template(sock, self.proc)
 
 
 EARLY = pytest.StashKey[EarlyTemplate]()
@@ -79,7 +73,9 @@ def unforkable_session(config: pytest.Config) -> str:
     traced = monitoring is not None and any(monitoring.get_tool(i) for i in range(6))
     if traced or sys.gettrace() is not None or sys.getprofile() is not None:
         return "this process is traced (coverage, a profiler, a debugger)"
-    if template._threads() != 1 or not hasattr(os, "fork"):
+    if not hasattr(os, "fork"):
+        return "this platform cannot fork"
+    if template._threads() != 1:
         return "this process runs threads"
     return ""
 
@@ -129,7 +125,7 @@ def fork_session(config: pytest.Config) -> None:
     _sessions_seen += 1
     if unforkable_session(config):
         return
-    skip = [] if "hypothesis" in sys.modules else ["hypothesispytest"]  # (see Jobs._unused_plugins)
+    skip = options.unused_rank_plugins(config)
     preload, plugins = preload_for(config, skip)
     eager = _marked_before(config) is not False
     hello = {

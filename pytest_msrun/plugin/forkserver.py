@@ -235,16 +235,22 @@ class ForkServer:
         """End the template (its forks are this process's children and live on)."""
         if self.early is not None:
             self.early.close()
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        sock, self._sock = self._sock, None
         proc, self._proc = self._proc, None
-        if proc is not None:
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        end_template(sock, proc)
+
+
+def end_template(sock: socket.socket | None, proc: subprocess.Popen | ForkedProcess | None) -> None:
+    """Close the template's socket (its end of file: it returns) and wait for it to end (killed
+    after 5 s)."""
+    if sock is not None:
+        sock.close()
+    if proc is not None:
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def template_env() -> dict[str, str]:

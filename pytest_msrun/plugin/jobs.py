@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from pathlib import Path
 
 import pytest
@@ -117,8 +116,5 @@ class Jobs:
         )
 
     def _unused_plugins(self) -> list[str]:
-        """Plugins the ranks need not load: hypothesis's, when no collected test module imported
-        hypothesis (its plugin is installed with it and costs every rank ~0.3 s to start)."""
-        if "hypothesis" in sys.modules or not self.config.pluginmanager.has_plugin("hypothesispytest"):
-            return []
-        return ["-p", "no:hypothesispytest"]
+        """``-p no:NAME`` for each plugin the ranks need not load (:func:`options.unused_rank_plugins`)."""
+        return [arg for name in options.unused_rank_plugins(self.config) for arg in ("-p", f"no:{name}")]

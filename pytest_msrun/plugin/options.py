@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from typing import Any
 
 import pytest
@@ -108,6 +109,14 @@ def apply(config: pytest.Config, env: dict[str, str] | None = None) -> list[str]
 
 # The cache's session plugins: the controller's session keeps --lf/--nf state, never a rank.
 RANK_BLOCKED = ("no:lfplugin", "no:nfplugin", "no:stepwiseplugin", "no:xdist")
+
+
+def unused_rank_plugins(config: pytest.Config) -> list[str]:
+    """Plugins the ranks need not load: hypothesis's, when no collected test module imported
+    hypothesis (its plugin is installed with it and costs every rank ~0.3 s to start)."""
+    if "hypothesis" in sys.modules or not config.pluginmanager.has_plugin("hypothesispytest"):
+        return []
+    return ["hypothesispytest"]
 
 
 def command_line(config: pytest.Config) -> list[str]:

@@ -517,8 +517,13 @@ class WorldServer:
             assert self.channel is not None
             done = {"failed": plugin.test_failed, "leaks": [], "lingering": False, "group": _group_state()}
             self.channel.send({"t": "done", "nodeid": item.nodeid, **done, **_memory(snapshot, msg)})
-            info = {"done": True, "status": code, "group": forked.group_state(), "quit": self.quit}
-            info["called"] = self.called
+            info = {
+                "done": True,
+                "status": code,
+                "group": forked.group_state(),
+                "quit": self.quit,
+                "called": self.called,
+            }
             forked.tell_parent(fd, {**info, "runtimes": forked.new_runtimes()})
             forked.child_exit(code)
         except BaseException as exc:  # noqa: BLE001 - the template mirrors the end
