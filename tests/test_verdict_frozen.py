@@ -27,6 +27,22 @@ def test_it(rank):
         suite_patterns=(r"test_it\s+passed\s+timeout\s+failed",),
         args=("--msrun-timeout=6",),
     ),
+    Scenario(  # however it ends after the deadline, a rank running then is judged as running
+        "a_rank_in_native_code_at_the_deadline_calls_os_exit_0_when_asked_for_its_stacks",
+        """
+@pytest.mark.msrun(worker_num=2, timeout=6)
+def test_it(rank):
+    if rank == 1:
+        ctypes.PyDLL(None).sleep(30)  # returns early when a signal arrives (the stack request)
+        os._exit(0)  # before msrun's teardown reaches it
+""",
+        counts={"failed": 1},
+        never=("passed",),
+        patterns=(r"rank 1 was still in the call phase at the timeout",),
+        absent=(r"left no record",),
+        suite_patterns=(r"test_it\s+\S+\s+timeout\s+failed",),
+        args=("--msrun-timeout=6",),
+    ),
     Scenario(
         "a_barrier_rank_1_never_enters_with_the_timeout_equal_to_the_cluster_time_out",
         """

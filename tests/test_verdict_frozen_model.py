@@ -1,6 +1,6 @@
 """The frozen record, property-tested: what a rank writes after a test's deadline never changes its
-verdict, a rank msrun found past its deadline never passes, and a verdict that would break the
-invariant is failed closed.
+verdict, nor does how a rank still running at the deadline ends after it; a rank msrun found past
+its deadline never passes; and a verdict that would break the invariant is failed closed.
 
 Records go through the real writer and reader (:class:`RecordWriter`, :func:`load_rank_log`): the
 deadline is where each rank's record file stood (a byte offset), or - for a rank msrun found late -
@@ -14,10 +14,10 @@ import tempfile
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_verdict_model import NODEID, end_of, job, report, run_rule
+from test_verdict_model import NODEID, end_of, job, records, report, run_rule
 
 from pytest_msrun.plugin import verdict as verdict_module
-from pytest_msrun.plugin.outcomes import PhaseVerdict, TestVerdict
+from pytest_msrun.plugin.outcomes import PhaseVerdict, RankEnd, TestVerdict
 from pytest_msrun.plugin.records import RankLog, RecordWriter, load_rank_log, records_path, sizes
 from pytest_msrun.plugin.verdict import judge
 
@@ -81,6 +81,42 @@ def test_what_arrives_after_the_deadline_never_changes_the_verdict(j, late):
     assert [(p.phase, p.outcome) for p in frozen.phases] == [(p.phase, p.outcome) for p in cut.phases]
 
 
+# how a process can end after the deadline: by itself (asked for its stacks, told to quit), crashing,
+# killed, or stopped by msrun's teardown
+LATE_ENDS = st.sampled_from([("exit", 0), ("exit", 1), ("exit", 5), ("exit", -11), ("exit", -9), ("stopped", None)])
+
+
+def same_verdict(a: TestVerdict, b: TestVerdict) -> bool:
+    return (a.outcome, a.failing_ranks, a.cells, [(p.phase, p.outcome) for p in a.phases]) == (
+        b.outcome,
+        b.failing_ranks,
+        b.cells,
+        [(p.phase, p.outcome) for p in b.phases],
+    )
+
+
+@settings(max_examples=1000, deadline=None)
+@given(job(), st.data())
+def test_how_a_rank_running_at_the_deadline_ends_after_it_never_changes_the_verdict(j, data):
+    """The ranks whose processes ran when a timed-out test's record was frozen: judged with the
+    ends they came to after it, the verdict is the one judged with them still running."""
+    ranks = sorted(j["traces"])
+    running = data.draw(st.sets(st.sampled_from(ranks), min_size=1))
+    logs = {
+        r: records(r, t, j["stamps"][r]) if r in j["reached"] else RankLog(r, started=True)
+        for r, t in j["traces"].items()
+    }
+    at_deadline = {r: end_of(t, 100.0) for r, t in j["traces"].items()}
+    at_deadline.update({r: RankEnd(returncode=None, pid=1) for r in running})
+    after = dict(at_deadline)
+    after.update({r: end_of({"end": data.draw(LATE_ENDS)}, 200.0) for r in sorted(running)})
+    kw = {"scope": j["scope"], "final": j["final"], "timed_out": True, "timeout": 5.0, "running": running}
+    frozen, later = judge(NODEID, ranks, logs, at_deadline, **kw), judge(NODEID, ranks, logs, after, **kw)
+    assert same_verdict(frozen, later), (frozen.outcome, frozen.cells, later.outcome, later.cells)
+    if running & j["final"] and not any(t["collect_skip"] for t in j["traces"].values()):
+        assert not later.passing  # a rank whose end answers to this test ran past its deadline
+
+
 @settings(max_examples=1000, deadline=None)
 @given(job(), st.data())
 def test_a_rank_msrun_found_past_its_deadline_never_passes(j, data):
@@ -92,8 +128,6 @@ def test_a_rank_msrun_found_past_its_deadline_never_passes(j, data):
         return
     rank = data.draw(st.sampled_from(live))
     logs, ends = {}, {}
-    from test_verdict_model import records
-
     for r, t in j["traces"].items():
         logs[r] = records(r, t, j["stamps"][r]) if r in j["reached"] else RankLog(r, started=True)
         ends[r] = end_of(t, j["stamps"][r][2] + 1)

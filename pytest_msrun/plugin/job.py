@@ -91,6 +91,7 @@ class JobRun:
     note: str = ""  # how the test ran, when not as asked (a warm world's test run as a fresh job)
     # at the deadline, where each rank's record file stood: what lies beyond is not a result
     cutoff: dict[int, int] | None = None
+    running: list[int] | None = None  # at the deadline, the ranks whose processes still ran
 
     def reproduce(self, cwd: str) -> str:
         lines = [f"cd {shlex.quote(cwd)}"]
@@ -340,7 +341,7 @@ class TestJob:
             raise
         stacks: dict[int, str] = {}
         state = None
-        cutoff = records.sizes(str(self.report_dir), self.expected_ranks()) if timed_out else None
+        running, cutoff = self.freeze(str(self.report_dir), self.expected_ranks()) if timed_out else (None, None)
         if timed_out or hung:
             if timed_out and self.has_control_plane():
                 state = query_state(self.master_host, self.ports[0], self.token)
@@ -362,6 +363,7 @@ class TestJob:
             exit_hung=hung,
             exit_timeout=exit_timeout,
             cutoff=cutoff,
+            running=running,
         )
         run.ranks = self.rank_ends()
         if not timed_out and not hung:
@@ -400,6 +402,13 @@ class TestJob:
                     continue
                 out[proc.rank] = RankEnd.of(proc, status.stop_reason, status.host)
         return out
+
+    def freeze(self, report_dir: str, ranks: list[int]) -> tuple[list[int], dict[int, int]]:
+        """The record at a test's deadline: the ranks still running, then where each rank's record
+        file in ``report_dir`` stands (in this order, a rank that reports and ends between the two looks counts as
+        running - never as having ended without the report it wrote)."""
+        running = self.running_ranks()
+        return running, records.sizes(report_dir, ranks)
 
     def running_ranks(self) -> list[int]:
         """The ranks whose processes still run (msrun's status file is written at the job's start and

@@ -40,6 +40,7 @@ class RankEnd:
     # next one) when the world was stopped because another rank ran out of time: not due its teardown
     held: bool = False
     died_at: float | None = None  # when it crashed, from its error file or fatal-error dump
+    after: str = ""  # how a rank running at a test's deadline ended after it (evidence only)
 
     @classmethod
     def of(cls, proc: ProcessStatus, stop_reason: str, host: str = "") -> RankEnd:
@@ -65,7 +66,7 @@ class RankEnd:
             return "is still running (it finished the test)"
         if self.returncode is None:
             if timed_out:
-                return "was still running at the timeout"
+                return "was still running at the timeout" + (f" (after it, it {self.after})" if self.after else "")
             return "never started" if self.pid is None else "has no recorded exit status"
         how = describe_returncode(self.returncode)
         if self.terminated_by_msrun:

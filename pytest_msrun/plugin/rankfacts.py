@@ -39,6 +39,7 @@ class RankFacts:
         failed_elsewhere: bool = False,
         leaks: dict[int, list[str]] | None = None,
         launch_error: str = "",
+        running: Collection[int] | None = None,
     ) -> None:
         self.nodeid = nodeid
         self.ranks = ranks
@@ -54,13 +55,18 @@ class RankFacts:
             r: list(items) for r, items in (leaks or {}).items() if items
         }  # as failures (--msrun-leaks=error)
         self.launch_error = launch_error  # msrun could not start the job
+        self.running = frozenset(running or ()) if timed_out else frozenset()
 
     # ------------------------------------------------------------------ facts per rank
     def test(self, rank: int) -> RankTest:
         return self.logs[rank].test(self.nodeid) if rank in self.logs else RankTest(self.nodeid)
 
     def end(self, rank: int) -> RankEnd:
-        return self.ends.get(rank) or RankEnd()
+        """How ``rank``'s process ended, as the record stood at the deadline (see ``running``)."""
+        end = self.ends.get(rank) or RankEnd()
+        if rank in self.running and end.returncode is not None and not end.terminated_by_msrun:
+            return RankEnd(pid=end.pid, log=end.log, host=end.host, held=end.held, after=end.describe(False))
+        return end
 
     def began(self, rank: int) -> bool:
         test = self.test(rank)

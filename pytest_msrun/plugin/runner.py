@@ -62,6 +62,7 @@ class TestRecord:
             job_ended=run.ended,
             leaks=self.leaks if self.leaks_fail else None,
             launch_error=run.launch_error,
+            running=run.running,
         )
 
 

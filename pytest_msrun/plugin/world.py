@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_msrun.plugin import envscope, rankmemory, records
+from pytest_msrun.plugin import envscope, rankmemory
 from pytest_msrun.plugin.forked import FORK_ENV
 from pytest_msrun.plugin.greeter import Greeter
 from pytest_msrun.plugin.job import JobRun, Launched, TestJob, TestPaths
@@ -411,7 +411,7 @@ class World:
         """The test ran out of time: where every rank is (control plane, stacks), then the world ends.
         ``waiting``: the ranks that had answered and waited for the controller (not stuck)."""
         self.dead = f"the test ran out of time ({test.timeout:g} s)"
-        cutoff = records.sizes(str(test.paths.report_dir), self.ranks)  # the record, frozen now
+        running, cutoff = self.job.freeze(str(test.paths.report_dir), self.ranks)  # the record, frozen now
         state = None
         if self.job.has_control_plane():
             from pytest_msrun.control.observer import query_state
@@ -422,7 +422,7 @@ class World:
         run = self.job_run(test, True)
         for rank in waiting & set(run.ranks):
             run.ranks[rank] = dataclasses.replace(run.ranks[rank], held=True)
-        run.stacks, run.state, run.cutoff = stacks, state, cutoff
+        run.stacks, run.state, run.cutoff, run.running = stacks, state, cutoff, running
         return run
 
     def job_run(self, test: WarmTest, timed_out: bool) -> JobRun:
