@@ -39,6 +39,9 @@ from pytest_msrun.proc import running
 
 FAILURE_GRACE = 0.5  # s the other ranks may still finish a test one rank failed (a fresh job's teardown gap)
 STUCK_CHECK = 0.25  # s between looks at the control plane while some ranks finished a test and others not
+# s after the first rank finished before the first look: ranks of one test finish within
+# milliseconds of each other, and each look is a new authenticated connection to the control plane
+STUCK_FIRST_CHECK = 0.05
 
 
 def world_key(spec: MsrunSpec, devices: int) -> tuple[Any, ...]:
@@ -334,7 +337,7 @@ class World:
         for rank, channel in live.items():
             sel.register(channel.sock, selectors.EVENT_READ, rank)
         failed_at: float | None = None
-        next_check = 0.0
+        next_check: float | None = None  # set once a first rank answered
         debug = self.job.debug
         held = debug.held() if held is None else held
         try:
@@ -346,9 +349,12 @@ class World:
                 if failed_at is not None and now - failed_at > FAILURE_GRACE:
                     self.dead = "a rank failed the test while others were still in it"
                     break
-                if release and replies and not self.declared and now >= next_check and self.job.has_control_plane():
+                if release and replies and not self.declared and next_check is None:
+                    next_check = now + STUCK_FIRST_CHECK
+                elif release and replies and not self.declared and next_check is not None and now >= next_check:
                     next_check = now + STUCK_CHECK
-                    self.declared = release_waiters(self.job, self.ranks, set(replies), released)
+                    if self.job.has_control_plane():
+                        self.declared = release_waiters(self.job, self.ranks, set(replies), released)
                 if self.launched.exited():
                     self.dead = "the world's job ended (a rank died)"
                     break
