@@ -201,7 +201,7 @@ def test_a_marked_two_node_test_inside_salloc_runs_on_both_nodes(msrun, slurm_la
     # Where each rank ran, in the report; the failure's reproduce line is an srun inside the allocation.
     assert re.search(r"rank 0: node1\s+rank 1: node1\s+rank 2: node2\s+rank 3: node2", out), out
     assert re.search(r"rank 2 on node2: .*worker_2\.log", out), out
-    assert "srun --nodes=2" in out and "--overlap" in out
+    assert "srun --nodes=2" in out and "--exact" in out
     assert not wait_gone(msrun.mark, timeout=10)
 
 

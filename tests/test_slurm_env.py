@@ -15,6 +15,7 @@ from pytest_msrun.engine.slurm import (
     PORT_BASE,
     PORT_SPAN,
     HostlistError,
+    allocation,
     expand_hostlist,
     slurm_step,
     tasks_per_node,
@@ -48,6 +49,38 @@ def test_tasks_per_node_syntax():
     assert tasks_per_node("1(x2)") == [1, 1]
     assert tasks_per_node("2(x3),1") == [2, 2, 2, 1]
     assert tasks_per_node("4") == [4]
+
+
+def test_an_allocation_knows_its_nodes_and_their_cpus():
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "gpu[01-03]", "SLURM_JOB_CPUS_PER_NODE": "8(x2),4"}
+    alloc = allocation(env)
+    assert alloc is not None and alloc.nodes == ["gpu01", "gpu02", "gpu03"] and alloc.cpus == (8, 8, 4)
+    assert allocation({**env, "SLURM_JOB_CPUS_PER_NODE": "8"}).cpus == ()  # not one count per node: unknown
+    assert allocation({**env, "SLURM_STEP_ID": "0"}) is None  # inside a step's task: no steps of our own
+    assert allocation({**env, "SLURM_STEP_ID": "interactive"}) is not None  # an salloc shell
+    assert allocation({}) is None
+
+
+def test_each_step_asks_for_its_ranks_cpus_on_nodes_slurm_picks():
+    alloc = allocation({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-4]", "SLURM_JOB_CPUS_PER_NODE": "4(x4)"})
+    argv = alloc.srun(2, 3, label="msrun-test")
+    assert argv[:4] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1"]
+    assert "--cpus-per-task=3" in argv and "--exact" in argv and "--kill-on-bad-exit=1" in argv
+    assert not any(a.startswith(("--nodelist", "--overlap")) for a in argv)  # Slurm places it, CPUs its own
+    assert "--cpus-per-task=4" in alloc.srun(1, 16)  # never more than a node of the allocation holds
+    assert alloc.cpus_for(0) == 1
+    assert not any(a.startswith("--gpus") for a in alloc.srun(2, 2, devices=4))  # Slurm manages no GPUs here
+
+
+@pytest.mark.parametrize(
+    "env",
+    [{"SLURM_GPUS_ON_NODE": "4"}, {"SLURM_GPUS_PER_NODE": "a100:4"}, {"SLURM_JOB_GPUS": "0,1,2,3"}],
+)
+def test_where_slurm_manages_gpus_a_step_asks_for_its_own(env):
+    alloc = allocation({"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", **env})
+    assert alloc.gpus == 4
+    assert "--gpus-per-node=2" in alloc.srun(2, 2, devices=4)  # a job's devices, spread over its nodes
+    assert "--gpus-per-node=3" in alloc.srun(2, 3, devices=5)
 
 
 def step_env(node: int, nodes: str = "localhost,remotehost", **extra: str) -> dict[str, str]:

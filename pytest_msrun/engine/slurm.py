@@ -184,25 +184,40 @@ class Inferred:
 @record
 class Allocation:
     """A Slurm allocation this process runs in but not as a step's task (an ``salloc`` shell, an
-    ``sbatch`` script): where ``srun`` can start an msrun per node."""
+    ``sbatch`` script): where each marked test's job runs as a step of its own, placed by Slurm."""
 
     job_id: str
     nodes: list[str]
+    cpus: tuple[int, ...] = ()  # each node's CPUs in the allocation (unknown: empty)
+    gpus: int = 0  # GPUs on each node of the allocation, which Slurm hands to steps (0: none it manages)
 
-    def srun(self, nodes: int, label: str = "") -> list[str]:
-        """``srun`` running one task on each of the allocation's first ``nodes`` hosts, sharing their
-        resources with other steps (``--overlap``: concurrent tests do not queue behind each other),
-        and ending the step when any node's msrun fails (``--kill-on-bad-exit``)."""
+    def gpus_per_node(self, devices: int, nodes: int) -> int:
+        """The GPUs a step of ``nodes`` nodes asks on each for a job of ``devices`` devices."""
+        return -(-devices // max(1, nodes)) if devices else 0
+
+    def cpus_for(self, ranks_per_node: int) -> int:
+        """The CPUs a step asks on each node for ``ranks_per_node`` ranks: one per rank, at most
+        what the allocation holds on a node (a step can never have more)."""
+        most = min(self.cpus) if self.cpus else ranks_per_node
+        return max(1, min(ranks_per_node, most))
+
+    def srun(self, nodes: int, ranks_per_node: int, label: str = "", devices: int = 0) -> list[str]:
+        """``srun`` running one msrun on each of ``nodes`` nodes that Slurm picks where the step's
+        CPUs (and ``devices`` GPUs in all) are free now (``--exact``: only those; the step waits
+        while none are), ending the step when any node's msrun fails (``--kill-on-bad-exit``).
+        Slurm makes the step's GPUs visible (``CUDA_VISIBLE_DEVICES``)."""
         argv = [
             "srun",
             f"--nodes={nodes}",
             f"--ntasks={nodes}",
             "--ntasks-per-node=1",
-            f"--nodelist={','.join(self.nodes[:nodes])}",
-            "--overlap",
+            f"--cpus-per-task={self.cpus_for(ranks_per_node)}",
+            "--exact",
             "--kill-on-bad-exit=1",
             "--export=ALL",
         ]
+        if devices and self.gpus:
+            argv.append(f"--gpus-per-node={self.gpus_per_node(devices, nodes)}")
         if label:
             argv.append(f"--job-name={label}")
         return argv
@@ -218,4 +233,20 @@ def allocation(env: Mapping[str, str]) -> Allocation | None:
         nodes = expand_hostlist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
     except HostlistError:
         return None
-    return Allocation(job_id=job_id, nodes=nodes) if nodes else None
+    try:
+        cpus = tasks_per_node(env.get("SLURM_JOB_CPUS_PER_NODE", ""))
+    except ValueError:
+        cpus = []
+    if len(cpus) != len(nodes):
+        cpus = []
+    return Allocation(job_id=job_id, nodes=nodes, cpus=tuple(cpus), gpus=_gpus(env)) if nodes else None
+
+
+def _gpus(env: Mapping[str, str]) -> int:
+    """GPUs per node that the allocation holds (``--gpus-per-node``, ``--gres=gpu:N``): 0 if none."""
+    for name in ("SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"):
+        value = env.get(name, "").rpartition(":")[2]  # "4" or "a100:4"
+        if value.isdigit():
+            return int(value)
+    ids = [i for i in env.get("SLURM_JOB_GPUS", "").split(",") if i.strip()]
+    return len(ids)

@@ -178,7 +178,8 @@ class Controller:
             exit_timeout=self.exit_timeout,
             warm=(config.getoption("msrun_worlds") or config.getini("msrun_worlds") or "warm") == "warm",
             env_per_test=scope == "test",  # tests differing only in env share a world
-            prefetch=prefetch == "on",
+            # a world started ahead inside a Slurm allocation would hold a step's CPUs while idle
+            prefetch=prefetch == "on" and cluster is None,
             xdist_worker=self.xdist_worker,
             cluster=cluster,
             memory=memory_bounds(config),
@@ -259,8 +260,8 @@ class Controller:
         cluster = self.jobs.cluster
         if cluster is not None:
             return (
-                f"msrun: Slurm allocation {cluster.job_id} ({len(cluster.nodes)} nodes): tests of several "
-                "nodes run their msruns on its nodes through srun"
+                f"msrun: Slurm allocation {cluster.job_id} ({len(cluster.nodes)} nodes): each marked test's "
+                "job or world runs as a Slurm step of its own, on the nodes Slurm picks"
             )
         return None
 
@@ -320,6 +321,10 @@ class Controller:
             if skip is not None:
                 self.reporter.log(item, [self.reporter.simple(item, "setup", "skipped", skip)])
                 return False
+            no_room = self.worlds.no_room.pop(item.nodeid, "")
+            if no_room:
+                self.reporter.log(item, [self.reporter.simple(item, "setup", "failed", f"msrun: {no_room}")])
+                return False
             attempt = self._fresh_attempt(item, spec, note)
             if attempt is None:
                 return False
@@ -344,7 +349,12 @@ class Controller:
 
     def _fresh_attempt(self, item: pytest.Item, spec: MsrunSpec, note: str) -> FreshAttempt | None:
         try:
-            lease = self.pool.lease(ports=2, devices=spec.devices, inv=self.inventory, wait=self.jobs.timeout(spec))
+            devices = self.jobs.pooled_devices(spec)
+        except DeviceShortage as exc:  # more GPUs per node than the Slurm allocation has: as on a host
+            self.reporter.log(item, [self.reporter.simple(item, "setup", "skipped", f"msrun: {exc}")])
+            return None
+        try:
+            lease = self.pool.lease(ports=2, devices=devices, inv=self.inventory, wait=self.jobs.timeout(spec))
         except DeviceShortage as exc:
             outcome = "skipped" if spec.devices > len(self.inventory.ids) else "failed"
             self.reporter.log(item, [self.reporter.simple(item, "setup", outcome, f"msrun: {exc}")])

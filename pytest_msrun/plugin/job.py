@@ -2,9 +2,9 @@
 
 The controller drives the engine through its command line - the same msrun a user would type,
 which is also the command printed to reproduce a failure. A job of several nodes runs as several
-msrun invocations on this host (loopback), or - inside a Slurm allocation with enough nodes - as
-one ``srun`` step with an msrun on each of the allocation's first nodes (which take the node rank
-and master address from the step). Each invocation runs in its own
+msrun invocations on this host (loopback), or - inside a Slurm allocation - as one ``srun`` step
+of its own with an msrun on each node Slurm picks where the step's CPUs are free (they take the
+node rank and master address from the step). Each invocation runs in its own
 session with a parent-death signal, so however the controller ends (Ctrl+C, SIGTERM, SIGHUP,
 ``kill -9``) msrun tears its job down. A timeout first asks the control plane who is where and
 every rank for its Python stacks (SIGUSR1 -> faulthandler), then stops msrun, whose teardown
@@ -152,11 +152,10 @@ class TestJob:
         self.token = os.urandom(16).hex()
         sizes = spec.node_sizes()
         self.nodes = len(sizes)
-        # srun places the same msrun on every node: equal node sizes, and enough nodes to hold them
+        # inside an allocation every job is a step of its own, placed by Slurm; srun places the same
+        # msrun on every node: equal node sizes, and enough nodes to hold them
         self.cluster = (
-            cluster
-            if cluster is not None and self.nodes > 1 and len(set(sizes)) == 1 and len(cluster.nodes) >= self.nodes
-            else None
+            cluster if cluster is not None and len(set(sizes)) == 1 and len(cluster.nodes) >= self.nodes else None
         )
         self.paths.make()
 
@@ -188,7 +187,12 @@ class TestJob:
 
     @property
     def master_host(self) -> str:
-        return self.cluster.nodes[0] if self.cluster is not None else "127.0.0.1"
+        """Where the job's control plane listens: this host, or - a Slurm step - the step's first
+        node, which Slurm picked (known from its msrun's status file once it started)."""
+        if self.cluster is None:
+            return "127.0.0.1"
+        status = read_status(str(self.log_dir), self._status_names()[0])
+        return status.host if status is not None and status.host else self.cluster.nodes[0]
 
     def flags(
         self, node: int, size: int, cluster_time_out: int, *, for_user: bool = False, loopback: bool = False
@@ -230,7 +234,7 @@ class TestJob:
 
     def _srun(self) -> list[str]:
         assert self.cluster is not None
-        return self.cluster.srun(self.nodes, label="msrun-test")
+        return self.cluster.srun(self.nodes, self.spec.node_sizes()[0], label="msrun-test", devices=self.spec.devices)
 
     def commands(self, cluster_time_out: int) -> list[list[str]]:
         sizes = self.spec.node_sizes()
@@ -259,7 +263,8 @@ class TestJob:
         sizes = self.spec.node_sizes()
         if self.cluster is not None:
             assert self.cluster is not None
-            line = ["timeout", "-s", "TERM", f"{timeout:g}", *self.cluster.srun(self.nodes), CLI]
+            srun = self.cluster.srun(self.nodes, sizes[0], devices=self.spec.devices)
+            line = ["timeout", "-s", "TERM", f"{timeout:g}", *srun, CLI]
             return [prefix + shlex.join([*line, *self.flags(0, sizes[0], cluster_time_out, for_user=True), *task])]
         return [
             prefix
@@ -368,7 +373,32 @@ class TestJob:
         run.ranks = self.rank_ends()
         if not timed_out and not hung:
             run.launch_error = self.launch_error(run.exit_codes, logs)
+        elif timed_out and not self.started():
+            run.launch_error = self.no_room(timeout, logs)
         return run
+
+    def started(self) -> bool:
+        """Whether any msrun of the job started (wrote its status file)."""
+        return any(read_status(str(self.log_dir), name) is not None for name in self._status_names())
+
+    def no_room(self, timeout: float, logs: list[str]) -> str:
+        """Why a Slurm step of this job never started within ``timeout`` s: srun waited all along
+        for room in the allocation ("" outside an allocation)."""
+        if self.cluster is None:
+            return ""
+        said = ""
+        for path in logs:
+            try:
+                text = Path(path).read_text(errors="replace")
+            except OSError:
+                continue
+            said = next((line.strip() for line in text.splitlines() if "step creation" in line), said)
+        cpus = self.cluster.cpus_for(self.spec.node_sizes()[0])
+        return (
+            f"no room in Slurm allocation {self.cluster.job_id} within the test's timeout ({timeout:g} s): its "
+            f"step needs {self.nodes} node(s) with {cpus} free CPU(s) each, and other steps held them"
+            + (f" (srun: {said.removeprefix('srun: ')})" if said else "")
+        )
 
     def launch_error(self, exit_codes: list[int | None], logs: list[str]) -> str:
         """msrun's console output when it could not start the job - judged from its status files
@@ -384,7 +414,8 @@ class TestJob:
         return self.spec.sim_level is None and self.spec.scheduler != "task"
 
     def _start(self, cmd: list[str], env: dict[str, str], log_path: str) -> tuple[Process, Any]:
-        return start_msrun(cmd, env, log_path, live_output=self.live_output, forks=self.forks)
+        forks = self.forks if self.cluster is None else None  # a step's msruns start on its nodes
+        return start_msrun(cmd, env, log_path, live_output=self.live_output, forks=forks)
 
     # ---------------------------------------------------------------- helpers
     def _status_names(self) -> list[str]:

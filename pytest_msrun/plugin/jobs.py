@@ -20,7 +20,7 @@ from pytest_msrun.plugin.debugserver import DebugServer, NoDebug
 from pytest_msrun.plugin.forkserver import ForkServer
 from pytest_msrun.plugin.job import TestJob
 from pytest_msrun.plugin.marker import MsrunSpec
-from pytest_msrun.plugin.pool import DeviceInventory
+from pytest_msrun.plugin.pool import DeviceInventory, DeviceShortage
 
 PYTEST_TIMEOUT = pytest.StashKey[float]()  # pytest-timeout's timeout for a marked item
 
@@ -80,6 +80,20 @@ class Jobs:
     def test_timeout(self, item: pytest.Item, spec: MsrunSpec) -> float:
         """The test's own timeout: pytest-timeout's for the item when it is active, else ours."""
         return item.stash.get(PYTEST_TIMEOUT, None) or self.timeout(spec)
+
+    def pooled_devices(self, spec: MsrunSpec) -> int:
+        """The devices of ``spec``'s job to take from this host's pool: none where Slurm hands a
+        step its GPUs (it says which in the step); too many for the allocation's nodes is a shortage."""
+        if self.cluster is None or not self.cluster.gpus or not spec.devices:
+            return spec.devices
+        nodes = len(spec.node_sizes())
+        per_node = self.cluster.gpus_per_node(spec.devices, nodes)
+        if per_node > self.cluster.gpus:
+            raise DeviceShortage(
+                f"needs {per_node} GPUs on each of {nodes} node(s); Slurm allocation {self.cluster.job_id} "
+                f"has {self.cluster.gpus} per node"
+            )
+        return 0
 
     def device_env(self, devices: list[str]) -> dict[str, str]:
         if not devices:

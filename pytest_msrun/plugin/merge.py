@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import socket
 from typing import Any
 
 import pytest
@@ -113,9 +114,11 @@ class Merger:
         return self.run.ranks.get(rank) or RankEnd()
 
     def _hosts(self) -> dict[int, str]:
-        """Each rank's host when the job ran on more than one host, else nothing."""
+        """Each rank's host when the job ran on more than one host or on another (a Slurm step's
+        node), else nothing."""
         hosts = {r: end.host for r, end in sorted(self.run.ranks.items()) if end.host}
-        return hosts if len(set(hosts.values())) > 1 else {}
+        elsewhere = any(host != socket.gethostname() for host in hosts.values())
+        return hosts if len(set(hosts.values())) > 1 or elsewhere else {}
 
     def log_path(self, rank: int) -> str:
         """The rank's whole log (a warm world's: every test of the world)."""

@@ -11,6 +11,7 @@ Plain data: no pytest import, so the launcher side can use it too.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,7 +68,12 @@ class RankEnd:
         if self.returncode is None:
             if timed_out:
                 return "was still running at the timeout" + (f" (after it, it {self.after})" if self.after else "")
-            return "never started" if self.pid is None else "has no recorded exit status"
+            if self.pid is None:
+                return "never started"
+            if self.host and self.host != socket.gethostname():  # a node's msrun ended without a word
+                lost = "(that node, or its task there, was lost)"
+                return f"has no recorded exit status: msrun on {self.host} recorded none {lost}"
+            return "has no recorded exit status"
         how = describe_returncode(self.returncode)
         if self.terminated_by_msrun:
             how += f" (terminated by msrun: {self.stop_reason})" if self.stop_reason else " (terminated by msrun)"

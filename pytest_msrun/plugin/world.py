@@ -34,7 +34,7 @@ from pytest_msrun.plugin.greeter import Greeter
 from pytest_msrun.plugin.job import JobRun, Launched, TestJob, TestPaths
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.outcomes import RankEnd
-from pytest_msrun.plugin.serve import WORLD_ENV, WORLD_TOKEN_ENV, Channel
+from pytest_msrun.plugin.serve import LAUNCH_HOST, WORLD_ENV, WORLD_TOKEN_ENV, Channel
 from pytest_msrun.proc import running
 
 FAILURE_GRACE = 0.5  # s the other ranks may still finish a test one rank failed (a fresh job's teardown gap)
@@ -183,10 +183,13 @@ class World:
         self.test_envs = test_envs or {}
         self.env_read: set[str] = set()  # which of them a rank looked up while it collected
         self.token = os.urandom(16).hex()
-        self.server = socket.create_server(("127.0.0.1", 0))
+        # a Slurm step's ranks, on whichever nodes Slurm picked, reach this host where srun ran
+        # (only a rank with the world's token is let in: Greeter)
+        stepped = job.cluster is not None
+        self.server = socket.create_server(("0.0.0.0" if stepped else "127.0.0.1", 0))
         self.server.setblocking(False)
         port = self.server.getsockname()[1]
-        env = {WORLD_ENV: f"127.0.0.1:{port}", WORLD_TOKEN_ENV: self.token}
+        env = {WORLD_ENV: f"{LAUNCH_HOST if stepped else '127.0.0.1'}:{port}", WORLD_TOKEN_ENV: self.token}
         if self.forking:
             env[FORK_ENV] = "1"
         watched = sorted({key for test_env in self.test_envs.values() for key in test_env})

@@ -95,6 +95,7 @@ class WorldPool:
         self.budget = Budget(max_ranks, len(jobs.inventory.ids))
         self._plan: tuple[tuple[int, int, int], _Plan] | None = None  # the session's items as keys, cached
         self.late: list[LateEnd] = []  # worlds' ends to report on their last tests (taken by take_late)
+        self.no_room: dict[str, str] = {}  # tests whose world's Slurm step found no room in time, and why
 
     def take_late(self) -> list[LateEnd]:
         late, self.late = self.late, []
@@ -120,8 +121,7 @@ class WorldPool:
                     spec = spec_for(item)
                 except MarkerError:
                     spec = None
-                several_hosts = spec is not None and self.cluster is not None and len(spec.node_sizes()) > 1
-                if spec is not None and eligible(spec) and not several_hosts:
+                if spec is not None and eligible(spec):
                     # isolated: each test in processes of its own, forked from the world's ranks
                     forking = spec.isolated or not self.warm
                     key = world_key(self._world_spec(spec), spec.devices) + ((FORKING,) if forking else ())
@@ -243,16 +243,26 @@ class WorldPool:
                 return world, ""
             self.end_outside(key, why)  # never used for this test: its end is the last test's
         plan, start = self._ahead(item, nextitem)
+        if self.cluster is not None:  # an idle world's step holds CPUs of the allocation the new one may need
+            for other in list(self.live):
+                self.end_outside(other, "ended: inside a Slurm allocation, a new world's step needed its CPUs")
         for victim in victims(self._needs(), world_need(key), self.budget, lambda k: plan.starts.next_use(k, start)):
             self.end_outside(victim, f"evicted: a {spec.worker_num}-rank world needed room ({self.budget.ranks} ranks)")
         try:
+            devices = self.jobs.pooled_devices(spec)
             lease = self.resources.lease(
-                ports=2, devices=spec.devices, inv=self.jobs.inventory, wait=self.jobs.timeout(spec)
+                ports=2, devices=devices, inv=self.jobs.inventory, wait=self.jobs.timeout(spec)
             )
         except DeviceShortage:
             return None, ""
         world = self._start_world(item, spec, key, lease)
-        problem = self._connect(world, self.jobs.timeout(spec))
+        timeout = self.jobs.timeout(spec)
+        problem = self._connect(world, timeout)
+        if problem and not world.job.started():
+            no_room = world.job.no_room(timeout, world.launched.logs)
+            if no_room:  # its time is spent: a fresh job would only wait for room again
+                self.no_room[item.nodeid] = no_room
+                return None, no_room
         if problem:  # a fresh job of this test reports what went wrong, the way it always has
             return None, f"ran as a fresh job: its warm world did not start ({problem})"
         self.live[key] = world
@@ -302,7 +312,8 @@ class WorldPool:
             if busy + spec.worker_num > _cpus():  # no CPU left to start it beside them
                 return
             try:
-                lease = self.resources.lease(ports=2, devices=spec.devices, inv=self.jobs.inventory, wait=0)
+                devices = self.jobs.pooled_devices(spec)
+                lease = self.resources.lease(ports=2, devices=devices, inv=self.jobs.inventory, wait=0)
             except DeviceShortage:
                 return
             self.live[other] = self._start_world(plan.items[at], spec, other, lease)

@@ -1,0 +1,269 @@
+"""The suite across an allocation: inside ``salloc``/``sbatch`` each marked test's job or world is a
+Slurm step of its own, placed by Slurm on nodes with room for it (the lab's two namespaced nodes,
+tests/lab/slurmlab.py).
+
+Each allocation holds two CPUs per node (``--ntasks-per-node=2``), whatever the machine's CPUs, so
+a 2-rank world needs a whole node. Where tests ran and when comes from the session's own reports:
+a conftest in the scratch directory writes, on the controller, each call report's hosts
+(``msrun_hosts``) and time span.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from conftest import REPO, wait_for, wait_gone
+
+pytestmark = pytest.mark.slurm
+
+PER_NODE = ["--ntasks-per-node=2"]  # two CPUs of each node: a 2-rank world needs a whole one
+
+SPANS = """
+import json, os
+
+import pytest
+
+
+def pytest_runtest_logreport(report):
+    # on the controller only (not in a rank, nor in an xdist worker: the xdist controller gets them all)
+    if report.when != "call" or "RANK_ID" in os.environ or "PYTEST_XDIST_WORKER" in os.environ:
+        return
+    hosts = dict(report.user_properties).get("msrun_hosts", {})
+    line = {"test": report.nodeid.split("::")[-1], "outcome": report.outcome, "hosts": hosts,
+            "start": report.start, "stop": report.stop}
+    with open(os.environ["SPANS_FILE"], "a") as fh:
+        fh.write(json.dumps(line) + "\\n")
+"""
+
+SPREAD = """
+import json, os, socket, time
+from pathlib import Path
+
+import pytest
+
+MET = Path(os.environ["MEET_DIR"])
+
+
+def meet(name):
+    # each world waits (with a deadline) until the other one runs too
+    (MET / name).write_text(socket.gethostname())
+    deadline = time.monotonic() + 60
+    while len(list(MET.iterdir())) < 2:
+        assert time.monotonic() < deadline, "the other world never ran at the same time"
+        time.sleep(0.05)
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_a(rank):
+    if rank == 0:
+        meet("a")
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_b(rank):
+    if rank == 0:
+        meet("b")
+
+
+@pytest.mark.msrun(worker_num=4, local_worker_num=2)
+def test_across(rank, msrun):
+    assert sorted(set(msrun.all_gather(socket.gethostname()))) == ["node1", "node2"]
+"""
+
+
+def _session(
+    msrun, slurm_lab, tests: str, salloc: list[str], pytest_args: list[str], before: str = "", timeout: float = 300
+) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
+    """``salloc SALLOC sh -c 'BEFORE; python -m pytest PYTEST_ARGS test_steps.py'`` in the lab: the
+    session's exit status and output, and each test's call report (hosts and time span)."""
+    (msrun.cwd / "test_steps.py").write_text(textwrap.dedent(tests))
+    (msrun.cwd / "conftest.py").write_text(textwrap.dedent(SPANS))
+    (msrun.cwd / "met").mkdir(exist_ok=True)
+    spans = msrun.cwd / "spans.jsonl"
+    env = slurm_lab.env(msrun.env({"SPANS_FILE": str(spans), "MEET_DIR": str(msrun.cwd / "met")}))
+    env["PYTHONPATH"] = str(REPO)
+    cmd = " ".join([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-p", "no:randomly"])
+    script = f"{before}\n{cmd} {' '.join(pytest_args)} test_steps.py"
+    proc = subprocess.run(
+        ["salloc", *salloc, "sh", "-c", script], cwd=msrun.cwd, env=env, capture_output=True, text=True, timeout=timeout
+    )
+    lines = spans.read_text().splitlines() if spans.exists() else []
+    return proc, [json.loads(line) for line in lines]
+
+
+def _by_test(spans: list[dict]) -> dict[str, dict]:
+    return {s["test"]: s for s in spans}
+
+
+def _overlap(a: dict, b: dict) -> bool:
+    return a["start"] < b["stop"] and b["start"] < a["stop"]
+
+
+def test_two_whole_node_worlds_run_at_once_on_different_nodes_and_a_multi_node_test_beside(msrun, slurm_lab):
+    """``-n 2`` in ``salloc -N2``: xdist hands test_a and test_b to different workers; each world's
+    step takes a whole node, Slurm puts them on different nodes, and they run at the same time (each
+    waits until the other runs). The 2-node test waits for both nodes and runs across them."""
+    proc, spans = _session(msrun, slurm_lab, SPREAD, ["-N2", *PER_NODE], ["-n", "2"])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "3 passed" in out, out
+    runs = _by_test(spans)
+    a, b, across = runs["test_a"], runs["test_b"], runs["test_across"]
+    assert {tuple(set(a["hosts"].values())), tuple(set(b["hosts"].values()))} == {("node1",), ("node2",)}, spans
+    assert _overlap(a, b), spans
+    assert across["hosts"] == {"0": "node1", "1": "node1", "2": "node2", "3": "node2"}, spans
+    assert re.search(r"msrun hosts -+\s+rank 0: node[12]\s+rank 1: node[12]", out), out
+    assert not wait_gone(msrun.mark, timeout=10)
+
+
+WHOLE_NODE = """
+import time
+
+import pytest
+
+
+@pytest.mark.msrun(worker_num=2, timeout=120)
+@pytest.mark.parametrize("i", [0, 1])
+def test_whole_node(rank, i):
+    time.sleep(0.5)
+"""
+
+
+def test_a_world_that_does_not_fit_waits_for_room_then_runs(msrun, slurm_lab):
+    """One node, two workers: the second whole-node world's step waits until the first ended."""
+    proc, spans = _session(msrun, slurm_lab, WHOLE_NODE, ["-N1", *PER_NODE], ["-n", "2"])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "2 passed" in out, out
+    first, second = sorted(spans, key=lambda s: s["start"])
+    assert not _overlap(first, second), spans
+    assert set(first["hosts"].values()) == set(second["hosts"].values()) == {"node1"}, spans
+    assert not wait_gone(msrun.mark, timeout=10)
+
+
+NO_ROOM = """
+import pytest
+
+
+@pytest.mark.msrun(worker_num=2, timeout=4)
+def test_world(rank):
+    pass
+
+
+@pytest.mark.msrun(worker_num=2, timeout=4, scheduler="task")
+def test_fresh_job(rank):
+    pass
+"""
+
+
+@pytest.mark.parametrize("worlds", ["warm", "fresh"])
+def test_a_step_with_no_room_within_the_timeout_fails_clearly(msrun, slurm_lab, worlds):
+    """Another step holds the only node's CPUs all along: each test (in a world, and a fresh job)
+    fails at its setup after its own timeout, saying so - once, not after a second wait."""
+    ready = msrun.cwd / "held"
+    hold = f"srun -n1 -c2 --exact sh -c 'touch {ready}; sleep 120' & while [ ! -e {ready} ]; do sleep 0.05; done"
+    proc, _ = _session(
+        msrun, slurm_lab, NO_ROOM, ["-N1", *PER_NODE], [f"--msrun-worlds={worlds}"], before=hold, timeout=120
+    )
+    out = proc.stdout + proc.stderr
+    assert "2 errors" in out, out
+    for test in ("test_world", "test_fresh_job"):
+        assert re.search(rf"ERROR test_steps.py::{test} - msrun(: no room| could not start)", out), out
+    assert out.count("no room in Slurm allocation") >= 2, out
+    assert "its step needs 1 node(s) with 2 free CPU(s) each" in out, out
+    took = re.search(r"2 errors in ([\d.]+)s", out)
+    assert took and float(took.group(1)) < 4 * 2 + 6, out  # each test waited its own 4 s, once
+    assert not wait_gone(msrun.mark, timeout=10)
+
+
+NODE_LOST = """
+import os, signal, time
+
+import pytest
+
+
+@pytest.mark.msrun(worker_num=4, local_worker_num=2, timeout=60)
+def test_node2_is_lost(rank, msrun):
+    msrun.barrier()
+    if rank == 2:
+        os.kill(os.getppid(), signal.SIGKILL)  # node2's msrun, the step's task there: gone at once
+    time.sleep(30)
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_later(rank):
+    pass
+"""
+
+
+def test_a_node_lost_mid_test_fails_that_test_naming_the_node(msrun, slurm_lab):
+    proc, spans = _session(msrun, slurm_lab, NODE_LOST, ["-N2", *PER_NODE], [])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    assert "1 failed, 1 passed" in out, out
+    assert re.search(r"rank 2 left no record during the call phase .*msrun on node2 recorded none", out), out
+    assert "lost node node2" in out, out
+    assert _by_test(spans)["test_later"]["outcome"] == "passed"
+    assert not wait_gone(msrun.mark, timeout=10)
+
+
+PARKED = """
+import os, time
+
+import pytest
+
+
+@pytest.mark.msrun(worker_num=2)
+@pytest.mark.parametrize("i", [0, 1])
+def test_parked(rank, i):
+    open(os.path.join(os.environ["MEET_DIR"], f"{i}-{rank}"), "w").close()
+    time.sleep(120)
+"""
+
+
+def test_scancel_of_the_allocation_leaves_nothing_on_any_node(msrun, slurm_lab):
+    """Two workers' worlds parked on both nodes; ``scancel`` of the allocation: the session ends
+    (not with success) and no process of it is left anywhere."""
+    (msrun.cwd / "test_steps.py").write_text(textwrap.dedent(PARKED))
+    met = msrun.cwd / "met"
+    met.mkdir()
+    env = slurm_lab.env(msrun.env({"MEET_DIR": str(met)}))
+    env["PYTHONPATH"] = str(REPO)
+    argv = ["salloc", "-N2", *PER_NODE, "--job-name=msrun-scancel", sys.executable, "-m", "pytest", "-q"]
+    argv += ["-p", "no:cacheprovider", "-p", "no:randomly", "-n", "2", "test_steps.py"]
+    popen = subprocess.Popen(argv, cwd=msrun.cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    msrun.popens.append(popen)
+    assert wait_for(lambda: len(list(met.iterdir())) == 4, timeout=120), list(met.iterdir())
+    job = subprocess.run(
+        ["squeue", "-h", "-o", "%i", "-n", "msrun-scancel"], env=slurm_lab.env(), capture_output=True, text=True
+    ).stdout.strip()
+    assert job.isdigit(), job
+    subprocess.run(["scancel", job], env=slurm_lab.env(), check=True, timeout=30)
+    out, _ = popen.communicate(timeout=60)
+    assert popen.returncode != 0, out
+    assert not wait_gone(msrun.mark, timeout=20), out  # the lab's nodes share this machine's processes
+
+
+def test_more_gpus_than_the_allocation_has_per_node_is_a_skip_and_starts_nothing(pytester, monkeypatch, slurm_lab):
+    """Where Slurm hands steps their GPUs, a test asking more per node than the allocation holds
+    skips, saying so, as on a host without them; no step is started for it."""
+    pytester.makepyfile(
+        """
+        import pytest
+
+        @pytest.mark.msrun(worker_num=2, devices=4)
+        def test_four(rank):
+            pass
+        """
+    )
+    for name, value in {"SLURM_JOB_ID": "999999", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_GPUS_ON_NODE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("SLURM_STEP_ID", raising=False)
+    result = pytester.runpytest_subprocess("-rs", "-p", "no:randomly", "-p", "no:cacheprovider")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*needs 4 GPUs on each of 1 node(s); Slurm allocation 999999 has 2 per node*"])
