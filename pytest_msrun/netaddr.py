@@ -172,3 +172,17 @@ def local_peer_uid(sock: _socket.socket) -> int | None:
                 if len(fields) > 7 and fields[1] == want_local and fields[2] == want_remote:
                     return int(fields[7])
     return None
+
+
+# The controller's host as a Slurm step's process must name it (in ``host:port`` values the
+# controller hands its ranks): the address of the host that ran srun, as the node sees it.
+LAUNCH_HOST = "slurm-launch-node"
+
+
+def controller_address(value: str, env: object) -> tuple[str, int] | None:
+    """``host:port`` -> (host, port); :data:`LAUNCH_HOST` read from ``SLURM_LAUNCH_NODE_IPADDR`` in
+    ``env`` (a mapping). None when malformed or unresolved."""
+    host, _, port = value.rpartition(":")
+    if host == LAUNCH_HOST:
+        host = str(env.get("SLURM_LAUNCH_NODE_IPADDR", "") or "")  # type: ignore[attr-defined]
+    return (host, int(port)) if host and port.isdigit() else None

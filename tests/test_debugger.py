@@ -43,21 +43,22 @@ def test_breaks(rank):
 
 
 class Terminal:
-    """``python -m pytest ARGS`` with a pseudo-terminal as its stdin, stdout and stderr."""
+    """``python -m pytest ARGS`` (``before`` it: a command that runs it, such as ``salloc``) with a
+    pseudo-terminal as its stdin, stdout and stderr."""
 
-    def __init__(self, cwd: Path, *args: str) -> None:
+    def __init__(self, cwd: Path, *args: str, before: tuple[str, ...] = (), env: dict[str, str] | None = None) -> None:
         master, slave = os.openpty()
         self.fd = master
         self.seen = b""  # everything read so far
         self.buffer = b""  # read and not yet matched
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest", *args],
+            [*before, sys.executable, "-m", "pytest", *args],
             cwd=cwd,
             stdin=slave,
             stdout=slave,
             stderr=slave,
             start_new_session=True,
-            env={**os.environ, "COLUMNS": "200"},  # the summary's lines whole
+            env={**(os.environ if env is None else env), "COLUMNS": "200"},  # the summary's lines whole
         )
         os.close(slave)
 

@@ -267,3 +267,26 @@ def test_more_gpus_than_the_allocation_has_per_node_is_a_skip_and_starts_nothing
     result = pytester.runpytest_subprocess("-rs", "-p", "no:randomly", "-p", "no:cacheprovider")
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*needs 4 GPUs on each of 1 node(s); Slurm allocation 999999 has 2 per node*"])
+
+
+def test_a_breakpoint_in_a_rank_on_a_node_reaches_the_controllers_terminal(msrun, slurm_lab):
+    """The rank runs in a step on a lab node; its pdb session is on the terminal of the session
+    that runs in ``salloc`` on this host (the debug server listens where srun's host is reached)."""
+    from test_debugger import BREAKS, Terminal
+
+    (msrun.cwd / "test_breaks.py").write_text(BREAKS.format(extra="", ranks="(1,)", body="breakpoint()"))
+    env = slurm_lab.env(msrun.env())
+    env["PYTHONPATH"] = str(REPO)
+    salloc = ("setsid", "--ctty", "salloc", "-N1", *PER_NODE)  # salloc wants its terminal as its own
+    term = Terminal(msrun.cwd, "-p", "no:randomly", "-p", "no:cacheprovider", "test_breaks.py", before=salloc, env=env)
+    try:
+        term.expect(r"breakpoint\(\) in rank 1 at test_breaks.py:\d+")
+        term.expect(r"\(Pdb rank 1\) ")
+        term.send("import socket; print(socket.gethostname(), local_value)")
+        term.expect(r"\r\nnode1 17\r\n")
+        term.send("c")
+        code = term.finish()
+    finally:
+        term.close()
+    assert code == 0 and "1 passed" in term.text(), term.text()
+    assert not wait_gone(msrun.mark, timeout=10)

@@ -156,7 +156,8 @@ class Controller:
         from pytest_msrun.pytest_plugin import TERMINAL
 
         usepdb = bool(getattr(config.option, "usepdb", False))
-        self.debug = DebugServer(post_mortem=usepdb, terminal=config.stash.get(TERMINAL, None))
+        terminal = config.stash.get(TERMINAL, None)
+        self.debug = DebugServer(post_mortem=usepdb, terminal=terminal, steps=cluster is not None)
         self.traces = TraceNotes()  # each test's spans and verdict, added to its job's trace at the job's end
         self.reporter = Reporter(config, self.style, self.leaks, self.timelines, self.traces)
         self.forks = _fork_server(config) if forking == "on" else None

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from pytest_msrun.netaddr import controller_address
 from pytest_msrun.plugin.debugserver import DEBUG_ENV, DEBUG_PDB_ENV, DEBUG_TOKEN_ENV
 
 CONNECT_TIMEOUT = 5.0
@@ -244,11 +245,11 @@ class RankDebugger:
         return link
 
     def _connect(self, kind: str, where: str) -> tuple[Link | None, str]:
-        host, _, port = self.address.rpartition(":")
-        if not host or not port.isdigit():
+        address = controller_address(self.address, os.environ)
+        if address is None:
             return None, NO_CONTROLLER
         try:
-            sock = socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT)
+            sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT)
         except OSError as exc:
             return None, f"the controller's debugger cannot be reached ({exc})"
         hello = {"token": self.token, "rank": self.rank, "kind": kind, "where": where, "nodeid": self.nodeid()}

@@ -24,6 +24,8 @@ import threading
 import time
 from dataclasses import dataclass
 
+from pytest_msrun.netaddr import LAUNCH_HOST
+
 DEBUG_ENV = "MSRUN_DEBUG"  # host:port of the controller's debug server
 DEBUG_TOKEN_ENV = "MSRUN_DEBUG_TOKEN"
 DEBUG_PDB_ENV = "MSRUN_DEBUG_PDB"  # "1": the controller runs --pdb (post-mortem on a failure)
@@ -69,10 +71,12 @@ class NoDebug:
 class DebugServer:
     """A loopback server the ranks' pdb sessions come to; one thread relays them to the terminal."""
 
-    def __init__(self, *, post_mortem: bool, terminal: int | None, stdout_fd: int = 1) -> None:
+    def __init__(self, *, post_mortem: bool, terminal: int | None, stdout_fd: int = 1, steps: bool = False) -> None:
         """``terminal``: the user's terminal to read (a tty; its owner closes it), None: there is none.
-        ``stdout_fd``: where the sessions' output goes (a copy of it is taken now)."""
+        ``stdout_fd``: where the sessions' output goes (a copy of it is taken now). ``steps``: ranks
+        run in Slurm steps, on other nodes."""
         self.post_mortem = post_mortem
+        self.steps = steps
         self.token = os.urandom(16).hex()
         self.tty = terminal is not None and _isatty(terminal)
         self.stdin = terminal if terminal is not None and self.tty else -1
@@ -89,12 +93,15 @@ class DebugServer:
     def address(self) -> str:
         """``host:port`` ranks connect to (the server starts listening the first time it is asked)."""
         if not self._address:
-            self.server = socket.create_server(("127.0.0.1", 0), backlog=128)
+            # ranks of Slurm steps on whichever nodes: every interface, and they name this host as
+            # srun's (only a rank with the session's token is served)
+            self.server = socket.create_server(("0.0.0.0" if self.steps else "127.0.0.1", 0), backlog=128)
             self.server.setblocking(False)
             self._wake_r, self._wake_w = os.pipe()
             self.thread = threading.Thread(target=self._loop, name="msrun-debug", daemon=True)
             self.thread.start()
-            self._address = f"127.0.0.1:{self.server.getsockname()[1]}"
+            host = LAUNCH_HOST if self.steps else "127.0.0.1"
+            self._address = f"{host}:{self.server.getsockname()[1]}"
         return self._address
 
     # ---------------------------------------------------------------- for the jobs

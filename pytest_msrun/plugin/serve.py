@@ -42,6 +42,7 @@ from typing import Any
 import pytest
 
 from pytest_msrun.engine import processes
+from pytest_msrun.netaddr import controller_address
 from pytest_msrun.plugin import envscope, forked, rankmemory
 from pytest_msrun.plugin.records import SHARED_TMP_ENV
 
@@ -51,17 +52,9 @@ PYTEST_OWN_ENV = "PYTEST_CURRENT_TEST"  # pytest itself leaves it set after a te
 SETTLE = 0.2  # seconds a thread or child the test started may take to finish after it
 
 
-# MSRUN_WORLD's host in a Slurm step: the address of the host that ran srun, as the node sees it
-LAUNCH_HOST = "slurm-launch-node"
-
-
 def world_address(env: Any) -> tuple[str, int] | None:
     """The controller's address from ``MSRUN_WORLD`` (``host:port``), or None outside a warm world."""
-    value = env.get(WORLD_ENV, "")
-    host, _, port = value.rpartition(":")
-    if host == LAUNCH_HOST:
-        host = env.get("SLURM_LAUNCH_NODE_IPADDR", "")
-    return (host, int(port)) if host and port.isdigit() else None
+    return controller_address(env.get(WORLD_ENV, ""), env)
 
 
 class State:

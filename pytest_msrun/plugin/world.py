@@ -28,13 +28,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pytest_msrun.netaddr import LAUNCH_HOST
 from pytest_msrun.plugin import envscope, rankmemory
 from pytest_msrun.plugin.forked import FORK_ENV
 from pytest_msrun.plugin.greeter import Greeter
 from pytest_msrun.plugin.job import JobRun, Launched, TestJob, TestPaths
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.outcomes import RankEnd
-from pytest_msrun.plugin.serve import LAUNCH_HOST, WORLD_ENV, WORLD_TOKEN_ENV, Channel
+from pytest_msrun.plugin.serve import WORLD_ENV, WORLD_TOKEN_ENV, Channel
 from pytest_msrun.proc import running
 
 FAILURE_GRACE = 0.5  # s the other ranks may still finish a test one rank failed (a fresh job's teardown gap)
