@@ -193,3 +193,12 @@ def test_a_two_node_step_runs_as_one_job(msrun, env_dump):
     assert {by_rank[r]["GROUP_RANK"] for r in (0, 1)} == {"0"} and {by_rank[r]["GROUP_RANK"] for r in (2, 3)} == {"1"}
     assert {d["MS_WORKER_NUM"] for d in dumps} == {"4"}
     assert {read_status(msrun.cwd / "logs", f"msrun_status_node{n}.json")["state"] for n in (0, 1)} == {"succeeded"}
+
+
+def test_where_slurm_tracks_memory_a_step_asks_its_cpus_share():
+    """A step that names no memory would hold all of the allocation's memory on its nodes, and
+    the next step on that node would wait however many CPUs are free."""
+    base = {"SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_JOB_CPUS_PER_NODE": "8(x2)"}
+    assert "--mem-per-cpu=4000M" in allocation({**base, "SLURM_MEM_PER_CPU": "4000"}).srun(1, 2)
+    assert "--mem-per-cpu=8000M" in allocation({**base, "SLURM_MEM_PER_NODE": "64000"}).srun(1, 2)
+    assert not any(a.startswith("--mem") for a in allocation(base).srun(1, 2))

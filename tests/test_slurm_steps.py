@@ -290,3 +290,50 @@ def test_a_breakpoint_in_a_rank_on_a_node_reaches_the_controllers_terminal(msrun
         term.close()
     assert code == 0 and "1 passed" in term.text(), term.text()
     assert not wait_gone(msrun.mark, timeout=10)
+
+
+STEP_CANCELLED = """
+import os, time
+
+import pytest
+
+
+@pytest.mark.msrun(worker_num=4, local_worker_num=2, timeout=120)
+def test_its_step_is_cancelled(rank):
+    open(os.path.join(os.environ["MEET_DIR"], str(rank)), "w").close()
+    time.sleep(120)
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_later(rank):
+    pass
+"""
+
+
+def test_a_step_cancelled_mid_test_fails_that_test_and_the_next_runs(msrun, slurm_lab):
+    """``scancel JOB.STEP`` of the step a 2-node test runs in (an operator, a node's health check):
+    that test fails at once, saying what ended it; the next test gets a step of its own."""
+    (msrun.cwd / "test_steps.py").write_text(textwrap.dedent(STEP_CANCELLED))
+    (msrun.cwd / "conftest.py").write_text(textwrap.dedent(SPANS))
+    met = msrun.cwd / "met"
+    met.mkdir()
+    env = slurm_lab.env(msrun.env({"MEET_DIR": str(met), "SPANS_FILE": str(msrun.cwd / "spans.jsonl")}))
+    env["PYTHONPATH"] = str(REPO)
+    argv = ["salloc", "-N2", *PER_NODE, "--job-name=msrun-stepcancel", sys.executable, "-m", "pytest", "-q", "-rA"]
+    argv += ["-p", "no:cacheprovider", "-p", "no:randomly", "test_steps.py"]
+    popen = subprocess.Popen(argv, cwd=msrun.cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    msrun.popens.append(popen)
+    assert wait_for(lambda: len(list(met.iterdir())) == 4, timeout=120), list(met.iterdir())
+    steps = subprocess.run(
+        ["squeue", "-h", "-s", "-o", "%i %j", "-n", "msrun-stepcancel"],
+        env=slurm_lab.env(),
+        capture_output=True,
+        text=True,
+    ).stdout.split("\n")
+    step = next(line.split()[0] for line in steps if line.endswith(" msrun-test"))
+    subprocess.run(["scancel", step], env=slurm_lab.env(), check=True, timeout=30)
+    out, _ = popen.communicate(timeout=120)
+    assert popen.returncode == 1, out
+    assert "1 failed, 1 passed" in out, out
+    assert "FAILED test_steps.py::test_its_step_is_cancelled" in out, out
+    assert not wait_gone(msrun.mark, timeout=20), out

@@ -190,6 +190,7 @@ class Allocation:
     nodes: list[str]
     cpus: tuple[int, ...] = ()  # each node's CPUs in the allocation (unknown: empty)
     gpus: int = 0  # GPUs on each node of the allocation, which Slurm hands to steps (0: none it manages)
+    mem_per_cpu: int = 0  # MB of the allocation's memory per CPU where Slurm tracks memory (0: it does not)
 
     def gpus_per_node(self, devices: int, nodes: int) -> int:
         """The GPUs a step of ``nodes`` nodes asks on each for a job of ``devices`` devices."""
@@ -218,6 +219,8 @@ class Allocation:
         ]
         if devices and self.gpus:
             argv.append(f"--gpus-per-node={self.gpus_per_node(devices, nodes)}")
+        if self.mem_per_cpu:  # its CPUs' share: a step given no memory would hold all of a node's
+            argv.append(f"--mem-per-cpu={self.mem_per_cpu}M")
         if label:
             argv.append(f"--job-name={label}")
         return argv
@@ -239,7 +242,23 @@ def allocation(env: Mapping[str, str]) -> Allocation | None:
         cpus = []
     if len(cpus) != len(nodes):
         cpus = []
-    return Allocation(job_id=job_id, nodes=nodes, cpus=tuple(cpus), gpus=_gpus(env)) if nodes else None
+    if not nodes:
+        return None
+    return Allocation(
+        job_id=job_id, nodes=nodes, cpus=tuple(cpus), gpus=_gpus(env), mem_per_cpu=_mem_per_cpu(env, cpus)
+    )
+
+
+def _mem_per_cpu(env: Mapping[str, str], cpus: list[int]) -> int:
+    """MB per CPU of the allocation (``--mem-per-cpu``, or ``--mem`` over a node's CPUs): 0 where
+    Slurm does not track memory."""
+    per_cpu = env.get("SLURM_MEM_PER_CPU", "")
+    if per_cpu.isdigit() and int(per_cpu) > 0:
+        return int(per_cpu)
+    per_node = env.get("SLURM_MEM_PER_NODE", "")
+    if per_node.isdigit() and int(per_node) > 0 and cpus:
+        return max(1, int(per_node) // max(cpus))
+    return 0
 
 
 def _gpus(env: Mapping[str, str]) -> int:
