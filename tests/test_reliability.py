@@ -78,13 +78,13 @@ MODES = [pytest.param(mode, marks=pytest.mark.cgroup(mode), id=mode) for mode in
 
 def _cgroups_left(job_id: str) -> list[str]:
     """The job's cgroups still there (other jobs' cgroups may vanish while the tree is walked)."""
-    name = f"msrun-{job_id}"
+    name = f"msrun-{job_id}-"  # and its msrun's PID
     return [
         os.path.join(root, d)
         for m in containment._mounts().values()
         for root, dirs, _ in os.walk(m, onerror=lambda _: None)
         for d in dirs
-        if d == name
+        if d.startswith(name)
     ]
 
 
@@ -365,3 +365,29 @@ def test_many_ranks_on_8_nodes_end_cleanly_under_load(msrun, ranks, node_rank):
     assert not wait_gone(msrun.mark, timeout=60)
     how = " with --node_rank" if node_rank else ""
     record(f"{ranks} ranks on 8 nodes{how}: init, barrier, all-gather", "8 x exit 0, 0 lost nodes", f"{took:.1f} s")
+
+
+@pytest.mark.parametrize("mode", [m for m in MODES if m != "off"])
+def test_the_next_msrun_removes_empty_cgroups_of_dead_msruns(msrun, mode):
+    """A job cgroup whose msrun and watchdog were killed together (a Slurm step cancelled: SIGKILL to
+    every process of it) is empty and has no one to remove it: the next msrun below the same cgroup
+    does. One whose msrun is alive, or that has members, stays."""
+    mount = containment._mounts()["cgroup2" if mode == "v2" else "freezer"]
+    own = containment._own_paths()["" if mode == "v2" else next(c for c in containment._own_paths() if "freezer" in c)]
+    home = os.path.join(mount, own.lstrip("/"))
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its PID names no process now
+    stale = os.path.join(home, f"msrun-{os.urandom(8).hex()}-{dead.pid}")
+    alive = os.path.join(home, f"msrun-{os.urandom(8).hex()}-{os.getpid()}")
+    os.mkdir(stale)
+    os.mkdir(alive)
+    try:
+        msrun.script("ok.py", "pass")
+        job = msrun.run(job_args(1, "ok.py"), env={containment.CGROUP_ENV: mode})
+        assert job.returncode == 0, job.stderr
+        assert not os.path.exists(stale)
+        assert os.path.isdir(alive)
+    finally:
+        for path in (stale, alive):
+            if os.path.isdir(path):
+                os.rmdir(path)

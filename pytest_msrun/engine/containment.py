@@ -166,7 +166,7 @@ def create(
     if want in ("off", "0", "no", "false"):
         return None
     mounts, own = _mounts(), _own_paths()
-    name = f"msrun-{job_id}"
+    name = f"msrun-{job_id}-{os.getpid()}"  # its msrun's PID: see sweep_stale
     candidates = []
     if "cgroup2" in mounts and "" in own:
         candidates.append(("v2", mounts["cgroup2"], own[""]))
@@ -178,6 +178,7 @@ def create(
         if want in ("v2", "freezer") and kind != want:
             continue
         home = os.path.join(mount, own_path.lstrip("/"))
+        sweep_stale(home)
         path = os.path.join(home, name)
         try:
             os.mkdir(path)
@@ -193,6 +194,30 @@ def create(
             continue
         return job
     return None
+
+
+def sweep_stale(home: str) -> list[str]:
+    """Remove the empty job cgroups in ``home`` whose msrun is gone: left where msrun and its
+    watchdog were killed together (Slurm cancelling a step SIGKILLs every process of it, and then
+    no one removes the cgroup); the next msrun below the same cgroup clears them. A cgroup with
+    members, or whose msrun still runs (it may not have moved in yet), is kept. The removed paths."""
+    try:
+        names = os.listdir(home)
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        owner = name.rpartition("-")[2]
+        if not name.startswith("msrun-") or not owner.isdigit() or int(owner) == os.getpid():
+            continue
+        if os.path.exists(f"/proc/{owner}"):  # alive (or a zombie: its parent still reaps it)
+            continue
+        try:
+            os.rmdir(os.path.join(home, name))  # fails unless empty: a cgroup with members stays
+        except OSError:
+            continue
+        removed.append(os.path.join(home, name))
+    return removed
 
 
 class Entering:
