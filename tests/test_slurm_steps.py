@@ -337,3 +337,37 @@ def test_a_step_cancelled_mid_test_fails_that_test_and_the_next_runs(msrun, slur
     assert "1 failed, 1 passed" in out, out
     assert "FAILED test_steps.py::test_its_step_is_cancelled" in out, out
     assert not wait_gone(msrun.mark, timeout=20), out
+
+
+GPUS = """
+import os
+
+import pytest
+
+
+@pytest.mark.msrun(worker_num=2, devices=2)
+def test_two(rank):
+    assert sorted(os.environ["CUDA_VISIBLE_DEVICES"].split(",")) == ["0", "1"]
+
+
+@pytest.mark.msrun(worker_num=2, devices=1)
+def test_one(rank, msrun):
+    seen = msrun.all_gather(os.environ["CUDA_VISIBLE_DEVICES"])
+    assert len(set(seen)) == 1 and seen[0] in ("0", "1"), seen
+
+
+@pytest.mark.msrun(worker_num=2, devices=3)
+def test_three(rank):
+    pass
+"""
+
+
+def test_gpus_come_from_slurm_where_the_allocation_has_them(msrun, slurm_lab):
+    """The lab's nodes declare two GPUs each (gres.conf): a step asks its test's devices per node
+    and Slurm makes them visible; more than a node holds is a skip, as on a host without them."""
+    proc, spans = _session(msrun, slurm_lab, GPUS, ["-N1", *PER_NODE, "--gpus-per-node=2"], ["-rs"])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "2 passed, 1 skipped" in out, out
+    assert "needs 3 GPUs on each of 1 node(s)" in out and "has 2 per node" in out, out
+    assert {s["test"] for s in spans if s["outcome"] == "passed"} == {"test_one", "test_two"}

@@ -29,6 +29,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -45,6 +46,7 @@ PACKAGES = ("slurm-wlm", "munge")
 DAEMONS = ("slurmctld", "slurmd", "munged")
 CLIENTS = ("srun", "sbatch", "salloc", "scontrol", "sinfo", "scancel")
 STOP_WAIT = 5.0  # seconds between SIGTERM and SIGKILL for the daemons
+GPUS = 2  # GPUs per node in the gres.conf (device files without devices: Slurm only names them)
 
 
 def _which(name: str) -> str | None:
@@ -243,14 +245,22 @@ class SlurmLab:
             "SlurmdTimeout=10",
             "SlurmctldDebug=info",
             "SlurmdDebug=info",
+            "GresTypes=gpu",
         ]
         for k, name in enumerate(self.node_names, start=1):
             addr = self.net.address(k)
-            lines.append(f"NodeName={name} NodeAddr={addr} NodeHostname={name} CPUs={self.cpus} State=UNKNOWN")
+            lines.append(
+                f"NodeName={name} NodeAddr={addr} NodeHostname={name} CPUs={self.cpus} Gres=gpu:{GPUS} State=UNKNOWN"
+            )
         nodes = ",".join(self.node_names)
         lines.append(f"PartitionName={self.partition} Nodes={nodes} Default=YES MaxTime=INFINITE State=UP")
         self.slurm_conf.write_text("\n".join(lines) + "\n")
         (root / "etc" / "plugstack.conf").write_text("")
+        # GPUs Slurm hands to steps: device files it only names (index from the name), no hardware
+        (root / "dev").mkdir(exist_ok=True)
+        for k in range(GPUS):  # character devices (gres.conf refuses anything else): /dev/null's
+            os.mknod(root / "dev" / f"nvidia{k}", 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+        (root / "etc" / "gres.conf").write_text(f"Name=gpu File={root / 'dev'}/nvidia[0-{GPUS - 1}]\n")
         (root / "etc" / "mpi.conf").write_text(f"PMIxCliTmpDirBase={root / 'tmpfs'}\n")
 
     def _start(self, name: str, comm: str, argv: Sequence[str]) -> Daemon:
