@@ -371,3 +371,34 @@ def test_gpus_come_from_slurm_where_the_allocation_has_them(msrun, slurm_lab):
     assert "2 passed, 1 skipped" in out, out
     assert "needs 3 GPUs on each of 1 node(s)" in out and "has 2 per node" in out, out
     assert {s["test"] for s in spans if s["outcome"] == "passed"} == {"test_one", "test_two"}
+
+
+FAILS_ON_RANK_1 = """
+import pytest
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_fails_on_rank_1(rank):
+    assert rank != 1, "rank 1 fails"
+"""
+
+
+def test_the_reproduce_line_reruns_that_test_as_a_step(msrun, slurm_lab):
+    """The failure's reproduce lines, typed in an allocation of the same shape: the same test, in a
+    step of as many nodes, failing the same way."""
+    proc, _ = _session(msrun, slurm_lab, FAILS_ON_RANK_1, ["-N1", *PER_NODE], [])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    section = re.search(r"-+ reproduce -+\n(.*?)\n(?:-+ |=+ )", out, re.S)
+    assert section, out
+    lines = section.group(1).strip()
+    assert re.search(r"srun --nodes=1 .*--exact .* pmsrun .*test_steps.py::test_fails_on_rank_1$", lines), lines
+    env = slurm_lab.env(msrun.env())
+    env["PYTHONPATH"] = str(REPO)
+    again = subprocess.run(
+        ["salloc", "-N1", *PER_NODE, "sh", "-c", lines], env=env, capture_output=True, text=True, timeout=120
+    )
+    redo = again.stdout + again.stderr
+    assert again.returncode == 1, redo
+    assert "rank 1 fails" in redo, redo
+    assert not wait_gone(msrun.mark, timeout=10)
