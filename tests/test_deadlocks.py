@@ -93,6 +93,18 @@ def test_fails_alike(x, rank, msrun):
 def test_drawn(x, xs, rank):
     with open(os.path.join(os.environ["DRAWN"], f"rank{rank}"), "a") as fh:
         fh.write(f"{x} {xs!r}\\n")
+
+
+@pytest.mark.msrun(worker_num=2, timeout=60)
+@settings(deadline=None, max_examples=200, database=None)
+@given(xs=st.lists(st.text(max_size=30), min_size=5, max_size=5))
+def test_drawn_after_modules_only_one_rank_imported(xs, rank):
+    # hypothesis also draws constants of the "local" modules imported so far (this package is
+    # one, installed editable): rank 0 imported modules rank 1 did not
+    if rank == 0:
+        import pytest_msrun.binding.gen_bind_json, pytest_msrun.perfetto, pytest_msrun.engine.dryrun  # noqa
+    with open(os.path.join(os.environ["DRAWN"], f"modules{rank}"), "a") as fh:
+        fh.write(f"{xs!r}\\n")
 """
 
 
@@ -151,10 +163,18 @@ def test_a_property_failing_alike_on_every_rank_shrinks_in_step(pytester, monkey
 @pytest.mark.parametrize("worlds", ["warm", "fresh"])
 def test_hypothesis_draws_the_same_examples_on_every_rank(pytester, monkeypatch, tmp_path, worlds):
     monkeypatch.setenv("DRAWN", str(tmp_path))
-    result = _run(pytester, monkeypatch, HYPOTHESIS, "-k", "drawn", f"--msrun-worlds={worlds}")
+    result = _run(pytester, monkeypatch, HYPOTHESIS, "-k", "drawn and not modules", f"--msrun-worlds={worlds}")
     result.assert_outcomes(passed=1)
     drawn = [(tmp_path / f"rank{rank}").read_text().splitlines() for rank in (0, 1)]
     assert len(drawn[0]) >= 15 and drawn[0] == drawn[1]
+
+
+def test_hypothesis_draws_the_same_examples_whatever_modules_each_rank_imported(pytester, monkeypatch, tmp_path):
+    monkeypatch.setenv("DRAWN", str(tmp_path))
+    result = _run(pytester, monkeypatch, HYPOTHESIS, "-k", "modules_only_one_rank")
+    result.assert_outcomes(passed=1)
+    drawn = [(tmp_path / f"modules{rank}").read_text().splitlines() for rank in (0, 1)]
+    assert len(drawn[0]) >= 100 and drawn[0] == drawn[1]
 
 
 def test_in_suite_mode_a_rank_waiting_for_one_that_left_the_call_fails_at_once(msrun):

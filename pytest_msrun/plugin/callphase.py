@@ -6,7 +6,10 @@
 * hypothesis draws the same examples on every rank: a ``@given`` test's seed is one of the job
   (pytest-randomly's common seed, else the job's id) and the test, unless the test or the session
   chose one (``@seed``, ``derandomize``, ``--hypothesis-seed``). Left alone, each rank would draw
-  its own examples and pair different ones in its collectives.
+  its own examples and pair different ones in its collectives. Besides its seed, hypothesis draws
+  constants of the "local" modules imported so far (this package is one where it is installed
+  editable): which of this package's modules a rank imported depends on the rank, so they are
+  kept out of that pool (:func:`same_constants_on_every_rank`).
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class CallPhase:
         test = getattr(item, "obj", None)
         if core is None or not getattr(test, "is_hypothesis_test", False):
             return False
+        same_constants_on_every_rank()
         if getattr(core, "global_force_seed", 0) is not None:  # --hypothesis-seed: every rank has it
             return False
         settings = getattr(test, "_hypothesis_internal_use_settings", None)
@@ -82,6 +86,30 @@ class CallPhase:
             "call", SEED_SECTION, f"every rank drew with seed {seed}; @hypothesis.seed({seed}) reproduces it\n"
         )
         return True
+
+
+def same_constants_on_every_rank() -> None:
+    """Keep this package's modules out of hypothesis's pool of local constants (once per process;
+    the pool is gathered again without them). A hypothesis without that pool is left alone."""
+    providers: Any = sys.modules.get("hypothesis.internal.conjecture.providers")
+    is_local = getattr(providers, "is_local_module_file", None)
+    if providers is None or is_local is None or getattr(is_local, "msrun_own", False):
+        return
+    ours = os.path.dirname(os.path.abspath(__file__)).rsplit(os.sep, 1)[0] + os.sep  # pytest_msrun/
+
+    def is_local_module_file(path: str) -> bool:
+        return not os.path.abspath(path).startswith(ours) and bool(is_local(path))
+
+    is_local_module_file.msrun_own = True  # type: ignore[attr-defined]
+    try:
+        fresh = type(providers._local_constants)()
+        providers.is_local_module_file = is_local_module_file
+        providers._local_constants = fresh
+        providers._seen_modules.clear()
+        providers._sys_modules_len = None
+        providers.CONSTANTS_CACHE.cache.clear()
+    except (AttributeError, TypeError):  # another hypothesis: its pool as it is
+        providers.is_local_module_file = is_local
 
 
 def _note(nodeid: str, entered: bool, outcome: str) -> None:
