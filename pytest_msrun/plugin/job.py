@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -444,20 +443,18 @@ class TestJob:
     def running_ranks(self) -> list[int]:
         """The ranks whose processes still run (msrun's status file is written at the job's start and
         end only: a rank on this host is looked up by its PID, one elsewhere counts as running)."""
-        here = socket.gethostname()
         return [
             rank
             for rank, end in sorted(self.rank_ends().items())
-            if end.returncode is None and (end.host not in ("", here) or (end.pid and running(end.pid)))
+            if end.returncode is None and (end.elsewhere or (end.pid and running(end.pid)))
         ]
 
     def collect_stacks(self) -> dict[int, str]:
         """Ask every live rank on this host for its Python stacks and wait briefly for them
         (a rank's PID means nothing on another host)."""
         asked = []
-        here = socket.gethostname()
         for rank, end in self.rank_ends().items():
-            if end.pid and end.returncode is None and end.host in ("", here) and _catches(end.pid, signal.SIGUSR1):
+            if end.pid and end.returncode is None and not end.elsewhere and _catches(end.pid, signal.SIGUSR1):
                 try:
                     os.kill(end.pid, signal.SIGUSR1)
                     asked.append(rank)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-import socket
 from typing import Any
 
 import pytest
@@ -117,7 +116,7 @@ class Merger:
         """Each rank's host when the job ran on more than one host or on another (a Slurm step's
         node), else nothing."""
         hosts = {r: end.host for r, end in sorted(self.run.ranks.items()) if end.host}
-        elsewhere = any(host != socket.gethostname() for host in hosts.values())
+        elsewhere = any(end.elsewhere for end in self.run.ranks.values())
         return hosts if len(set(hosts.values())) > 1 or elsewhere else {}
 
     def log_path(self, rank: int) -> str:

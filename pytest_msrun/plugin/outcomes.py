@@ -58,6 +58,11 @@ class RankEnd:
         )
 
     @property
+    def elsewhere(self) -> bool:
+        """Whether the rank ran on another host than this one (its PID means nothing here)."""
+        return bool(self.host) and self.host != socket.gethostname()
+
+    @property
     def at(self) -> float | None:
         """When the process ended, as well as it is known."""
         return self.died_at if self.died_at is not None else self.ended
@@ -70,7 +75,7 @@ class RankEnd:
                 return "was still running at the timeout" + (f" (after it, it {self.after})" if self.after else "")
             if self.pid is None:
                 return "never started"
-            if self.host and self.host != socket.gethostname():  # a node's msrun ended without a word
+            if self.elsewhere:  # a node's msrun ended without a word
                 lost = "(that node, or its task there, was lost)"
                 return f"has no recorded exit status: msrun on {self.host} recorded none {lost}"
             return "has no recorded exit status"
