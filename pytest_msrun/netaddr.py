@@ -9,6 +9,8 @@ from __future__ import annotations
 # The C module, not :mod:`socket`: these helpers only open, bind and close sockets, and importing
 # socket (its enums, selectors) is a cost on msrun's start path.
 import _socket
+from collections.abc import Mapping
+from typing import Any
 
 
 class AddressError(ValueError):
@@ -179,10 +181,20 @@ def local_peer_uid(sock: _socket.socket) -> int | None:
 LAUNCH_HOST = "slurm-launch-node"
 
 
-def controller_address(value: str, env: object) -> tuple[str, int] | None:
+def controller_address(value: str, env: Mapping[str, str]) -> tuple[str, int] | None:
     """``host:port`` -> (host, port); :data:`LAUNCH_HOST` read from ``SLURM_LAUNCH_NODE_IPADDR`` in
-    ``env`` (a mapping). None when malformed or unresolved."""
+    ``env``. None when malformed or unresolved."""
     host, _, port = value.rpartition(":")
     if host == LAUNCH_HOST:
-        host = str(env.get("SLURM_LAUNCH_NODE_IPADDR", "") or "")  # type: ignore[attr-defined]
+        host = env.get("SLURM_LAUNCH_NODE_IPADDR", "")
     return (host, int(port)) if host and port.isdigit() else None
+
+
+def rank_listener(steps: bool, backlog: int | None = None) -> tuple[Any, str]:
+    """A listening socket of the controller's for its ranks, and the ``host:port`` they are given:
+    loopback, or - ranks in Slurm steps, on whichever nodes - every interface, named
+    :data:`LAUNCH_HOST` (what a stranger may reach: the servers serve only their token's holders)."""
+    import socket
+
+    server = socket.create_server(("0.0.0.0" if steps else "127.0.0.1", 0), backlog=backlog)
+    return server, f"{LAUNCH_HOST if steps else '127.0.0.1'}:{server.getsockname()[1]}"

@@ -24,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from pytest_msrun.netaddr import LAUNCH_HOST
+from pytest_msrun.netaddr import rank_listener
 
 DEBUG_ENV = "MSRUN_DEBUG"  # host:port of the controller's debug server
 DEBUG_TOKEN_ENV = "MSRUN_DEBUG_TOKEN"
@@ -93,15 +93,13 @@ class DebugServer:
     def address(self) -> str:
         """``host:port`` ranks connect to (the server starts listening the first time it is asked)."""
         if not self._address:
-            # ranks of Slurm steps on whichever nodes: every interface, and they name this host as
-            # srun's (only a rank with the session's token is served)
-            self.server = socket.create_server(("0.0.0.0" if self.steps else "127.0.0.1", 0), backlog=128)
+            # ranks of Slurm steps reach this host where srun ran (only the session's token is served)
+            self.server, address = rank_listener(self.steps, backlog=128)
             self.server.setblocking(False)
             self._wake_r, self._wake_w = os.pipe()
             self.thread = threading.Thread(target=self._loop, name="msrun-debug", daemon=True)
             self.thread.start()
-            host = LAUNCH_HOST if self.steps else "127.0.0.1"
-            self._address = f"{host}:{self.server.getsockname()[1]}"
+            self._address = address
         return self._address
 
     # ---------------------------------------------------------------- for the jobs

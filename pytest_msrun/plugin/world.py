@@ -28,7 +28,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pytest_msrun.netaddr import LAUNCH_HOST
+from pytest_msrun.netaddr import rank_listener
 from pytest_msrun.plugin import envscope, rankmemory
 from pytest_msrun.plugin.forked import FORK_ENV
 from pytest_msrun.plugin.greeter import Greeter
@@ -184,13 +184,10 @@ class World:
         self.test_envs = test_envs or {}
         self.env_read: set[str] = set()  # which of them a rank looked up while it collected
         self.token = os.urandom(16).hex()
-        # a Slurm step's ranks, on whichever nodes Slurm picked, reach this host where srun ran
-        # (only a rank with the world's token is let in: Greeter)
-        stepped = job.cluster is not None
-        self.server = socket.create_server(("0.0.0.0" if stepped else "127.0.0.1", 0))
+        # a Slurm step's ranks reach this host where srun ran (only the world's token is let in: Greeter)
+        self.server, address = rank_listener(steps=job.cluster is not None)
         self.server.setblocking(False)
-        port = self.server.getsockname()[1]
-        env = {WORLD_ENV: f"{LAUNCH_HOST if stepped else '127.0.0.1'}:{port}", WORLD_TOKEN_ENV: self.token}
+        env = {WORLD_ENV: address, WORLD_TOKEN_ENV: self.token}
         if self.forking:
             env[FORK_ENV] = "1"
         watched = sorted({key for test_env in self.test_envs.values() for key in test_env})
