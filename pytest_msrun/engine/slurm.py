@@ -194,7 +194,7 @@ class Allocation:
 
     def gpus_per_node(self, devices: int, nodes: int) -> int:
         """The GPUs a step of ``nodes`` nodes asks on each for a job of ``devices`` devices."""
-        return -(-devices // max(1, nodes)) if devices else 0
+        return -(-devices // max(1, nodes))  # rounded up
 
     def cpus_for(self, ranks_per_node: int) -> int:
         """The CPUs a step asks on each node for ``ranks_per_node`` ranks: one per rank, at most
@@ -236,14 +236,14 @@ def allocation(env: Mapping[str, str]) -> Allocation | None:
         nodes = expand_hostlist(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or "")
     except HostlistError:
         return None
+    if not nodes:
+        return None
     try:
         cpus = tasks_per_node(env.get("SLURM_JOB_CPUS_PER_NODE", ""))
     except ValueError:
         cpus = []
     if len(cpus) != len(nodes):
         cpus = []
-    if not nodes:
-        return None
     return Allocation(
         job_id=job_id, nodes=nodes, cpus=tuple(cpus), gpus=_gpus(env), mem_per_cpu=_mem_per_cpu(env, cpus)
     )
