@@ -76,24 +76,45 @@ def test_across(rank, msrun):
 """
 
 
+PYTEST = [sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-p", "no:randomly"]
+
+
+def _scratch(msrun, slurm_lab, tests: str) -> dict[str, str]:
+    """Write ``tests`` (as test_steps.py) and the spans conftest in the scratch directory; the
+    environment a session runs with in the lab."""
+    (msrun.cwd / "test_steps.py").write_text(textwrap.dedent(tests))
+    (msrun.cwd / "conftest.py").write_text(textwrap.dedent(SPANS))
+    (msrun.cwd / "met").mkdir(exist_ok=True)
+    env = slurm_lab.env(msrun.env({"SPANS_FILE": str(msrun.cwd / "spans.jsonl"), "MEET_DIR": str(msrun.cwd / "met")}))
+    env["PYTHONPATH"] = str(REPO)
+    return env
+
+
 def _session(
     msrun, slurm_lab, tests: str, salloc: list[str], pytest_args: list[str], before: str = "", timeout: float = 300
 ) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
     """``salloc SALLOC sh -c 'BEFORE; python -m pytest PYTEST_ARGS test_steps.py'`` in the lab: the
     session's exit status and output, and each test's call report (hosts and time span)."""
-    (msrun.cwd / "test_steps.py").write_text(textwrap.dedent(tests))
-    (msrun.cwd / "conftest.py").write_text(textwrap.dedent(SPANS))
-    (msrun.cwd / "met").mkdir(exist_ok=True)
-    spans = msrun.cwd / "spans.jsonl"
-    env = slurm_lab.env(msrun.env({"SPANS_FILE": str(spans), "MEET_DIR": str(msrun.cwd / "met")}))
-    env["PYTHONPATH"] = str(REPO)
-    cmd = " ".join([sys.executable, "-m", "pytest", "-q", "-rA", "-p", "no:cacheprovider", "-p", "no:randomly"])
-    script = f"{before}\n{cmd} {' '.join(pytest_args)} test_steps.py"
+    env = _scratch(msrun, slurm_lab, tests)
+    script = f"{before}\n{' '.join(PYTEST)} {' '.join(pytest_args)} test_steps.py"
     proc = subprocess.run(
         ["salloc", *salloc, "sh", "-c", script], cwd=msrun.cwd, env=env, capture_output=True, text=True, timeout=timeout
     )
+    spans = msrun.cwd / "spans.jsonl"
     lines = spans.read_text().splitlines() if spans.exists() else []
     return proc, [json.loads(line) for line in lines]
+
+
+def _parked(msrun, slurm_lab, tests: str, name: str, pytest_args: list[str]) -> subprocess.Popen[str]:
+    """``salloc -N2 --job-name=NAME python -m pytest PYTEST_ARGS test_steps.py`` in the lab, in the
+    background, once four ranks of its tests wrote their file in ``met/`` (they park there)."""
+    env = _scratch(msrun, slurm_lab, tests)
+    argv = ["salloc", "-N2", *PER_NODE, f"--job-name={name}", *PYTEST, *pytest_args, "test_steps.py"]
+    popen = subprocess.Popen(argv, cwd=msrun.cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    msrun.popens.append(popen)
+    met = msrun.cwd / "met"
+    assert wait_for(lambda: len(list(met.iterdir())) == 4, timeout=120), list(met.iterdir())
+    return popen
 
 
 def _by_test(spans: list[dict]) -> dict[str, dict]:
@@ -229,16 +250,7 @@ def test_parked(rank, i):
 def test_scancel_of_the_allocation_leaves_nothing_on_any_node(msrun, slurm_lab):
     """Two workers' worlds parked on both nodes; ``scancel`` of the allocation: the session ends
     (not with success) and no process of it is left anywhere."""
-    (msrun.cwd / "test_steps.py").write_text(textwrap.dedent(PARKED))
-    met = msrun.cwd / "met"
-    met.mkdir()
-    env = slurm_lab.env(msrun.env({"MEET_DIR": str(met)}))
-    env["PYTHONPATH"] = str(REPO)
-    argv = ["salloc", "-N2", *PER_NODE, "--job-name=msrun-scancel", sys.executable, "-m", "pytest", "-q"]
-    argv += ["-p", "no:cacheprovider", "-p", "no:randomly", "-n", "2", "test_steps.py"]
-    popen = subprocess.Popen(argv, cwd=msrun.cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    msrun.popens.append(popen)
-    assert wait_for(lambda: len(list(met.iterdir())) == 4, timeout=120), list(met.iterdir())
+    popen = _parked(msrun, slurm_lab, PARKED, "msrun-scancel", ["-n", "2"])
     job = subprocess.run(
         ["squeue", "-h", "-o", "%i", "-n", "msrun-scancel"], env=slurm_lab.env(), capture_output=True, text=True
     ).stdout.strip()
@@ -313,17 +325,7 @@ def test_later(rank):
 def test_a_step_cancelled_mid_test_fails_that_test_and_the_next_runs(msrun, slurm_lab):
     """``scancel JOB.STEP`` of the step a 2-node test runs in (an operator, a node's health check):
     that test fails at once, saying what ended it; the next test gets a step of its own."""
-    (msrun.cwd / "test_steps.py").write_text(textwrap.dedent(STEP_CANCELLED))
-    (msrun.cwd / "conftest.py").write_text(textwrap.dedent(SPANS))
-    met = msrun.cwd / "met"
-    met.mkdir()
-    env = slurm_lab.env(msrun.env({"MEET_DIR": str(met), "SPANS_FILE": str(msrun.cwd / "spans.jsonl")}))
-    env["PYTHONPATH"] = str(REPO)
-    argv = ["salloc", "-N2", *PER_NODE, "--job-name=msrun-stepcancel", sys.executable, "-m", "pytest", "-q", "-rA"]
-    argv += ["-p", "no:cacheprovider", "-p", "no:randomly", "test_steps.py"]
-    popen = subprocess.Popen(argv, cwd=msrun.cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    msrun.popens.append(popen)
-    assert wait_for(lambda: len(list(met.iterdir())) == 4, timeout=120), list(met.iterdir())
+    popen = _parked(msrun, slurm_lab, STEP_CANCELLED, "msrun-stepcancel", [])
     steps = subprocess.run(
         ["squeue", "-h", "-s", "-o", "%i %j", "-n", "msrun-stepcancel"],
         env=slurm_lab.env(),
