@@ -136,6 +136,10 @@ def is_full(path: str) -> bool:
 def describe_write_error(path: str, exc: OSError, flag: str = "--log_dir") -> str:
     """``path``: the error, and for a full file system (or quota) where it is and what to do
     (``flag``: the option that chose the path)."""
+    from pytest_msrun.fileio import UnsafePath
+
+    if isinstance(exc, UnsafePath):  # names the path, what is wrong and the fix already
+        return str(exc)
     text = f"{path}: {exc.strerror or exc}"
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         mount = mount_of(os.path.dirname(path) or ".")

@@ -1,5 +1,7 @@
 """A full disk for logs or traces never kills the control plane; the job goes on, or ends naming
-the disk, the path and the fix - and no half-written file is left.
+the disk, the path and the fix - and no half-written file is left. The plugin's sessions likewise:
+a full basetemp is the test's error, a full report directory one clear error, a full trace
+directory said once - never an internal error, never silence.
 
 Each job runs in a private mount namespace (``unshare -m``, part of the ``netns`` tier: root and
 util-linux) on a 64 KiB tmpfs mounted there, which vanishes with the job: nothing to unmount.
@@ -87,6 +89,73 @@ def test_a_disk_that_fills_with_the_trace_leaves_the_job_and_no_partial_file(msr
     for rank in (0, 1):  # the rank hook failed to record its start, and said nothing: it went on
         text = (msrun.cwd / "logs" / f"worker_{rank}.log").read_text()
         assert "Error in sitecustomize" not in text and "RecursionError" not in text, text
+
+
+MARKED = """
+import pytest
+
+@pytest.mark.msrun(worker_num=2)
+def test_one(rank):
+    print("rank", rank, "ran", flush=True)
+
+@pytest.mark.msrun(worker_num=2)
+def test_two(rank):
+    print("rank", rank, "ran", flush=True)
+"""
+
+
+def session_on_small_disk(pytester, args: list[str], timeout: float = 300):
+    """``pytest args`` on ``test_marked.py`` with ``small/`` a fresh 64 KiB tmpfs, full; returns
+    the session's output and what ``small/`` held at its end."""
+    pytester.makepyfile(test_marked=MARKED)
+    small = pytester.path / "small"
+    small.mkdir()
+    listing = pytester.path / "listing"
+    pytest_argv = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", *args]
+    script = (
+        f"mount -t tmpfs -o size=64k tmpfs {small} && (head -c 65536 /dev/zero > {small}/fill 2>/dev/null; true) && "
+        f"{shlex.join(pytest_argv)}; rc=$?; (cd {small} && find . | sort) > {listing}; exit $rc"
+    )
+    proc = subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+        cwd=pytester.path,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return proc, listing.read_text().split()
+
+
+def test_a_full_basetemp_is_the_tests_error_not_an_internal_error(pytester, tracked):
+    proc, _ = session_on_small_disk(pytester, ["--basetemp=small/bt", "-rf"])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert "INTERNALERROR" not in out and "Traceback" not in out, out[-3000:]
+    assert "2 errors" in out, out[-3000:]  # at setup: no job started
+    line = next(line for line in out.splitlines() if "msrun: cannot make the test's files" in line)
+    assert "No space left on device" in line and "(tmpfs) is full" in line and "bytes free" in line, line
+    assert "give --basetemp on another file system" in line, line
+
+
+def test_a_full_report_directory_is_one_clear_error_and_leaves_no_half_copy(pytester, tracked):
+    proc, left = session_on_small_disk(pytester, ["--basetemp=bt", "--msrun-report=small/report.html"])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert "INTERNALERROR" not in out and "Traceback" not in out, out[-3000:]
+    assert "2 passed" in out, out[-3000:]
+    errors = [line for line in out.splitlines() if "could not write the HTML report" in line]
+    assert len(errors) == 1 and "is full" in errors[0] and "give --msrun-report on another file system" in errors[0]
+    assert not [name for name in left if name.endswith((".tmp", ".log", ".html"))], left
+
+
+def test_a_full_trace_directory_is_said_once(pytester, tracked):
+    proc, left = session_on_small_disk(pytester, ["--basetemp=bt", "--msrun-trace=small/traces"])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    said = [line for line in out.splitlines() if "trace was not written" in line]
+    assert len(said) == 1, out[-3000:]
+    assert "small/traces" in said[0] and "is full" in said[0] and "give --msrun-trace on another file system" in said[0]
+    assert not [name for name in left if ".tmp" in name or "spool" in name], left
 
 
 if __name__ == "__main__":  # pragma: no cover

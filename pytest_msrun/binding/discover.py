@@ -17,6 +17,7 @@ from typing import Any
 from pytest_msrun.binding.npusmi import NpuSmiError, parse_board_pcie, parse_device_table, run_npu_smi
 from pytest_msrun.binding.topology import CgroupInfo, Device, NumaNode, Topology
 from pytest_msrun.cpulist import RangeSyntaxError, parse_id_list
+from pytest_msrun.fileio import open_output
 
 NVIDIA_VENDOR = "0x10de"
 DISPLAY_CLASSES = ("0x0300", "0x0302")  # VGA / 3D controller
@@ -297,8 +298,11 @@ def main(argv: list[str] | None = None) -> int:
     topo.description = args.description
     text = topo.dumps()
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        try:
+            with open_output(args.output) as fh:  # not through a link or into a file someone put there
+                fh.write(text)
+        except OSError as exc:
+            ap.error(f"--output: {exc}")
     else:
         print(text, end="")
     return 0

@@ -23,6 +23,7 @@ from pytest_msrun.binding.flags import BindSpec
 from pytest_msrun.binding.strategies import BindingError, Planner
 from pytest_msrun.binding.topology import Topology
 from pytest_msrun.cpulist import RangeSyntaxError, format_id_list, parse_id_list
+from pytest_msrun.fileio import open_output
 
 DEFAULTS = {"runtime": "4-8", "minddata": "9-12", "main": "13-19", "scheduler": "20-23"}
 
@@ -129,8 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     except (GenError, BindingError, RangeSyntaxError, OSError, ValueError) as exc:
         ap.error(str(exc))
     text = json.dumps(data, indent=2) + "\n"
-    with open(args.output, "w", encoding="utf-8") as fh:
-        fh.write(text)
+    try:
+        with open_output(args.output) as fh:  # not through a link or into a file someone put there
+            fh.write(text)
+    except OSError as exc:
+        ap.error(f"--output: {exc}")
     print(f"wrote {args.output}: {len(data['bind_cpu']) - 1} device(s) + scheduler", file=sys.stderr)
     return 0
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 
-from pytest_msrun.fileio import write_whole
+from pytest_msrun.fileio import open_output, write_whole
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -133,7 +133,7 @@ class Recorder:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.fh = open(path, "a", encoding="utf-8", buffering=1 << 16)  # noqa: SIM115 - lives as long as the process
+        self.fh = open_output(path, append=True, buffering=1 << 16)  # lives as long as the process
         self.error: OSError | None = None
 
     def _write(self, text: str) -> None:

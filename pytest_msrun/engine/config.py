@@ -8,11 +8,12 @@ prints as ``msrun: error: argument --flag: ...`` with exit status 2.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from pytest_msrun.binding.flags import BindSpec
 from pytest_msrun.engine.kinds import SchedulerMode
 from pytest_msrun.engine.simselect import SelectionError, select_ranks
+from pytest_msrun.fileio import planted, unsafe_directory, unsafe_output_dir
 from pytest_msrun.record import field, record
 
 TYPE_CHECKING = False
@@ -168,6 +169,23 @@ def trace_problem(path: str) -> str:
     return ""
 
 
+def _refuse_unsafe(what: str, problem: str) -> None:
+    """A place msrun would write that someone else could replace: a usage error naming it, and the fix."""
+    if problem:
+        raise ConfigError("", f"{what}: {problem}")
+
+
+def _log_names(cfg: LaunchConfig) -> Callable[[str], bool]:
+    """Whether a name in the log directory is one of the logs msrun opens there (its status files are
+    written whole: renamed over whatever is at their name, never written through it)."""
+    prefix = cfg.worker_log_name.split("{", 1)[0] or "worker_"
+
+    def ours(name: str) -> bool:
+        return name in ("scheduler.log", "msrun.log") or (name.startswith(prefix) and name.endswith(".log"))
+
+    return ours
+
+
 def validate(cfg: LaunchConfig) -> list[str]:
     """Check every option; return warnings. Raises :class:`ConfigError` on the first bad value."""
     warnings: list[str] = []
@@ -177,6 +195,7 @@ def validate(cfg: LaunchConfig) -> list[str]:
         problem = trace_problem(cfg.trace)
         if problem:
             raise ConfigError("trace", f"{problem} (the trace file: --trace or {TRACE_ENV})")
+        _refuse_unsafe(f"--trace={cfg.trace}", unsafe_directory(cfg.trace))
     if cfg.worker_num <= 0:
         raise ConfigError("worker_num", f"must be greater than 0, got {cfg.worker_num}")
     if cfg.worker_num > MAX_WORKERS:
@@ -269,6 +288,12 @@ def validate(cfg: LaunchConfig) -> list[str]:
         problem = log_dir_problem(cfg.log_dir)
         if problem:
             raise ConfigError("log_dir", problem)
+        _refuse_unsafe(f"--log_dir={cfg.log_dir}", unsafe_output_dir(cfg.log_dir))
+        _refuse_unsafe(f"--log_dir={cfg.log_dir}", planted(cfg.log_dir, _log_names(cfg)))
+    else:
+        cwd = os.getcwd()
+        _refuse_unsafe(f"the log directory (no --log_dir: the current directory {cwd})", unsafe_output_dir(cwd))
+        _refuse_unsafe(f"the log directory (no --log_dir: the current directory {cwd})", planted(cwd, _log_names(cfg)))
     if cfg.task_script.endswith(".py") and not cfg.print_plan and not os.path.isfile(cfg.task_script):
         raise ConfigError("", f"task_script {cfg.task_script!r} not found (cwd {os.getcwd()})")
     if cfg.bind_core.kind == "unified":

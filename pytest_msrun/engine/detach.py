@@ -16,6 +16,7 @@ from pytest_msrun.engine import heldsignals
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.plan import NodeFacts
+from pytest_msrun.fileio import open_output_fd
 
 SUPERVISOR_LOG = "msrun_supervisor.log"
 
@@ -68,8 +69,8 @@ def _supervise(cfg: LaunchConfig, facts: NodeFacts, write_fd: int, guard: JobGua
         # A job that did not start (a launch error: nothing to supervise) leaves no log behind.
         log_path = os.path.join(cfg.log_dir or ".", SUPERVISOR_LOG) if code == 0 else os.devnull
         try:
-            fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        except OSError:
+            fd = open_output_fd(log_path, append=True, mode=0o644)
+        except OSError:  # (a link or a FIFO put there too: nothing is written through it)
             fd = os.open(os.devnull, os.O_WRONLY)
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)

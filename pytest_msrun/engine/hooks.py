@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pytest_msrun.engine.status import JobStatus
-from pytest_msrun.fileio import write_whole
+from pytest_msrun.fileio import private_dir, write_whole
 from pytest_msrun.record import record
 
 HOOK_DIR = "msrun_hooks"
@@ -38,8 +38,7 @@ class JobReport:
 
 def register(log_dir: str, name: str, target: str) -> None:
     """Ask msrun to call ``target`` (``module:function``) with the job's status when the job ends."""
-    directory = os.path.join(log_dir or ".", HOOK_DIR)
-    os.makedirs(directory, exist_ok=True)
+    directory = private_dir(os.path.join(log_dir or ".", HOOK_DIR))
     write_whole(os.path.join(directory, name), target + "\n")
 
 

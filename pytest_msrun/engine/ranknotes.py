@@ -43,10 +43,10 @@ def _path(log_dir: str, rank: int, kind: str) -> str:
 def _write(path: str, data: dict[str, object]) -> None:
     import json  # not on msrun's start path
 
-    from pytest_msrun.fileio import write_whole
+    from pytest_msrun.fileio import private_dir, write_whole
 
     try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        private_dir(os.path.dirname(path))
         write_whole(path, json.dumps(data))
     except OSError:
         pass

@@ -30,6 +30,7 @@ from pytest_msrun.engine.ports import EXIT_USAGE, LaunchError
 from pytest_msrun.engine.processes import Child, Launch, ProcessGroup
 from pytest_msrun.engine.progress import StatusLine
 from pytest_msrun.engine.tail import LogTailer, prefix_for
+from pytest_msrun.fileio import make_dirs
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -281,7 +282,7 @@ class ProcessStarting:
         if log_dir and not os.path.isdir(log_dir):
             old = os.umask(0o077)
             try:
-                os.makedirs(log_dir, mode=0o700, exist_ok=True)
+                make_dirs(log_dir)
             except OSError as exc:
                 raise LaunchError(
                     f"--log_dir: cannot create {log_dir!r} ({exc.strerror or exc}); choose a directory you can write",

@@ -22,6 +22,7 @@ from pytest_msrun.control import tracelog
 from pytest_msrun.engine import console
 from pytest_msrun.engine.kinds import JobState, Role
 from pytest_msrun.engine.observers import JobEvent, JobResult
+from pytest_msrun.fileio import private_dir
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ class TraceObserver:
         self.started = time.time()
         base = os.path.basename(path)
         self.spool = os.path.join(os.path.dirname(path), f".{base}.spool-{job_id[:16]}-{os.getpid()}")
-        os.makedirs(self.spool, mode=0o700, exist_ok=True)
+        private_dir(self.spool)
         self.recorder: tracelog.Recorder | None = tracelog.Recorder(os.path.join(self.spool, "msrun.jsonl"))
         self.broken = False
         self.exited: set[int] = set()  # pids whose end is recorded

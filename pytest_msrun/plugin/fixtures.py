@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from pytest_msrun.fileio import private_dir
 from pytest_msrun.plugin.env import RANK, current_local_rank, current_local_world, current_rank, current_world, role
 from pytest_msrun.plugin.records import SHARED_TMP_ENV
 
@@ -98,7 +99,7 @@ def _job_shared_dir(nodeid: str, name: str) -> Path:
         digest = hashlib.sha1(nodeid.encode()).hexdigest()[:12]
         base = os.path.abspath(os.environ.get("MSRUN_LOG_DIR") or ".")
         path = Path(base) / "msrun_shared" / f"{name[:40]}-{digest}"
-    path.mkdir(parents=True, exist_ok=True)
+    private_dir(str(path))  # every rank makes it or finds it: made new, or checked as this user's alone
     return path
 
 

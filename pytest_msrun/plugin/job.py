@@ -30,6 +30,7 @@ from pytest_msrun.engine.plan import job_ranks
 from pytest_msrun.engine.processes import term_grace
 from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.engine.status import STATUS_FILE, node_status_file, read_status
+from pytest_msrun.fileio import private_dir
 from pytest_msrun.plugin import records
 from pytest_msrun.plugin.debugserver import DebugServer, NoDebug
 from pytest_msrun.plugin.forkserver import ForkServer
@@ -65,8 +66,9 @@ class TestPaths:
         return self.job_dir / "basetemp"
 
     def make(self) -> None:
+        """Each directory made new, this user's alone - or checked, when there (a world's logs)."""
         for d in (self.log_dir, self.report_dir, self.shared_dir, self.basetemp):
-            d.mkdir(parents=True, exist_ok=True)
+            private_dir(str(d))
 
 
 @dataclass

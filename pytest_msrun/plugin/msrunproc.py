@@ -16,6 +16,7 @@ from typing import IO, Union
 
 from pytest_msrun.engine import template
 from pytest_msrun.engine.processes import with_parent_death_signal
+from pytest_msrun.fileio import open_output
 from pytest_msrun.plugin.forkserver import ForkedProcess, ForkServer
 
 Process = Union[subprocess.Popen, ForkedProcess]  # an msrun: spawned, or forked by the fork server
@@ -31,7 +32,7 @@ def start_msrun(
         if forked is not None:
             return forked
     argv, preexec = with_parent_death_signal(cmd, signal.SIGTERM)
-    log_fh = open(log_path, "wb")  # noqa: SIM115 - handed to the child (and the pump), closed below
+    log_fh = open_output(log_path, binary=True)  # handed to the child (and the pump), closed below
     pump = None
     try:
         popen = subprocess.Popen(
@@ -61,7 +62,7 @@ def _fork(
         differ = template.differences({**env, "PYTHONUNBUFFERED": "1"}, forks.origin)
         if differ:
             forks.refuse(f"ranks start as new processes where {', '.join(differ)} differ from this session's")
-    log_fh = open(log_path, "wb")  # noqa: SIM115 - handed to the child (and the pump), closed below
+    log_fh = open_output(log_path, binary=True)  # handed to the child (and the pump), closed below
     read_fd = write_fd = -1
     try:
         if live_output:

@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+from pytest_msrun.fileio import write_whole
+
 OPTIONS_ENV = "MSRUN_PYTEST_OPTIONS"
 
 # Options of the controller's session, by dest. A rank runs one given test, writes its results to
@@ -78,8 +80,7 @@ def ship(config: pytest.Config, path: str) -> dict[str, str]:
     """Write the controller's options to ``path``; return the environment a rank needs to read them."""
     data = shippable(vars(config.option))
     data[JUNITXML_KEY] = bool(getattr(config.option, "xmlpath", None))
-    with open(path, "w", encoding="utf-8") as fh:
-        json.dump(data, fh)
+    write_whole(path, json.dumps(data))
     return {OPTIONS_ENV: path}
 
 

@@ -3,11 +3,17 @@
 State lives in a JSON file in a per-user temp directory, guarded by a file lock; a lease whose
 owner process died is reclaimed. Ports come from a range below the kernel's ephemeral ports
 and are probed by binding before they are handed out; devices are handed out as disjoint sets.
+
+The directory is this user's alone - made new, or checked before anything is read or written
+there (:func:`~pytest_msrun.fileio.private_dir`) - and what is read back from it is still taken as
+a stranger's input: a bounded read, a total parser, every entry checked (:func:`clean_state`); what
+does not pass is dropped, so the pool never raises for what it finds in its file.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -16,12 +22,16 @@ import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 from filelock import FileLock
 
-from pytest_msrun.fileio import write_whole
+from pytest_msrun.boundedjson import Rejected, loads
+from pytest_msrun.fileio import private_dir, read_limited, write_whole
 
 DEFAULT_PORT_RANGE = (30000, 32767)
+STATE_LIMIT = 1 << 20  # bytes of pool.json read at most: a larger one is taken as empty
+PID_LIMIT = 1 << 22  # Linux's largest pid_max
 
 
 class DeviceShortage(Exception):
@@ -122,47 +132,100 @@ class Lease:
 
 def default_pool_dir() -> str:
     """``msrun-pool`` in pytest's own per-user temp root (``/tmp/pytest-of-<user>``), which every
-    pytest session of this user shares and pytest already keeps private (mode 0700)."""
+    pytest session of this user shares. That root is checked here as pytest checks it (it may be
+    used before pytest looks): made new, or this user's and not a link - its mode then tightened
+    to 0700 - else :class:`~pytest_msrun.fileio.UnsafePath`."""
     import getpass
 
-    root = os.environ.get("PYTEST_DEBUG_TEMPROOT") or tempfile.gettempdir()
+    root = os.path.realpath(os.environ.get("PYTEST_DEBUG_TEMPROOT") or tempfile.gettempdir())
     try:
         user = getpass.getuser()
     except (ImportError, KeyError, OSError):
         user = "unknown"
     base = os.path.join(root, f"pytest-of-{user}")
-    os.makedirs(base, mode=0o700, exist_ok=True)
+    try:
+        private_dir(base, tighten=True)
+    except PermissionError:  # another user's, a link (UnsafePath), or no right to make it
+        raise
+    except OSError:  # a user name the file system refuses: pytest's own fallback
+        base = private_dir(os.path.join(root, "pytest-of-unknown"), tighten=True)
     return os.path.join(base, "msrun-pool")
 
 
+def _is_pid(value: object) -> bool:
+    return type(value) is int and 0 < value <= PID_LIMIT  # (os.kill overflows on a larger one)
+
+
+def _finite(value: object) -> bool:
+    return type(value) in (int, float) and math.isfinite(value)  # type: ignore[arg-type]
+
+
+def _lease_entry(entry: object) -> dict[str, Any] | None:
+    """A lease as the pool writes it, or None: its owner's pid, TCP ports, device names, a time."""
+    if not isinstance(entry, dict) or not _is_pid(entry.get("pid")) or not _finite(entry.get("ts", 0)):
+        return None
+    ports, devices = entry.get("ports", []), entry.get("devices", [])
+    if not isinstance(ports, list) or not all(type(p) is int and 0 < p <= 65535 for p in ports):
+        return None  # (any TCP port: a session with another MSRUN_PORT_RANGE shares the file)
+    if not isinstance(devices, list) or not all(isinstance(d, str) for d in devices):
+        return None
+    return {"pid": entry["pid"], "ports": ports, "devices": devices, "ts": entry.get("ts", 0)}
+
+
+def _waiter_entry(entry: object) -> dict[str, Any] | None:
+    """A wait for devices as the pool writes it, or None: a pid, a count of devices, a time."""
+    if not isinstance(entry, dict) or not _is_pid(entry.get("pid")) or not _finite(entry.get("ts", 0)):
+        return None
+    count = entry.get("devices", 0)
+    if type(count) is not int or count < 0:
+        return None
+    return {"pid": entry["pid"], "devices": count, "ts": entry.get("ts", 0)}
+
+
+def clean_state(data: object) -> dict[str, dict[str, dict[str, Any]]]:
+    """The pool's state from what its file held: each lease and waiter that is one as the pool
+    writes it; anything else (another shape, another type, a number out of range) is dropped."""
+    state: dict[str, dict[str, dict[str, Any]]] = {"leases": {}, "waiting": {}}
+    if not isinstance(data, dict):
+        return state
+    for part, check in (("leases", _lease_entry), ("waiting", _waiter_entry)):
+        entries = data.get(part)
+        if not isinstance(entries, dict):
+            continue
+        for key, entry in entries.items():
+            good = check(entry)
+            if good is not None and isinstance(key, str):
+                state[part][key] = good
+    return state
+
+
 class ResourcePool:
-    """File-locked leases of ports and devices, shared by every pytest process of this user."""
+    """File-locked leases of ports and devices, shared by every pytest process of this user.
+
+    Raises :class:`~pytest_msrun.fileio.UnsafePath` when its directory is not this user's alone."""
 
     def __init__(self, directory: str | None = None, port_range: tuple[int, int] | None = None) -> None:
-        self.dir = directory or default_pool_dir()
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self.dir = private_dir(directory or default_pool_dir())
         self.state_path = os.path.join(self.dir, "pool.json")
         self.lock = FileLock(os.path.join(self.dir, "pool.lock"))
         self.port_range = port_range or _env_range() or DEFAULT_PORT_RANGE
 
-    def _load(self) -> dict:
+    def _load(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """The state in the pool's file: a file that cannot be read, is larger than
+        :data:`STATE_LIMIT` or is not JSON is an empty pool; a bad entry is dropped."""
         try:
-            with open(self.state_path, encoding="utf-8") as fh:
-                state = json.load(fh)
-            if isinstance(state, dict) and isinstance(state.get("leases"), dict):
-                if not isinstance(state.get("waiting"), dict):
-                    state["waiting"] = {}
-                return state
-        except (OSError, ValueError):
-            pass
-        return {"leases": {}, "waiting": {}}
+            raw = read_limited(self.state_path, STATE_LIMIT)
+            data = loads(raw, max_depth=4) if raw is not None else None
+        except (OSError, Rejected):
+            data = None
+        return clean_state(data)
 
-    def _save(self, state: dict) -> None:
-        write_whole(self.state_path, json.dumps(state))
+    def _save(self, state: dict[str, dict[str, dict[str, Any]]]) -> None:
+        write_whole(self.state_path, json.dumps(state), mode=0o600)
 
-    def _live(self, state: dict) -> dict:
+    def _live(self, state: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, dict[str, Any]]]:
         for part in ("leases", "waiting"):
-            state[part] = {k: v for k, v in state[part].items() if _alive(int(v.get("pid", 0)))}
+            state[part] = {k: v for k, v in state[part].items() if _alive(v["pid"])}
         return state
 
     def _pick_ports(self, count: int, used: set[int]) -> list[int]:
@@ -193,11 +256,11 @@ class ResourcePool:
             while True:
                 with self.lock:
                     state = self._live(self._load())
-                    used_ports = {p for v in state["leases"].values() for p in v.get("ports", [])}
-                    used_devices = {d for v in state["leases"].values() for d in v.get("devices", [])}
+                    used_ports = {p for v in state["leases"].values() for p in v["ports"]}
+                    used_devices = {d for v in state["leases"].values() for d in v["devices"]}
                     free = [d for d in inv.ids if d not in used_devices]
                     earlier = devices > 0 and any(  # first come, first served: nobody waits forever
-                        key != waiter and float(w.get("ts", 0)) < since for key, w in state["waiting"].items()
+                        key != waiter and w["ts"] < since for key, w in state["waiting"].items()
                     )
                     if len(free) >= devices and not earlier:
                         picked = self._pick_ports(ports, used_ports)
@@ -232,7 +295,7 @@ class ResourcePool:
             return False
         with self.lock:
             state = self._live(self._load())
-        return any(int(w.get("pid", 0)) != os.getpid() for w in state["waiting"].values())
+        return any(w["pid"] != os.getpid() for w in state["waiting"].values())
 
     def release(self, lease: Lease) -> None:
         with self.lock:

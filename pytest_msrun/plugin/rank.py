@@ -26,6 +26,7 @@ from typing import IO, Any
 import pytest
 
 from pytest_msrun.engine import ranknotes
+from pytest_msrun.fileio import make_dirs, open_output, write_whole
 from pytest_msrun.plugin import options
 from pytest_msrun.plugin.env import current_rank, current_world
 from pytest_msrun.plugin.forked import dump_stacks_on_signals
@@ -88,13 +89,13 @@ class RankPlugin:
         directory = env.get(REPORT_DIR_ENV) or os.path.abspath(env.get("MSRUN_LOG_DIR") or ".")
         self.records_dir = directory
         self.writer = RecordWriter(records_path(directory, self.rank), self.rank, self.world)
-        self.stacks = open(stacks_path(directory, self.rank), "w")  # noqa: SIM115 - lives as long as the session
+        self.stacks = open_output(stacks_path(directory, self.rank))  # lives as long as the session
         dump_stacks_on_signals(self.stacks)
         # Each rank its own temporary directory under the controller's (or the user's --basetemp):
         # pytest empties a given basetemp at start, so ranks sharing one would delete each other's files.
         basetemp = env.get(BASETEMP_ENV) or getattr(config.option, "basetemp", None)
         if basetemp:
-            os.makedirs(basetemp, exist_ok=True)
+            make_dirs(basetemp)  # the test's (made new by the controller), or the user's --basetemp
             config.option.basetemp = os.path.join(basetemp, f"rank{self.rank}")
         xmlpath = getattr(config.option, "xmlpath", None)
         if xmlpath and not self.controlled:
@@ -154,8 +155,7 @@ class RankPlugin:
         cache.set = set_all_but_lastfailed
         if self.rank == 0:
             held = {"cache_dir": str(cache._cachedir), "lastfailed": cache.get(LASTFAILED, {})}
-            with open(os.path.join(self.records_dir, CACHE_FILE), "w", encoding="utf-8") as fh:
-                json.dump(held, fh)
+            write_whole(os.path.join(self.records_dir, CACHE_FILE), json.dumps(held))
 
     def _write_start(self) -> None:
         self._write(

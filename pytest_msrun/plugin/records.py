@@ -27,6 +27,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import IO, Any
 
+from pytest_msrun.fileio import make_dirs, open_output
+
 REPORT_DIR_ENV = "MSRUN_PYTEST_REPORT_DIR"
 SHARED_TMP_ENV = "MSRUN_PYTEST_SHARED_TMP"
 CACHE_FILE = "pytest_cache.json"  # a suite's rank 0: its cache directory and last-failed set as the job began
@@ -47,8 +49,8 @@ class RecordWriter:
     """Appends records for one rank; every line is flushed before the call returns."""
 
     def __init__(self, path: str, rank: int, world: int, *, append: bool = False) -> None:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self.fh: IO[str] = open(path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115 - a session's
+        make_dirs(os.path.dirname(path) or ".")  # the test's reports (made new), or msrun's log directory
+        self.fh: IO[str] = open_output(path, append=append)  # a session's
         self.rank = rank
         self.world = world
         self.lock = threading.Lock()  # a timeout is recorded from a timer thread

@@ -19,6 +19,8 @@ from typing import Any
 
 import pytest
 
+from pytest_msrun.fileio import WholeFile, private_dir
+
 LOG_LIMIT = 16 * 1024 * 1024  # bytes of a rank log copied beside the page (its end, when longer)
 
 
@@ -61,19 +63,22 @@ def _safe(name: str) -> str:
 
 
 def _copy(source: str, target: str, limit: int | None = None) -> bool:
-    """Copy ``source`` to ``target`` (its last ``limit`` bytes); False when it cannot be read."""
+    """Copy ``source`` to ``target`` (its last ``limit`` bytes), whole or not at all: False when
+    ``source`` cannot be read; an error writing ``target`` (a full disk) is raised, and no part of
+    the copy is left."""
     try:
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        if limit is None or os.path.getsize(source) <= limit:
-            shutil.copyfile(source, target)
-            return True
-        with open(source, "rb") as src, open(target, "wb") as dst:
-            src.seek(-limit, os.SEEK_END)
-            dst.write(f"[msrun: the first bytes of {source} are left out: its last {limit} are kept]\n".encode())
-            shutil.copyfileobj(src, dst)
-        return True
+        src = open(source, "rb")  # noqa: SIM115 - closed below
     except OSError:
         return False
+    with src:
+        private_dir(os.path.dirname(target))
+        with WholeFile(target) as dst:
+            size = os.fstat(src.fileno()).st_size
+            if limit is not None and size > limit:
+                src.seek(-limit, os.SEEK_END)
+                dst.write(f"[msrun: the first bytes of {source} are left out: its last {limit} are kept]\n".encode())
+            shutil.copyfileobj(src, dst)
+    return True
 
 
 def _href(path: str, page_dir: str) -> str:

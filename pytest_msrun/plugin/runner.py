@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pytest_msrun.fileio import private_dir, write_whole
 from pytest_msrun.plugin.job import JobRun, TestJob, TestPaths
 from pytest_msrun.plugin.records import RankLog, load_rank_log, records_path
 from pytest_msrun.plugin.verdict import TestVerdict, judge
@@ -152,9 +153,9 @@ class WarmAttempt:
                 with open(source, "rb") as fh:
                     fh.seek(span[0])
                     part = fh.read() if span[1] is None else fh.read(max(0, span[1] - span[0]))
-                folder.mkdir(parents=True, exist_ok=True)
+                private_dir(str(folder))
                 target = folder / f"worker_{rank}.log"
-                target.write_bytes(part)
+                write_whole(str(target), part)
             except OSError:
                 continue
             record.own_logs[rank] = str(target)

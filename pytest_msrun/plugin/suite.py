@@ -21,6 +21,7 @@ from typing import Any
 
 from pytest_msrun.engine.hooks import JobReport
 from pytest_msrun.engine.status import JobStatus
+from pytest_msrun.fileio import make_dirs, write_whole
 from pytest_msrun.plugin.extras import suite_lines
 from pytest_msrun.plugin.hang import diagnosis
 from pytest_msrun.plugin.records import CACHE_FILE, LASTFAILED, RankLog, load_rank_log, records_path, stacks_path
@@ -125,14 +126,12 @@ def update_lastfailed(directory: str, outcomes: dict[str, str]) -> None:
         elif outcome != "not run":
             lastfailed[nodeid] = True
     path = os.path.join(cache_dir, "v", *LASTFAILED.split("/"))
-    try:
+    try:  # pytest's cache directory, in the project: made as pytest makes it, written whole
         new = not os.path.isdir(cache_dir)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        make_dirs(os.path.dirname(path))
         if new:
-            with open(os.path.join(cache_dir, ".gitignore"), "w", encoding="utf-8") as fh:
-                fh.write("# Created by pytest automatically.\n*\n")
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(lastfailed, ensure_ascii=False, indent=2, sort_keys=True))
+            write_whole(os.path.join(cache_dir, ".gitignore"), "# Created by pytest automatically.\n*\n")
+        write_whole(path, json.dumps(lastfailed, ensure_ascii=False, indent=2, sort_keys=True))
     except OSError:
         pass
 

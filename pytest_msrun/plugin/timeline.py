@@ -157,6 +157,7 @@ class SessionReport:
         self.worlds: set[str] = set()
         self.started = time.time()
         self.written = False
+        self.error = ""  # why the page could not be written
         self.announced = False
 
     def add(self, report: pytest.TestReport) -> None:
@@ -172,6 +173,19 @@ class SessionReport:
             self.worlds.add(world)
 
     def write(self) -> str:
+        """Write the page and its files; "" and :attr:`error` set when they cannot be written (a
+        full disk: no half-written file is left, see :func:`.reportfiles.link_files`)."""
+        try:
+            return self._write()
+        except OSError as exc:
+            from pytest_msrun.fsinfo import describe_write_error
+
+            where = exc.filename if isinstance(exc.filename, str) else self.path
+            what = describe_write_error(where, exc, "--msrun-report")
+            self.error = f"could not write the HTML report {self.path}: {what}"
+            return ""
+
+    def _write(self) -> str:
         from pytest_msrun.plugin.htmlpage import render_page
 
         outcomes = Counter(str(e.get("outcome")) for e in self.entries)
@@ -198,7 +212,10 @@ class SessionReport:
         """Name the written page on a line of its own, once: from the terminal summary (pytest has
         ended the progress line by then - under ``-q`` its ``ensure_newline`` does not know of that
         line), or at the end of a session without one (``--no-summary``)."""
-        if not self.written or self.announced or reporter is None:
+        if not (self.written or self.error) or self.announced or reporter is None:
             return
         self.announced = True
+        if self.error:
+            reporter.write_line(f"msrun: ERROR: {self.error}", red=True, bold=True)
+            return
         reporter.write_sep("-", f"msrun: HTML report of {len(self.entries)} marked test(s): {self.path}")

@@ -14,11 +14,13 @@ Times are the ranks' own wall clocks (the trace's clock on one host). Standard l
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from collections import Counter
 from collections.abc import Iterable
 
+from pytest_msrun import fsinfo
 from pytest_msrun.control import tracelog
 from pytest_msrun.fileio import write_whole
 from pytest_msrun.plugin.outcomes import TestVerdict
@@ -134,7 +136,8 @@ def ended_line(said: str, world: bool, outcomes: list[str]) -> str:
 
 def annotate(path: str, events: list[dict[str, Any]], outcomes: list[str], world: bool) -> bool:
     """Add ``events`` to the trace file ``path`` (written whole again) and say the tests' tally at
-    msrun's end; False when there is no trace to annotate (the job's msrun wrote none)."""
+    msrun's end; False when there is no trace to annotate (the job's msrun wrote none). An error
+    writing it (a full disk) is raised, the trace left as msrun wrote it."""
     try:
         with open(path, encoding="utf-8") as fh:
             trace = json.load(fh)
@@ -151,10 +154,7 @@ def annotate(path: str, events: list[dict[str, Any]], outcomes: list[str], world
             ev["args"] = {**args, "msrun": name, "tests": dict(Counter(outcomes))}
             ev["name"] = ended_line(name, world, outcomes)
     trace["traceEvents"] = [*existing, *lanes(), *rank_rows(ranks), *events]
-    try:
-        write_whole(path, json.dumps(trace, separators=(",", ":")) + "\n")
-    except OSError:
-        return False
+    write_whole(path, json.dumps(trace, separators=(",", ":")) + "\n")
     return True
 
 
@@ -164,6 +164,7 @@ class TraceNotes:
     def __init__(self) -> None:
         # trace path -> (a world's?, when its job started, node id -> (events, outcome))
         self.pending: dict[str, tuple[bool, float, dict[str, tuple[list[dict[str, Any]], str]]]] = {}
+        self.problem = ""  # the first trace lost (a full disk): said once, at the session's end
 
     def add(
         self,
@@ -189,11 +190,21 @@ class TraceNotes:
         world, since, tests = self.pending.pop(path)
         try:
             fresh = os.path.getmtime(path) >= since - 1
-        except OSError:
+        except OSError:  # its msrun wrote none: said when its disk is full, the likely why
+            if fsinfo.is_full(os.path.dirname(path)):
+                self._lost(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path))
             return
         if fresh:
             events = [ev for evs, _ in tests.values() for ev in evs]
-            annotate(path, events, [outcome for _, outcome in tests.values()], world)
+            try:
+                annotate(path, events, [outcome for _, outcome in tests.values()], world)
+            except OSError as exc:
+                self._lost(path, exc)
+
+    def _lost(self, path: str, exc: OSError) -> None:
+        if not self.problem:
+            what = fsinfo.describe_write_error(path, exc, "--msrun-trace")
+            self.problem = f"a test's trace was not written ({what}); later ones may be lost too"
 
     def flush_all(self) -> None:
         for path in list(self.pending):

@@ -36,9 +36,12 @@ def _write(path, pid, etype, value, tb):
         "time": time.time(),
         "pid": pid,
     }
-    tmp = f"{path}.{pid}.tmp"
+    # a new file under a name no one can guess, renamed over the record's (never through a link
+    # someone put at either name); the package's fileio.write_whole, which this hook cannot import
+    tmp = f"{path}.{os.urandom(6).hex()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
     try:
-        with open(tmp, "w") as fh:
+        with os.fdopen(fd, "w") as fh:
             json.dump(record, fh)
         os.replace(tmp, path)
     except OSError:  # a full disk: no record, and no partial file left
@@ -97,11 +100,23 @@ def _trace_start():
     line = f'{{"name":"python started","ph":"i","s":"t","pid":{pid},"tid":0,"ts":{ts}}}\n'
     # every rank of the node appends to one file (control/tracelog.RANKS_FILE): one write() of one
     # line with O_APPEND, which lands whole, after the others' lines
-    fd = os.open(os.path.join(spool, "ranks.jsonl"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    fd = _open_append(os.path.join(spool, "ranks.jsonl"))
     try:
         os.write(fd, line.encode())
     finally:
         os.close(fd)
+
+
+def _open_append(path):
+    """``path`` opened to append: not through a link, not blocking on a FIFO, and only a regular
+    file of this user's with one name (the package's fileio.open_output_fd, inlined)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+    fd = os.open(path, flags, 0o600)
+    st = os.fstat(fd)
+    if not ((st.st_mode & 0o170000) == 0o100000 and st.st_uid == os.geteuid() and st.st_nlink == 1):
+        os.close(fd)
+        raise OSError(f"{path} is not a regular file of this user's with one name")
+    return fd
 
 
 def _leave():
