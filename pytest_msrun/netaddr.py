@@ -24,24 +24,133 @@ def strip_brackets(addr: str) -> str:
     return addr
 
 
+NAME_FIX = "give an IP address or a resolvable host name"
+
+
 def resolve_master_addr(addr: str) -> str:
-    """Canonical IP text for an IP literal or a hostname (first ``getaddrinfo`` result)."""
+    """Canonical IP text for an IP literal or a hostname (first ``getaddrinfo`` result). An IPv6
+    literal keeps its ``%zone`` (the interface it is reached through), which must name an interface
+    of this host through which the address can be bound or reached; :class:`AddressError` says
+    why not and what to give instead."""
     host = strip_brackets(addr.strip())
     if not host:
-        raise AddressError("the address is empty")
-    literal = canonical_ip(host.split("%", 1)[0])
+        raise AddressError(f"the address is empty; {NAME_FIX}")
+    ip, sep, zone = host.partition("%")
+    literal = canonical_ip(ip)
     if literal is not None:
-        return literal + ("%" + host.split("%", 1)[1] if "%" in host else "")
+        if sep:
+            return check_zone(literal, zone)
+        if is_link_local(literal):
+            raise AddressError(
+                f"a link-local address is reached through one interface, which it does not name; give "
+                f"{literal}%<interface> ({link_local_hint()})"
+            )
+        return literal
     try:
         # an ASCII name as bytes: a str makes getaddrinfo import the IDNA codec (~1 ms)
         infos = _socket.getaddrinfo(
             host.encode() if host.isascii() else host, None, _socket.AF_UNSPEC, _socket.SOCK_STREAM
         )
     except (_socket.gaierror, UnicodeError) as exc:
-        raise AddressError(f"cannot resolve host name {host!r}: {exc}") from None
+        raise AddressError(f"cannot resolve host name {host!r}: {exc}; {NAME_FIX}") from None
     if not infos:
-        raise AddressError(f"host name {host!r} resolved to no address")
+        raise AddressError(f"host name {host!r} resolved to no address; {NAME_FIX}")
     return str(infos[0][4][0])
+
+
+def check_zone(ip: str, zone: str) -> str:
+    """``ip%zone`` when this host can bind it or reach it through that interface, else
+    :class:`AddressError` (why; what to give instead)."""
+    if ":" not in ip:
+        raise AddressError(f"an IPv4 address has no zone ('%{zone}' belongs to IPv6 link-local ones); give {ip}")
+    if not zone:
+        raise AddressError(f"the zone after '%' is empty; name the interface ({link_local_hint()}) or drop the '%'")
+    scoped = f"{ip}%{zone}"
+    try:
+        zone_index(zone)
+    except OSError:
+        raise AddressError(
+            f"this host has no network interface {zone!r} (it has {', '.join(interface_names()) or 'none'}); "
+            "name one of them"
+        ) from None
+    problem = reach_problem(scoped)
+    if problem:
+        raise AddressError(
+            f"it can be neither bound nor reached through {zone} ({problem}); name the interface the address is on "
+            f"or reached through ({link_local_hint()})"
+        )
+    return scoped
+
+
+def zone_index(zone: str) -> int:
+    """The index of the interface a zone names (its name, or its index); OSError when there is none."""
+    try:
+        if zone.isdigit() and len(zone) < 10:
+            _socket.if_indextoname(int(zone))
+            return int(zone)
+        return int(_socket.if_nametoindex(zone))
+    except (ValueError, UnicodeError, OverflowError):
+        raise OSError(f"no interface {zone!r}") from None
+
+
+def interface_names() -> list[str]:
+    try:
+        return [str(name) for _, name in _socket.if_nameindex()]
+    except OSError:
+        return []
+
+
+def is_link_local(ip: str) -> bool:
+    """True for an IPv6 link-local (``fe80::/10``) literal."""
+    try:
+        packed = _socket.inet_pton(_socket.AF_INET6, ip.partition("%")[0])
+    except (OSError, ValueError):
+        return False
+    return packed[0] == 0xFE and packed[1] & 0xC0 == 0x80
+
+
+def link_local_hint() -> str:
+    """This host's link-local addresses with their zones, for a message (from /proc/net/if_inet6)."""
+    found = []
+    try:
+        with open("/proc/net/if_inet6", encoding="ascii") as fh:
+            for line in fh:
+                fields = line.split()
+                if len(fields) == 6 and fields[3] == "20":  # scope: link
+                    text = ":".join(fields[0][i : i + 4] for i in range(0, 32, 4))
+                    found.append(f"{canonical_ip(text)}%{fields[5]}")
+    except (OSError, ValueError):
+        pass
+    return f"this host's link-local addresses: {', '.join(found[:4])}" if found else "this host has no link-local one"
+
+
+def reach_problem(ip: str) -> str:
+    """Why this host can neither bind ``ip`` nor route to it ("" when it can do either)."""
+    try:
+        if is_local_address(ip):
+            return ""
+        sock = _socket.socket(family_of(ip), _socket.SOCK_DGRAM)
+    except OSError as exc:  # no IPv6 here at all
+        return exc.strerror or str(exc)
+    try:
+        sock.connect(sockaddr(ip, 8117))  # a route, no packet
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    finally:
+        sock.close()
+    return ""
+
+
+def sockaddr(ip: str, port: int) -> tuple[Any, ...]:
+    """``(ip, port)`` as bind and connect take it: an IPv6 ``%zone`` becomes the scope id (Python
+    drops it from a 2-tuple, and a link-local address then fails with EINVAL)."""
+    host, sep, zone = ip.partition("%")
+    if not sep or ":" not in host:
+        return (ip, port)
+    try:
+        return (host, port, 0, zone_index(zone))
+    except OSError:
+        return (ip, port)  # the kernel says why
 
 
 def canonical_ip(text: str) -> str | None:
@@ -62,7 +171,7 @@ def is_local_address(ip: str) -> bool:
     """True when a socket can be bound to ``ip`` on this host."""
     sock = _socket.socket(family_of(ip), _socket.SOCK_STREAM)
     try:
-        sock.bind((ip, 0))
+        sock.bind(sockaddr(ip, 0))
     except OSError:
         return False
     finally:
@@ -74,7 +183,7 @@ def source_ip_towards(ip: str, port: int = 8117) -> str:
     """The local address the kernel would use to reach ``ip`` (no packet is sent)."""
     sock = _socket.socket(family_of(ip), _socket.SOCK_DGRAM)
     try:
-        sock.connect((ip, port or 8117))
+        sock.connect(sockaddr(ip, port or 8117))
         return str(sock.getsockname()[0])
     except OSError:
         return ip if is_local_address(ip) else "127.0.0.1"
@@ -87,7 +196,7 @@ def port_is_free(ip: str, port: int) -> bool:
     sock = _socket.socket(family_of(ip), _socket.SOCK_STREAM)
     try:
         sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
-        sock.bind((ip, port))
+        sock.bind(sockaddr(ip, port))
     except OSError:
         return False
     finally:
@@ -100,7 +209,7 @@ def free_port(ip: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> int:
     for _ in range(64):
         sock = _socket.socket(family_of(ip), _socket.SOCK_STREAM)
         try:
-            sock.bind((ip, 0))
+            sock.bind(sockaddr(ip, 0))
             port = int(sock.getsockname()[1])
         finally:
             sock.close()
@@ -115,7 +224,7 @@ def listen_socket(ip: str, port: int, backlog: int = 4096) -> _socket.socket:
     sock = _socket.socket(family_of(ip), _socket.SOCK_STREAM)
     try:
         sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
-        sock.bind((ip, port))
+        sock.bind(sockaddr(ip, port))
         sock.listen(backlog)
     except OSError:
         sock.close()
@@ -158,21 +267,31 @@ def local_peer_uid(sock: _socket.socket) -> int | None:
             candidates.append((str(mapped.ipv4_mapped), str(own_v4 or here[0])))
     except ValueError:
         pass
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table, encoding="ascii") as fh:
-                lines = fh.readlines()[1:]
-        except OSError:
-            continue
-        for peer_ip, here_ip in candidates:
-            if (":" in peer_ip) != table.endswith("6"):
-                continue
-            want_local = _proc_net_addr(peer_ip, peer[1])
-            want_remote = _proc_net_addr(here_ip, here[1])
-            for line in lines:
-                fields = line.split()
-                if len(fields) > 7 and fields[1] == want_local and fields[2] == want_remote:
-                    return int(fields[7])
+    for peer_ip, here_ip in candidates:
+        found = tcp_socket((peer_ip, peer[1]), (here_ip, here[1]))
+        if found is not None:
+            return found[0]
+    return None
+
+
+def tcp_socket(local: tuple[str, int], remote: tuple[str, int]) -> tuple[int, int] | None:
+    """(uid, inode) of this host's TCP socket from ``local`` to ``remote`` (``/proc/net/tcp{,6}``),
+    or None when there is none (or the addresses are not IP literals)."""
+    table = "/proc/net/tcp6" if ":" in local[0] else "/proc/net/tcp"
+    try:
+        want_local = _proc_net_addr(local[0], local[1])
+        want_remote = _proc_net_addr(remote[0], remote[1])
+    except (ValueError, OverflowError):
+        return None
+    try:
+        with open(table, encoding="ascii") as fh:
+            lines = fh.readlines()[1:]
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 9 and fields[1] == want_local and fields[2] == want_remote:
+            return int(fields[7]), int(fields[9])
     return None
 
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 
 import pytest
-from conftest import REPO, free_port, wait_for
+from conftest import REPO, free_port, job_args, wait_for
 
 BAD = [
     (["--worker_num=0"], "--worker_num", "greater than 0"),
@@ -75,6 +76,57 @@ def test_a_malformed_variable_exits_2_naming_it(msrun, name, value):
     (line,) = [ln for ln in job.stderr.splitlines() if "error" in ln]
     assert f"{name}={value!r}" in line and "must be" in line, line
     assert not (msrun.cwd / "logs").exists()
+
+
+# --master_addr with a zone (issue 45): each once waited for the cluster time out (600 s).
+ZONES = [
+    ("127.0.0.1%lo", "an IPv4 address has no zone ('%lo' belongs to IPv6 link-local ones); give 127.0.0.1"),
+    ("fe80::1%nosuchif0", "this host has no network interface 'nosuchif0' (it has "),
+    ("[fe80::1%]", "the zone after '%' is empty; name the interface ("),
+    ("fe80::1%lo", "it can be neither bound nor reached through lo ("),  # lo has no link-local address
+    ("fe80::1", "a link-local address is reached through one interface, which it does not name; give fe80::1%"),
+]
+
+
+@pytest.mark.parametrize(("addr", "why"), ZONES, ids=[a for a, _ in ZONES])
+def test_a_master_addr_whose_zone_cannot_work_exits_2_before_anything_starts(msrun, env_dump, addr, why):
+    job = msrun.run(job_args(1, f"--master_addr={addr}", "env_dump.py"), timeout=30)
+    assert job.returncode == 2, job.stderr
+    (line,) = [ln for ln in job.stderr.splitlines() if ln.startswith("msrun: error:")]
+    assert line.startswith(f"msrun: error: --master_addr={addr}: {why}"), line
+    assert not (msrun.cwd / "logs").exists() and not list(msrun.dump.iterdir())
+
+
+def link_local_address() -> str:
+    """A link-local IPv6 address of this host with its zone (``fe80::...%eth0``), or ""."""
+    try:
+        with open("/proc/net/if_inet6", encoding="ascii") as fh:
+            rows = [line.split() for line in fh]
+    except OSError:
+        return ""
+    for row in rows:  # address, index, prefix, scope (20: link), flags (0x40 tentative, 0x08 DAD failed), name
+        if len(row) == 6 and row[3] == "20" and not int(row[4], 16) & 0x48:
+            text = ":".join(row[0][i : i + 4] for i in range(0, 32, 4))
+            return f"{ipaddress.ip_address(text)}%{row[5]}"
+    return ""
+
+
+def test_a_link_local_master_addr_with_its_zone_runs_a_job(msrun):
+    addr = link_local_address()
+    if not addr:
+        pytest.skip("this host has no link-local IPv6 address to run a job on")
+    msrun.script(
+        "job.py",
+        """
+        from pytest_msrun import cluster
+        cluster.init()
+        print("gathered", cluster.all_gather_object(cluster.get_rank()), flush=True)
+        cluster.barrier()
+        """,
+    )
+    job = msrun.run(job_args(2, f"--master_addr={addr}", "--scheduler=builtin", "job.py"), timeout=60)
+    assert job.returncode == 0, job.stderr
+    assert "gathered [0, 1]" in job.log("worker_0.log") and "gathered [0, 1]" in job.log("worker_1.log")
 
 
 def test_missing_task_script(msrun):

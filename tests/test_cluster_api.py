@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import pickle
 import subprocess
 import sys
 import time
@@ -314,3 +316,117 @@ def test_non_builtin_scheduler_is_named(monkeypatch):
     monkeypatch.setenv("RANK_ID", "0")
     with pytest.raises(cluster.ClusterError, match="--scheduler=task"):
         cluster.init()
+
+
+# ---------------------------------------------------------------- sizes, bad data, protocol errors (issue 45)
+# This process is one rank of a 2-rank job of a standalone control plane (cluster.init()); the
+# other rank is a raw connection the test drives, so it can send what no cluster.py would.
+@pytest.fixture
+def control_plane(tmp_path, monkeypatch):
+    from test_scheduler_protocol import start_scheduler
+
+    procs = []
+
+    def start(**env: str) -> int:
+        port, proc, _ = start_scheduler(tmp_path, **env)
+        procs.append(proc)
+        monkeypatch.delenv("MS_SIMULATION_LEVEL", raising=False)
+        settings = {"MS_ROLE": "MS_WORKER", "MSRUN_SCHEDULER": "builtin", "RANK_SIZE": "2", "RANK_ID": "0"}
+        settings.update(MS_SCHED_HOST="127.0.0.1", MS_SCHED_PORT=str(port), MSRUN_JOB_TOKEN="tok", **env)
+        for name, value in settings.items():
+            monkeypatch.setenv(name, value)
+        return port
+
+    cluster.finalize()
+    yield start
+    cluster.finalize()
+    for proc in procs:
+        proc.kill()
+        proc.wait()
+
+
+def _raw_rank(port: int, rank: int, **hello: object):
+    from pytest_msrun.control import wire
+
+    peer = wire.Channel.connect("127.0.0.1", port, timeout=5)
+    peer.handshake({"t": "hello", "kind": "rank", "rank": rank, "world": 2, **hello}, "tok", 5)
+    return peer
+
+
+def _joined_beside_a_raw_rank(port: int):
+    """Rank 1 (raw) joins, then this process as rank 0; returns rank 1's connection."""
+    peer = _raw_rank(port, 1)
+    cluster.init(timeout=10)
+    assert peer.recv(5)["t"] == "ready"
+    return peer
+
+
+def test_an_object_over_the_message_limit_is_refused_before_anything_is_sent(control_plane, monkeypatch):
+    """A 60 MiB object once ended the rank's connection ("Connection reset by peer")."""
+    monkeypatch.delenv("MSRUN_MAX_MESSAGE_BYTES", raising=False)
+    peer = _joined_beside_a_raw_rank(control_plane())
+    big = bytes(60 << 20)
+    for name in ("all_gather_object", "broadcast_object"):
+        with pytest.raises(cluster.ClusterError) as raised:
+            getattr(cluster, name)(big)
+        text = str(raised.value)
+        assert text.startswith(f"{name} on rank 0: this rank's object pickles to {len(pickle.dumps(big))} bytes, a ")
+        assert "over the limit of 67108864 bytes (MSRUN_MAX_MESSAGE_BYTES); send less, or raise" in text
+    peer.send({"t": "coll", "op": "barrier", "seq": 1, "src": 0})  # nothing was sent, no number taken:
+    cluster.barrier(timeout=10)  # the next collective is #1 on both ranks
+    assert peer.recv(5) == {"t": "coll", "seq": 1}
+
+
+def test_a_gather_whose_result_is_over_the_limit_raises_naming_it(control_plane):
+    peer = _joined_beside_a_raw_rank(control_plane(MSRUN_MAX_MESSAGE_BYTES="100000"))
+    peer.send({"t": "coll", "op": "gather", "seq": 1, "src": 0, "data": "QUJD" * 15000})
+    with pytest.raises(cluster.ClusterError, match=r"over the limit of 100000 bytes \(MSRUN_MAX_MESSAGE_BYTES\)"):
+        cluster.all_gather_object(bytes(40000), timeout=10)
+    assert peer.recv(5)["t"] == "error"
+
+
+@pytest.mark.parametrize(
+    ("op", "data", "why"),
+    [
+        ("gather", "!!not base64!!", "rank 1 sent data that is not an object's (data field is not base64"),
+        ("gather", None, "rank 1 sent data that is not an object's (data field is not a string)"),
+        ("bcast", "!!not base64!!", "rank 1 sent data that is not an object's (data field is not base64"),
+        ("gather", "AAAA", "rank 1's object cannot be unpickled here: "),
+        ("bcast", "AAAA", "rank 1's object cannot be unpickled here: "),
+    ],
+)
+def test_a_peers_bad_data_raises_cluster_error_naming_the_peer(control_plane, op, data, why):
+    peer = _joined_beside_a_raw_rank(control_plane())
+    msg = {"t": "coll", "op": op, "seq": 1, "src": 1 if op == "bcast" else 0}
+    peer.send(msg if data is None else {**msg, "data": data})
+    with pytest.raises(cluster.ClusterError) as raised:
+        if op == "gather":
+            cluster.all_gather_object(0, timeout=10)
+        else:
+            cluster.broadcast_object(src=1, timeout=10)
+    assert why in str(raised.value), raised.value
+
+
+def test_a_collective_entered_while_one_that_timed_out_is_pending_fails_that_rank_with_the_reason(control_plane):
+    peer = _joined_beside_a_raw_rank(control_plane())
+    with pytest.raises(cluster.ClusterError, match="barrier timed out after 0.2 s on rank 0"):
+        cluster.barrier(timeout=0.2)  # rank 1 is not there: rank 0 is still in barrier #1
+    reason = "rank 0 entered barrier #2 while still in barrier #1: a rank is in one collective at a time"
+    with pytest.raises(cluster.ClusterError, match=f"^barrier on rank 0: refused: {reason}"):
+        cluster.barrier(timeout=10)
+    peer.send({"t": "coll", "op": "barrier", "seq": 1, "src": 0})
+    failed = peer.recv(5)
+    assert failed["t"] == "error" and f"rank 0 left the job (its connection was dropped: {reason}" in failed["reason"]
+
+
+def test_a_rank_taken_twice_says_which_process_holds_it(control_plane, monkeypatch):
+    port = control_plane()
+    holder = _raw_rank(port, 1, pid=4242, host="node-a")
+    monkeypatch.setenv("RANK_ID", "1")
+    with pytest.raises(cluster.ClusterError) as raised:
+        cluster.init(timeout=10)
+    text = str(raised.value)
+    assert text.startswith("init() failed on rank 1: rank 1 already joined: pid 4242 on host 'node-a' (from 127.0.0.1:")
+    assert f"this is pid {os.getpid()} on host {os.uname().nodename!r} (from 127.0.0.1:" in text
+    assert "two processes have RANK_ID=1, or rank 1 was restarted while its first process still runs" in text
+    holder.close()

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import base64
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytest_msrun.control.group import RankGroup
+from pytest_msrun.control.group import RankGroup, gather_reply_bytes, json_bytes, process_text
 from pytest_msrun.control.registry import NodeRegistry
 
 
@@ -158,10 +160,10 @@ def test_left_calls_are_per_test_and_entering_a_call_again_forgets_leaving_it():
 
 
 def test_collectives_outside_a_call_are_not_failed_for_a_call_left():
-    group = _formed(2)
-    group.call_notice(1, "out", "t.py::test_x", "passed")
-    assert group.contribute(0, "barrier", 1, 0, None, ("t.py::test_x", "teardown")) == []
-    assert group.contribute(0, "barrier", 1, 0, None, None) == [] and 1 in group.collectives
+    for where in (("t.py::test_x", "teardown"), None):
+        group = _formed(2)
+        group.call_notice(1, "out", "t.py::test_x", "passed")
+        assert group.contribute(0, "barrier", 1, 0, None, where) == [] and 1 in group.collectives
 
 
 def test_ranks_waiting_in_different_collectives_each_name_the_other():
@@ -265,3 +267,123 @@ def test_a_node_lost_while_registering_is_forgotten_and_while_running_fails_the_
     reg.register("c", -1, 1, "h", "10.0.0.2", 3, False)
     reg.assign()
     assert reg.lost(b) is True
+
+
+# ---------------------------------------------------------------- one collective at a time (issue 45)
+# Each step a rank enters its next collective, the same one again, or one further on - whether or
+# not the one it entered last is still pending (a misbehaving rank's flood). The oracle keeps the
+# pending collectives as plain sets of ranks and scans all of them (O(n^2)): an entry while in a
+# pending collective expels the rank (which fails every pending collective); otherwise a collective
+# completes when all entered it, fails at once when a rank is gone, and fails when every rank
+# missing from it is gone, in another collective, or past it.
+entries = st.lists(st.tuples(st.integers(0, 3), st.sampled_from(["next", "next", "again", "jump"])), max_size=60)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.integers(1, 4), entries)
+def test_a_rank_is_in_one_collective_at_a_time_and_the_rest_agrees_with_a_naive_oracle(world, plan):
+    group = _formed(world)
+    members: dict[int, set[int]] = {}  # pending seq -> the ranks in it
+    seq = dict.fromkeys(range(world), 0)
+    high: dict[int, int] = {}
+    gone: set[int] = set()
+
+    def blocked(rank: int, s: int) -> bool:
+        elsewhere = any(rank in ranks for q, ranks in members.items() if q != s)
+        return rank in gone or elsewhere or high.get(rank, s) > s
+
+    for who, how in plan:
+        rank = who % world
+        if rank in gone:
+            continue  # the scheduler dropped its connection
+        s = seq[rank] = max(1, seq[rank]) if how == "again" else seq[rank] + (2 if how == "jump" else 1)
+        busy = any(rank in ranks for ranks in members.values())
+        assert bool(group.entry_refusal(rank, "barrier", s)) == busy
+        got = deliveries(group.contribute(rank, "barrier", s, 0, None))
+        answered = {(peer, msg["seq"], msg["t"]) for peer, msgs in got.items() for msg in msgs}
+        if busy:
+            gone.add(rank)
+            expected = {(p, q, "error") for q, ranks in members.items() for p in ranks if p != rank}
+            members.clear()
+        else:
+            high[rank] = max(high.get(rank, s), s)
+            members.setdefault(s, set()).add(rank)
+            if gone or len(members[s]) == world:
+                kind = "error" if gone else "coll"
+                expected = {(p, s, kind) for p in members.pop(s)}
+            else:
+                doomed = [q for q, ranks in members.items() if all(blocked(m, q) for m in set(range(world)) - ranks)]
+                expected = {(p, q, "error") for q in doomed for p in members[q]}
+                for q in doomed:
+                    del members[q]
+        assert answered == expected
+        assert {q: set(c.parts) for q, c in group.collectives.items()} == members
+        assert len(group.collectives) <= world
+
+
+def test_a_flood_of_entries_from_one_rank_expels_it_at_the_second_naming_why():
+    group = _formed(2)
+    assert group.contribute(1, "gather", 1, 0, "QUJD") == []
+    reason = group.entry_refusal(1, "gather", 2)
+    assert reason.startswith("rank 1 entered all_gather #2 while still in all_gather #1: a rank is in one collective")
+    assert group.entry_refusal(1, "barrier", 1).startswith("rank 1 entered barrier #1 again while still in")
+    assert group.entry_refusal(0, "gather", 1) == ""
+    assert deliveries(group.expel(1, reason)) == {}  # nobody else was in all_gather #1 yet
+    assert not group.collectives and 1 not in group.connected  # its part is let go
+    got = deliveries(group.contribute(0, "gather", 1, 0, "QUJD"))
+    dropped = f"all_gather #1 cannot complete: rank 1 left the job (its connection was dropped: {reason})"
+    assert got[0][0]["reason"] == dropped
+
+
+base64_text = st.binary(max_size=40).map(lambda b: base64.b64encode(b).decode())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.one_of(base64_text, st.text(max_size=12)), min_size=1, max_size=4),
+    st.integers(0, 1 << 40),
+    st.integers(-8, 8),
+)
+def test_a_gather_completes_exactly_when_its_result_fits_the_message_limit(parts, seq, slack):
+    from pytest_msrun.control import wire
+
+    world = len(parts)
+    reply = {"t": "coll", "seq": seq, "data": parts}
+    actual = len(wire.encode(reply)) - wire.HEADER.size
+    plain = all(p.isascii() and p.isprintable() and '"' not in p and "\\" not in p for p in parts)
+    estimate = gather_reply_bytes(seq, sum(json_bytes(p) for p in parts), world)
+    assert estimate == actual if plain else estimate >= actual  # exact for base64; never below
+    group = RankGroup(world, limit=estimate + slack)
+    for rank in range(world):
+        group.join(rank)
+    sends: list = []
+    for rank, part in enumerate(parts):
+        sends += group.contribute(rank, "gather", seq, 0, part)
+    got = deliveries(sends)
+    assert sorted(got) == list(range(world)) and not group.collectives
+    for msgs in got.values():
+        (msg,) = msgs
+        if slack >= 0:
+            assert msg == reply
+        else:
+            assert msg["t"] == "error" and msg["reason"] == (
+                f"all_gather #{seq} cannot complete: its result, every rank's object together, is a message of "
+                f"{estimate} bytes, over the limit of {estimate + slack} bytes (MSRUN_MAX_MESSAGE_BYTES); gather "
+                "less, or raise MSRUN_MAX_MESSAGE_BYTES in msrun's environment"
+            )
+
+
+def test_a_rank_taken_twice_names_the_process_holding_it_and_what_probably_happened():
+    group = RankGroup(2)
+    holder = process_text({"pid": 4242, "host": "node-a"}, "10.0.0.7:5000")
+    assert holder == "pid 4242 on host 'node-a' (from 10.0.0.7:5000)"
+    group.join(1, f"{holder}, joined at 12:34:56")
+    assert group.refusal(0) == ""
+    newcomer = process_text({"pid": True, "host": 5}, "10.0.0.8:6000")  # what a hello gets wrong is left out
+    assert newcomer == "the process (from 10.0.0.8:6000)"
+    assert group.refusal(1, newcomer) == (
+        "rank 1 already joined: pid 4242 on host 'node-a' (from 10.0.0.7:5000), joined at 12:34:56 holds it; "
+        "this is the process (from 10.0.0.8:6000). Probably two jobs share one MSRUN_JOB_TOKEN and --master_port, "
+        "two processes have RANK_ID=1, or rank 1 was restarted while its first process still runs: end that "
+        "process, or give this one its own port and token, or its own RANK_ID"
+    )

@@ -78,6 +78,14 @@ class CollectiveDeadlock(ClusterError):
 
 
 OP_NAMES = {"barrier": "barrier", "gather": "all_gather", "bcast": "broadcast"}
+API_NAMES = {"barrier": "barrier", "gather": "all_gather_object", "bcast": "broadcast_object"}
+LIMIT_VARIABLE = "MSRUN_MAX_MESSAGE_BYTES"
+
+
+def frame_bytes(msg: dict[str, Any], raw: int) -> int:
+    """The body size of frame ``msg`` once ``raw`` bytes of data are added to it (as a ``data``
+    field, base64), without encoding them: what the message limit counts."""
+    return len(wire.encode(msg)) - wire.HEADER.size + len(',"data":""') + 4 * ((raw + 2) // 3)
 
 
 def _where() -> tuple[str, str] | None:
@@ -121,25 +129,40 @@ class _Group:
                 return [data] * self.world
             return data
         with self.lock:
-            self.seq += 1
-            seq, entered = self.seq, time.time()
+            seq, entered = self.seq + 1, time.time()
+            msg = self._message(op, seq, src, data)
+            self.seq = seq
             try:
-                result = self._exchange(op, seq, data, src, timeout)
+                result = self._exchange(op, seq, msg, src, timeout)
             except ClusterError as exc:
                 _remember(op, seq, entered, str(exc))
                 raise
             _remember(op, seq, entered, "")
             return result
 
-    def _exchange(self, op: str, seq: int, data: bytes | None, src: int, timeout: float | None) -> Any:
-        """Send this rank's part of collective ``seq``; wait for its result."""
-        assert self.channel is not None
+    def _message(self, op: str, seq: int, src: int, data: bytes | None) -> dict[str, Any]:
+        """This rank's part of collective ``seq``, as a frame; :class:`ClusterError` (nothing sent)
+        when it would exceed the message limit, which the control plane would answer by dropping
+        this rank's connection."""
         msg: dict[str, Any] = {"t": "coll", "op": op, "seq": seq, "src": src}
-        if data is not None:
-            msg["data"] = wire.pack_data(data)
         where = _where()
         if where is not None:  # the control plane pairs a test's collectives within its call
             msg["test"], msg["when"] = where
+        if data is None:
+            return msg
+        size, limit = frame_bytes(msg, len(data)), wire.message_limit()
+        if size > limit:
+            raise ClusterError(
+                f"{API_NAMES.get(op, op)} on rank {self.rank}: this rank's object pickles to {len(data)} bytes, a "
+                f"message of {size} bytes, over the limit of {limit} bytes ({LIMIT_VARIABLE}); send less, or raise "
+                f"{LIMIT_VARIABLE} in msrun's environment (every process of the job reads it)"
+            )
+        msg["data"] = wire.pack_data(data)
+        return msg
+
+    def _exchange(self, op: str, seq: int, msg: dict[str, Any], src: int, timeout: float | None) -> Any:
+        """Send this rank's part of collective ``seq`` (``msg``); wait for its result."""
+        assert self.channel is not None
         try:
             with self.send_lock:
                 self.channel.send(msg)
@@ -157,6 +180,8 @@ class _Group:
             kind = reply.get("t")
             if kind == "abort":
                 raise ClusterAborted(f"job aborted: {reply.get('reason')}")
+            if kind == "refused":  # this rank broke the protocol: the control plane dropped it
+                raise ClusterError(f"{OP_NAMES.get(op, op)} on rank {self.rank}: refused: {reply.get('reason')}")
             if kind == "error":
                 rewind = reply.get("rewind")
                 if isinstance(rewind, int) and not isinstance(rewind, bool) and 0 <= rewind < seq == self.seq:
@@ -165,10 +190,20 @@ class _Group:
             if kind == "coll" and reply.get("seq") == seq:
                 data_out = reply.get("data")
                 if op == "gather":
-                    if not isinstance(data_out, list):
+                    if not isinstance(data_out, list) or len(data_out) != self.world:
                         raise ClusterError(f"{op} on rank {self.rank}: malformed reply from the scheduler")
-                    return [wire.unpack_data(d) for d in data_out]
-                return None if data_out is None else wire.unpack_data(data_out)
+                    return [self._unpack(op, part, peer) for peer, part in enumerate(data_out)]
+                return None if data_out is None else self._unpack(op, data_out, src)
+
+    def _unpack(self, op: str, part: Any, peer: int) -> bytes:
+        """Rank ``peer``'s part of a collective's result; :class:`ClusterError` naming it when it sent
+        something other than base64."""
+        try:
+            return wire.unpack_data(part)
+        except wire.ProtocolError as exc:
+            raise ClusterError(
+                f"{OP_NAMES.get(op, op)} on rank {self.rank}: rank {peer} sent data that is not an object's ({exc})"
+            ) from None
 
     def note_call(self, test: str, entered: bool, outcome: str) -> None:
         """Tell the control plane this rank entered or left ``test``'s call phase."""
@@ -262,7 +297,7 @@ def init(timeout: float | None = None) -> None:
             channel = _connect(env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"]), deadline)
             try:
                 channel.handshake(
-                    {"t": "hello", "kind": "rank", "rank": rank, "world": world},
+                    {"t": "hello", "kind": "rank", "rank": rank, "world": world, "pid": os.getpid(), "host": _host()},
                     env.get("MSRUN_JOB_TOKEN", ""),
                     max(0.1, deadline - time.monotonic()),
                 )
@@ -306,6 +341,12 @@ def init(timeout: float | None = None) -> None:
         atexit.register(_keep_connection_until_exit)
 
 
+def _host() -> str:
+    """This host's name, as a rank's hello gives it (the control plane names the process holding a
+    rank when another asks for it)."""
+    return os.uname().nodename
+
+
 def _require() -> _Group:
     if _group is None:
         raise ClusterError(NOT_INITED)
@@ -337,10 +378,20 @@ def barrier(timeout: float | None = None) -> None:
     _require().collective("barrier", None, 0, timeout)
 
 
+def _loads(data: bytes, api: str, peer: int) -> Any:
+    """Rank ``peer``'s object; :class:`ClusterError` when it cannot be unpickled here (chained to why)."""
+    try:
+        return pickle.loads(data)
+    except Exception as exc:
+        why = f"{api} on rank {get_rank()}: rank {peer}'s object cannot be unpickled here: {exc!r}"
+        raise ClusterError(why) from exc
+
+
 def all_gather_object(obj: Any, timeout: float | None = None) -> list[Any]:
-    """Every rank's ``obj``, indexed by rank (objects must be picklable)."""
+    """Every rank's ``obj``, indexed by rank (objects must be picklable; its pickle must fit the message
+    limit, ``MSRUN_MAX_MESSAGE_BYTES``, and every rank's together too)."""
     parts = _require().collective("gather", pickle.dumps(obj), 0, timeout)
-    return [pickle.loads(p) for p in parts]
+    return [_loads(p, "all_gather_object", peer) for peer, p in enumerate(parts)]
 
 
 def broadcast_object(obj: Any = None, src: int = 0, timeout: float | None = None) -> Any:
@@ -350,7 +401,7 @@ def broadcast_object(obj: Any = None, src: int = 0, timeout: float | None = None
         raise ValueError(f"src {src} is outside 0..{group.world - 1}")
     data = pickle.dumps(obj) if group.rank == src else None
     out = group.collective("bcast", data, src, timeout)
-    return obj if out is None else pickle.loads(out)
+    return obj if out is None else _loads(out, "broadcast_object", src)
 
 
 def _keep_connection_until_exit() -> None:

@@ -15,6 +15,14 @@ can be tested directly, and read in one place:
 * a collective fails at once when it can no longer complete - every rank missing from it is gone,
   is waiting in another collective, is past it, or has left the test call it was entered in
   (:mod:`.calls`) - naming each of those ranks and where it is;
+* a rank is in at most one collective at a time (a rank's collectives are sequential): one that
+  enters another - or the same one again - before the one it is in completed or failed breaks the
+  protocol (:meth:`RankGroup.entry_refusal`); the scheduler drops its connection, which fails that
+  rank with the reason, and the collectives waiting for it as if it had left. So at most ``world``
+  collectives are pending, holding at most one part per rank: pending data is bounded by
+  ``world`` x the message limit, and every step below costs O(pending collectives), never O(history);
+* an all-gather whose result would exceed the message limit fails for every rank in it, naming the
+  size, the limit and ``MSRUN_MAX_MESSAGE_BYTES`` (sending it would end each rank's connection);
 * :meth:`RankGroup.snapshot` is what observers see on a timeout.
 """
 
@@ -29,12 +37,40 @@ if TYPE_CHECKING:
     Sends = list[tuple[list[int], dict[str, Any]]]
 
 COLLECTIVE_OPS = ("barrier", "gather", "bcast")
+LIMIT_VARIABLE = "MSRUN_MAX_MESSAGE_BYTES"  # what sets the message limit (see wire.message_limit)
+
+
+def json_bytes(part: str | None) -> int:
+    """The bytes ``part`` takes in a JSON frame: exact for plain ASCII (base64, what ranks send),
+    an upper bound for text JSON escapes (at most 12 bytes a character: a surrogate pair)."""
+    if part is None:
+        return 4  # null
+    plain = part.isascii() and part.isprintable() and '"' not in part and "\\" not in part
+    return len(part) + 2 if plain else 12 * len(part) + 2
+
+
+def gather_reply_bytes(seq: int, parts_bytes: int, world: int) -> int:
+    """The size of an all-gather's result frame (its body, as the limit counts it) whose ``world``
+    parts take ``parts_bytes`` (:func:`json_bytes`) together."""
+    return len(f'{{"t":"coll","seq":{seq},"data":[]}}') + parts_bytes + max(0, world - 1)
+
+
+def process_text(hello: dict[str, Any], peer: str) -> str:
+    """Which process a rank's hello comes from, as it says: ``pid 12 on host 'n1' (from 10.0.0.2:4711)``
+    (what it leaves out or gets wrong is left out)."""
+    pid, host = hello.get("pid"), hello.get("host")
+    words = ["the process"]
+    if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 1 << 31:
+        words = [f"pid {pid}"]
+    if isinstance(host, str) and host:
+        words.append(f"on host {host[:255]!r}")
+    return " ".join([*words, f"(from {peer})"])
 
 
 class Collective:
     """Contributions to one collective operation, by rank."""
 
-    __slots__ = ("op", "src", "parts", "missing", "test")
+    __slots__ = ("op", "src", "parts", "missing", "test", "size")
 
     def __init__(self, op: str, src: int, world: int, test: str | None) -> None:
         self.op = op
@@ -42,37 +78,55 @@ class Collective:
         self.parts: dict[int, Any] = {}
         self.missing = set(range(world))  # ranks not in it yet
         self.test = test  # the test whose call it was entered in (None: outside a call)
+        self.size = 0  # the parts' bytes in its result (json_bytes)
 
 
 class RankGroup:
-    """The ranks of one job and their collectives."""
+    """The ranks of one job and their collectives.
 
-    def __init__(self, world: int) -> None:
+    Bounds: at most ``world`` pending collectives, one part per rank (:meth:`entry_refusal`); so
+    the data they hold is at most ``world`` x ``limit`` (each part came in one frame), and no
+    result frame larger than ``limit`` bytes is sent (``None``: no limit)."""
+
+    def __init__(self, world: int, limit: int | None = None) -> None:
         self.world = world
+        self.limit = limit
         self.connected: set[int] = set()  # ranks joined and still here
         self.joined: set[int] = set()  # every rank that ever joined
         self.gone: dict[int, str] = {}  # rank -> why it is gone
         self.exit_how: dict[int, str] = {}  # rank -> how its process ended (reported by its agent)
         self.last: dict[int, str] = {}  # rank -> the last collective it entered ("barrier #3")
         self.high: dict[int, int] = {}  # rank -> the highest sequence number it entered
+        self.latest: dict[int, int] = {}  # rank -> the sequence number it entered last
+        self.holders: dict[int, str] = {}  # rank -> who joined as it (its process, as its hello says)
         self.calls = CallStates()
         self.ready = False
         self.collectives: dict[int, Collective] = {}
 
     # ---------------------------------------------------------------- joining
-    def refusal(self, rank: int) -> str:
-        """Why ``rank`` may not join now ("" when it may)."""
-        if rank in self.connected:
-            return f"rank {rank} already joined"
-        return ""
+    def refusal(self, rank: int, newcomer: str = "") -> str:
+        """Why ``rank`` may not join now ("" when it may): another process holds it - which one
+        (as :meth:`join` was told), who asks (``newcomer``), and what probably happened."""
+        if rank not in self.connected:
+            return ""
+        text = f"rank {rank} already joined: {self.holders.get(rank) or 'another process'} holds it"
+        if newcomer:
+            text += f"; this is {newcomer}"
+        return (
+            f"{text}. Probably two jobs share one MSRUN_JOB_TOKEN and --master_port, two processes have "
+            f"RANK_ID={rank}, or rank {rank} was restarted while its first process still runs: end that process, "
+            "or give this one its own port and token, or its own RANK_ID"
+        )
 
-    def join(self, rank: int) -> Sends:
-        """``rank`` joins; the group forms when every rank is in."""
+    def join(self, rank: int, holder: str = "") -> Sends:
+        """``rank`` joins (``holder``: its process, said when another asks for the rank); the group
+        forms when every rank is in."""
         never = self.never_joined_gone()
         if never and not self.ready:
             return [([rank], {"t": "error", "seq": -1, "reason": never})]
         self.connected.add(rank)
         self.joined.add(rank)
+        self.holders[rank] = holder
         self.gone.pop(rank, None)
         ready = {"t": "ready", "world": self.world}
         if self.ready:
@@ -132,6 +186,11 @@ class RankGroup:
                 out += self.fail_collectives(f"rank {rank} left the test ({why})", waiting, named=True)
         return out
 
+    def expel(self, rank: int, refusal: str) -> Sends:
+        """``rank`` broke the protocol (``refusal``: :meth:`entry_refusal`'s words); its connection is
+        dropped, and whoever waits for it hears why."""
+        return self.left(rank, f"its connection was dropped: {refusal}")
+
     def fail_collectives(self, reason: str, seqs: list[int] | None = None, named: bool = False) -> Sends:
         """Fail these collectives (all: None) for the ranks in them; ``named``: each reason says
         which collective cannot complete."""
@@ -145,11 +204,31 @@ class RankGroup:
         return out
 
     # ---------------------------------------------------------------- collectives
+    def entry_refusal(self, rank: int, op: str, seq: int) -> str:
+        """Why ``rank`` may not enter collective ``seq`` now ("" when it may): it is still in another
+        one - or in this one already. A rank's collectives are sequential, so this is its protocol
+        error, in O(1): its only pending part can be in the collective it entered last."""
+        latest = self.latest.get(rank)
+        coll = None if latest is None else self.collectives.get(latest)
+        if coll is None or rank not in coll.parts:
+            return ""
+        this = f"{op_name(op)} #{seq}"
+        what = f"{this} again" if seq == latest else this
+        return (
+            f"rank {rank} entered {what} while still in {op_name(coll.op)} #{latest}: a rank is in one collective "
+            "at a time (one that timed out on the rank still counts it in until it completes or fails)"
+        )
+
     def contribute(
         self, rank: int, op: str, seq: int, src: int, data: str | None, where: tuple[str, str] | None = None
     ) -> Sends:
         """``rank`` entered collective ``seq`` (in test phase ``where``); when it completes,
-        everyone gets the result."""
+        everyone gets the result. An entry :meth:`entry_refusal` refuses expels the rank (the
+        caller drops its connection)."""
+        refusal = self.entry_refusal(rank, op, seq)
+        if refusal:
+            return self.expel(rank, refusal)
+        self.latest[rank] = seq
         call = where[0] if where is not None and where[1] == "call" else None
         if call is not None:
             self.calls.enter(rank, call)
@@ -172,6 +251,7 @@ class RankGroup:
             )
         coll.test = coll.test or call
         coll.parts[rank] = data
+        coll.size += json_bytes(data)
         coll.missing.discard(rank)
         self.last[rank] = f"{op} #{seq}"
         self.high[rank] = max(seq, self.high.get(rank, seq))
@@ -181,6 +261,9 @@ class RankGroup:
             return self.fail_collectives(gone, [seq], named=True)
         if coll.missing:
             return self.stuck(rank)
+        too_big = self._too_big(seq, coll)
+        if too_big:
+            return self.fail_collectives(too_big, [seq], named=True)
         del self.collectives[seq]
         if op == "barrier":
             reply: dict[str, Any] = {"t": "coll", "seq": seq}
@@ -189,6 +272,19 @@ class RankGroup:
         else:
             reply = {"t": "coll", "seq": seq, "data": coll.parts.get(src)}
         return [(sorted(self.connected), reply)]
+
+    def _too_big(self, seq: int, coll: Collective) -> str:
+        """Why a complete all-gather's result cannot be sent: its frame exceeds the limit ("" if not).
+        (A broadcast's result is smaller than the frame its source sent.)"""
+        if coll.op != "gather" or self.limit is None:
+            return ""
+        size = gather_reply_bytes(seq, coll.size, self.world)
+        if size <= self.limit:
+            return ""
+        return (
+            f"its result, every rank's object together, is a message of {size} bytes, over the limit of "
+            f"{self.limit} bytes ({LIMIT_VARIABLE}); gather less, or raise {LIMIT_VARIABLE} in msrun's environment"
+        )
 
     # ---------------------------------------------------------------- collectives that cannot complete
     def call_notice(self, rank: int, state: str, test: str, outcome: str) -> Sends:
@@ -242,13 +338,12 @@ class RankGroup:
     def _blocker(self, rank: int, seq: int, coll: Collective) -> str:
         if rank in self.gone:
             return f"rank {rank} left the job ({self.gone[rank]})"
-        high = self.high.get(rank)
-        if high is not None and high != seq:
-            other = self.collectives.get(high)
-            if other is not None and rank in other.parts:
-                return f"rank {rank} is in {op_name(other.op)} #{high}"
-            if high > seq:
-                return f"rank {rank} is past it (its last collective: {self.last.get(rank, '?')})"
+        latest = self.latest.get(rank)
+        other = None if latest is None or latest == seq else self.collectives.get(latest)
+        if other is not None and rank in other.parts:  # the one collective it can be in
+            return f"rank {rank} is in {op_name(other.op)} #{latest}"
+        if self.high.get(rank, seq) > seq:
+            return f"rank {rank} is past it (its last collective: {self.last.get(rank, '?')})"
         return self.calls.away(rank, coll.test) if coll.test is not None else ""
 
     # ---------------------------------------------------------------- observers

@@ -217,7 +217,7 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str], job_id: str) -> NodeFac
     try:
         master_ip = resolve_master_addr(cfg.master_addr)
     except AddressError as exc:
-        raise ConfigError("master_addr", f"{exc}; give an IP address or a resolvable host name") from None
+        raise ConfigError("", f"--master_addr={cfg.master_addr}: {exc}") from None
     argv = task_argv(cfg.task_script, cfg.task_script_args, must_exist=not cfg.print_plan)
     python = task_python(argv)
     topology, tools = binding_facts(cfg, env)
