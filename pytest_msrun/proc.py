@@ -10,3 +10,55 @@ def running(pid: int) -> bool:
             return fh.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
     except (OSError, IndexError):
         return False
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it on this host, from ``/proc/<pid>/task/*/children``."""
+    import os
+
+    out, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        out.append(current)
+        try:
+            tasks = os.listdir(f"/proc/{current}/task")
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                with open(f"/proc/{current}/task/{task}/children", "rb") as fh:
+                    todo += [int(child) for child in fh.read().split()]
+            except (OSError, ValueError):
+                continue
+    return out
+
+
+def holds_socket(pid: int, inode: int) -> bool:
+    """Whether process ``pid`` has the socket ``inode`` open."""
+    import os
+
+    target = f"socket:[{inode}]"
+    try:
+        names = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for name in names:
+        try:
+            if os.readlink(f"/proc/{pid}/fd/{name}") == target:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def wait_readable(fd: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` s until ``fd`` (a socket, a pipe, a pidfd) is readable; whether it is.
+    ``poll``, not ``select``: a descriptor numbered 1024 or more is as good as any."""
+    import select
+
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    try:
+        return bool(poller.poll(max(0, int(timeout * 1000 + 0.999))))
+    except InterruptedError:
+        return False

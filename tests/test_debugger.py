@@ -222,7 +222,7 @@ def test_without_a_terminal_breakpoints_and_pdb_are_skipped_and_said_once(pytest
     assert result.ret == 1, out
     for rank in (0, 1):
         assert len(re.findall(SKIPPED.format(rank=rank), out)) == 1, out
-    assert out.count("msrun: --pdb: the failure of rank 1 at test_fails.py:6 skipped: no terminal") == 1, out
+    assert out.count("msrun: --pdb in rank 1 at test_fails.py:6 skipped: no terminal (stdin is not a tty)") == 1, out
     assert "goes on; the job" not in out  # no session began
     assert re.search(r"1 failed, 1 passed", out), out
     assert re.search(r"FAILED test_fails.py::test_fails_on_rank_1 - \[rank 1\] AssertionError", out), out
@@ -254,46 +254,54 @@ def test_suite_ranks_skip_pdb_and_breakpoints_and_go_on(msrun):
     assert log.count("msrun: breakpoint() in rank 1 at suite/test_suite.py:6 skipped: no terminal") == 1, log
 
 
-def _ask(server, hello: dict) -> bytes:
-    """One connection to ``server`` saying ``hello``; what it answered before closing."""
-    import json
-    import socket
+def _rank_asks(server, where: str = "t.py:1", token: str | None = None) -> dict:
+    """A rank's request for a session, as debugrank makes it: the server's answer (then it goes on)."""
+    from pytest_msrun.control import wire
 
     host, _, port = server.address.rpartition(":")
-    with socket.create_connection((host, int(port)), timeout=30) as sock:
-        sock.sendall(json.dumps(hello).encode() + b"\n")
-        answer = b""
-        while True:
-            data = sock.recv(4096)
-            if not data:
-                return answer
-            answer += data
+    channel = wire.Channel.connect(host, int(port), timeout=30)
+    try:
+        hello = {"t": "hello", "kind": "debug", "rank": 0, "stop": "breakpoint", "where": where, "nodeid": "t.py::x"}
+        channel.handshake(hello, server.token if token is None else token, 30)
+        return channel.recv(30)
+    finally:
+        channel.close()
 
 
-def test_the_debug_server_refuses_strangers_and_says_no_terminal_once_per_place():
+def test_without_a_terminal_the_debugger_does_not_listen():
+    """No terminal, no listener: the ranks are told why instead of where."""
     from pytest_msrun.plugin.debugserver import DebugServer
 
-    read, write = os.pipe()
-    server = DebugServer(post_mortem=True, terminal=None, stdout_fd=write)
-    os.close(write)  # the server writes to its own copy
+    server = DebugServer(post_mortem=True, terminal=None)
     try:
-        assert server.env()["MSRUN_DEBUG_PDB"] == "1" and not server.tty
-        assert _ask(server, {"token": "wrong", "rank": 1}) == b""  # closed, nothing said
-        hello = {"token": server.token, "rank": 1, "kind": "breakpoint", "where": "t.py:3", "nodeid": "t.py::x"}
-        for _ in range(2):
-            assert b'"ok": false' in _ask(server, hello)
-        assert b'"ok": false' in _ask(server, {**hello, "where": "t.py:4"})
-        assert server.held() == 0.0  # no session was opened
+        env = server.env()
+        assert env == {"MSRUN_DEBUG_NONE": "no terminal (stdin is not a tty)", "MSRUN_DEBUG_PDB": "1"}
+        assert server.address == "" and server.held() == 0.0
     finally:
         server.close()
+
+
+@pytest.fixture
+def terminal_server():
+    """A debug server with a terminal (a pseudo-terminal) and what it says, read after it closed."""
+    from pytest_msrun.plugin.debugserver import DebugServer
+
+    primary, secondary = os.openpty()
+    read, write = os.pipe()
+    server = DebugServer(post_mortem=False, terminal=secondary, stdout_fd=write)
+    os.close(write)
+    said: list[str] = []
+    yield server, said
+    server.close()
     with os.fdopen(read, "rb") as fh:
-        said = fh.read().decode()
-    assert said.count("breakpoint() in rank 1 at t.py:3 skipped: no terminal (stdin is not a tty)") == 1, said
-    assert said.count("breakpoint() in rank 1 at t.py:4 skipped") == 1, said
-    assert "wrong" not in said
+        said.append(fh.read().decode())
+    os.close(primary)
+    os.close(secondary)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(
     st.one_of(
         st.binary(max_size=300),
@@ -304,30 +312,52 @@ def test_the_debug_server_refuses_strangers_and_says_no_terminal_once_per_place(
                 st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)
             ),
             max_leaves=20,
-        ).map(lambda v: json.dumps({"token": v, "rank": v, "where": v}).encode() + b"\n"),
+        ).map(lambda v: json.dumps({"t": "hello", "kind": "debug", "nonce": v, "rank": v}).encode()),
     )
 )
-def test_whatever_reaches_the_debug_port_ends_only_that_connection(data: bytes) -> None:
-    """A stranger's bytes (garbage, deep nesting, unhashable fields) are refused, and the server
-    still answers a rank after them."""
-    from pytest_msrun.plugin.debugserver import DebugServer
+def test_whatever_reaches_the_debug_port_ends_only_that_connection(terminal_server, data: bytes) -> None:
+    """A stranger's bytes (garbage, deep nesting, hostile fields, as raw bytes or in a frame) cost
+    only its connection: a rank with the token is served after them."""
+    import struct
 
-    read, write = os.pipe()
-    server = DebugServer(post_mortem=False, terminal=None, stdout_fd=write)
-    os.close(write)
-    try:
-        host, _, port = server.address.rpartition(":")
+    server, _ = terminal_server
+    host, _, port = server.address.rpartition(":")
+    for payload in (data, struct.pack(">I", len(data)) + data):
         with socket.create_connection((host, int(port)), timeout=10) as sock:
             try:
-                sock.sendall(data)
+                sock.sendall(payload)
                 sock.shutdown(socket.SHUT_WR)
                 sock.recv(100)
             except OSError:
                 pass
-        hello = {"token": server.token, "rank": 0, "kind": "breakpoint", "where": "t.py:1", "nodeid": "t.py::x"}
-        assert b'"ok": false' in _ask(server, hello)  # still serving: refused for want of a terminal
+    assert _rank_asks(server) == {"t": "ok"}
+
+
+def test_a_flood_at_the_debug_port_is_bounded_and_a_rank_still_gets_in(terminal_server):
+    """A thousand silent connections (another user would keep them open): the server keeps a bounded
+    number of them, and a rank's request is served."""
+    server, _ = terminal_server
+    host, _, port = server.address.rpartition(":")
+    before = len(os.listdir("/proc/self/fd"))
+    flood = [socket.create_connection((host, int(port)), timeout=10) for _ in range(1000)]
+    try:
+        from conftest import wait_for
+
+        from pytest_msrun.control.door import PENDING_FLOOR
+
+        # our end of each flood connection is one descriptor; the server's ends are bounded by the door
+        wait_for(lambda: len(os.listdir("/proc/self/fd")) - before - len(flood) <= PENDING_FLOOR, timeout=30)
+        assert _rank_asks(server, "t.py:9") == {"t": "ok"}
     finally:
-        server.close()
-    with os.fdopen(read, "rb") as fh:
-        said = fh.read().decode()
-    assert "debugger stopped" not in said, said
+        for s in flood:
+            s.close()
+    assert server.sessions == 1 and server.thread.is_alive()  # served, and still serving
+
+
+def test_a_wrong_token_gets_no_session(terminal_server):
+    from pytest_msrun.control import wire
+
+    server, _ = terminal_server
+    with pytest.raises(wire.AuthError, match="bad token"):
+        _rank_asks(server, token="f" * 32)
+    assert server.sessions == 0

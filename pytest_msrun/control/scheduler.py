@@ -34,7 +34,7 @@ import sys
 import time
 
 from pytest_msrun.control import calls, tracelog
-from pytest_msrun.control.group import COLLECTIVE_OPS, RankGroup
+from pytest_msrun.control.group import COLLECTIVE_OPS, RankGroup, process_text
 from pytest_msrun.control.registry import NodeInfo, NodeRegistry
 from pytest_msrun.control.transport import (
     AGENT_FD_ENV,
@@ -150,6 +150,9 @@ class Agents:
             rank, how = msg.get("rank"), msg.get("how")
             if _is_int(rank, 0, sched.worker_num - 1) and isinstance(how, str):
                 sched.ranks.deliver(sched.ranks.group.exited(rank, how[:200]))
+        elif kind == "vouched":  # whether a MindSpore-protocol client on that node is of this job
+            if sched.foreign is not None:
+                sched.foreign.answer(conn, msg)
         elif kind == "failed":
             reason = msg.get("reason")
             if not isinstance(reason, str):
@@ -182,14 +185,13 @@ class Agents:
                 continue
             self.sched.transport.drop(conn, f"no heartbeat for {timeout:g} s (MS_NODE_TIMEOUT)")
 
-    def node_ips(self) -> set[str]:
-        out = set()
-        for conn, node in self.by_conn.items():
-            if conn.local:  # msrun's socketpair: its node's address, as it told it
-                out.add(node.ip)
-                continue
+    def at(self, ip: str) -> list[Conn]:
+        """The agents of the node at ``ip`` (as their connections come from it)."""
+        out = []
+        for conn in self.by_conn:
             try:
-                out.add(str(conn.sock.getpeername()[0]))
+                if not conn.local and str(conn.sock.getpeername()[0]).split("%", 1)[0] == ip:
+                    out.append(conn)
             except OSError:
                 continue
         return out
@@ -200,7 +202,7 @@ class Ranks:
 
     def __init__(self, sched: Scheduler) -> None:
         self.sched = sched
-        self.group = RankGroup(sched.worker_num)
+        self.group = RankGroup(sched.worker_num, sched.transport.limit)
         self.conn_of: dict[int, Conn] = {}
         self.rank_of: dict[Conn, int] = {}
         self.entered: dict[int, dict[int, float]] = {}  # traced: collective seq -> rank -> when it entered
@@ -244,7 +246,8 @@ class Ranks:
                 conn, f"rank {rank!r} / world {world!r} do not fit this job of {sched.worker_num} ranks"
             )
             return
-        refusal = self.group.refusal(rank)
+        who = process_text(msg, conn.peer)
+        refusal = self.group.refusal(rank, who)
         if refusal:
             sched.transport.refuse(conn, refusal)
             return
@@ -254,7 +257,7 @@ class Ranks:
         self.conn_of[rank] = conn
         self.rank_of[conn] = rank
         was_ready = self.group.ready
-        sends = self.group.join(rank)
+        sends = self.group.join(rank, f"{who}, joined at {time.strftime('%H:%M:%S')}")
         if rank not in self.group.connected:  # refused: the group can never form
             self.conn_of.pop(rank, None)
             self.rank_of.pop(conn, None)
@@ -301,6 +304,12 @@ class Ranks:
             return
         if (data is not None and not isinstance(data, str)) or where is False:
             transport.drop(conn, "malformed collective data")
+            return
+        refusal = self.group.entry_refusal(rank, op, seq)
+        if refusal:  # its protocol error: it fails, the job goes on
+            self._forget(conn, rank)
+            self.deliver(self.group.expel(rank, refusal))
+            transport.refuse(conn, refusal)
             return
         if self.sched.trace is not None:
             self.entered.setdefault(seq, {})[rank] = time.time()
@@ -369,6 +378,7 @@ class Scheduler:
         self.ranks = Ranks(self)
         self.observers = Observers(self)
         self.relay: Any = None  # msbridge.MindSporeRelay, created when first needed
+        self.foreign: Any = None  # foreign.ForeignClients: MindSpore-protocol clients being attributed
         self.next_timers = 0.0
         self.started = self.transport.clock.now
         self.exit_code: int | None = None
@@ -376,8 +386,6 @@ class Scheduler:
         self.terminated_by: int | None = None
         self.ended = False
         self.trace = tracelog.recorder_from_env(self.env, "scheduler")
-        self.drops_told: dict[str, int] = {}
-        self.next_notice = 0.0
         self.progress_due = False
         self.next_progress = 0.0
         self.told_log_failure = self.told_trace_failure = False
@@ -412,19 +420,10 @@ class Scheduler:
         self.transport.broadcast(list(self.agents.by_conn), msg)
 
     def tell_drops(self, now_or_never: bool = False) -> None:
-        """Connections dropped for a missed deadline, refused or shed, summed up once a second
-        (and before the job ends)."""
-        now = self.transport.clock.now
-        if now < self.next_notice and not now_or_never:
-            return
-        self.next_notice = now + NOTICE_INTERVAL
-        for why, count in self.transport.dropped.items():
-            new = count - self.drops_told.get(why, 0)
-            if new > 0:
-                self.drops_told[why] = count
-                self.notice(
-                    f"dropped {new} unauthenticated connection(s) ({count} so far): {why}; this job's own clients retry"
-                )
+        """Strangers dropped at the door, summed up per address at most once a minute (and before
+        the job ends), on every node's console: never a line per connection."""
+        for line in self.transport.door.summary(force=now_or_never):
+            self.notice(f"{line}; this job's own clients retry")
 
     # ---------------------------------------------------------------- the transport's handler
     def on_hello(self, conn: Conn, hello: dict[str, Any]) -> None:
@@ -448,22 +447,33 @@ class Scheduler:
             self.agents.lost(conn, why)
         elif conn.kind == "rank":
             self.ranks.lost(conn, why)
-        elif conn.kind in ("foreign", "upstream") and self.relay is not None:
+        if conn.kind in ("agent", "foreign") and self.foreign is not None:
+            self.foreign.gone(conn)
+        if conn.kind in ("foreign", "upstream") and self.relay is not None:
             self.relay.unpair(conn)
 
     def on_relay(self, conn: Conn, data: bytes) -> None:
-        self.relay.relay(conn, data)
+        if self.foreign is not None and self.foreign.holds(conn):
+            self.foreign.keep(conn, data)
+        elif self.relay is not None:
+            self.relay.relay(conn, data)
 
     def on_foreign(self, conn: Conn) -> None:
-        """A MindSpore worker connected: relay it to a MindSpore scheduler, or fail the job at once."""
-        refusal = self._relay().refusal(conn)
-        if refusal:
-            self.transport.drop(
-                conn,
-                f"MindSpore-protocol client not of this job: {refusal}",
-                category="MindSpore-protocol client not of this job",
+        """A MindSpore-protocol client: served once shown to be this job's (:mod:`.foreign`)."""
+        if self.foreign is None:
+            from pytest_msrun.control.foreign import ForeignClients
+
+            self.foreign = ForeignClients(
+                self.transport,
+                agents_at=self.agents.at,
+                accept=self._foreign_accepted,
+                timeout=self.auth_timeout,
+                max_waiting=self.transport.door.max_pending,
             )
-            return
+        self.foreign.arrive(conn)
+
+    def _foreign_accepted(self, conn: Conn) -> None:
+        """A MindSpore process of this job: relayed to a MindSpore scheduler, or the job fails."""
         if self.mode not in ("auto", "mindspore"):
             reason = (
                 f"a MindSpore process ({conn.peer}) called mindspore.communication.init() against the builtin "
@@ -473,13 +483,13 @@ class Scheduler:
             self.transport.drop(conn, "MindSpore client refused")
             self.abort(reason, None)
             return
-        self.relay.adopt(conn)
+        self._relay().adopt(conn)
 
     def _relay(self) -> Any:
         if self.relay is None:
             from pytest_msrun.control.msbridge import MindSporeRelay
 
-            self.relay = MindSporeRelay(self.transport, self.env, log, self.agents.node_ips)
+            self.relay = MindSporeRelay(self.transport, self.env, log)
         return self.relay
 
     def local_peer(self, conn: Conn) -> bool:
@@ -531,17 +541,11 @@ class Scheduler:
             failure = relay.bridge.failure()
             if failure is not None and not self.ended:
                 self.abort(failure, None)
-        for conn in self.transport.expired():
-            if not conn.head and relay is not None and relay.bridge.serving:
-                # MindSpore clients open connections they use later (its scheduler never
-                # speaks first); ours send their hello at once. Relay the silent one.
-                self.on_foreign(conn)
-            elif conn.hello is None:
-                self.transport.drop(conn, f"no hello within {self.auth_timeout:g} s (MSRUN_AUTH_TIMEOUT)")
-            else:
-                self.transport.drop(
-                    conn, f"no answer to the challenge within {self.auth_timeout:g} s (MSRUN_AUTH_TIMEOUT)"
-                )
+        # MindSpore clients open connections they use later (its scheduler never speaks first);
+        # ours send their hello at once: a silent one is a foreign client once one is relayed.
+        self.transport.expire(silent=lambda: relay is not None and relay.bridge.serving)
+        if self.foreign is not None:
+            self.foreign.expire(now)
         self.agents.silent(now)
         registry = self.agents.registry
         if registry.state == "registering" and self.topo_timeout >= 0 and now - self.started > self.topo_timeout:
@@ -592,7 +596,6 @@ class Scheduler:
             if self.exit_code is None:  # what was served may have ended the job already
                 self.abort(f"the scheduler was stopped by {signal.Signals(self.terminated_by).name}", None)
         self.check_timers()
-        self.transport.resume_accepting()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.terminated_by = signum

@@ -1,32 +1,26 @@
-"""The control plane's transport: connections, frames, authentication, deadlines, shedding.
+"""The control plane's transport: its door, authenticated connections, frames, relayed bytes.
 
-A :class:`Transport` owns the listening socket and every connection of one event loop. It reads
-frames (:mod:`.wire`) and hands them on to a :class:`Handler` only once a client has
-authenticated (challenge-response over the job's token, answered with ``welcome``); a connection
-that opens with MindSpore's RPC magic is handed over as a foreign protocol instead.
+A :class:`Transport` owns the listening socket's :class:`~.door.Door` (strangers, until they proved
+the job's token: bounds, deadlines, the handshake) and every connection that went through it, in one
+event loop: it reads frames (:mod:`.wire`) and hands each client's messages to a :class:`Handler`. A
+connection that opens with MindSpore's RPC magic leaves the door unproven and is handed over as a
+foreign protocol (its handler attributes it before serving it).
 
-Deadlines tell attackers from slow friends:
-
-* a client must send its ``hello`` within ``MSRUN_AUTH_TIMEOUT`` (5 s) of connecting and answer the
-  challenge within the same time of receiving it - measured by a :class:`LoopClock`, which does
-  not count time this process itself could not run (a loaded machine starves the scheduler too:
-  its peers' answers are waiting in its sockets, not late);
-* at most ``max_pending`` connections may be unauthenticated; beyond that the oldest that has not
-  sent a whole hello is shed, else the oldest waiting for its challenge's answer - after reading
-  what it already sent, so a client that answered is never shed (our clients retry when they are);
-* out of file descriptors, accepting pauses instead of spinning.
+Deadlines for strangers are measured by a :class:`LoopClock`, which does not count time this process
+itself could not run (a loaded machine starves the scheduler too: its peers' answers are waiting in
+its sockets, not late).
 """
 
 from __future__ import annotations
 
 import _socket  # not socket: its import (enums) is a cost on the forked control plane's start
-import errno
 import os
 import selectors
 import time
 
 from pytest_msrun.control import wire
 from pytest_msrun.control.clock import ConfigError, LoopClock, env_seconds
+from pytest_msrun.control.door import PENDING_FLOOR, Admitted, Door
 from pytest_msrun.control.wire import AGENT_FD_ENV
 
 TYPE_CHECKING = False
@@ -48,10 +42,8 @@ if TYPE_CHECKING:
         def on_relay(self, conn: Conn, data: bytes) -> None: ...
 
 
-__all__ = ["AGENT_FD_ENV", "ConfigError", "Conn", "LoopClock", "Transport", "env_seconds"]
+__all__ = ["AGENT_FD_ENV", "PENDING_FLOOR", "ConfigError", "Conn", "LoopClock", "Transport", "env_seconds"]
 
-PENDING_FLOOR = 256  # unauthenticated connections kept at most: max(this, 2 x worker_num)
-ACCEPT_PAUSE = 0.1  # out of file descriptors with nothing to shed: stop accepting this long
 MINDSPORE_MAGIC = b"RPC"  # the first bytes of every MindSpore RPC message (see msbridge)
 CLIENT_KINDS = ("agent", "rank", "observer")  # authenticated clients of our own protocol
 DEFAULT_AUTH_TIMEOUT = 5.0
@@ -65,7 +57,7 @@ def format_error(exc: BaseException) -> str:
 
 
 class Conn:
-    """One client connection and its buffers."""
+    """One connection that went through the door (or msrun's own socketpair, or one upstream)."""
 
     __slots__ = (
         "sock",
@@ -76,11 +68,8 @@ class Conn:
         "opened",
         "last_seen",
         "closing",
-        "head",
         "pair",
         "pending",
-        "hello",
-        "nonce",
         "broken",
         "draining",
         "writing",
@@ -88,25 +77,22 @@ class Conn:
         "local",
     )
 
-    def __init__(self, sock: _socket.socket, peer: str, now: float) -> None:
+    def __init__(self, sock: _socket.socket, peer: str, now: float, kind: str, limit: int) -> None:
         self.sock = sock
         self.peer = peer
-        self.frames = wire.FrameBuffer(strict=True)  # a stranger's frames until it authenticated
+        self.frames = wire.FrameBuffer(limit)
         self.out = bytearray()
-        # "" until authenticated, then "agent", "rank" or "observer"; relayed MindSpore
-        # connections are "foreign" (the client) and "upstream" (to the MindSpore scheduler).
-        self.kind = ""
+        # "agent", "rank" or "observer"; relayed MindSpore connections are "foreign" (the client,
+        # until attributed, then relayed) and "upstream" (to the MindSpore scheduler).
+        self.kind = kind
         self.opened = self.last_seen = now  # loop-clock times
         self.closing = False
-        self.head: bytes | None = b""  # first bytes until we know whose protocol this is, then None
         self.pair: Conn | None = None  # the other end of a relayed connection
         self.pending = bytearray()  # relayed bytes waiting for the other end to connect
-        self.hello: dict[str, Any] | None = None  # the hello, until the client proved the token
-        self.nonce = ""  # our challenge to it
         self.broken = False  # a send failed: it is dropped once what it already sent was handled
         self.draining = 0.0  # when closing: until then, read and discard (so the close is no RST)
         self.writing = False  # registered for EVENT_WRITE (output is waiting)
-        self.deadline = 0.0  # loop-clock time by which it must have authenticated (0: none)
+        self.deadline = 0.0  # a foreign client not yet attributed: by when it must be (loop clock)
         self.local = False  # msrun's end of a socketpair it made when it forked this process
 
 
@@ -125,21 +111,23 @@ class Transport:
     ) -> None:
         self.listener = listener
         self.handler = handler
-        self.token = token
-        self.auth_timeout = auth_timeout
-        self.max_pending = max(PENDING_FLOOR, max_pending)
         self.log = log
         self.sel = selectors.DefaultSelector()
         self.clock = LoopClock()
+        self.door = Door(
+            listener,
+            token=token,
+            kinds=CLIENT_KINDS,
+            timeout=auth_timeout,
+            max_pending=max_pending,
+            selector=self.sel,
+            now=lambda: self.clock.now,
+            welcome=lambda hello: {"pid": os.getpid(), "host": _socket.gethostname(), "now": time.time()},
+            foreign=MINDSPORE_MAGIC,
+            refusal="bad job token (this client's MSRUN_JOB_TOKEN or secret differs from this job's)",
+        )
         self.conns: dict[int, Conn] = {}
-        # Connections that have not authenticated yet, oldest first (each holds at most one frame).
-        self.pending: dict[Conn, None] = {}
         self.limit = wire.message_limit()
-        self.accept_paused_until = 0.0
-        self.shed = 0
-        self.dropped: dict[str, int] = {}  # why -> unauthenticated connections dropped so far
-        self.listener.setblocking(False)
-        self.sel.register(self.listener, selectors.EVENT_READ, None)
 
     # ---------------------------------------------------------------- sending
     def send(self, conn: Conn, msg: dict[str, Any] | bytes) -> None:
@@ -187,7 +175,6 @@ class Transport:
 
     # ---------------------------------------------------------------- ending connections
     def close(self, conn: Conn) -> None:
-        self.pending.pop(conn, None)
         fd = conn.sock.fileno()
         if fd < 0:
             return
@@ -198,18 +185,11 @@ class Transport:
         self.conns.pop(fd, None)
         conn.sock.close()
 
-    def drop(self, conn: Conn, why: str, quiet: bool = False, category: str = "") -> None:
+    def drop(self, conn: Conn, why: str) -> None:
         """Forget a client (its handler hears of it first; an error there is logged, and the
-        connection is closed all the same). Unauthenticated ones are counted by ``category``
-        (``why`` when not given): a stranger's input must not choose how many counters exist."""
-        self.pending.pop(conn, None)
+        connection is closed all the same)."""
         if conn.sock.fileno() < 0:
             return
-        if conn.kind == "":
-            key = category or why
-            self.dropped[key] = self.dropped.get(key, 0) + 1
-            if not quiet:
-                self.log(f"dropped client {conn.peer}: {why}")
         try:
             self.handler.on_lost(conn, why)
         except Exception as exc:
@@ -217,63 +197,73 @@ class Transport:
         finally:
             self.close(conn)
 
+    def drop_stranger(self, conn: Conn, why: str) -> None:
+        """Drop a connection that proved nothing (a foreign client not of this job): counted by the
+        door with the strangers (``why``: the door's words, not the stranger's), never logged alone."""
+        try:
+            ip = str(conn.sock.getpeername()[0])
+        except OSError:
+            ip = "unknown"
+        self.door.tally.add(ip, why)
+        self.drop(conn, why)
+
     def fault(self, conn: Conn | None, exc: Exception) -> None:
-        """The fault boundary: an error while serving one connection (a bug, or input no check
-        foresaw) is logged with its traceback and costs that connection, never this process."""
-        who = "the listener" if conn is None else f"{conn.peer} ({conn.kind or 'unauthenticated'})"
+        """The fault boundary: an error while serving one authenticated connection (a bug, or input
+        no check foresaw) is logged with its traceback and costs that connection, never this process."""
+        who = "the listener" if conn is None else f"{conn.peer} ({conn.kind})"
         self.log(f"error serving {who}; it is dropped:\n{format_error(exc)}")
         if conn is not None:  # drop() itself cannot fail: its handler's errors are logged
-            self.drop(conn, f"an error while serving it: {exc!r}"[:300], category="an error while serving it")
+            self.drop(conn, f"an error while serving it: {exc!r}"[:300])
 
     def refuse(self, conn: Conn, reason: str) -> None:
+        """Tell an authenticated client why it cannot be served, then close its connection."""
         self.log(f"refused {conn.peer}: {reason}")
-        if conn.kind == "":
-            self.dropped[f"refused: {reason}"] = self.dropped.get(f"refused: {reason}", 0) + 1
         conn.out += wire.encode({"t": "refused", "reason": reason})
         conn.closing = True
         self.flush(conn)
 
-    def authenticated(self, conn: Conn, kind: str) -> None:
-        """``conn`` is a client of ``kind`` now: no deadline, the full message size."""
-        conn.kind = kind
-        conn.deadline = 0.0
-        self.pending.pop(conn, None)
-        conn.frames.trust(self.limit)
-
-    # ---------------------------------------------------------------- authentication
-    def _authenticate(self, conn: Conn, msg: dict[str, Any]) -> None:
-        """hello -> challenge -> auth -> welcome (see :mod:`.wire`): only then is the hello acted on."""
-        if conn.hello is None:
-            nonce = msg.get("nonce")
-            if msg["t"] != "hello" or msg.get("kind") not in CLIENT_KINDS or not isinstance(nonce, str):
-                self.drop(conn, "first message is not a hello")
-                return
-            conn.hello = msg
-            if not self.token or conn.local:  # an unauthenticated job (msrun warned loudly), or msrun itself
-                self._welcome(conn, msg)
-                return
-            conn.nonce = wire.new_nonce()
-            conn.deadline = self.clock.now + self.auth_timeout  # for the answer, from now
-            proof = wire.proof(self.token, "scheduler", nonce[:64], conn.nonce)
-            self.send(conn, {"t": "challenge", "nonce": conn.nonce, "proof": proof})
+    # ---------------------------------------------------------------- connections in
+    def enter(self, admitted: Admitted) -> None:
+        """A connection out of the door: a client (welcomed: its hello, then what it sent after),
+        or a foreign protocol's, for the handler to attribute."""
+        sock = admitted.sock
+        try:
+            sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+        conn = Conn(sock, admitted.peer, self.clock.now, admitted.kind, self.limit)
+        self.adopt(sock, conn)
+        if admitted.kind == "foreign":
+            conn.pending += admitted.rest
+            self.handler.on_foreign(conn)
             return
-        hello = conn.hello
-        expected = wire.proof(self.token, str(hello.get("kind")), str(hello.get("nonce"))[:64], conn.nonce)
-        if msg["t"] != "auth" or not wire.token_ok(msg.get("proof"), expected):
-            self.refuse(conn, "bad job token (this client's MSRUN_JOB_TOKEN or secret differs from this job's)")
+        self.handler.on_hello(conn, admitted.hello)
+        try:
+            messages = admitted.messages + conn.frames.feed(admitted.rest)
+        except wire.ProtocolError as exc:
+            self.drop(conn, str(exc))
             return
-        self._welcome(conn, hello)
+        self._handle(conn, messages)
 
-    def _welcome(self, conn: Conn, hello: dict[str, Any]) -> None:
-        self.authenticated(conn, str(hello["kind"]))
-        # ``now``: the scheduler's clock, from which a client estimates its own clock's offset
-        self.send(conn, {"t": "welcome", "pid": os.getpid(), "host": _socket.gethostname(), "now": time.time()})
-        self.handler.on_hello(conn, hello)
+    def adopt_local(self, sock: _socket.socket) -> Conn:
+        """The connection msrun made when it forked this process (a socketpair): only msrun holds
+        the other end, so it bypasses the door; its hello is welcomed without a challenge."""
+        sock.setblocking(False)
+        conn = Conn(sock, "msrun (socketpair)", self.clock.now, "", self.limit)
+        conn.local = True
+        self.adopt(sock, conn)
+        return conn
+
+    def adopt(self, sock: _socket.socket, conn: Conn) -> None:
+        """Watch a connection (one out of the door, msrun's, or one upstream this process opened)."""
+        sock.setblocking(False)
+        self.conns[sock.fileno()] = conn
+        self.sel.register(sock, selectors.EVENT_READ, conn)
 
     # ---------------------------------------------------------------- reading
     def on_readable(self, conn: Conn) -> None:
         try:
-            data = conn.sock.recv(1 << 20 if conn.kind else wire.HELLO_LIMIT + wire.HEADER.size)
+            data = conn.sock.recv(1 << 20)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
@@ -292,26 +282,26 @@ class Transport:
         if conn.kind in ("foreign", "upstream"):
             self.handler.on_relay(conn, data)
             return
-        if conn.head is not None:  # whose protocol is this? (MindSpore's, or ours)
-            conn.head += data
-            if conn.head.startswith(MINDSPORE_MAGIC):
-                self.handler.on_foreign(conn)
-                return
-            if MINDSPORE_MAGIC.startswith(conn.head):
-                return  # too short to tell yet
-            data, conn.head = conn.head, None
         try:
             msgs = conn.frames.feed(data)
         except wire.ProtocolError as exc:
-            self.drop(conn, str(exc), category="" if conn.kind else "a malformed frame before authenticating")
+            self.drop(conn, str(exc))
             return
+        self._handle(conn, msgs)
+
+    def _handle(self, conn: Conn, msgs: list[dict[str, Any]]) -> None:
         for msg in msgs:
             if conn.sock.fileno() < 0 or conn.closing:
                 break
             conn.last_seen = self.clock.now
             try:
-                if conn.kind == "":
-                    self._authenticate(conn, msg)
+                if conn.local and not conn.kind:  # msrun's own hello over its socketpair
+                    if msg["t"] != "hello" or msg.get("kind") != "agent":
+                        self.drop(conn, "msrun's socketpair did not open with an agent's hello")
+                        return
+                    conn.kind = "agent"
+                    self.send(conn, {"t": "welcome", "pid": os.getpid(), "host": _socket.gethostname()})
+                    self.handler.on_hello(conn, msg)
                 else:
                     self.handler.on_message(conn, msg)
             except Exception as exc:  # a message we failed to handle costs its sender, not the job
@@ -320,88 +310,18 @@ class Transport:
         if conn.broken:  # everything it sent was handled; now it is gone
             self.drop(conn, "connection closed")
 
-    def accept(self) -> None:
-        while True:
-            try:
-                fd, addr = self.listener._accept()  # type: ignore[attr-defined]  # socket.accept() does this
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    if self.shed_pending("out of file descriptors"):
-                        continue  # one freed: take the waiting connection
-                    self.pause_accepting()  # never spin on a listener we cannot serve
-                return
-            sock = _socket.socket(fileno=fd)
-            sock.setblocking(False)
-            try:
-                sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
-            if len(self.pending) >= self.max_pending:
-                self.shed_pending(f"more than {self.max_pending} unauthenticated connections")
-            conn = Conn(sock, f"{addr[0]}:{addr[1]}", self.clock.now)
-            conn.deadline = self.clock.now + self.auth_timeout  # for its hello
-            self.conns[sock.fileno()] = conn
-            self.pending[conn] = None
-            self.sel.register(sock, selectors.EVENT_READ, conn)
-
-    def adopt_local(self, sock: _socket.socket) -> Conn:
-        """The connection msrun made when it forked this process (a socketpair): only msrun holds
-        the other end, so its hello is welcomed without a challenge; it is never shed."""
-        sock.setblocking(False)
-        conn = Conn(sock, "msrun (socketpair)", self.clock.now)
-        conn.head = None  # our protocol, not MindSpore's
-        conn.local = True
-        self.adopt(sock, conn)
-        return conn
-
-    def adopt(self, sock: _socket.socket, conn: Conn) -> None:
-        """Watch a connection this process opened itself (to the MindSpore scheduler)."""
-        self.conns[sock.fileno()] = conn
-        self.sel.register(sock, selectors.EVENT_READ, conn)
-
-    def shed_pending(self, why: str) -> bool:
-        """Drop the oldest unauthenticated connection that has not even sent a whole hello (ours
-        send one at once), else the oldest one still owing the answer to our challenge - after
-        reading what it sent: one that has answered is authenticated, not shed. False if none."""
-        victim = next((c for c in self.pending if c.hello is None), None)
-        while victim is None:
-            oldest = next(iter(self.pending), None)
-            if oldest is None:
-                return False
-            self.on_readable(oldest)  # its answer may be waiting in its socket
-            if oldest in self.pending:
-                victim = oldest
-        self.shed += 1
-        if self.shed in (1, 10, 100, 1000, 10000) or self.shed % 100000 == 0:
-            self.log(f"shedding unauthenticated connections ({why}): {self.shed} so far")
-        self.drop(victim, why, quiet=True)
-        return True
-
-    def pause_accepting(self) -> None:
-        try:
-            self.sel.unregister(self.listener)
-        except (KeyError, ValueError):
-            pass
-        self.accept_paused_until = time.monotonic() + ACCEPT_PAUSE
-
-    def resume_accepting(self) -> None:
-        if self.accept_paused_until and time.monotonic() >= self.accept_paused_until:
-            self.accept_paused_until = 0.0
-            self.sel.register(self.listener, selectors.EVENT_READ, None)
-
     # ---------------------------------------------------------------- the loop
     def poll(self, timeout: float, on_other: Callable[[Any], None]) -> None:
         """Wait up to ``timeout`` s and serve what is ready (``on_other`` gets other registered keys).
 
         Each ready connection is served inside :meth:`fault`'s boundary: whatever goes wrong
-        while serving it ends that connection only."""
+        while serving it ends that connection only (the door has a boundary of its own)."""
         for key, events in self.sel.select(timeout=timeout):
             data = key.data
             try:
-                if data is None:
-                    self.accept()
+                if data is self.door:
+                    for admitted in self.door.ready(key.fileobj):
+                        self.enter(admitted)
                 elif not isinstance(data, Conn):
                     on_other(data)
                 else:
@@ -413,12 +333,15 @@ class Transport:
                 self.fault(data if isinstance(data, Conn) else None, exc)
         self.clock.tick()
 
-    def expired(self) -> list[Conn]:
-        """Connections past their authentication deadline (lingering closes are closed here)."""
+    def expire(self, silent: Callable[[], bool]) -> None:
+        """Deadlines: strangers past theirs (a silent one goes to the handler as foreign when
+        ``silent()``), lingering closes over, foreign clients not attributed in time."""
+        for admitted in self.door.expire(silent):
+            self.enter(admitted)
+        self.door.resume()
         now = self.clock.now
         for conn in [c for c in self.conns.values() if c.draining and now > c.draining]:
             self.close(conn)
-        return [c for c in self.conns.values() if c.kind == "" and not c.closing and c.deadline and now > c.deadline]
 
     def drain(self, seconds: float) -> None:
         """Give queued messages (abort, timeout) a bounded chance to leave."""

@@ -14,13 +14,14 @@ control-plane link, so one loop sees everything that can happen.
 from __future__ import annotations
 
 import os
-import select
 import signal
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 
+from pytest_msrun.fileio import make_dirs, open_output_fd
 from pytest_msrun.pathsearch import which
+from pytest_msrun.proc import wait_readable
 from pytest_msrun.record import record
 
 TYPE_CHECKING = False
@@ -408,7 +409,7 @@ class Child:
             return self.returncode
         if timeout > 0 and self.pidfd is not None:
             with _suppress(OSError, ValueError):
-                select.select([self.pidfd], [], [], timeout)
+                wait_readable(self.pidfd, timeout)
         try:
             info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
         except ChildProcessError:
@@ -437,8 +438,8 @@ def spawn(launch: Launch, tag: Any = None) -> Child:
     """Start ``launch`` with its log file as stdout+stderr (truncated, as msrun does)."""
     log_dir = os.path.dirname(launch.log_path)
     if log_dir:
-        os.makedirs(log_dir, exist_ok=True)
-    log = os.open(launch.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+        make_dirs(log_dir)
+    log = open_output_fd(launch.log_path)  # not through a link or into a FIFO someone put there
     null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) if launch.stdin_devnull else None
     for fd in launch.pass_fds:
         os.set_inheritable(fd, True)

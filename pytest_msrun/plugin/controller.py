@@ -15,7 +15,9 @@ that used it - never on a test that did not run there.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
+import time
 import warnings
 from collections.abc import Generator
 from typing import Any
@@ -23,6 +25,8 @@ from typing import Any
 import pytest
 
 from pytest_msrun.engine.slurm import allocation
+from pytest_msrun.fileio import make_dirs, unsafe_directory, unsafe_output_dir
+from pytest_msrun.fsinfo import describe_write_error
 from pytest_msrun.pathsearch import which
 from pytest_msrun.plugin import envscope, options, rankmemory
 from pytest_msrun.plugin.debugserver import NO_TTY, DebugServer
@@ -68,6 +72,7 @@ def _report_options(config: pytest.Config) -> tuple[str, SessionReport | None]:
     where = os.path.dirname(os.path.abspath(report))
     if not os.path.isdir(where):
         raise pytest.UsageError(f"--msrun-report={report}: the directory {where} does not exist")
+    _refuse_unsafe(f"--msrun-report={report}", unsafe_directory(report))
     if hasattr(config, "workerinput"):  # an xdist worker: the controller process writes the page
         return detail, None
     return detail, SessionReport(report, config)
@@ -82,11 +87,27 @@ def _trace_dir(config: pytest.Config) -> str:
     if not value:
         return ""
     path = os.path.abspath(value)
+    flag = f"--msrun-trace={value}" if config.getoption("msrun_trace") else f"--msrun-report={page} (its traces)"
+    _refuse_unsafe(flag, unsafe_output_dir(path))
     try:
-        os.makedirs(path, exist_ok=True)
+        make_dirs(path)
     except OSError as exc:
-        raise pytest.UsageError(f"--msrun-trace={value}: cannot use it as a directory ({exc})") from None
+        raise pytest.UsageError(f"{flag}: cannot use {path} as a directory ({exc})") from None
     return path
+
+
+def _refuse_unsafe(flag: str, problem: str) -> None:
+    """An output the user chose in a place someone else could replace it: a usage error, with the fix."""
+    if problem:
+        raise pytest.UsageError(f"{flag}: {problem}")
+
+
+def _pool() -> ResourcePool:
+    """This user's port and device pool; a directory of it someone else made or can write is a usage error."""
+    try:
+        return ResourcePool()
+    except OSError as exc:
+        raise pytest.UsageError(f"msrun: cannot keep the port and device pool: {exc}") from None
 
 
 def exit_timeout(config: pytest.Config) -> float:
@@ -137,7 +158,7 @@ class Controller:
             self.inventory = inventory(devices)
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
-        self.pool = ResourcePool()
+        self.pool = _pool()
         cluster = allocation(os.environ) if which("srun") else None
         self.leaks = config.getoption("msrun_leaks") or config.getini("msrun_leaks") or "warn"
         prefetch = config.getoption("msrun_prefetch") or config.getini("msrun_prefetch") or "on"
@@ -210,8 +231,17 @@ class Controller:
         self.traces.flush_all()
         if self.html is not None:
             self.html.write()
+            if self.html.error and session.exitstatus == pytest.ExitCode.OK:  # the page asked for is not there
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        self.debug.close()  # its door's count is final once its thread ended
+        doors = (("the worlds' doors", self.worlds.strangers), ("the ranks' debugger", self.debug.strangers))
+        for where, tally in doors:
+            for line in tally.summary(time.monotonic(), force=True):
+                terminalreporter.write_line(f"msrun: strangers at {where}: {line}", yellow=True)
+        if self.traces.problem:
+            terminalreporter.write_line(f"msrun: WARNING: {self.traces.problem}", yellow=True, bold=True)
         if self.html is not None:  # after the progress line's end, at every verbosity
             self.html.announce(terminalreporter)
 
@@ -316,7 +346,10 @@ class Controller:
         note = ""
         if key is not None and (skip is None or self.worlds.expecting.get(key) == item.nodeid):
             # a skipped test its world kept fixtures for still goes there: its ranks skip it and tear down
-            attempt, note = self.worlds.attempt(item, spec, key, nextitem)
+            try:
+                attempt, note = self.worlds.attempt(item, spec, key, nextitem)
+            except OSError as exc:
+                return self._no_files(item, exc)
             self._report_late_ends()
         if attempt is None:
             if skip is not None:
@@ -326,7 +359,10 @@ class Controller:
             if no_room:
                 self.reporter.log(item, [self.reporter.simple(item, "setup", "failed", f"msrun: {no_room}")])
                 return False
-            attempt = self._fresh_attempt(item, spec, note)
+            try:
+                attempt = self._fresh_attempt(item, spec, note)
+            except OSError as exc:
+                return self._no_files(item, exc)
             if attempt is None:
                 return False
         setup_call = self.reporter.setup_call(item, attempt.record, rerun)
@@ -347,6 +383,23 @@ class Controller:
         if key is None or not attempt.warm or key not in self.worlds.live:  # its job ended
             self.traces.flush(trace)
         return again
+
+    def _no_files(self, item: pytest.Item, exc: OSError) -> bool:
+        """The test's directories or files could not be made (a full basetemp, a file someone put
+        there): the test's setup error, naming the place, its file system and the fix - not the
+        session's internal error. False: the test is reported."""
+        path = exc.filename
+        if not path and exc.errno in (errno.ENOSPC, errno.EDQUOT):  # a write: which file is not said
+            try:
+                path = str(self.config._tmp_path_factory.getbasetemp())  # type: ignore[attr-defined]
+            except OSError:
+                path = ""
+        if path:
+            text = f"msrun: cannot make the test's files: {describe_write_error(str(path), exc, '--basetemp')}"
+        else:
+            text = f"msrun: cannot start the test's job: {exc}"
+        self.reporter.log(item, [self.reporter.simple(item, "setup", "failed", text)])
+        return False
 
     def _fresh_attempt(self, item: pytest.Item, spec: MsrunSpec, note: str) -> FreshAttempt | None:
         try:

@@ -6,7 +6,8 @@ connection, prompt ``(Pdb rank N)``: the user answers on the controller's termin
 keeps only the rank's own output. A stop that keeps stepping (``n``, ``s``) stays on one
 connection; ``c`` (or ``q``) closes it, and a breakpoint hit later opens another. Where the
 controller has no terminal - or there is no controller (a suite under ``pmsrun pytest``) - the
-stop is skipped with one line in the rank's log for each place, and the rank goes on.
+stop is skipped with one line in the rank's log for each place (and, without a terminal, a warning
+of the test, which the controller's report shows), and the rank goes on.
 
 With the controller's ``--pdb`` a failing test's exception stops in ``post_mortem`` the same way
 (the records already hold the failure: the verdict does not change).
@@ -14,20 +15,20 @@ With the controller's ``--pdb`` a failing test's exception stops in ``post_morte
 
 from __future__ import annotations
 
-import json
 import os
 import pdb
-import socket
 import sys
 import unittest
+import warnings
 from collections.abc import Callable
 from types import FrameType, TracebackType
 from typing import Any
 
 import pytest
 
+from pytest_msrun.control import wire
 from pytest_msrun.netaddr import controller_address
-from pytest_msrun.plugin.debugserver import DEBUG_ENV, DEBUG_PDB_ENV, DEBUG_TOKEN_ENV
+from pytest_msrun.plugin.debugserver import DEBUG_ENV, DEBUG_NONE_ENV, DEBUG_PDB_ENV, DEBUG_TOKEN_ENV
 
 CONNECT_TIMEOUT = 5.0
 PENDING_MAX = 1 << 16  # bytes of pdb output kept while no connection is open
@@ -45,11 +46,12 @@ def _place(path: str, line: int) -> str:
 
 
 class Link:
-    """One open session with the controller: pdb's stdin and stdout."""
+    """One open session with the controller: pdb's stdin and stdout (``head``: bytes of the user's
+    input read with the controller's answer)."""
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: Any, head: bytes = b"") -> None:
         self.sock = sock
-        self.rfile = sock.makefile("r", encoding="utf-8", errors="replace", newline="\n")
+        self.buffer = head
 
     def send(self, text: str) -> None:
         try:
@@ -58,17 +60,23 @@ class Link:
             pass
 
     def readline(self) -> str:
-        try:
-            return self.rfile.readline()
-        except (OSError, ValueError):
-            return ""
+        while b"\n" not in self.buffer:
+            try:
+                data = self.sock.recv(4096)
+            except OSError:
+                data = b""
+            if not data:
+                line, self.buffer = self.buffer, b""
+                return line.decode("utf-8", "replace")
+            self.buffer += data
+        line, _, self.buffer = self.buffer.partition(b"\n")
+        return line.decode("utf-8", "replace") + "\n"
 
     def close(self) -> None:
-        for close in (self.rfile.close, self.sock.close):
-            try:
-                close()
-            except OSError:
-                pass
+        try:
+            self.sock.close()
+        except OSError:
+            pass
 
 
 class _Out:
@@ -140,10 +148,13 @@ class RankPdb(pdb.Pdb):
 class RankDebugger:
     """Registered in a rank of this project's jobs: its ``breakpoint()`` and ``--pdb`` go to the controller."""
 
-    def __init__(self, rank: int, address: str, token: str, post_mortem: bool, nodeid: Callable[[], str]) -> None:
+    def __init__(
+        self, rank: int, address: str, token: str, post_mortem: bool, nodeid: Callable[[], str], none: str = ""
+    ) -> None:
         self.rank = rank
-        self.address = address  # "" where no controller serves a debugger (a suite)
+        self.address = address  # "" where no controller serves a debugger (a suite, no terminal)
         self.token = token
+        self.none = none  # why no controller serves a debugger, as the controller said
         self.post_mortem = post_mortem
         self.nodeid = nodeid  # the test running now
         self.refused: set[tuple[str, str]] = set()
@@ -156,8 +167,9 @@ class RankDebugger:
         env = os.environ
         address = env.pop(DEBUG_ENV, "")
         token = env.pop(DEBUG_TOKEN_ENV, "")
+        none = env.pop(DEBUG_NONE_ENV, "")
         post_mortem = env.pop(DEBUG_PDB_ENV, "") == "1" or post_mortem
-        return cls(rank, address, token, post_mortem, nodeid)
+        return cls(rank, address, token, post_mortem, nodeid, none)
 
     # ---------------------------------------------------------------- hooks of this process
     def install(self) -> None:
@@ -232,44 +244,50 @@ class RankDebugger:
 
     # ---------------------------------------------------------------- the connection
     def open(self, kind: str, where: str) -> Link | None:
-        """A session with the controller for a stop at ``where``; None (said once in the rank's log
-        for each place) where there is none to have."""
+        """A session with the controller for a stop at ``where``; None (said once for each place, in
+        the rank's log and as a warning of the test) where there is none to have."""
         if (kind, where) in self.refused:
             return None
         link, why = self._connect(kind, where)
         if link is None:
             self.refused.add((kind, where))
             what = "breakpoint()" if kind == "breakpoint" else "--pdb"
-            sys.stderr.write(f"msrun: {what} in rank {self.rank} at {where} skipped: {why}\n")
+            line = f"msrun: {what} in rank {self.rank} at {where} skipped: {why}"
+            sys.stderr.write(line + "\n")
             sys.stderr.flush()
+            if self.none:  # the controller has no terminal: its console says so, with the test's warnings
+                path, _, number = where.rpartition(":")
+                lineno = int(number) if number.isdigit() else 0
+                warnings.warn_explicit(line, DebuggerSkipped, path or where, lineno, module="msrun")
         return link
 
     def _connect(self, kind: str, where: str) -> tuple[Link | None, str]:
+        if self.none:
+            return None, self.none
         address = controller_address(self.address, os.environ)
         if address is None:
             return None, NO_CONTROLLER
+        hello = {"t": "hello", "kind": "debug", "rank": self.rank, "stop": kind}
+        hello.update(where=where[-2000:], nodeid=self.nodeid()[-4000:])
         try:
-            sock = socket.create_connection(address, timeout=CONNECT_TIMEOUT)
+            channel = wire.Channel.connect(address[0], address[1], timeout=CONNECT_TIMEOUT)
         except OSError as exc:
             return None, f"the controller's debugger cannot be reached ({exc})"
-        hello = {"token": self.token, "rank": self.rank, "kind": kind, "where": where, "nodeid": self.nodeid()}
         try:
-            sock.sendall(json.dumps(hello).encode() + b"\n")
-            sock.settimeout(None)  # another rank may be in the debugger: this one waits its turn
-            answer = b""
-            while not answer.endswith(b"\n"):
-                data = sock.recv(1)  # byte by byte: what follows the answer is pdb's input
-                if not data:
-                    break
-                answer += data
-            reply = json.loads(answer) if answer else {}
-        except (OSError, ValueError):
-            reply = {}
-        if not isinstance(reply, dict) or not reply.get("ok"):
-            sock.close()
-            why = reply.get("why") if isinstance(reply, dict) else None
-            return None, str(why) if why else "the controller's debugger closed the connection"
-        return Link(sock), ""
+            channel.handshake(hello, self.token, CONNECT_TIMEOUT)
+            reply = channel.recv(None)  # another rank may be in the debugger: this one waits its turn
+        except (OSError, wire.ProtocolError) as exc:
+            channel.close()
+            return None, f"the controller's debugger closed the connection ({exc})"
+        if reply.get("t") != "ok":
+            channel.close()
+            return None, "the controller's debugger refused this rank"
+        head = bytes(channel.frames.buf)  # what the user typed, read with the answer
+        return Link(channel.sock, head), ""
+
+
+class DebuggerSkipped(UserWarning):
+    """A rank's ``breakpoint()`` or ``--pdb`` stop skipped: the controller has no terminal."""
 
 
 def _traceback(exc: BaseException, tb: TracebackType) -> TracebackType:

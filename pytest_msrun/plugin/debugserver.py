@@ -1,12 +1,14 @@
 """The controller's end of the ranks' debugger: pdb sessions of ranks, on this terminal, one at a time.
 
 Ranks run without a terminal (stdin ``/dev/null``, output into their logs). A rank that stops in
-pdb - ``breakpoint()``, or ``--pdb`` on a failure (:mod:`.debugrank`) - connects here (loopback
-TCP, proving the session's token) and says who and where it is. With a terminal (stdin a tty) the
-controller serves one session at a time on a thread: the rank's pdb output goes to the terminal,
-what the user types goes to the rank, until the rank goes on (``c``) and closes its end; a rank
-that comes meanwhile waits its turn. Without a terminal it refuses, saying so once for each rank
-and place, and the rank goes on.
+pdb - ``breakpoint()``, or ``--pdb`` on a failure (:mod:`.debugrank`) - connects here through the
+one door of every listener (:mod:`pytest_msrun.control.door`: it proves the session's token, and
+strangers are bounded) and says who and where it is. The controller serves one session at a time
+on a thread: the rank's pdb output goes to the terminal, what the user types goes to the rank,
+until the rank goes on (``c``) and closes its end; a rank that comes meanwhile waits its turn.
+
+The server listens only where a session can use it: with a terminal (stdin a tty). Without one
+nothing listens; the ranks are told why, and each skips its stops, saying so once for each place.
 
 While a session is open or waiting, :meth:`DebugServer.held` grows: the jobs' deadlines (their
 timeout, the exit and failure graces) add it, so a rank in the debugger is neither timed out nor
@@ -15,8 +17,6 @@ taken for hung.
 
 from __future__ import annotations
 
-import hmac
-import json
 import os
 import selectors
 import socket
@@ -24,23 +24,17 @@ import threading
 import time
 from dataclasses import dataclass
 
+from pytest_msrun.control import wire
+from pytest_msrun.control.door import Admitted, Door, Tally
 from pytest_msrun.netaddr import rank_listener
 
 DEBUG_ENV = "MSRUN_DEBUG"  # host:port of the controller's debug server
 DEBUG_TOKEN_ENV = "MSRUN_DEBUG_TOKEN"
 DEBUG_PDB_ENV = "MSRUN_DEBUG_PDB"  # "1": the controller runs --pdb (post-mortem on a failure)
-HELLO_MAX = 8192  # bytes of a rank's hello line
-HELLO_WAIT = 5.0  # seconds a connection may take to say its hello
+DEBUG_NONE_ENV = "MSRUN_DEBUG_NONE"  # why no debugger serves the ranks (then MSRUN_DEBUG is unset)
+HELLO_WAIT = 5.0  # seconds a connection may take to prove the session's token
+MAX_QUEUED = 1024  # ranks waiting their turn at most (they hold the token: the session's own ranks)
 NO_TTY = "no terminal (stdin is not a tty)"
-
-
-@dataclass
-class Waiting:
-    """A connection that has not said its hello yet."""
-
-    sock: socket.socket
-    since: float
-    data: bytes = b""
 
 
 @dataclass
@@ -53,7 +47,7 @@ class Session:
     @property
     def what(self) -> str:
         rank, where = self.hello.get("rank"), self.hello.get("where", "?")
-        if self.hello.get("kind") == "post_mortem":
+        if self.hello.get("stop") == "post_mortem":
             return f"--pdb: the failure of rank {rank} at {where}"
         return f"breakpoint() in rank {rank} at {where}"
 
@@ -84,15 +78,16 @@ class DebugServer:
         self.lock = threading.Lock()
         self._held = 0.0
         self._busy_since: float | None = None
-        self.said: set[tuple] = set()
         self.sessions = 0  # served so far
         self._closed = False
         self._address = ""  # the server and its thread start with the first job (a session may have none)
+        self.strangers = Tally(time.monotonic())  # who its door dropped (read once its thread ended)
 
     @property
     def address(self) -> str:
-        """``host:port`` ranks connect to (the server starts listening the first time it is asked)."""
-        if not self._address:
+        """``host:port`` ranks connect to (the server starts listening the first time it is asked;
+        only with a terminal)."""
+        if not self._address and self.tty:
             # ranks of Slurm steps reach this host where srun ran (only the session's token is served)
             self.server, address = rank_listener(self.steps, backlog=128)
             self.server.setblocking(False)
@@ -104,8 +99,8 @@ class DebugServer:
 
     # ---------------------------------------------------------------- for the jobs
     def env(self) -> dict[str, str]:
-        """What a rank needs to reach this server."""
-        out = {DEBUG_ENV: self.address, DEBUG_TOKEN_ENV: self.token}
+        """What a rank needs to reach this server - or, without a terminal, why there is none."""
+        out = {DEBUG_ENV: self.address, DEBUG_TOKEN_ENV: self.token} if self.tty else {DEBUG_NONE_ENV: NO_TTY}
         if self.post_mortem:
             out[DEBUG_PDB_ENV] = "1"
         return out
@@ -147,9 +142,10 @@ class DebugServer:
     # ---------------------------------------------------------------- the thread
     def _loop(self) -> None:
         sel = selectors.DefaultSelector()
-        sel.register(self.server, selectors.EVENT_READ, "accept")
+        door = Door(
+            self.server, token=self.token, kinds=("debug",), timeout=HELLO_WAIT, selector=sel, tally=self.strangers
+        )
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        waiting: dict[socket.socket, Waiting] = {}
         queue: list[Session] = []
         active: Session | None = None
         try:
@@ -162,12 +158,9 @@ class DebugServer:
                     if tag == "wake":
                         return
                     try:
-                        if tag == "accept":
-                            self._accept(sel, waiting)
-                        elif tag == "hello":
-                            session = self._hello(key.fileobj, sel, waiting)  # type: ignore[arg-type]
-                            if session is not None:
-                                queue.append(session)
+                        if tag is door:
+                            queue += [s for s in map(self._session, door.ready(key.fileobj)) if s is not None]
+                            del queue[MAX_QUEUED:]
                         elif tag == "rank" and active is not None:
                             if not self._from_rank(active):
                                 self._end(active, sel)
@@ -175,79 +168,34 @@ class DebugServer:
                         elif tag == "stdin" and active is not None:
                             self._from_user(active, sel)
                     except Exception as exc:  # noqa: BLE001 - that connection's fault, not the server's end
-                        sock = key.fileobj
-                        if tag == "hello" and isinstance(sock, socket.socket):
-                            waiting.pop(sock, None)
-                            _forget(sel, sock)
-                        elif tag == "rank" and active is not None:
+                        if tag == "rank" and active is not None:
                             self._say(f"msrun: the ranks' debugger dropped {active.what}: {exc!r}")
                             _forget(sel, active.sock)
                             active = None
-                now = time.monotonic()
-                for sock, w in list(waiting.items()):
-                    if now - w.since > HELLO_WAIT:
-                        sel.unregister(sock)
-                        del waiting[sock]
-                        sock.close()
+                door.expire()
+                door.resume()
         except Exception as exc:  # noqa: BLE001 - the debugger must never break the session
             self._say(f"msrun: the ranks' debugger stopped: {exc!r}")
         finally:
             self._busy(False)
             for s in [*queue, *([active] if active else [])]:
                 s.sock.close()
-            for sock in waiting:
-                sock.close()
+            door.close()
             sel.close()
 
-    def _accept(self, sel: selectors.BaseSelector, waiting: dict[socket.socket, Waiting]) -> None:
-        while True:
-            try:
-                sock, _ = self.server.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:
-                return
-            sock.setblocking(False)
-            waiting[sock] = Waiting(sock, time.monotonic())
-            sel.register(sock, selectors.EVENT_READ, "hello")
-
-    def _hello(
-        self, sock: socket.socket, sel: selectors.BaseSelector, waiting: dict[socket.socket, Waiting]
-    ) -> Session | None:
-        w = waiting[sock]
-        try:
-            data = sock.recv(HELLO_MAX)
-        except (BlockingIOError, InterruptedError):
+    @staticmethod
+    def _session(admitted: Admitted) -> Session | None:
+        """A rank in (it proved the token): its session, once its hello holds only short scalars."""
+        hello = admitted.hello
+        if not all(isinstance(v, (str, int, float, bool, type(None))) for v in hello.values()):
+            admitted.sock.close()
             return None
-        except OSError:
-            data = b""
-        w.data += data
-        if data and b"\n" not in w.data and len(w.data) < HELLO_MAX:
-            return None
-        sel.unregister(sock)
-        del waiting[sock]
-        line = w.data.partition(b"\n")[0]
-        hello = _hello_of(line) if data and b"\n" in w.data else None
-        token = hello.get("token") if hello is not None else None
-        if not isinstance(token, str) or not hmac.compare_digest(token.encode(), self.token.encode()):
-            sock.close()  # a stranger, or a rank gone before it said who it is
-            return None
-        assert hello is not None
-        session = Session(sock, hello)
-        if not self.tty:
-            self._reply(sock, {"ok": False, "why": NO_TTY})
-            sock.close()
-            place = (hello.get("kind"), hello.get("rank"), hello.get("where"), hello.get("nodeid"))
-            if place not in self.said:
-                self.said.add(place)
-                self._say(f"msrun: {session.what} skipped: {NO_TTY}")
-            return None
-        return session
+        return Session(admitted.sock, hello)
 
     def _start(self, session: Session, sel: selectors.BaseSelector) -> Session | None:
         sock = session.sock
         sock.setblocking(True)
-        if not self._reply(sock, {"ok": True}):
+        if not self._reply(sock, {"t": "ok"}):
             sock.close()
             return None
         sock.setblocking(False)
@@ -306,29 +254,13 @@ class DebugServer:
     @staticmethod
     def _reply(sock: socket.socket, msg: dict) -> bool:
         try:
-            sock.sendall(json.dumps(msg).encode() + b"\n")
+            sock.sendall(wire.encode(msg))
             return True
         except OSError:
             return False
 
     def _say(self, line: str) -> None:
         _write_all(self.stdout, ("\n" + line + "\n").encode("utf-8", "replace"))
-
-
-def _hello_of(line: bytes) -> dict[str, object] | None:
-    """A rank's hello: one flat JSON object of short scalars (anything else: None). Parsed by the
-    total parser - whoever can reach the loopback port can send it."""
-    from pytest_msrun.boundedjson import Rejected, loads
-
-    try:
-        hello = loads(line, max_depth=1)
-    except Rejected:
-        return None
-    if not isinstance(hello, dict) or not all(
-        isinstance(v, (str, int, float, bool, type(None))) for v in hello.values()
-    ):
-        return None
-    return hello
 
 
 def _forget(sel: selectors.BaseSelector, sock: socket.socket) -> None:

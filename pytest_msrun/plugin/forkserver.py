@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import signal
 import socket
 import subprocess
@@ -24,7 +23,9 @@ import pytest
 
 from pytest_msrun.engine import template
 from pytest_msrun.engine.processes import with_parent_death_signal
+from pytest_msrun.fileio import open_output
 from pytest_msrun.plugin.marker import MARKER
+from pytest_msrun.proc import wait_readable
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -73,7 +74,7 @@ class ForkedProcess:
             self._close()
             return self.returncode
         if self._pidfd is not None:
-            select.select([self._pidfd], [], [], max(0.0, timeout))
+            wait_readable(self._pidfd, max(0.0, timeout))
         if self.poll() is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
         assert self.returncode is not None
@@ -126,7 +127,7 @@ class ForkServer:
         early, self.early = self.early, None
         if early is not None and early.sock is not None:  # forked from this process at its start
             try:
-                with open(self.log_path(), "wb") as log:
+                with open_output(self.log_path(), binary=True) as log:
                     socket.send_fds(early.sock, [b'{"session": true}'], [log.fileno()])
             except OSError:  # it is gone: one is spawned instead
                 early.close()
@@ -140,7 +141,7 @@ class ForkServer:
         env[template.FD_ENV] = str(theirs.fileno())
         argv, preexec = with_parent_death_signal([sys.executable, "-m", template.__name__], signal.SIGKILL)
         try:
-            with open(self.log_path(), "wb") as log:
+            with open_output(self.log_path(), binary=True) as log:
                 self._proc = subprocess.Popen(
                     argv,
                     env=env,
@@ -175,8 +176,7 @@ class ForkServer:
         sock = self._sock
         if sock is None:
             return None
-        ready, _, _ = select.select([sock], [], [], timeout)
-        if not ready:
+        if not wait_readable(sock.fileno(), timeout):
             return None
         data = sock.recv(1 << 16)
         if not data:

@@ -18,8 +18,8 @@ tears every fixture left down - a failure there is recorded as a late teardown r
 test, where it belongs - and ends the session with status 0 (each test was judged from its own
 records), so the controller judges the process's end like a fresh job's.
 
-The wire is one JSON object per line over TCP (loopback): the controller never sends code, only
-node ids from its own collection.
+The wire is the control plane's (:mod:`pytest_msrun.control.wire`: length-prefixed JSON frames, the
+door's handshake first): the controller never sends code, only node ids from its own collection.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import builtins
 import gc
 import importlib
 import importlib.util
-import json
 import os
 import socket
 import sys
@@ -41,6 +40,7 @@ from typing import Any
 
 import pytest
 
+from pytest_msrun.control import wire
 from pytest_msrun.engine import processes
 from pytest_msrun.netaddr import controller_address
 from pytest_msrun.plugin import envscope, forked, rankmemory
@@ -326,40 +326,53 @@ def _comm(pid: int) -> str:
         return "?"
 
 
-class Channel:
-    """One JSON object per line, both ways. Lines read ahead stay in :attr:`buffer` (the peer may
-    send two in a row - a forked child's ``done``, its template's ``ended``): a reader waiting on the
-    socket must first ask :meth:`has_line`."""
+class Channel(wire.Channel):
+    """The world's connection, both ways: frames of :mod:`pytest_msrun.control.wire` (the door's
+    handshake first). Messages read ahead stay pending (the peer may send two in a row - a forked
+    child's ``done``, its template's ``ended``): a reader waiting on the socket must first ask
+    :meth:`has_message`."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self.sock = sock
-        self.buffer = b""
-        self.eof = False
-
-    def send(self, msg: dict[str, Any]) -> None:
-        self.sock.sendall(json.dumps(msg).encode() + b"\n")
-
-    def has_line(self) -> bool:
-        return b"\n" in self.buffer
+    def has_message(self) -> bool:
+        return bool(self.pending)
 
     def receive(self) -> dict[str, Any] | None:
-        while b"\n" not in self.buffer:
-            if self.eof:
-                return None
-            data = self.sock.recv(1 << 16)
-            if not data:
-                self.eof = True
-                continue
-            self.buffer += data
-        line, _, self.buffer = self.buffer.partition(b"\n")
-        msg = json.loads(line)
-        return msg if isinstance(msg, dict) else None
-
-    def close(self) -> None:
+        """The next message, waiting for it; None once the peer closed. A malformed frame is a
+        :class:`ValueError`."""
         try:
-            self.sock.close()
+            return self.recv()
+        except wire.PeerClosed:
+            return None
+        except wire.ProtocolError as exc:
+            raise ValueError(str(exc)) from None
+
+
+def join_world(address: tuple[str, int], token: str, rank: int, timeout: float = 30.0) -> Channel:
+    """Connect to the controller's world door and prove the world's token as ``rank``; tried again
+    while the door sheds or drops this connection (strangers may crowd it), until ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            channel = Channel(socket.create_connection(address, timeout=max(0.1, left)))
         except OSError:
-            pass
+            if left <= 0:
+                raise
+            time.sleep(0.05)
+            continue
+        # Two messages in a row (a forked child's "done", its template's "ended") must not wait
+        # for the first one's delayed acknowledgement (Nagle: 40 ms a test)
+        channel.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            channel.handshake({"t": "hello", "kind": "world", "rank": rank, "pid": os.getpid()}, token, max(0.1, left))
+            channel.sock.settimeout(None)
+            return channel
+        except wire.AuthError:
+            channel.close()
+            raise
+        except (OSError, wire.ProtocolError):
+            channel.close()
+            if time.monotonic() >= deadline:
+                raise
 
 
 class LateNext:
@@ -396,15 +409,8 @@ class WorldServer:
         _adopt_orphans()
         if self.forking:
             forked.join_group()
-        sock = socket.create_connection(self.address, timeout=30)
-        sock.settimeout(None)
-        # Two messages in a row (a forked child's "done", its template's "ended") must not wait
-        # for the first one's delayed acknowledgement (Nagle: 40 ms a test)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.channel = channel = Channel(sock)
-        plugin = self.rank_plugin
-        hello = {"t": "hello", "rank": plugin.rank, "pid": os.getpid(), "token": self.token}
-        channel.send({**hello, "env_read": env_read})
+        self.channel = channel = join_world(self.address, self.token, self.rank_plugin.rank)
+        channel.send({"t": "env_read", "names": env_read})
         setup_state = session._setupstate  # pytest's own fixture stack (xdist's workers drive it alike)
         try:
             while not self.quit:

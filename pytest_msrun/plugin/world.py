@@ -28,10 +28,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pytest_msrun.control import wire
+from pytest_msrun.control.door import Admitted, Door, Tally
 from pytest_msrun.netaddr import rank_listener
 from pytest_msrun.plugin import envscope, rankmemory
 from pytest_msrun.plugin.forked import FORK_ENV
-from pytest_msrun.plugin.greeter import Greeter
 from pytest_msrun.plugin.job import JobRun, Launched, TestJob, TestPaths
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.outcomes import RankEnd
@@ -43,6 +44,7 @@ STUCK_CHECK = 0.25  # s between looks at the control plane while some ranks fini
 # s after the first rank finished before the first look: ranks of one test finish within
 # milliseconds of each other, and each look is a new authenticated connection to the control plane
 STUCK_FIRST_CHECK = 0.05
+HELLO_TIMEOUT = 10.0  # s a connection to a world's door may take to prove its token
 
 
 def world_key(spec: MsrunSpec, devices: int) -> tuple[Any, ...]:
@@ -173,7 +175,9 @@ class World:
         cluster_time_out: int,
         test_envs: dict[str, dict[str, str]] | None = None,
         memory: tuple[int, int] = (0, 0),
+        strangers: Tally | None = None,
     ) -> None:
+        """``strangers``: where the world's door counts who it dropped (the session's, for its summary)."""
         self.key = key
         self.memory = memory  # --msrun-leak-rss and --msrun-max-rss in bytes (0: off)
         self.template_rss: dict[int, int] = {}  # a forking world's templates after the last child
@@ -184,9 +188,9 @@ class World:
         self.test_envs = test_envs or {}
         self.env_read: set[str] = set()  # which of them a rank looked up while it collected
         self.token = os.urandom(16).hex()
-        # a Slurm step's ranks reach this host where srun ran (only the world's token is let in: Greeter)
-        self.server, address = rank_listener(steps=job.cluster is not None)
-        self.server.setblocking(False)
+        # a Slurm step's ranks reach this host where srun ran (only the world's token is let in)
+        server, address = rank_listener(steps=job.cluster is not None)
+        self.door = Door(server, token=self.token, kinds=("world",), timeout=HELLO_TIMEOUT, tally=strangers)
         env = {WORLD_ENV: address, WORLD_TOKEN_ENV: self.token}
         if self.forking:
             env[FORK_ENV] = "1"
@@ -212,9 +216,9 @@ class World:
 
     def connect(self, deadline: float) -> str:
         """Wait for every rank to connect; "" or why the world did not come up. Others who
-        connect meanwhile are strangers at the door (:class:`Greeter`), never the test's problem."""
+        connect meanwhile are strangers at the door (:class:`~pytest_msrun.control.door.Door`),
+        never the test's problem. Once every rank is in, the world listens no more."""
         self.claimed = self.claimed or time.time()
-        greeter = Greeter(self.server, self.token)
         held = self.job.debug.held()  # a breakpoint() while the ranks collect
         try:
             while len(self.channels) < len(self.ranks):
@@ -222,20 +226,37 @@ class World:
                     return "the world's msrun ended before every rank connected"
                 if time.monotonic() - (self.job.debug.held() - held) > deadline:
                     return "the world's ranks did not all connect in time"
-                for sock, rank, hello in greeter.serve(0.05):
-                    if rank in self.channels or rank not in self.ranks:
-                        sock.close()
-                        continue
-                    sock.setblocking(True)
-                    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                    self.channels[rank] = Channel(sock)
-                    read = hello.get("env_read")
-                    if isinstance(read, list):
-                        self.env_read.update(key for key in read if isinstance(key, str))
-            self.connected = True
-            return ""
+                for admitted in self.door.serve(0.05):
+                    self._admit(admitted)
+            return self._env_read(deadline + (self.job.debug.held() - held))
         finally:
-            greeter.close()
+            self.door.close()
+
+    def _admit(self, admitted: Admitted) -> None:
+        """A client that proved the world's token: the rank its hello names, unless taken."""
+        rank = admitted.hello.get("rank")
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank in self.channels or rank not in self.ranks:
+            admitted.sock.close()
+            return
+        admitted.sock.setblocking(True)
+        admitted.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        channel = Channel(admitted.sock)
+        channel.pending = admitted.messages + channel.frames.feed(admitted.rest)
+        self.channels[rank] = channel
+
+    def _env_read(self, deadline: float) -> str:
+        """Each rank's first message: which environment variables it read while it collected."""
+        for rank, channel in self.channels.items():
+            try:
+                msg = channel.recv(max(0.0, deadline - time.monotonic()))
+            except (OSError, ValueError, wire.ProtocolError):
+                return f"rank {rank} did not say what it read while it collected"
+            names = msg.get("names")
+            if msg.get("t") != "env_read" or not isinstance(names, list):
+                return f"rank {rank} did not say what it read while it collected"
+            self.env_read.update(name for name in names if isinstance(name, str))
+        self.connected = True
+        return ""
 
     def check(self) -> str:
         """Why this world can run no more tests ("" when it can): a rank gone, msrun ended."""
@@ -360,13 +381,13 @@ class World:
                     self.dead = "the world's job ended (a rank died)"
                     break
                 waiting = [rank for rank in live if rank not in replies and rank not in self.lost]
-                ready = [rank for rank in waiting if self.channels[rank].has_line()]
+                ready = [rank for rank in waiting if self.channels[rank].has_message()]
                 if not ready:
                     ready = [key.data for key, _ in sel.select(timeout=0.05)]
                 for rank in ready:
                     try:
                         reply = self.channels[rank].receive()
-                    except (OSError, ValueError):
+                    except (OSError, ValueError):  # a malformed frame: that rank is lost as if it left
                         reply = None
                     if reply is not None and reply.get("t") not in (answer, "missing", "unforkable"):
                         continue  # not the answer awaited (a line read ahead of it)
@@ -517,7 +538,7 @@ class World:
         for channel in self.channels.values():
             channel.close()
         self.channels.clear()
-        self.server.close()
+        self.door.close()
 
 
 def release_waiters(job: TestJob, ranks: list[int], finished: set[int], why: str) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from pytest_msrun.control.door import Tally
 from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.plugin import envscope
 from pytest_msrun.plugin.job import JobRun, TestPaths
@@ -88,6 +89,7 @@ class WorldPool:
         self.xdist_worker = xdist_worker  # xdist hands this process its items one by one
         self.cluster = cluster
         self.live: dict[tuple, World] = {}
+        self.strangers = Tally(time.monotonic())  # dropped at the worlds' doors, for the session's summary
         self.last_item: dict[tuple, pytest.Item] = {}  # each live world's last test
         self.expecting: dict[tuple, str | None] = {}  # the test each live world's fixtures were kept for
         self._keys: dict[str, tuple | None] = {}
@@ -281,7 +283,7 @@ class WorldPool:
                 if own:
                     test_envs[other.nodeid] = own
         cluster_time_out = max(1, min(600, int(self.jobs.timeout(spec))))
-        return World(key, job, lease, cluster_time_out, test_envs, memory=self.memory)
+        return World(key, job, lease, cluster_time_out, test_envs, memory=self.memory, strangers=self.strangers)
 
     def _connect(self, world: World, timeout: float) -> str:
         """Wait until every rank of ``world`` is there; "" or why not (the world is then stopped)."""
