@@ -13,7 +13,7 @@ import subprocess
 import pytest
 from conftest import Job, free_port, job_args
 
-SECRET = "0123456789abcdef" * 4
+SECRET = "7f3c9a01e4b85d26c0aa19f4e7b3d58216c9e07f4ab3d1e5"  # random hex: not guessable
 
 
 def _refused(job, needle: str) -> None:

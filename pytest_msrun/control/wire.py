@@ -4,12 +4,14 @@ A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON 
 object with a string field ``t`` (the message type). Before a peer has authenticated, frames
 are limited to :data:`HELLO_LIMIT` bytes; afterwards to :func:`message_limit`.
 
-Authentication is a challenge-response over the job's token, which never crosses the wire: the
-client's ``hello`` carries a nonce; the scheduler answers ``challenge`` with its own nonce and
-a proof that it knows the token; the client checks it and answers ``auth`` with its proof; the
-scheduler confirms with ``welcome`` (its pid and host). A recorded conversation does not let
-anyone open another connection, and a client knows it is in - not merely that it has spoken -
-before it relies on the connection (one dropped before the ``welcome`` is tried again).
+Authentication is a challenge-response over the listener's token, which never crosses the wire,
+served by the one door of every listener (:mod:`.door`): the client's ``hello`` carries a nonce;
+the server answers ``challenge`` with its own nonce - and nothing computed from the token; the
+client answers ``auth`` with its proof over both nonces; only then does the server prove it knows
+the token too, in its ``welcome``. A stranger who connects never sees a value it could test guesses
+of the token against offline; a recorded conversation does not let anyone open another connection;
+and a client knows it is in - not merely that it has spoken - before it relies on the connection
+(one dropped before the ``welcome`` is tried again).
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ class FrameBuffer:
 
 
 def token_ok(given: Any, expected: str) -> bool:
-    return isinstance(given, str) and compare_digest(given.encode(), expected.encode())
+    return isinstance(given, str) and given.isascii() and compare_digest(given.encode(), expected.encode())
 
 
 def new_nonce() -> str:
@@ -150,10 +152,43 @@ def hmac_sha256(key: bytes, msg: bytes) -> bytes:
     return sha256(bytes(b ^ 0x5C for b in key) + inner).digest()
 
 
+SECRET_MIN_CHARS = 16
+SECRET_MIN_DISTINCT = 8
+STRETCH_ROUNDS = 200_000  # PBKDF2-HMAC-SHA256 rounds turning a passphrase into a job's key
+_HEX = frozenset("0123456789abcdefABCDEF")
+
+
+def weakness(secret: str) -> str:
+    """Why ``secret`` is too weak to be a job's token or the secret it comes from ("" when it is
+    not): fewer than 16 characters, fewer than 8 different ones, or one short part repeated."""
+    if len(secret) < SECRET_MIN_CHARS:
+        return f"holds {len(secret)} characters, fewer than {SECRET_MIN_CHARS}"
+    distinct = len(set(secret))
+    if distinct < SECRET_MIN_DISTINCT:
+        return f"uses only {distinct} different characters"
+    for period in range(1, len(secret) // 2 + 1):
+        if secret == (secret[:period] * (len(secret) // period + 1))[: len(secret)]:
+            return f"repeats {secret[:period]!r}"
+    return ""
+
+
+def strengthen(secret: str) -> str:
+    """The key a secret stands for: a random key - 32 hex digits or more, as msrun makes them - as it
+    is; anything else, a passphrase, stretched (PBKDF2-HMAC-SHA256, :data:`STRETCH_ROUNDS` rounds;
+    ~0.1 s once per msrun), so that a handshake an eavesdropper recorded costs that much per guess."""
+    if len(secret) >= 32 and _HEX.issuperset(secret):
+        return secret
+    import hashlib
+
+    raw = secret.encode("utf-8", "surrogatepass")
+    return hashlib.pbkdf2_hmac("sha256", raw, b"msrun-passphrase-v1", STRETCH_ROUNDS).hex()
+
+
 def proof(token: str, role: str, client_nonce: str, server_nonce: str) -> str:
-    """HMAC-SHA256 of both nonces under the job's token, bound to who proves it."""
-    msg = "\0".join(("msrun-auth-v1", role, client_nonce, server_nonce)).encode()
-    return hmac_sha256(token.encode(), msg).hex()
+    """HMAC-SHA256 of both nonces under the token, bound to who proves it (a client's ``kind``, or
+    ``"server"``). Text that is not UTF-8 (a lone surrogate) is encoded as it is, never an error."""
+    msg = "\0".join(("msrun-auth-v2", role, client_nonce, server_nonce)).encode("utf-8", "surrogatepass")
+    return hmac_sha256(token.encode("utf-8", "surrogatepass"), msg).hex()
 
 
 class AuthError(ConnectionError):
@@ -200,41 +235,41 @@ class Channel:
         return self.sock.fileno()
 
     def handshake(self, hello: dict[str, Any], token: str, timeout: float) -> dict[str, Any]:
-        """Send ``hello``, answer the scheduler's challenge (when the job has a token) and wait for
-        its ``welcome``, which is returned.
+        """Send ``hello``, answer the server's challenge with this client's proof (when it has a
+        token), and check the proof in its ``welcome``, which is returned.
 
-        Raises :class:`AuthError` if the scheduler cannot prove it knows the token (someone else
-        is listening at that address) or refuses ours; ``socket.timeout`` or :class:`PeerClosed`
-        if it does not answer (a client dropped before its welcome may try again).
+        Raises :class:`AuthError` if the server refuses this client's proof (another token) or
+        cannot prove it knows the token (someone else listens at that address); ``socket.timeout``
+        or :class:`PeerClosed` if it does not answer (a client dropped before its welcome may try
+        again).
         """
         deadline = time.monotonic() + timeout
         nonce = new_nonce()
         self.send({**hello, "nonce": nonce})
-        if token:
-            self._challenge(hello, token, nonce, timeout)
+        reply = self._reply(deadline)
+        if not token:
+            if reply.get("t") != "welcome":
+                raise AuthError("the server asks for a token this client does not have (MSRUN_JOB_TOKEN is unset)")
+            return reply
+        server_nonce = reply.get("nonce")
+        if reply.get("t") != "challenge" or not isinstance(server_nonce, str):
+            raise AuthError("the server did not challenge this client (is it this job's?)")
+        self.send({"t": "auth", "proof": proof(token, str(hello.get("kind")), nonce, server_nonce)})
+        welcome = self._reply(deadline)
+        if welcome.get("t") != "welcome":
+            raise AuthError(f"the server answered {welcome.get('t')!r} instead of welcoming this client")
+        if not token_ok(welcome.get("proof"), proof(token, "server", nonce, server_nonce)):
+            raise AuthError(
+                "bad job token: the server at this address has a different one (MSRUN_JOB_TOKEN, "
+                "MSRUN_JOB_TOKEN_FILE or the msrun secret differ) - another job, or other secrets"
+            )
+        return welcome
+
+    def _reply(self, deadline: float) -> dict[str, Any]:
         reply = self.recv(max(0.0, deadline - time.monotonic()))
         if reply.get("t") == "refused":
             raise AuthError(str(reply.get("reason")))
-        if reply.get("t") != "welcome":
-            raise AuthError(f"the scheduler answered {reply.get('t')!r} instead of welcoming this client")
         return reply
-
-    def _challenge(self, hello: dict[str, Any], token: str, nonce: str, timeout: float) -> None:
-        reply = self.recv(timeout)
-        if reply.get("t") == "refused":
-            raise AuthError(str(reply.get("reason")))
-        server_nonce = reply.get("nonce")
-        if reply.get("t") != "challenge" or not isinstance(server_nonce, str):
-            raise AuthError("the scheduler did not authenticate itself (is it this job's?)")
-        server_ok = token_ok(reply.get("proof"), proof(token, "scheduler", nonce, server_nonce))
-        # Answer even when its proof is wrong, so a scheduler of another job logs the bad token;
-        # our proof is bound to both nonces and is of no use to anyone else.
-        self.send({"t": "auth", "proof": proof(token, str(hello.get("kind")), nonce, server_nonce)})
-        if not server_ok:
-            raise AuthError(
-                "bad job token: the scheduler at this address has a different one (MSRUN_JOB_TOKEN, "
-                "MSRUN_JOB_TOKEN_FILE or the msrun secret differ) - another job, or other secrets"
-            )
 
     def send(self, msg: dict[str, Any]) -> None:
         self.sock.settimeout(None)

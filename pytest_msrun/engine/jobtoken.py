@@ -17,6 +17,11 @@ others may read, that belongs to another user, or that cannot be read stops msru
 starts (:class:`TokenError`, as ssh refuses such a key file): a secret that may be known is no
 secret. Only where no secret exists at all (and none can be made) does the job run
 unauthenticated, and msrun says so loudly.
+
+A token or secret given by the user must not be guessable (:func:`wire.weakness`: at least 16
+characters, 8 different ones, no short part repeated); a passphrase - anything but 32 or more hex
+digits - is stretched into the job's key (:func:`wire.strengthen`), which is what the job's
+processes hold: a handshake recorded on the network costs an offline guesser that stretch per guess.
 """
 
 from __future__ import annotations
@@ -25,10 +30,13 @@ import os
 import stat
 from collections.abc import Mapping
 
+from pytest_msrun.control.wire import strengthen, weakness
+from pytest_msrun.fileio import unsafe_directory as _unsafe_directory
 from pytest_msrun.record import record
 
 TOKEN_ENV = "MSRUN_JOB_TOKEN"
 TOKEN_FILE_ENV = "MSRUN_JOB_TOKEN_FILE"
+RANDOM_HINT = "python -c 'import secrets; print(secrets.token_hex(32))'"
 
 
 class TokenError(ValueError):
@@ -48,11 +56,11 @@ def secret_path(env: Mapping[str, str]) -> str:
 
 
 def derive(secret: str, *identity: object) -> str:
-    """This job's token from a long-lived secret."""
+    """This job's token from a long-lived secret (a passphrase stretched first: :func:`wire.strengthen`)."""
     import hmac
 
     msg = "\0".join(["msrun-job-v1", *map(str, identity)]).encode()
-    return hmac.digest(secret.encode(), msg, "sha256").hex()[:32]
+    return hmac.digest(strengthen(secret).encode(), msg, "sha256").hex()[:32]
 
 
 SECRET_LIMIT = 4096  # bytes read from a secret file at most: a secret is one line
@@ -98,8 +106,9 @@ def _read_secret(path: str) -> tuple[str, str]:
         secret = raw.decode("utf-8").strip()
     except UnicodeDecodeError as exc:
         return "", f"is not UTF-8 text (byte {exc.start}); write a random hex secret into it, mode 600"
-    if len(secret) < 16:
-        return "", "holds fewer than 16 characters; write a long random secret into it (mode 600)"
+    weak = weakness(secret)
+    if weak:
+        return "", f"{weak}: a guessable secret; write a long random secret into it (mode 600): {RANDOM_HINT}"
     return secret, ""
 
 
@@ -114,30 +123,6 @@ def _kind(mode: int) -> str:
         if test(mode):
             return name
     return "not a plain file"
-
-
-def _unsafe_directory(path: str) -> str:
-    """Why a directory above ``path`` lets someone else replace it ("" when none does): each must
-    belong to this user or root and be writable by no one else - unless it is sticky (``/tmp``),
-    where others cannot rename or remove what is ours."""
-    uid = os.getuid()
-    directory = os.path.dirname(os.path.realpath(path))
-    while True:
-        try:
-            st = os.stat(directory)
-        except OSError as exc:
-            return f"its directory {directory} cannot be checked ({exc.strerror or exc})"
-        if st.st_uid not in (0, uid):
-            return f"its directory {directory} belongs to another user (uid {st.st_uid}), who could replace it"
-        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-            return (
-                f"its directory {directory} is writable by others (mode {st.st_mode & 0o777:o}), who could replace "
-                f"it; run: chmod go-w {directory}"
-            )
-        parent = os.path.dirname(directory)
-        if parent == directory:
-            return ""
-        directory = parent
 
 
 def user_secret(env: Mapping[str, str]) -> tuple[str, str]:
@@ -183,7 +168,10 @@ def job_token(
             given.encode("utf-8")
         except UnicodeEncodeError:  # bytes that are not UTF-8, as os.environ holds them
             raise TokenError(f"{TOKEN_ENV} is not UTF-8 text; set it to a random hex secret") from None
-        return JobToken(given, TOKEN_ENV)
+        weak = weakness(given)
+        if weak:
+            raise TokenError(f"{TOKEN_ENV} {weak}: a guessable token; set it to a long random secret: {RANDOM_HINT}")
+        return JobToken(strengthen(given), TOKEN_ENV)
     identity: tuple[object, ...] = (master_port, worker_num, scope) if scope else (master_port, worker_num)
     path = env.get(TOKEN_FILE_ENV, "")
     if path:
