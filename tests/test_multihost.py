@@ -158,3 +158,62 @@ def test_partition_ends_every_node_within_the_heartbeat_timeout(msrun, netlab2):
     assert "no heartbeat" in a.stderr, a.stderr
     assert "Lost the scheduler" in b.stderr and "heartbeat" in b.stderr, b.stderr
     _assert_nothing_left(msrun, netlab2)
+
+
+MINDSPORE_TASK = """
+import socket
+import mindspore as ms
+from mindspore.communication import get_group_size, get_rank, init
+ms.set_device("CPU")
+init()
+print(f"mindspore rank {get_rank()}/{get_group_size()} on {socket.gethostname()}", flush=True)
+import os, time
+while not os.path.exists(os.environ["STOP_FILE"]):
+    time.sleep(0.05)
+"""
+
+# A stranger on node2 (not a process of the job there): MindSpore's magic, held open, then garbage.
+STRANGER = """
+import socket, sys, time
+held = []
+for i in range(30):
+    s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=10)
+    s.sendall(b"RPC" + bytes(i))
+    held.append(s)
+time.sleep(float(sys.argv[3]))
+print("sent", len(held), flush=True)
+"""
+
+
+@pytest.mark.mindspore
+def test_mindspore_workers_of_both_hosts_are_relayed_and_a_strangers_are_not(msrun, netlab2):
+    """MindSpore's RPC has no authentication: a connection speaking it from node2 is relayed only
+    when node2's msrun vouches that a process of its job holds it. The job's own MindSpore workers
+    on both hosts form their group; a stranger's connections from node2 are dropped and counted,
+    and the job ends 0 on both nodes."""
+    import sys
+
+    msrun.script("task.py", MINDSPORE_TASK)
+    port = free_port()
+    stop = msrun.cwd / "stop"
+    env = {"MSRUN_JOB_TOKEN": uuid.uuid4().hex, "STOP_FILE": str(stop)}
+    first = _start(msrun, netlab2, 1, port, netlab2.address(1), env, "logs1")
+    sched = msrun.cwd / "logs1" / "scheduler.log"
+    wait_for(lambda: sched.exists() and "listening" in sched.read_text(), 60)
+    second = _start(msrun, netlab2, 2, port, netlab2.address(1), env, "logs2")
+    logs = [msrun.cwd / d / f"worker_{r}.log" for r, d in ((0, "logs1"), (1, "logs1"), (2, "logs2"), (3, "logs2"))]
+    wait_for(lambda: all(p.exists() and "mindspore rank" in p.read_text() for p in logs), 180)
+    attack = netlab2.run(2, [sys.executable, "-c", STRANGER, netlab2.address(1), str(port), "6"], timeout=60)
+    assert attack.stdout.strip() == "sent 30", attack.stderr
+    stop.touch()
+    a, b = _finish(msrun, first, "logs1", timeout=120), _finish(msrun, second, "logs2", timeout=120)
+    log = sched.read_text()
+    assert (a.returncode, b.returncode) == (0, 0), a.stderr + b.stderr + log[-3000:]
+    for rank, path in enumerate(logs):
+        assert f"mindspore rank {rank}/4 on node" in path.read_text()
+    import re
+
+    said = re.search(rf"dropped \d+ connection\(s\) from {re.escape(netlab2.address(2))} in .*", log)
+    assert said and "30 MindSpore-protocol client its node's msrun does not know as this job's" in said.group(0), log
+    assert "Traceback" not in log
+    _assert_nothing_left(msrun, netlab2)

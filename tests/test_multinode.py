@@ -13,6 +13,8 @@ from conftest import FAULTY, free_port, read_status, wait_for
 
 from pytest_msrun.control import wire
 
+STRONG = "multinode-test-token-0123456789"  # a token the weakness rule accepts
+
 
 def _node(msrun, port, local, total, extra=(), env=None, script="env_dump.py"):
     args = [
@@ -146,7 +148,7 @@ def test_oversubscribing_node_is_refused(msrun, env_dump):
 
 def test_bad_token_is_refused_and_the_job_goes_on(msrun, env_dump):
     port = free_port()
-    a = _node(msrun, port, 2, 4, env={"MSRUN_JOB_TOKEN": "secret"})
+    a = _node(msrun, port, 2, 4, env={"MSRUN_JOB_TOKEN": STRONG})
     _wait_listening(msrun)
     bad = msrun.run(
         [
@@ -157,12 +159,12 @@ def test_bad_token_is_refused_and_the_job_goes_on(msrun, env_dump):
             "--log_dir=bad",
             "env_dump.py",
         ],
-        env={"MSRUN_JOB_TOKEN": "wrong"},
+        env={"MSRUN_JOB_TOKEN": "a-different-strong-token-0123"},
         log_dir="bad",
     )
     assert bad.returncode == 1
     assert "refused this node: bad job token" in bad.stderr
-    b = _node(msrun, port, 2, 4, env={"MSRUN_JOB_TOKEN": "secret"})
+    b = _node(msrun, port, 2, 4, env={"MSRUN_JOB_TOKEN": STRONG})
     assert msrun.finish(a).returncode == 0 and msrun.finish(b).returncode == 0
     assert sorted(int(d["RANK_ID"]) for d in msrun.dumps()) == [0, 1, 2, 3]
 
@@ -243,9 +245,10 @@ def _scripted_scheduler(server: socket.socket, token: str, together: bool, said:
         channel = wire.Channel(conn)
         hello = channel.recv(30)
         nonce = wire.new_nonce()
-        channel.send({"t": "challenge", "nonce": nonce, "proof": wire.proof(token, "scheduler", hello["nonce"], nonce)})
+        channel.send({"t": "challenge", "nonce": nonce})
         channel.recv(30)  # the node's proof
-        welcome = wire.encode({"t": "welcome", "pid": 0, "host": "elsewhere", "now": time.time()})
+        proof = wire.proof(token, "server", hello["nonce"], nonce)
+        welcome = wire.encode({"t": "welcome", "proof": proof, "pid": 0, "host": "elsewhere", "now": time.time()})
         assign = wire.encode({"t": "assign", "offset": 2, "node_index": 1, "node_count": 2, "job_id": "scripted"})
         if together:  # read by the node's handshake with its welcome
             conn.sendall(welcome + assign)
@@ -269,9 +272,11 @@ def test_an_assignment_sent_with_the_welcome_starts_the_node(msrun, env_dump, to
     with socket.create_server(("127.0.0.1", 0)) as server:
         port = server.getsockname()[1]
         said: list[str] = []
-        thread = threading.Thread(target=_scripted_scheduler, args=(server, "tok", together, said), daemon=True)
+        thread = threading.Thread(
+            target=_scripted_scheduler, args=(server, wire.strengthen(STRONG), together, said), daemon=True
+        )
         thread.start()
-        node = _node(msrun, port, 2, 4, env={"MSRUN_JOB_TOKEN": "tok"})
+        node = _node(msrun, port, 2, 4, env={"MSRUN_JOB_TOKEN": STRONG})
         job = msrun.finish(node, timeout=60)
         thread.join(timeout=10)
     assert job.returncode == 0, job.stderr

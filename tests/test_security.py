@@ -83,9 +83,8 @@ def test_the_formerly_public_token_opens_no_job(msrun, tmp_path):
     wait_running(msrun.cwd / "logs", 1, "msrun_status_node0.json")
     old = hashlib.sha256(f"msrun:127.0.0.1:{port}:2".encode()).hexdigest()[:32]
     forged = wire.Channel.connect("127.0.0.1", port, timeout=5)
-    with pytest.raises(wire.AuthError):
+    with pytest.raises(wire.AuthError, match="bad job token"):  # the control plane's refusal
         forged.handshake({**AGENT, "pid": 1}, old, 5)
-    assert forged.recv(5)["t"] == "refused"
     stop.touch()
     jobs = [msrun.finish(n, timeout=60) for n in nodes]
     assert [j.returncode for j in jobs] == [0, 0], [j.stderr for j in jobs]
@@ -153,7 +152,7 @@ def test_another_user_can_neither_read_the_token_nor_join_nor_abort(msrun):
     stop.touch()
     jobs = [msrun.finish(n, timeout=90) for n in nodes]
     assert [j.returncode for j in jobs] == [0, 0], [j.stderr for j in jobs]
-    assert "belongs to another user" in (msrun.cwd / "logs" / "scheduler.log").read_text()
+    assert "MindSpore-protocol client of another user" in (msrun.cwd / "logs" / "scheduler.log").read_text()
     record("another user: read token / join / abort", "denied, job exit 0", "")
 
 
@@ -312,7 +311,7 @@ def test_a_flood_of_complete_hellos_during_init_costs_the_job_nothing(msrun):
     sent = [0]
 
     def flood() -> None:
-        hello = wire.encode({"t": "hello", "kind": "rank", "rank": 0, "world": 4, "nonce": "n" * 32})
+        hello = wire.encode({"t": "hello", "kind": "rank", "rank": 0, "world": 4, "nonce": "ab" * 16})
         held = []
         while not stop.is_set():
             try:
@@ -338,9 +337,10 @@ def test_a_flood_of_complete_hellos_during_init_costs_the_job_nothing(msrun):
     for rank in range(4):
         assert "finished" in job.log(f"worker_{rank}.log")
     # what the control plane did about it is on the console and in the status file, not only its log
-    assert "Control plane: dropped " in job.stderr and "unauthenticated connection(s)" in job.stderr
+    assert "Control plane: dropped " in job.stderr and "connection(s) from 127.0.0.1" in job.stderr
     status = json.loads((job.log_dir / "msrun_status.json").read_text())
     assert status["notices"] and all(n.startswith("dropped ") for n in status["notices"])
+    assert len(status["notices"]) <= 2, status["notices"]  # summed up, not a line per connection
     record("a flood of complete hellos during init() of 4 ranks", "job exit 0", f"{sent[0]} hellos")
 
 
@@ -348,7 +348,7 @@ def test_a_client_with_a_wrong_token_is_said_on_every_nodes_console(msrun):
     msrun.script("slow.py", SLOW)
     port = free_port()
     stop = msrun.cwd / "stop"
-    env = {"STOP_FILE": str(stop), "MSRUN_JOB_TOKEN": "the-right-token"}
+    env = {"STOP_FILE": str(stop), "MSRUN_JOB_TOKEN": "the-right-token-0123456789"}
     nodes = two_nodes(msrun, port, env)
     statuses = [msrun.cwd / "logs" / "msrun_status_node0.json", msrun.cwd / "logs2" / "msrun_status_node1.json"]
     wait_for(lambda: all(p.exists() for p in statuses), timeout=60)
@@ -360,8 +360,8 @@ def test_a_client_with_a_wrong_token_is_said_on_every_nodes_console(msrun):
     jobs = [msrun.finish(p) for p in nodes]
     for job, path in zip(jobs, statuses):
         assert job.returncode == 0, job.stderr
-        said = "dropped 1 unauthenticated connection(s) (1 so far): refused: bad job token"
-        assert f"Control plane: {said}" in job.stderr
+        said = "dropped 1 connection(s) from 127.0.0.1 in "
+        assert f"Control plane: {said}" in job.stderr and "1 refused: bad token" in job.stderr
         assert any(n.startswith(said) for n in json.loads(path.read_text())["notices"])
 
 

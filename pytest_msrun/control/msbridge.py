@@ -12,9 +12,9 @@ The MindSpore scheduler waits for its workers without a topology timeout of its 
 apply ``MS_TOPO_TIMEOUT``); it is stopped when the job ends, and if it exits with an error while the
 job runs, the job is aborted with its reason.
 
-:class:`MindSporeRelay` is the scheduler's side: it decides whether a MindSpore-protocol client may
-be served at all (MindSpore's protocol has no authentication: only this user's processes on this
-host, or the job's nodes), and pairs each such client with its own connection upstream.
+:class:`MindSporeRelay` is the scheduler's side: it pairs each MindSpore-protocol client - once
+shown to be this job's own process (:mod:`.foreign`: MindSpore's protocol has no authentication) -
+with its own connection upstream.
 
 Imported by the scheduler process only when needed; standard library only.
 """
@@ -32,13 +32,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 MS_SCHED_STUB = "import sys; from mindspore.communication import init; init(); sys.exit(0)"
-MAGIC = b"RPC"  # every MindSpore RPC message starts with it
 MAX_BUFFERED = 64 * 1024 * 1024
-
-
-def looks_like_mindspore(first_bytes: bytes) -> bool:
-    """Whether a connection's first bytes are a MindSpore RPC message (not one of our frames)."""
-    return first_bytes[: len(MAGIC)] == MAGIC
 
 
 def _pdeathsig_setter() -> Any:
@@ -92,9 +86,11 @@ stub = subprocess.Popen([sys.executable, "-c", sys.argv[2]], env=env, stdin=subp
                         preexec_fn=lambda: libc.prctl(1, int(signal.SIGKILL), 0, 0, 0))
 signal.signal(signal.SIGTERM, lambda *a: stub.terminate())
 say("ok %d" % port)
+poller = select.poll()
+poller.register(chan, select.POLLIN)
 while stub.poll() is None:
     try:
-        ready = select.select([chan], [], [], 0.1)[0]
+        ready = poller.poll(100)
     except InterruptedError:
         continue
     if not ready:
@@ -305,37 +301,15 @@ class MindSporeBridge:
 
 
 class MindSporeRelay:
-    """The scheduler's relay of MindSpore-protocol connections (``kind`` ``foreign`` <-> ``upstream``)."""
+    """The scheduler's relay of MindSpore-protocol connections (``kind`` ``foreign`` <-> ``upstream``),
+    each shown to be this job's first (:mod:`.foreign`)."""
 
-    def __init__(self, transport: Any, env: dict[str, str], log: Any, node_ips: Any) -> None:
+    def __init__(self, transport: Any, env: dict[str, str], log: Any) -> None:
         self.transport = transport
         self.bridge = MindSporeBridge(env, log)
-        self.node_ips = node_ips  # () -> the addresses of this job's nodes
-
-    def refusal(self, conn: Any) -> str:
-        """Why a MindSpore-looking client is not one of this job's processes ("" if it may be)."""
-        from pytest_msrun.netaddr import is_local_address, local_peer_uid
-
-        try:
-            peer_ip = conn.sock.getpeername()[0]
-        except OSError:
-            return "it is gone"
-        if is_local_address(peer_ip.split("%", 1)[0]):
-            uid = local_peer_uid(conn.sock)
-            if uid is None:
-                return "its owner cannot be told"
-            import os
-
-            return "" if uid == os.getuid() else f"it belongs to another user (uid {uid})"
-        if peer_ip in self.node_ips():
-            return ""
-        return f"{peer_ip} is not one of this job's nodes"
 
     def adopt(self, conn: Any) -> None:
-        """Relay ``conn`` (its first bytes are in ``conn.head``) to the MindSpore scheduler."""
-        conn.pending += conn.head or b""
-        conn.head = None
-        self.transport.pending.pop(conn, None)
+        """Relay ``conn`` (the bytes it sent so far are in ``conn.pending``) to the MindSpore scheduler."""
         self.bridge.adopt(conn)
         self.connect_waiting()
 
@@ -350,8 +324,7 @@ class MindSporeRelay:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except OSError:
             pass
-        up = Conn(sock, "MindSpore scheduler", self.transport.clock.now)
-        up.kind, up.head = "upstream", None
+        up = Conn(sock, "MindSpore scheduler", self.transport.clock.now, "upstream", self.transport.limit)
         up.pair, client.pair = client, up
         self.transport.adopt(sock, up)
         up.out += client.pending

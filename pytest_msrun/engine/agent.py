@@ -455,6 +455,11 @@ class Agent(ProcessStarting, JobEnding):
         kind = msg.get("t")
         if kind == "notice":
             self._notice(str(msg.get("text", ""))[:2000])
+        elif kind == "vouch":  # is a MindSpore-protocol client of this node one of this job's processes?
+            from pytest_msrun.control.foreign import vouch
+
+            if self.link is not None:
+                self.link.send(vouch(msg, os.getpid()))
         elif kind == "progress":
             if msg.get("done"):
                 self.status_line.clear()
