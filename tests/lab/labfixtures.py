@@ -4,10 +4,14 @@ Loaded by ``tests/conftest.py`` (``pytest_plugins``), which puts ``tests/lab`` o
 
 - ``netlab2``: a :class:`netlab.NetLab` of two nodes (``node1``, ``node2``), up for the session.
 - ``slurm_lab``: a :class:`slurmlab.SlurmLab` of two nodes; clients run with ``slurm_lab.env()``.
+- ``user_lab``: a :class:`users.UserLab`: two throwaway local accounts, a victim and an attacker;
+  ``victim_dir``: a new directory of the victim's for one test (every process of both accounts is
+  killed when the test ends).
 
-Both are torn down (verified: no namespace, link, process or file left) at the end of the session;
-a leak fails the teardown. Tests using them carry ``@pytest.mark.netns`` / ``@pytest.mark.slurm``,
-which skip with the reason where the lab cannot run (or fail under ``MSRUN_TEST_REQUIRE``).
+All are torn down (verified: no namespace, link, account, process or file left) at the end of the
+session; a leak fails the teardown. Tests using them carry ``@pytest.mark.netns``,
+``@pytest.mark.slurm`` or ``@pytest.mark.users``, which skip with the reason where the lab cannot
+run (or fail under ``MSRUN_TEST_REQUIRE``).
 """
 
 from __future__ import annotations
@@ -15,10 +19,13 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from netlab import NetLab, unusable_reason
 from slurmlab import INSTALL_ENV, SlurmLab, install_requested, missing_commands
+from users import UserLab
+from users import unusable_reason as users_unusable_reason
 
 
 @functools.cache
@@ -39,8 +46,14 @@ def slurm_reason() -> str | None:
     return netns_reason()
 
 
+@functools.cache
+def users_reason() -> str | None:
+    """Why the ``users`` tier cannot run here (not root, useradd/userdel or setpriv/runuser missing)."""
+    return users_unusable_reason()
+
+
 # tier -> probe returning a reason to skip, or None (tests/conftest.py applies them).
-LAB_TIERS = {"netns": netns_reason, "slurm": slurm_reason}
+LAB_TIERS = {"netns": netns_reason, "slurm": slurm_reason, "users": users_reason}
 
 
 @pytest.fixture(scope="session")
@@ -67,3 +80,32 @@ def slurm_lab() -> Iterator[SlurmLab]:
         yield lab
     finally:
         lab.down()
+
+
+@pytest.fixture(scope="session")
+def user_lab() -> Iterator[UserLab]:
+    """Two throwaway local accounts, ``user_lab.victim`` and ``user_lab.attacker`` (tests/lab/users.py)."""
+    reason = users_reason()
+    if reason:
+        pytest.skip(reason)
+    lab = UserLab().up()
+    try:
+        yield lab
+    finally:
+        lab.down()
+
+
+@pytest.fixture
+def victim_dir(user_lab: UserLab, request: pytest.FixtureRequest) -> Iterator[Path]:
+    """A new directory of the victim's (mode 0700, in its home) to run its commands in; when the
+    test ends, every process of both accounts is killed (the attacker's first)."""
+    import re
+    import secrets
+
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", request.node.name)[:60]
+    path = user_lab.victim.mkdir(user_lab.victim.home / f"{name}-{secrets.token_hex(3)}")
+    try:
+        yield path
+    finally:
+        left = user_lab.attacker.kill_all() + user_lab.victim.kill_all()
+        assert not left, f"processes of the test accounts survived SIGKILL: {left}"
