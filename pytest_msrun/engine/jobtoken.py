@@ -31,6 +31,7 @@ import stat
 from collections.abc import Mapping
 
 from pytest_msrun.control.wire import strengthen, weakness
+from pytest_msrun.fileio import describe_kind
 from pytest_msrun.fileio import unsafe_directory as _unsafe_directory
 from pytest_msrun.record import record
 
@@ -75,14 +76,15 @@ def _read_secret(path: str) -> tuple[str, str]:
     try:
         mode = os.stat(path).st_mode
         if not stat.S_ISREG(mode):  # a socket cannot even be opened: say what it is
-            return "", f"is not a regular file ({_kind(mode)}); write the secret into a file of yours, mode 600"
+            return "", f"is not a regular file ({describe_kind(mode)}); write the secret into a file of yours, mode 600"
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except OSError as exc:
         return "", f"cannot be read ({exc.strerror or exc}); make it a file of yours: chmod 600 {path}"
     try:
         st = os.fstat(fd)  # what is read is what is checked, whatever was swapped in meanwhile
         if not stat.S_ISREG(st.st_mode):
-            return "", f"is not a regular file ({_kind(st.st_mode)}); write the secret into a file of yours, mode 600"
+            kind = describe_kind(st.st_mode)
+            return "", f"is not a regular file ({kind}); write the secret into a file of yours, mode 600"
         if st.st_uid != os.getuid():
             return "", f"belongs to another user (uid {st.st_uid}); use a file of your own, mode 600"
         if st.st_mode & 0o077:
@@ -110,19 +112,6 @@ def _read_secret(path: str) -> tuple[str, str]:
     if weak:
         return "", f"{weak}: a guessable secret; write a long random secret into it (mode 600): {RANDOM_HINT}"
     return secret, ""
-
-
-def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISDIR, "a directory"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISSOCK, "a socket"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-    ):
-        if test(mode):
-            return name
-    return "not a plain file"
 
 
 def user_secret(env: Mapping[str, str]) -> tuple[str, str]:

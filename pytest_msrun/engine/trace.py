@@ -69,7 +69,9 @@ class TraceObserver:
         self.outbox: list[dict[str, Any]] = []  # not the writer: events not sent yet
         self.started = time.time()
         base = os.path.basename(path)
-        self.spool = os.path.join(os.path.dirname(path), f".{base}.spool-{job_id[:16]}-{os.getpid()}")
+        # an unguessable name: in a sticky directory another user cannot make it first
+        spool = f".{base}.spool-{job_id[:16]}-{os.getpid()}-{os.urandom(4).hex()}"
+        self.spool = os.path.join(os.path.dirname(path), spool)
         private_dir(self.spool)
         self.recorder: tracelog.Recorder | None = tracelog.Recorder(os.path.join(self.spool, "msrun.jsonl"))
         self.broken = False
