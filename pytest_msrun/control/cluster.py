@@ -79,7 +79,6 @@ class CollectiveDeadlock(ClusterError):
 
 OP_NAMES = {"barrier": "barrier", "gather": "all_gather", "bcast": "broadcast"}
 API_NAMES = {"barrier": "barrier", "gather": "all_gather_object", "bcast": "broadcast_object"}
-LIMIT_VARIABLE = "MSRUN_MAX_MESSAGE_BYTES"
 
 
 def frame_bytes(msg: dict[str, Any], raw: int) -> int:
@@ -154,8 +153,8 @@ class _Group:
         if size > limit:
             raise ClusterError(
                 f"{API_NAMES.get(op, op)} on rank {self.rank}: this rank's object pickles to {len(data)} bytes, a "
-                f"message of {size} bytes, over the limit of {limit} bytes ({LIMIT_VARIABLE}); send less, or raise "
-                f"{LIMIT_VARIABLE} in msrun's environment (every process of the job reads it)"
+                f"message of {size} bytes, over the limit of {limit} bytes ({wire.LIMIT_ENV}); send less, or raise "
+                f"{wire.LIMIT_ENV} in msrun's environment (every process of the job reads it)"
             )
         msg["data"] = wire.pack_data(data)
         return msg

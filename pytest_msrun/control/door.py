@@ -92,7 +92,6 @@ class Tally:
         self.totals: dict[str, int] = {}
         self.window: dict[str, dict[str, int]] = {}
         self.since = now
-        self.said = 0  # lines of summary given
 
     def add(self, ip: str, why: str) -> None:
         self.totals[why] = self.totals.get(why, 0) + 1
@@ -115,7 +114,6 @@ class Tally:
             count = sum(sum(c.values()) for _, c in rest)
             lines.append(f"dropped {count} connection(s) from {len(rest)} other address(es) in {span} s")
         self.window, self.since = {}, now
-        self.said += len(lines)
         return lines
 
 
@@ -161,7 +159,6 @@ class Door:
         self.by_ip: dict[str, dict[Stranger, None]] = {}
         self.by_sock: dict[int, Stranger] = {}
         self.tally = tally if tally is not None else Tally(now())  # shared by the doors of one owner
-        self.shed = 0
         self.paused_until = 0.0
         self.closed = False
         listener.setblocking(False)
@@ -286,7 +283,6 @@ class Door:
             if oldest in group:
                 victim = oldest
         if victim is not None:
-            self.shed += 1
             if victim.lingering:
                 self._close(victim)
             else:

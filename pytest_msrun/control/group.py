@@ -29,6 +29,7 @@ can be tested directly, and read in one place:
 from __future__ import annotations
 
 from pytest_msrun.control.calls import CallStates, op_name, short
+from pytest_msrun.control.wire import LIMIT_ENV
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -37,7 +38,6 @@ if TYPE_CHECKING:
     Sends = list[tuple[list[int], dict[str, Any]]]
 
 COLLECTIVE_OPS = ("barrier", "gather", "bcast")
-LIMIT_VARIABLE = "MSRUN_MAX_MESSAGE_BYTES"  # what sets the message limit (see wire.message_limit)
 
 
 def json_bytes(part: str | None) -> int:
@@ -283,7 +283,7 @@ class RankGroup:
             return ""
         return (
             f"its result, every rank's object together, is a message of {size} bytes, over the limit of "
-            f"{self.limit} bytes ({LIMIT_VARIABLE}); gather less, or raise {LIMIT_VARIABLE} in msrun's environment"
+            f"{self.limit} bytes ({LIMIT_ENV}); gather less, or raise {LIMIT_ENV} in msrun's environment"
         )
 
     # ---------------------------------------------------------------- collectives that cannot complete

@@ -59,7 +59,6 @@ if TYPE_CHECKING:
 
 TIMER_INTERVAL = 0.05  # how often deadlines are checked (seconds)
 PROGRESS_INTERVAL = 0.25  # how often the nodes hear how far the job has formed (for a live status line)
-NOTICE_INTERVAL = 1.0  # dropped connections are summed up on the nodes' consoles at most this often
 MAX_LOOP_FAULTS = 20  # the loop's own work failing this many turns in a row ends the job, naming the error
 
 

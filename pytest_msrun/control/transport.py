@@ -20,7 +20,7 @@ import time
 
 from pytest_msrun.control import wire
 from pytest_msrun.control.clock import ConfigError, LoopClock, env_seconds
-from pytest_msrun.control.door import PENDING_FLOOR, Admitted, Door
+from pytest_msrun.control.door import Admitted, Door
 from pytest_msrun.control.wire import AGENT_FD_ENV
 
 TYPE_CHECKING = False
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
         def on_relay(self, conn: Conn, data: bytes) -> None: ...
 
 
-__all__ = ["AGENT_FD_ENV", "PENDING_FLOOR", "ConfigError", "Conn", "LoopClock", "Transport", "env_seconds"]
+__all__ = ["AGENT_FD_ENV", "ConfigError", "Conn", "LoopClock", "Transport", "env_seconds"]
 
 MINDSPORE_MAGIC = b"RPC"  # the first bytes of every MindSpore RPC message (see msbridge)
 CLIENT_KINDS = ("agent", "rank", "observer")  # authenticated clients of our own protocol
@@ -122,12 +122,18 @@ class Transport:
             max_pending=max_pending,
             selector=self.sel,
             now=lambda: self.clock.now,
-            welcome=lambda hello: {"pid": os.getpid(), "host": _socket.gethostname(), "now": time.time()},
+            welcome=lambda hello: self.welcome(),
             foreign=MINDSPORE_MAGIC,
             refusal="bad job token (this client's MSRUN_JOB_TOKEN or secret differs from this job's)",
         )
         self.conns: dict[int, Conn] = {}
         self.limit = wire.message_limit()
+
+    @staticmethod
+    def welcome() -> dict[str, Any]:
+        """What a client's welcome says of this process: its pid and host, and its clock's time (from
+        which a client estimates its own clock's offset)."""
+        return {"pid": os.getpid(), "host": _socket.gethostname(), "now": time.time()}
 
     # ---------------------------------------------------------------- sending
     def send(self, conn: Conn, msg: dict[str, Any] | bytes) -> None:
@@ -300,7 +306,7 @@ class Transport:
                         self.drop(conn, "msrun's socketpair did not open with an agent's hello")
                         return
                     conn.kind = "agent"
-                    self.send(conn, {"t": "welcome", "pid": os.getpid(), "host": _socket.gethostname()})
+                    self.send(conn, {"t": "welcome", **self.welcome()})
                     self.handler.on_hello(conn, msg)
                 else:
                     self.handler.on_message(conn, msg)

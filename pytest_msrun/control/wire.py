@@ -37,6 +37,7 @@ HEADER = struct.Struct(">I")
 HELLO_LIMIT = 16 * 1024  # the largest frame a client may send before it authenticated
 HELLO_DEPTH = 4  # the deepest nesting of arrays and objects in a frame before it authenticated
 DEFAULT_MESSAGE_LIMIT = 64 * 1024 * 1024
+LIMIT_ENV = "MSRUN_MAX_MESSAGE_BYTES"  # what sets the message limit (read by every process of a job)
 
 
 class ProtocolError(Exception):
@@ -49,7 +50,7 @@ class PeerClosed(ConnectionError):
 
 def message_limit() -> int:
     try:
-        return max(HELLO_LIMIT, int(os.environ.get("MSRUN_MAX_MESSAGE_BYTES", DEFAULT_MESSAGE_LIMIT)))
+        return max(HELLO_LIMIT, int(os.environ.get(LIMIT_ENV, DEFAULT_MESSAGE_LIMIT)))
     except ValueError:
         return DEFAULT_MESSAGE_LIMIT
 
@@ -90,17 +91,13 @@ def decode(body: bytes, strict: bool = False) -> dict[str, Any]:
 class FrameBuffer:
     """Accumulates bytes from a non-blocking socket and yields complete messages.
 
-    ``strict`` until the peer authenticated (a server's view of a new client): frames are parsed
-    as a stranger's (:func:`decode`); :meth:`trust` lifts that and the size limit."""
+    ``strict`` for a peer that has not authenticated (a server's view of a new client): frames are
+    parsed as a stranger's (:func:`decode`)."""
 
     def __init__(self, limit: int = HELLO_LIMIT, strict: bool = False) -> None:
         self.buf = bytearray()
         self.limit = limit
         self.strict = strict
-
-    def trust(self, limit: int) -> None:
-        self.limit = limit
-        self.strict = False
 
     def feed(self, data: bytes) -> list[dict[str, Any]]:
         self.buf += data

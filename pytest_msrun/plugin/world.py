@@ -249,7 +249,7 @@ class World:
         for rank, channel in self.channels.items():
             try:
                 msg = channel.recv(max(0.0, deadline - time.monotonic()))
-            except (OSError, ValueError, wire.ProtocolError):
+            except (OSError, wire.ProtocolError):
                 return f"rank {rank} did not say what it read while it collected"
             names = msg.get("names")
             if msg.get("t") != "env_read" or not isinstance(names, list):
