@@ -26,6 +26,7 @@ processes; the trace must load and hold every rank's lane.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import resource
@@ -37,7 +38,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interpreter, machine, pmsrun, seconds  # noqa: E402
+from common import interpreter, job_port, machine, pmsrun, seconds  # noqa: E402
 
 RANK = """
 import os, sys, time
@@ -63,6 +64,7 @@ RATIO_TARGET = 2.0
 RATIO_AT = 512  # ranks: the size the ratio target is for (every size must exit 0)
 TRACE_TARGET = 0.02  # tracing's cost, as a share of the job's wall time
 TRACE_AT = 256
+JOB_DEADLINE = 120.0  # seconds (plus 0.2 s a rank) before a job counts as hung and is stopped
 CPU: dict[str, float] = {}  # job tag -> CPU seconds (user + system) of all its processes
 
 
@@ -78,6 +80,39 @@ def floor(python: str, env: dict[str, str], scratch: Path, n: int, nodes: int) -
     return time.perf_counter() - t0
 
 
+def wait_all(procs: list[subprocess.Popen[bytes]], deadline: float, scratch: Path, tag: str) -> list[int]:
+    """Every msrun's exit status; one still running at ``deadline`` (a hung job) is stopped -
+    SIGTERM, which it passes to its processes, then SIGKILL - and the bench fails, showing the
+    end of every log the job wrote."""
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(0.0, deadline - time.perf_counter())))
+        except subprocess.TimeoutExpired:
+            break
+    else:
+        return codes
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    raise SystemExit(f"the job {tag} hung: stopped after {JOB_DEADLINE:.0f} s and more\n{tails(scratch, tag)}")
+
+
+def tails(scratch: Path, tag: str) -> str:
+    """The end of each msrun's console and of every log the job ``tag`` wrote."""
+    out = []
+    for log in sorted([*scratch.glob(f"console-{tag}-*.txt"), *scratch.glob(f"logs-{tag}-*/*.log")]):
+        lines = log.read_text(errors="replace").splitlines()[-15:]
+        out.append(f"--- {log.relative_to(scratch)} (last {len(lines)} lines)\n" + "\n".join(lines))
+    return "\n".join(out)
+
+
 def check_trace(path: Path, n: int) -> None:
     import json
 
@@ -91,11 +126,7 @@ def check_trace(path: Path, n: int) -> None:
 def job(
     python: str, env: dict[str, str], scratch: Path, n: int, nodes: int, tag: str, node_rank: bool, trace: bool = False
 ) -> tuple[float, float]:
-    from socket import socket
-
-    with socket() as s:  # a free port for the scheduler (nodes find it by --master_port)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = job_port()  # nodes find the scheduler by --master_port
     stamps = scratch / f"stamps-{tag}"
     stamps.mkdir()
     job_env = {**env, "STAMPS": str(stamps), "MSRUN_JOB_TOKEN": os.urandom(16).hex()}
@@ -106,26 +137,28 @@ def job(
     cmd += [f"--master_port={port}", "--join=True", "--cluster_time_out=600"]
     r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    procs = [
-        subprocess.Popen(
-            [
-                *cmd,
-                f"--log_dir={scratch / f'logs-{tag}-{i}'}",
-                *([f"--node_rank={i}"] if node_rank else []),
-                str(scratch / "rank.py"),
-            ],
-            env=job_env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for i in range(nodes)
-    ]
-    codes = [p.wait() for p in procs]
+    with contextlib.ExitStack() as stack:  # msrun's own lines, shown if the job fails
+        consoles = [stack.enter_context(open(scratch / f"console-{tag}-{i}.txt", "wb")) for i in range(nodes)]
+        procs = [
+            subprocess.Popen(
+                [
+                    *cmd,
+                    f"--log_dir={scratch / f'logs-{tag}-{i}'}",
+                    *([f"--node_rank={i}"] if node_rank else []),
+                    str(scratch / "rank.py"),
+                ],
+                env=job_env,
+                stdout=console,
+                stderr=subprocess.STDOUT,
+            )
+            for i, console in enumerate(consoles)
+        ]
+    codes = wait_all(procs, t0 + JOB_DEADLINE + n * 0.2, scratch, tag)
     wall = time.perf_counter() - t0
     r1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # every process of the job, reaped by its msrun
     CPU[tag] = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
     if any(codes):
-        raise SystemExit(f"the job failed: exit codes {codes} (logs in {scratch})")
+        raise SystemExit(f"the job {tag} failed: exit codes {codes}\n{tails(scratch, tag)}")
     if trace:
         check_trace(trace_file, n)
     pairs = [tuple(map(float, (stamps / str(r)).read_text().split())) for r in range(n)]

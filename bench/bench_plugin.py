@@ -45,15 +45,20 @@ from common import bench_env, interleaved, machine, ms  # noqa: E402
 
 PLUGIN = ["-p", "pytest_msrun.pytest_plugin"]
 SHELL_OUT = """
-import socket, subprocess, sys
+import random, socket, subprocess, sys
 
 LAUNCHER = {launcher!r}
 PYTHON = {python!r}
 
-def _port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _port():  # below the ephemeral range: no client socket takes it before the scheduler binds
+    while True:
+        port = random.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
 
 def _mpirun(tmp_path):
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", PYTHON, "-m", "pytest",

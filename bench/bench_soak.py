@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import interpreter, machine, pmsrun, seconds  # noqa: E402
+from common import interpreter, job_port, machine, pmsrun, seconds  # noqa: E402
 
 RANK = """
 from pytest_msrun import cluster
@@ -50,11 +50,7 @@ def job_processes(mark: str) -> int:
 
 
 def run_job(python: str, env: dict[str, str], scratch: Path, ranks: int, nodes: int, tag: str) -> tuple[float, list]:
-    from socket import socket
-
-    with socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = job_port()
     cmd = [*pmsrun(python), f"--worker_num={ranks}", f"--local_worker_num={ranks // nodes}"]
     cmd += [f"--master_port={port}", "--join=True", "--cluster_time_out=300"]
     token = os.urandom(16).hex()  # the same on every node of the job

@@ -11,6 +11,7 @@ import os
 import platform
 import random
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -71,6 +72,22 @@ def pmsrun(python: str) -> list[str]:
     (a fresh install), else ``python -m pytest_msrun`` (``--here``)."""
     script = Path(python).parent / "pmsrun"
     return [str(script)] if script.exists() else [python, "-m", "pytest_msrun"]
+
+
+def job_port() -> int:
+    """A free port for a job's scheduler that every node is given: from below the kernel's
+    ephemeral range, so no client socket on the machine can take it between this check and the
+    scheduler's bind (a port from ``bind(0)`` can be, and then no node hosts the scheduler)."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise SystemExit("no free port between 20000 and 32000")
 
 
 def interpreter(scratch: Path, here: bool) -> tuple[str, dict[str, str]]:
