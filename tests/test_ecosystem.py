@@ -150,6 +150,41 @@ def test_pytest_timeout_times_a_marked_test_as_its_job(pytester: pytest.Pytester
     assert "stack of rank 0 at the timeout" in text
 
 
+CLOSEST_TIMEOUT = """
+import time
+import pytest
+
+@pytest.mark.msrun(worker_num=2, timeout=3{isolated})
+def test_marker_timeout_beats_the_sessions(rank):
+    if rank == 1:
+        time.sleep(30)
+
+@pytest.mark.timeout(3)
+@pytest.mark.msrun(worker_num=2, timeout=100{isolated})
+def test_items_timeout_mark_beats_the_marker(rank):
+    if rank == 0:
+        time.sleep(30)
+"""
+
+
+@pytest.mark.parametrize(
+    "mode",
+    [["--msrun-worlds=warm"], ["--msrun-worlds=fresh"], ["isolated"], ["-n", "2"]],
+    ids=["warm", "fresh", "isolated", "xdist"],
+)
+def test_the_closest_timeout_wins_over_pytest_timeouts_session_wide_one(pytester: pytest.Pytester, mode) -> None:
+    """A session-wide ``--timeout=60`` never lengthens a marker's ``timeout=3`` (a rank sleeping
+    30 s was PASSED); an item's own ``timeout`` mark is closer than its marker and wins."""
+    pytest.importorskip("pytest_timeout")
+    isolated = mode == ["isolated"]
+    pytester.makepyfile(test_closest=CLOSEST_TIMEOUT.format(isolated=", isolated=True" if isolated else ""))
+    args = [] if isolated else mode
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", "--timeout=60", *args)
+    result.assert_outcomes(failed=2)
+    text = result.stdout.str()
+    assert text.count("msrun job timed out after 3 s") == 2, text
+
+
 SLOW_WORLD = """
 import os, time
 if os.environ.get("MSRUN_PLUGIN_ROLE") == "worker":

@@ -78,8 +78,13 @@ class Jobs:
         return spec.timeout or self.default_timeout
 
     def test_timeout(self, item: pytest.Item, spec: MsrunSpec) -> float:
-        """The test's own timeout: pytest-timeout's for the item when it is active, else ours."""
-        return item.stash.get(PYTEST_TIMEOUT, None) or self.timeout(spec)
+        """The test's own timeout, the closest one set winning: the item's ``timeout`` mark
+        (pytest-timeout), else its ``msrun(timeout=)``, else pytest-timeout's session-wide one
+        (``--timeout``, ini), else ``--msrun-timeout``."""
+        theirs = item.stash.get(PYTEST_TIMEOUT, None)
+        if theirs and (spec.timeout is None or item.get_closest_marker("timeout") is not None):
+            return theirs
+        return self.timeout(spec)
 
     def pooled_devices(self, spec: MsrunSpec) -> int:
         """The devices of ``spec``'s job to take from this host's pool: none where Slurm hands a
