@@ -60,6 +60,37 @@ def test_it(rank, msrun):
         suite_patterns=(r"test_it\s+\S+\s+timeout\s+failed",),
         args=("--msrun-timeout=6",),
     ),
+    Scenario(  # one clock: no rank's own init() deadline fires with the test's and pre-empts its report
+        "three_ranks_wait_in_init_for_a_fourth_stuck_before_it_at_the_deadline",
+        """
+def stuck_here():
+    wait_for(lambda: False, 60.0)
+
+
+@pytest.mark.msrun(worker_num=4, timeout=5)
+def test_it(rank):
+    from pytest_msrun import cluster
+
+    if rank == 3:
+        stuck_here()
+    cluster.init()
+    cluster.barrier()
+""",
+        counts={"failed": 1},
+        never=("passed",),
+        patterns=(
+            r"ranks 0-2 \(3\): (init|barrier)\(\) at test_scenario.py",
+            r"rank 3: wait_for\(\) .* <- stuck_here\(\)",
+            r"(never joined the group.*|not there): 3",
+        ),
+        absent=(
+            r"left before the group formed",
+            r"ClusterError",
+            r"too late to count",
+            r"timed out after \d+ s waiting",
+        ),
+        modes=("fresh", "warm"),
+    ),
     Scenario(
         "a_rank_whose_suite_ends_early_with_failures_stops_no_peer",
         """

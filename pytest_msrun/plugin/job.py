@@ -115,6 +115,9 @@ class Launched:
         return any(p.poll() is not None for p in self.procs)
 
 
+RANK_CLOCK = 86400  # seconds: the job's --cluster_time_out, far beyond any test's timeout
+
+
 class TestJob:
     """Builds and runs the msrun invocations for one test."""
 
@@ -195,9 +198,7 @@ class TestJob:
         status = read_status(str(self.log_dir), self._status_names()[0])
         return status.host if status is not None and status.host else self.cluster.nodes[0]
 
-    def flags(
-        self, node: int, size: int, cluster_time_out: int, *, for_user: bool = False, loopback: bool = False
-    ) -> list[str]:
+    def flags(self, node: int, size: int, *, for_user: bool = False, loopback: bool = False) -> list[str]:
         """One invocation's msrun flags. ``for_user``: the ones a person re-running it needs.
         Under ``srun`` msrun takes the node rank and the master address from the step."""
         spec = self.spec
@@ -210,7 +211,9 @@ class TestJob:
             out.append(f"--master_port={self.ports[0]}")
             if not for_user:
                 out.append(f"--dist_port={self.ports[1]}")
-        out += ["--join=True", f"--log_dir={self.log_dir}", f"--cluster_time_out={cluster_time_out}"]
+        # time is kept by the controller (re-run by hand: by ``timeout``), never raced by a rank's own
+        # init() deadline, which fired with the test's and pre-empted the stacks and the hang report
+        out += ["--join=True", f"--log_dir={self.log_dir}", f"--cluster_time_out={RANK_CLOCK}"]
         out.append(f"--scheduler={spec.scheduler}")
         if per_node:
             out.append(f"--node_rank={node}")
@@ -229,27 +232,26 @@ class TestJob:
     def task(self, nodeids: list[str] | None = None) -> list[str]:
         return [sys.executable, "-m", "pytest", *self.rank_args, *(self.nodeids if nodeids is None else nodeids)]
 
-    def msrun_args(self, node: int, size: int, cluster_time_out: int, *, loopback: bool = False) -> list[str]:
+    def msrun_args(self, node: int, size: int, *, loopback: bool = False) -> list[str]:
         """One invocation's msrun arguments: its flags, then the rank's pytest command."""
-        return [*self.flags(node, size, cluster_time_out, loopback=loopback), *self.task()]
+        return [*self.flags(node, size, loopback=loopback), *self.task()]
 
     def _srun(self) -> list[str]:
         assert self.cluster is not None
         return self.cluster.srun(self.nodes, self.spec.node_sizes()[0], label="msrun-test", devices=self.spec.devices)
 
-    def commands(self, cluster_time_out: int) -> list[list[str]]:
+    def commands(self) -> list[list[str]]:
         sizes = self.spec.node_sizes()
         if self.cluster is not None:
-            msrun = [sys.executable, "-m", "pytest_msrun", *self.msrun_args(0, sizes[0], cluster_time_out)]
+            msrun = [sys.executable, "-m", "pytest_msrun", *self.msrun_args(0, sizes[0])]
             return [[*self._srun(), *msrun]]
         return [
-            [sys.executable, "-m", "pytest_msrun", *self.msrun_args(node, size, cluster_time_out)]
+            [sys.executable, "-m", "pytest_msrun", *self.msrun_args(node, size)]
             for node, size in enumerate(sizes)
         ]
 
     def reproduce_lines(
         self,
-        cluster_time_out: int,
         timeout: float,
         nodeids: list[str] | None = None,
         test_env: dict[str, str] | None = None,
@@ -266,11 +268,11 @@ class TestJob:
             assert self.cluster is not None
             srun = self.cluster.srun(self.nodes, sizes[0], devices=self.spec.devices)
             line = ["timeout", "-s", "TERM", f"{timeout:g}", *srun, CLI]
-            return [prefix + shlex.join([*line, *self.flags(0, sizes[0], cluster_time_out, for_user=True), *task])]
+            return [prefix + shlex.join([*line, *self.flags(0, sizes[0], for_user=True), *task])]
         return [
             prefix
             + shlex.join(
-                ["timeout", "-s", "TERM", f"{timeout:g}", CLI, *self.flags(node, size, cluster_time_out, for_user=True)]
+                ["timeout", "-s", "TERM", f"{timeout:g}", CLI, *self.flags(node, size, for_user=True)]
             )
             + " "
             + shlex.join(task)
@@ -293,9 +295,9 @@ class TestJob:
             env.pop(name, None)
         return env
 
-    def launch(self, cluster_time_out: int, extra_env: dict[str, str] | None = None) -> Launched:
+    def launch(self, extra_env: dict[str, str] | None = None) -> Launched:
         """Start the job's msrun invocations (nothing waits for them)."""
-        commands = self.commands(cluster_time_out)
+        commands = self.commands()
         env = {**self.env(), **(extra_env or {})}
         out = Launched()
         try:
@@ -314,9 +316,8 @@ class TestJob:
     def run(self, timeout: float, exit_timeout: float) -> JobRun:
         """Run the job to its end: every msrun exited, the timeout, or - once every rank's pytest
         session ended - ``exit_timeout`` seconds more without every process gone (a hang at exit)."""
-        cluster_time_out = max(1, min(600, int(timeout)))
         started = time.time()
-        launched = self.launch(cluster_time_out)
+        launched = self.launch()
         procs, logs, pumps = launched.procs, launched.logs, launched.pumps
         timed_out = False
         hung: list[int] = []
@@ -356,7 +357,7 @@ class TestJob:
         for pump in pumps:
             pump.join(timeout=5)
         run = JobRun(
-            reproduce_lines=self.reproduce_lines(cluster_time_out, timeout),
+            reproduce_lines=self.reproduce_lines(timeout),
             exit_codes=[p.returncode for p in procs],
             timed_out=timed_out,
             timeout=timeout,

@@ -172,7 +172,6 @@ class World:
         key: tuple[Any, ...],
         job: TestJob,
         lease: Any,
-        cluster_time_out: int,
         test_envs: dict[str, dict[str, str]] | None = None,
         memory: tuple[int, int] = (0, 0),
         strangers: Tally | None = None,
@@ -197,7 +196,7 @@ class World:
         watched = sorted({key for test_env in self.test_envs.values() for key in test_env})
         if watched:
             env[envscope.TRACK_ENV] = ",".join(watched)
-        self.launched: Launched = job.launch(cluster_time_out, env)
+        self.launched: Launched = job.launch(env)
         self.channels: dict[int, Channel] = {}
         self.dead = ""  # why it can run no more tests
         self.retiring = ""  # why it ends after the current test
@@ -455,9 +454,8 @@ class World:
 
     def job_run(self, test: WarmTest, timed_out: bool) -> JobRun:
         """The run to judge ``test`` by: each rank's end, or - the world living on - that it lives on."""
-        cluster_time_out = max(1, min(600, int(test.timeout)))
         run = JobRun(
-            reproduce_lines=self.job.reproduce_lines(cluster_time_out, test.timeout, [test.nodeid], test.env),
+            reproduce_lines=self.job.reproduce_lines(test.timeout, [test.nodeid], test.env),
             exit_codes=[p.returncode for p in self.launched.procs],
             timed_out=timed_out,
             timeout=test.timeout,

@@ -282,8 +282,7 @@ class WorldPool:
                 own = envscope.split(other_spec.env)[1] if other_spec is not None else {}
                 if own:
                     test_envs[other.nodeid] = own
-        cluster_time_out = max(1, min(600, int(self.jobs.timeout(spec))))
-        return World(key, job, lease, cluster_time_out, test_envs, memory=self.memory, strangers=self.strangers)
+        return World(key, job, lease, test_envs, memory=self.memory, strangers=self.strangers)
 
     def _connect(self, world: World, timeout: float) -> str:
         """Wait until every rank of ``world`` is there; "" or why not (the world is then stopped)."""
