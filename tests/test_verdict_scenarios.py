@@ -236,6 +236,31 @@ def test_it(rank, skip_on_1):
         suite_ok=True,
         suite_patterns=(r"test_it\s+skipped\s+skipped\s+skipped",),
     ),
+    Scenario(  # plain pytest's capture passes it: so must a rank's log (it raised UnicodeEncodeError)
+        "a_passing_test_prints_a_lone_surrogate",
+        """
+@pytest.mark.msrun(worker_num=2)
+def test_it(rank):
+    print("lone \\ud800 and escaped \\udc80 surrogates")
+    sys.stderr.write("\\udfff\\n")
+""",
+        counts={"passed": 1},
+        never=("failed", "errors"),
+        suite_ok=True,
+        suite_patterns=(r"test_it\s+passed\s+passed\s+passed",),
+    ),
+    Scenario(
+        "a_passing_test_of_a_task_scheduler_job_prints_a_lone_surrogate",
+        """
+@pytest.mark.msrun(worker_num=2, scheduler="task")
+def test_it(rank):
+    print("lone \\ud800 surrogate")
+""",
+        counts={"passed": 1},
+        never=("failed", "errors"),
+        suite_ok=True,
+        modes=("fresh", "warm"),
+    ),
     Scenario(
         "rank_1_skips_at_collection_and_ends_first_rank_0_skips_in_the_body",
         """

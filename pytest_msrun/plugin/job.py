@@ -245,10 +245,7 @@ class TestJob:
         if self.cluster is not None:
             msrun = [sys.executable, "-m", "pytest_msrun", *self.msrun_args(0, sizes[0])]
             return [[*self._srun(), *msrun]]
-        return [
-            [sys.executable, "-m", "pytest_msrun", *self.msrun_args(node, size)]
-            for node, size in enumerate(sizes)
-        ]
+        return [[sys.executable, "-m", "pytest_msrun", *self.msrun_args(node, size)] for node, size in enumerate(sizes)]
 
     def reproduce_lines(
         self,
@@ -271,9 +268,7 @@ class TestJob:
             return [prefix + shlex.join([*line, *self.flags(0, sizes[0], for_user=True), *task])]
         return [
             prefix
-            + shlex.join(
-                ["timeout", "-s", "TERM", f"{timeout:g}", CLI, *self.flags(node, size, for_user=True)]
-            )
+            + shlex.join(["timeout", "-s", "TERM", f"{timeout:g}", CLI, *self.flags(node, size, for_user=True)])
             + " "
             + shlex.join(task)
             for node, size in enumerate(sizes)
