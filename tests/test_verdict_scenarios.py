@@ -249,6 +249,18 @@ def test_it(rank):
         suite_ok=True,
         suite_patterns=(r"test_it\s+passed\s+passed\s+passed",),
     ),
+    Scenario(  # as under plain pytest's capture (it returned "": a rank's stdin is /dev/null)
+        "reading_stdin_raises_as_under_pytests_capture",
+        """
+@pytest.mark.msrun(worker_num=2)
+def test_it(rank):
+    sys.stdin.read()
+""",
+        counts={"failed": 1},
+        never=("passed",),
+        patterns=(r"OSError: pytest: reading from stdin while output is captured",),
+        suite_patterns=(r"test_it\s+failed\s+failed\s+failed", r"reading from stdin while output is captured"),
+    ),
     Scenario(
         "a_passing_test_of_a_task_scheduler_job_prints_a_lone_surrogate",
         """

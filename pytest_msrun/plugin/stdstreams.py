@@ -80,6 +80,7 @@ class StandardStreams:
         self.originals: dict[str, Any] = {name: getattr(sys, name) for name in STREAMS}
         self.writers: dict[str, IO[str] | None] = dict.fromkeys(STREAMS)
         self.repaired: list[str] = []  # what was put back, for the phase's report
+        self.stdin: Any = sys.stdin  # the rank's own, between phases
         for fd, name in ((1, "stdout"), (2, "stderr")):  # made now: not a test's leak
             self._writer(name, fd)
 
@@ -118,11 +119,16 @@ class StandardStreams:
         return writer
 
     def enter(self) -> None:
-        """A phase begins: the streams are the session's writers."""
+        """A phase begins: the streams are the session's writers, ``sys.stdin`` pytest's stand-in
+        that raises when read (as under its own capture: a rank has no input to give)."""
         for fd, name in ((1, "stdout"), (2, "stderr")):
             writer = self._writer(name, fd)
             if writer is not None:
                 setattr(sys, name, writer)
+        from _pytest.capture import DontReadFromInput
+
+        self.stdin = sys.stdin
+        sys.stdin = DontReadFromInput()
 
     def leave(self) -> list[str]:
         """A phase ended: flush its writers, put back what a test changed; what was put back."""
@@ -144,6 +150,7 @@ class StandardStreams:
                     os.dup2(self.saved[fd], fd, inheritable=True)
                 except OSError:
                     pass
+        sys.stdin = self.stdin
         self.repaired += repaired
         return repaired
 
