@@ -159,6 +159,33 @@ def test_left_calls_are_per_test_and_entering_a_call_again_forgets_leaving_it():
     assert deliveries(group.contribute(1, "barrier", 1, 0, None, ("t.py::test_x", "call")))[0][0]["t"] == "coll"
 
 
+def test_a_rank_that_finalized_in_one_test_may_init_again_in_a_later_tests_collective():
+    """finalize() in test_x's call: test_y's collective waits for the rank (a warm world's or a
+    suite's rank init()s again; it failed at once, "rank 1 left the job", a race), fails if the rank
+    leaves test_y's call without it, and test_x's own collectives fail at once as before."""
+    group = _formed(2)
+    group.call_notice(1, "in", "t.py::test_x", "")
+    # rank 0 is already in test_y's barrier when rank 1 finalizes in test_x: it is not failed
+    assert group.contribute(0, "barrier", 1, 0, None, ("t.py::test_y", "call")) == []
+    assert group.bye(1, "t.py::test_x") == []
+    group.call_notice(1, "out", "t.py::test_x", "passed")
+    group.call_notice(1, "in", "t.py::test_y", "")
+    assert group.join(1) == [([1], {"t": "ready", "world": 2})]  # init() again
+    assert deliveries(group.contribute(1, "barrier", 1, 0, None, ("t.py::test_y", "call")))[0][0]["t"] == "coll"
+    # finalized in test_y and never back: test_z's collective fails once it left test_z's call
+    assert group.bye(1, "t.py::test_y") == []
+    assert group.contribute(0, "barrier", 2, 0, None, ("t.py::test_z", "call")) == []
+    assert group.call_notice(1, "in", "t.py::test_z", "") == []
+    (peers, msg), *_ = group.call_notice(1, "out", "t.py::test_z", "passed")
+    assert peers == [0] and "rank 1 has left test_z's call (passed)" in msg["reason"]
+    # a collective of the test it finalized in, or outside any test: failed at once, as in a job
+    for test, where in (("t.py::test_w", ("t.py::test_w", "call")), (None, None)):
+        group = _formed(2)
+        group.bye(1, test)
+        (peers, msg), *_ = group.contribute(0, "barrier", 1, 0, None, where)
+        assert peers == [0] and "rank 1 left the job (it called finalize())" in msg["reason"]
+
+
 def test_collectives_outside_a_call_are_not_failed_for_a_call_left():
     for where in (("t.py::test_x", "teardown"), None):
         group = _formed(2)

@@ -261,6 +261,33 @@ def test_it(rank):
         patterns=(r"OSError: pytest: reading from stdin while output is captured",),
         suite_patterns=(r"test_it\s+failed\s+failed\s+failed", r"reading from stdin while output is captured"),
     ),
+    Scenario(  # it failed "rank 1 left the job (it called finalize())" when rank 0 came first (a race)
+        "the_test_after_one_that_finalizes_inits_again",
+        """
+@pytest.mark.msrun(worker_num=2)
+def test_finalizes(rank):
+    from pytest_msrun import cluster
+
+    cluster.init()
+    cluster.barrier()
+    cluster.finalize()
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_next(rank):
+    from pytest_msrun import cluster
+
+    if rank == 1:
+        wait_for(lambda: False, 1.0)  # rank 0 enters the barrier first (with the bug: failed at once)
+    cluster.init()
+    cluster.barrier()
+    assert cluster.all_gather_object(rank) == [0, 1]
+""",
+        counts={"passed": 2},
+        never=("failed", "errors"),
+        suite_ok=True,
+        suite_patterns=(r"test_next\s+passed\s+passed\s+passed",),
+    ),
     Scenario(
         "a_passing_test_of_a_task_scheduler_job_prints_a_lone_surrogate",
         """

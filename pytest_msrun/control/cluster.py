@@ -226,7 +226,11 @@ class _Group:
     def close(self) -> None:
         if self.channel is not None:
             try:
-                self.channel.send({"t": "bye"})
+                msg = {"t": "bye"}
+                where = _where()
+                if where is not None:  # in a warm world or a suite, a later test may init() again
+                    msg["test"], msg["when"] = where
+                self.channel.send(msg)
             except OSError:
                 pass
             self.channel.close()

@@ -94,6 +94,7 @@ class RankGroup:
         self.connected: set[int] = set()  # ranks joined and still here
         self.joined: set[int] = set()  # every rank that ever joined
         self.gone: dict[int, str] = {}  # rank -> why it is gone
+        self.finalized_in: dict[int, str | None] = {}  # rank gone by finalize() -> the test it was in
         self.exit_how: dict[int, str] = {}  # rank -> how its process ended (reported by its agent)
         self.last: dict[int, str] = {}  # rank -> the last collective it entered ("barrier #3")
         self.high: dict[int, int] = {}  # rank -> the highest sequence number it entered
@@ -128,6 +129,7 @@ class RankGroup:
         self.joined.add(rank)
         self.holders[rank] = holder
         self.gone.pop(rank, None)
+        self.finalized_in.pop(rank, None)
         ready = {"t": "ready", "world": self.world}
         if self.ready:
             return [([rank], ready)]
@@ -166,11 +168,22 @@ class RankGroup:
             out.append((sorted(self.connected), {"t": "error", "seq": -1, "reason": reason}))
         return out + self.fail_collectives(f"rank {rank} left the job ({why})", named=True)
 
-    def bye(self, rank: int) -> Sends:
-        """``rank`` called ``finalize()``."""
+    def bye(self, rank: int, test: str | None = None) -> Sends:
+        """``rank`` called ``finalize()`` (in ``test``, when a test's: a later test may init() it again)."""
         self.connected.discard(rank)
         self.gone[rank] = "it called finalize()"
-        return self.fail_collectives(f"rank {rank} left the job (it called finalize())", named=True)
+        self.finalized_in[rank] = test
+        seqs = [seq for seq, coll in self.collectives.items() if self._blocks(rank, coll)]
+        return self.fail_collectives(f"rank {rank} left the job (it called finalize())", seqs, named=True)
+
+    def _blocks(self, rank: int, coll: Collective) -> bool:
+        """Whether ``rank``, gone, can never enter ``coll``: always, unless it called ``finalize()``
+        in one test and ``coll`` is another's - a rank may ``init()`` again in a later test of a warm
+        world or a suite (if it never does, it leaves that test's call, which fails ``coll``)."""
+        if rank not in self.gone:
+            return False
+        test = self.finalized_in.get(rank)
+        return test is None or coll.test is None or test == coll.test
 
     def finished(self, ranks: list[int], why: str) -> Sends:
         """These ranks finished their test while still connected (a warm world): whoever waits for
@@ -255,9 +268,10 @@ class RankGroup:
         coll.missing.discard(rank)
         self.last[rank] = f"{op} #{seq}"
         self.high[rank] = max(seq, self.high.get(rank, seq))
-        if self.gone:
+        blocking = sorted(r for r in self.gone if self._blocks(r, coll))
+        if blocking:
             # Worded as when the rank leaves during a collective, whichever happens first.
-            gone = ", ".join(f"rank {r} left the job ({why})" for r, why in sorted(self.gone.items()))
+            gone = ", ".join(f"rank {r} left the job ({self.gone[r]})" for r in blocking)
             return self.fail_collectives(gone, [seq], named=True)
         if coll.missing:
             return self.stuck(rank)
@@ -336,7 +350,7 @@ class RankGroup:
         return "; ".join(reasons)
 
     def _blocker(self, rank: int, seq: int, coll: Collective) -> str:
-        if rank in self.gone:
+        if self._blocks(rank, coll):
             return f"rank {rank} left the job ({self.gone[rank]})"
         latest = self.latest.get(rank)
         other = None if latest is None or latest == seq else self.collectives.get(latest)

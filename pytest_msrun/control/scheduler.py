@@ -283,7 +283,8 @@ class Ranks:
         transport, kind = self.sched.transport, msg["t"]
         if kind == "bye":
             self._forget(conn, rank)
-            self.deliver(self.group.bye(rank))
+            where = calls.parse_where(msg)
+            self.deliver(self.group.bye(rank, where[0] if isinstance(where, tuple) else None))
             transport.close(conn)
             return
         if kind == "call":  # the rank entered or left a test's call phase
