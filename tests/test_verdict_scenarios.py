@@ -288,6 +288,27 @@ def test_next(rank):
         suite_ok=True,
         suite_patterns=(r"test_next\s+passed\s+passed\s+passed",),
     ),
+    Scenario(  # the child served the warm world in the rank's place; the rank hung at exit (60 s)
+        "a_child_the_test_forks_returns_into_pytest",
+        """
+@pytest.mark.msrun(worker_num=2)
+def test_forks(rank):
+    pid = os.fork()
+    if pid:
+        assert os.waitpid(pid, 0)[1] == 0
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_later(rank, msrun):
+    msrun.barrier()
+""",
+        counts={"passed": 2},
+        never=("failed", "errors"),
+        seconds=30,
+        suite_ok=True,
+        suite_patterns=(r"test_forks\s+passed\s+passed\s+passed", r"test_later\s+passed\s+passed\s+passed"),
+        absent=(r"hangs at exit",),
+    ),
     Scenario(
         "a_passing_test_of_a_task_scheduler_job_prints_a_lone_surrogate",
         """

@@ -344,12 +344,15 @@ class RankPlugin:
         self.current = (item.nodeid, when)
         start = log_offset()
         began = time.time()
+        owner = os.getpid()
         self._write("phase", nodeid=item.nodeid, when=when, offset=start)
         if self.streams is not None:
             self.streams.enter()
         try:
             yield
         finally:
+            if os.getpid() != owner:
+                _forked_child_returned(item.nodeid, when)
             if self.streams is not None:
                 self.streams.leave()
             self.current = None
@@ -412,3 +415,19 @@ class SchedulerRolePlugin:
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
         if exitstatus == pytest.ExitCode.NO_TESTS_COLLECTED:
             session.exitstatus = pytest.ExitCode.OK
+
+
+def _forked_child_returned(nodeid: str, when: str) -> None:
+    """A process the test forked returned into pytest instead of exiting: it ends here, quietly
+    (status 0), before it writes the rank's records or serves its world's channel in the rank's
+    place (the rank, waiting for it, then hung)."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.write(
+            f"msrun: a process {nodeid} forked (pid {os.getpid()}) returned from its {when} into pytest; it ends "
+            "here with status 0 (end a forked child with os._exit())\n"
+        )
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    os._exit(0)
