@@ -142,6 +142,34 @@ def test_it(rank, msrun_tmp_path):
             ("exits_2", "lambda: os._exit(2)", r"exited with code 2"),
         )
     ],
+    *[
+        Scenario(  # msrun stopped rank 0 in its last test: its verdict was rank 1's crash, not its own
+            f"a_rank_{name}_at_exit_while_its_peer_still_runs_its_last_test",
+            f"""
+def test_one(rank):
+    pass
+
+
+def test_two(rank, msrun_tmp_path):
+    (msrun_tmp_path / f"pid{{rank}}").write_text(str(os.getpid()))
+    if rank == 1:
+        atexit.register({how})
+        return
+    assert wait_for(lambda: gone(peer_pid(msrun_tmp_path, 1))), "rank 1 never ended"
+""",
+            suite_patterns=(
+                r"test_one\s+passed\s+passed\s+passed$",
+                r"test_two\s+passed\s+crashed \([^)]*\) at exit\s+error$",
+                words,
+            ),
+            absent=(r"stopped", r"did not finish"),
+            modes=("suite",),
+        )
+        for name, how, words in (
+            ("segfaults", "crash", r"rank 1 reported every phase, then killed by SIGSEGV"),
+            ("exits_3", "lambda: os._exit(3)", r"rank 1 reported every phase, then exited with code 3"),
+        )
+    ],
     Scenario(
         "a_rank_hangs_at_exit",
         """

@@ -423,7 +423,7 @@ class Agent(ProcessStarting, JobEnding):
                 self._tell(note, defer=child.returncode != 0)
             error = errorfile.read_error(spec.error_file) if child.returncode else None
             settled = ""
-            if spec.role == Role.WORKER and spec.rank is not None and (child.returncode or 0) > 0:
+            if spec.role == Role.WORKER and spec.rank is not None and child.returncode:
                 from pytest_msrun.engine.ranknotes import settled_status
 
                 settled = settled_status(self.cfg.log_dir, spec.rank, child.pid, child.returncode or 0) or ""

@@ -68,7 +68,7 @@ class Policy:
         rc = child.returncode
         if rc in (0, None):
             return None
-        if settled and is_worker and rc > 0:
+        if settled and is_worker:
             failure = failure_of(label, rc, child.ended or time.time(), log, child.pid, self.host)
             self.settled[child.pid] = replace(failure, description=f"{failure.description} ({settled})")
             return None

@@ -71,11 +71,12 @@ def _where(env: Mapping[str, str]) -> tuple[str, int] | None:
 
 
 # ---------------------------------------------------------------- the worker's side
-def settle(code: int, why: str, env: Mapping[str, str] = os.environ) -> None:
-    """This process is about to exit with ``code`` as its ordinary result: stop no peer for it."""
+def settle(code: int | None, why: str, env: Mapping[str, str] = os.environ) -> None:
+    """This process is about to exit with ``code`` as its ordinary result (None: whatever status it
+    ends with - its work is done, what follows is its own end): stop no peer for it."""
     where = _where(env)
     if where is not None:
-        _write(_path(*where, "settled"), {"code": int(code), "why": why, "pid": os.getpid()})
+        _write(_path(*where, "settled"), {"code": None if code is None else int(code), "why": why, "pid": os.getpid()})
 
 
 def set_deadline(seconds: float, what: str, stack_signal: int = 0, env: Mapping[str, str] = os.environ) -> None:
@@ -101,7 +102,7 @@ def clear_deadline(env: Mapping[str, str] = os.environ) -> None:
 def settled_status(log_dir: str, rank: int, pid: int, code: int) -> str | None:
     """Why ``rank`` (process ``pid``) exiting with ``code`` is its settled result, or None."""
     note = _read(_path(log_dir, rank, "settled"))
-    if note is None or note.get("code") != code or note.get("pid") != pid:
+    if note is None or note.get("code") not in (None, code) or note.get("pid") != pid:
         return None
     return str(note.get("why") or "its own result")
 

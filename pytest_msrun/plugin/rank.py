@@ -51,6 +51,9 @@ def _strict_xpass(report: pytest.TestReport) -> bool:
     return report.when == "call" and str(report.longrepr).startswith(STRICT_XPASS)
 
 
+SETTLED = (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.NO_TESTS_COLLECTED)
+
+
 class RankPlugin:
     """Registered in the pytest session of every rank (``records``: this project's jobs only)."""
 
@@ -282,9 +285,11 @@ class RankPlugin:
         ):
             session.exitstatus = status = pytest.ExitCode.OK
         self._write("finish", exitstatus=status)
-        if self.writer is not None and not self.controlled and status == pytest.ExitCode.TESTS_FAILED:
-            # a suite that ran and had failures: this rank's result, which must stop no peer still at work
-            ranknotes.settle(status, "its pytest session ended with failed tests")
+        if self.writer is not None and not self.controlled and status in SETTLED:
+            # a suite that ran: this rank's result, which must stop no peer still at work - nor
+            # must how its process ends after it (a crash at exit, judged on its last test)
+            why = "its pytest session ended with failed tests" if status else "its pytest session had ended"
+            ranknotes.settle(None, why)
 
     # ---------------------------------------------------------------- warm worlds (serve.py)
     def begin_test(self, report_dir: str, nodeid: str) -> RecordWriter:
