@@ -3,13 +3,26 @@
 from __future__ import annotations
 
 
-def running(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host and is not a zombie."""
+def state(pid: int) -> str:
+    """Process ``pid``'s state letter on this host (``R``, ``S``, ``T`` stopped, ``Z``...; "" if gone)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rsplit(b")", 1)[-1].split()[0] != b"Z"
+            return fh.read().rsplit(b")", 1)[-1].split()[0].decode("ascii", "replace")
     except (OSError, IndexError):
-        return False
+        return ""
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host and is not a zombie."""
+    return state(pid) not in ("", "Z")
+
+
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, SIGTSTP, a tracer): it runs nothing, answers nothing."""
+    return state(pid) in ("T", "t")
+
+
+STOPPED_WORDS = "stopped (SIGSTOP, SIGTSTP or a tracer): it could run nothing, not even its own timer"
 
 
 def descendants(pid: int) -> list[int]:

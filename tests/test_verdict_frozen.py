@@ -91,6 +91,20 @@ def test_it(rank):
         ),
         modes=("fresh", "warm"),
     ),
+    Scenario(  # it read "terminated by msrun", "could not end itself": the rank was stopped, and said so
+        "a_rank_that_stops_itself_is_named_stopped",
+        """
+@pytest.mark.msrun(worker_num=2, timeout=4)
+def test_it(rank):
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+""",
+        counts={"failed": 1},
+        never=("passed",),
+        patterns=(r"rank 1: no stack \(stopped \(SIGSTOP, SIGTSTP or a tracer\)",),
+        suite_patterns=(r"test_it\s+passed\s+timeout\s+failed", r"rank 1 ran out of time .*: it was stopped \(SIGSTOP"),
+        modes=("warm", "suite"),
+    ),
     Scenario(
         "a_rank_whose_suite_ends_early_with_failures_stops_no_peer",
         """

@@ -18,7 +18,7 @@ import pytest
 from conftest import MARK, job_args, wait_gone
 
 HEAD = """
-import atexit, ctypes, os, sys, threading, time, unittest
+import atexit, ctypes, os, signal, sys, threading, time, unittest
 import pytest
 
 RANK = int(os.environ.get("RANK_ID", "0"))

@@ -402,6 +402,9 @@ class Agent(ProcessStarting, JobEnding):
         then the job ends, that worker its root cause."""
         child = next(c for c in workers if c.pid == late.pid)
         from pytest_msrun.engine import ranknotes
+        from pytest_msrun.proc import stopped
+
+        late.stopped = stopped(child.pid)
 
         if late.stack_signal:
             try:

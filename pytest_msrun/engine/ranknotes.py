@@ -117,12 +117,14 @@ class Late:
         self.seconds = seconds
         self.what = what
         self.stack_signal = stack_signal
+        self.stopped = False  # msrun found the process stopped (SIGSTOP, SIGTSTP, a tracer)
 
     def describe(self) -> str:
-        return f"ran out of time ({self.seconds:g} s) in {self.what}, and could not end itself"
+        why = "it was stopped (SIGSTOP, SIGTSTP or a tracer)" if self.stopped else "and could not end itself"
+        return f"ran out of time ({self.seconds:g} s) in {self.what}{':' if self.stopped else ','} {why}"
 
     def to_json(self) -> dict[str, object]:
-        return {"due": self.due, "seconds": self.seconds, "what": self.what}
+        return {"due": self.due, "seconds": self.seconds, "what": self.what, "stopped": self.stopped}
 
 
 class DeadlineWatch:

@@ -38,7 +38,7 @@ from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.msrunproc import Process, start_msrun
 from pytest_msrun.plugin.outcomes import RankEnd
 from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, SHARED_TMP_ENV, records_path, stacks_path
-from pytest_msrun.proc import running
+from pytest_msrun.proc import STOPPED_WORDS, running, stopped
 
 STACK_WAIT = 2.0
 CLI = "pmsrun"  # how a user types this project's msrun
@@ -451,21 +451,23 @@ class TestJob:
         """Ask every live rank on this host for its Python stacks and wait briefly for them
         (a rank's PID means nothing on another host)."""
         asked = []
+        stacks: dict[int, str] = {}
         for rank, end in self.rank_ends().items():
-            if end.pid and end.returncode is None and not end.elsewhere and _catches(end.pid, signal.SIGUSR1):
+            if end.pid and end.returncode is None and not end.elsewhere and stopped(end.pid):
+                stacks[rank] = f"msrun: {STOPPED_WORDS}\n"  # it cannot answer: why it has no stack
+            elif end.pid and end.returncode is None and not end.elsewhere and _catches(end.pid, signal.SIGUSR1):
                 try:
                     os.kill(end.pid, signal.SIGUSR1)
                     asked.append(rank)
                 except (ProcessLookupError, PermissionError):
                     pass
         deadline = time.monotonic() + STACK_WAIT
-        stacks: dict[int, str] = {}
         while time.monotonic() < deadline:
             for rank in asked:
                 text = _read(stacks_path(str(self.report_dir), rank))
                 if text.strip():
                     stacks[rank] = text
-            if len(stacks) == len(asked):
+            if all(rank in stacks for rank in asked):
                 time.sleep(0.05)  # let the last writer finish its dump
                 for rank in asked:
                     stacks[rank] = _read(stacks_path(str(self.report_dir), rank))

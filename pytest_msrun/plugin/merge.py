@@ -396,6 +396,9 @@ class Merger:
     def hang_text(self, stuck: list[int]) -> str:
         main_threads = {r: self.logs[r].main_thread for r in self.ranks}
         no_stack = {r: self.end(r).describe(True) for r in self.ranks if r not in self.run.stacks}
+        for r, text in self.run.stacks.items():
+            if text.startswith("msrun: "):  # what kept it from giving one (stopped)
+                no_stack[r] = f"{text[7:].strip()}; {self.end(r).describe(True)}"
         return diagnosis(self.run.stacks, main_threads, self.ranks, self.run.state, no_stack)
 
     def _launch_failure(self, text: str) -> pytest.TestReport:
