@@ -309,3 +309,8 @@ def pytest_report_from_serializable(config: pytest.Config, data: dict[str, Any])
     from pytest_msrun.plugin.merge import from_serializable
 
     return from_serializable(data)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    roles.release()

@@ -337,6 +337,27 @@ def test_later(rank, msrun):
         suite_patterns=(r"test_forks\s+passed\s+passed\s+passed", r"test_later\s+passed\s+passed\s+passed"),
         absent=(r"hangs at exit",),
     ),
+    Scenario(  # a suite's rank wrote the inner session's tests into its records (and its end)
+        "a_test_runs_pytest_main_in_a_rank",
+        """
+@pytest.mark.msrun(worker_num=2)
+def test_runs_pytest_main(rank, tmp_path):
+    inner = "def test_inner_one():\\n    pass\\n\\n\\ndef test_inner_fails():\\n    assert False\\n"
+    (tmp_path / "test_inner.py").write_text(inner)
+    args = ["-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-p", "no:rerunfailures", str(tmp_path)]
+    assert pytest.main(args) == 1
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_after(rank):
+    pass
+""",
+        counts={"passed": 2},
+        never=("failed", "errors"),
+        suite_ok=True,
+        suite_patterns=(r"test_runs_pytest_main\s+passed\s+passed\s+passed", r"2 test\(s\): 2 passed"),
+        absent=(r"test_inner\.py::test_inner_\w+\s+(passed|failed|crashed|not run)",),  # a table's row
+    ),
     Scenario(
         "a_passing_test_of_a_task_scheduler_job_prints_a_lone_surrogate",
         """

@@ -29,6 +29,7 @@ FOREIGN_LAUNCHERS: tuple[tuple[str, tuple[str, ...], tuple[str, ...]], ...] = (
 )
 
 _claimed: str | None = None
+_active = 0  # sessions of this process that claimed a role and have not ended
 
 
 def detect(env: Mapping[str, str]) -> str:
@@ -44,13 +45,23 @@ def detect(env: Mapping[str, str]) -> str:
 
 
 def claim(env: MutableMapping[str, str] | None = None) -> str:
-    """Decide this process's role once (at pytest start-up) and consume the launcher's variable."""
-    global _claimed
+    """Decide this process's role once (at pytest start-up) and consume the launcher's variable.
+    A session started inside a rank's (``pytest.main()`` in a test) is not the rank: its marked
+    tests run in place and it writes nothing, as in another launcher's job (:func:`release` at
+    each session's end)."""
+    global _claimed, _active
     env = os.environ if env is None else env
     if _claimed is None:
         _claimed = detect(env)
     env.pop(PLUGIN_ROLE_VAR, None)
-    return _claimed
+    _active += 1
+    return FOREIGN if _claimed == RANK and _active > 1 else _claimed
+
+
+def release() -> None:
+    """A session that claimed its role ended."""
+    global _active
+    _active = max(0, _active - 1)
 
 
 def role() -> str:
