@@ -186,6 +186,36 @@ def test_a_rank_that_finalized_in_one_test_may_init_again_in_a_later_tests_colle
         assert peers == [0] and "rank 1 left the job (it called finalize())" in msg["reason"]
 
 
+def test_a_collective_one_rank_entered_in_a_test_its_peers_left_fails_alone_whichever_comes_first():
+    """Rank 0's teardown barrier of test_x and rank 1's barrier in test_y's call share #1: rank 0's
+    fails alone (rewound, so its next one is #1 again) and rank 1's waits for rank 0's in test_y
+    (it paired with the teardown's: everything passed)."""
+    for teardown_first in (True, False):
+        group = _formed(2)
+        for rank in (0, 1):
+            group.call_notice(rank, "in", "t.py::test_x", "")
+            group.call_notice(rank, "out", "t.py::test_x", "passed")
+        group.call_notice(1, "in", "t.py::test_y", "")
+        teardown = (0, "barrier", 1, 0, None, ("t.py::test_x", "teardown"))
+        call = (1, "barrier", 1, 0, None, ("t.py::test_y", "call"))
+        first, second = (teardown, call) if teardown_first else (call, teardown)
+        assert group.contribute(*first) == []
+        (peers, msg), *rest = group.contribute(*second)
+        assert peers == [0] and msg["rewind"] == 0 and not rest, (teardown_first, msg)
+        assert (
+            msg["reason"]
+            == "barrier #1 cannot complete: rank 1 has left test_x's call (passed) and is in test_y's call"
+        )
+        group.call_notice(0, "in", "t.py::test_y", "")
+        done = deliveries(group.contribute(0, "barrier", 1, 0, None, ("t.py::test_y", "call")))
+        assert done[0][0]["t"] == "coll" and done[1][0]["t"] == "coll"
+    # neither side left the other's test: both fail (a mismatch)
+    group = _formed(2)
+    assert group.contribute(0, "barrier", 1, 0, None, ("t.py::test_x", "teardown")) == []
+    sends = deliveries(group.contribute(1, "barrier", 1, 0, None, ("t.py::test_y", "call")))
+    assert "mismatch" in sends[0][0]["reason"] and "mismatch" in sends[1][0]["reason"]
+
+
 def test_collectives_outside_a_call_are_not_failed_for_a_call_left():
     for where in (("t.py::test_x", "teardown"), None):
         group = _formed(2)

@@ -358,6 +358,36 @@ def test_after(rank):
         suite_patterns=(r"test_runs_pytest_main\s+passed\s+passed\s+passed", r"2 test\(s\): 2 passed"),
         absent=(r"test_inner\.py::test_inner_\w+\s+(passed|failed|crashed|not run)",),  # a table's row
     ),
+    Scenario(  # it paired with rank 1's barrier in the next test: everything passed, exit 0
+        "a_teardown_barrier_only_rank_0_enters",
+        """
+@pytest.fixture
+def lonely_teardown(rank):
+    from pytest_msrun import cluster
+
+    cluster.init()
+    yield
+    if rank == 0:
+        cluster.barrier()
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_first(rank, lonely_teardown):
+    pass
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_next(rank):
+    from pytest_msrun import cluster
+
+    cluster.init()
+    cluster.barrier()
+""",
+        counts={"passed": 2, "errors": 1},
+        patterns=(r"barrier #1 cannot complete: rank 1 (has left test_first's call|left the test)",),
+        suite_patterns=(r"test_first\s+error\s+passed\s+error$", r"test_next\s+passed\s+passed\s+passed$"),
+        modes=("warm", "suite"),
+    ),
     Scenario(
         "a_passing_test_of_a_task_scheduler_job_prints_a_lone_surrogate",
         """

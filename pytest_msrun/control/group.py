@@ -70,7 +70,7 @@ def process_text(hello: dict[str, Any], peer: str) -> str:
 class Collective:
     """Contributions to one collective operation, by rank."""
 
-    __slots__ = ("op", "src", "parts", "missing", "test", "size")
+    __slots__ = ("op", "src", "parts", "missing", "test", "where", "size")
 
     def __init__(self, op: str, src: int, world: int, test: str | None) -> None:
         self.op = op
@@ -78,6 +78,7 @@ class Collective:
         self.parts: dict[int, Any] = {}
         self.missing = set(range(world))  # ranks not in it yet
         self.test = test  # the test whose call it was entered in (None: outside a call)
+        self.where: tuple[str, str] | None = None  # the test phase it was first entered in
         self.size = 0  # the parts' bytes in its result (json_bytes)
 
 
@@ -246,8 +247,46 @@ class RankGroup:
         if call is not None:
             self.calls.enter(rank, call)
         coll = self.collectives.get(seq)
+        stale: Sends = []
+        if coll is not None and where is not None and coll.where is not None and where[0] != coll.where[0]:
+            # Entered in two tests. One side's test is one the other side has left the call of:
+            # that side's entry can never complete (a teardown's collective one rank alone
+            # entered): it fails alone, rewound, and the other side's stays; else both fail below.
+            left = self.calls.away(rank, coll.where[0])
+            if left:
+                stale = self._stale(seq, coll, sorted(coll.parts), left)
+                del self.collectives[seq]
+                coll = None
+            else:
+                behind = next((why for r in coll.parts if (why := self.calls.away(r, where[0]))), "")
+                if behind:
+                    self.latest.pop(rank, None)
+                    return self._stale(seq, Collective(op, src, self.world, call), [rank], behind)
         if coll is None:
             coll = self.collectives[seq] = Collective(op, src, self.world, call)
+        return stale + self._enter(rank, op, seq, src, data, where, coll, call)
+
+    def _stale(self, seq: int, coll: Collective, ranks: list[int], why: str) -> Sends:
+        """``ranks``' entries of ``coll`` (#``seq``) can never complete (``why``): they fail, and the
+        ranks go back to the collective before it, in step with their peers."""
+        for rank in ranks:
+            self.high[rank] = seq - 1
+        text = f"{op_name(coll.op)} #{seq} cannot complete: {why}"
+        peers = [r for r in ranks if r in self.connected]
+        return [(peers, {"t": "error", "seq": seq, "reason": text, "rewind": seq - 1})] if peers else []
+
+    def _enter(
+        self,
+        rank: int,
+        op: str,
+        seq: int,
+        src: int,
+        data: str | None,
+        where: tuple[str, str] | None,
+        coll: Collective,
+        call: str | None,
+    ) -> Sends:
+        """``rank``'s part of ``coll``: the collective completes, fails, or waits."""
         if coll.op != op or coll.src != src:
             first = coll.op if coll.op != "bcast" else f"bcast(src={coll.src})"
             this = op if op != "bcast" else f"bcast(src={src})"
@@ -255,14 +294,17 @@ class RankGroup:
             return self.fail_collectives(
                 f"collective #{seq} mismatch: rank {rank} called {this}, another rank called {first}", [seq]
             )
-        if call is not None and coll.test is not None and call != coll.test:
+        if where is not None and coll.where is not None and where[0] != coll.where[0]:
+            # one collective is entered in one test, whatever the phase: a teardown's that a rank
+            # alone entered must not pair with its peers' in a later test
             coll.parts[rank] = None
             return self.fail_collectives(
-                f"{op_name(op)} #{seq} mismatch: rank {rank} entered it in {short(call)}'s call, "
-                f"another rank in {short(coll.test)}'s call",
+                f"{op_name(op)} #{seq} mismatch: rank {rank} entered it in {short(where[0])}'s {where[1]}, "
+                f"another rank in {short(coll.where[0])}'s {coll.where[1]}",
                 [seq],
             )
         coll.test = coll.test or call
+        coll.where = coll.where or where
         coll.parts[rank] = data
         coll.size += json_bytes(data)
         coll.missing.discard(rank)
