@@ -216,6 +216,22 @@ def test_a_collective_one_rank_entered_in_a_test_its_peers_left_fails_alone_whic
     assert "mismatch" in sends[0][0]["reason"] and "mismatch" in sends[1][0]["reason"]
 
 
+def test_a_collective_entered_in_an_earlier_test_by_its_place_fails_alone():
+    """Without any call notice (rank 1's setup failed: it never entered test_x's call), the tests'
+    places in the session say which entry is stale: the one of the earlier test."""
+    for stale_first in (True, False):
+        group = _formed(2)
+        stale = (0, "barrier", 1, 0, None, ("t.py::test_x", "setup"), 1)
+        fresh = (1, "barrier", 1, 0, None, ("t.py::test_y", "call"), 3)
+        first, second = (stale, fresh) if stale_first else (fresh, stale)
+        assert group.contribute(*first) == []
+        (peers, msg), *rest = group.contribute(*second)
+        assert peers == [0] and msg["rewind"] == 0 and not rest
+        assert "rank 1 is past test_x" in msg["reason"]
+        done = deliveries(group.contribute(0, "barrier", 1, 0, None, ("t.py::test_y", "call"), 3))
+        assert done[0][0]["t"] == "coll" and done[1][0]["t"] == "coll"
+
+
 def test_collectives_outside_a_call_are_not_failed_for_a_call_left():
     for where in (("t.py::test_x", "teardown"), None):
         group = _formed(2)

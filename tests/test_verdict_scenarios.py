@@ -388,6 +388,41 @@ def test_next(rank):
         suite_patterns=(r"test_first\s+error\s+passed\s+error$", r"test_next\s+passed\s+passed\s+passed$"),
         modes=("warm", "suite"),
     ),
+    Scenario(  # rank 0's setup barrier paired with rank 1's in a later, innocent test: both failed
+        "a_module_fixture_raises_on_rank_1_before_its_barrier",
+        """
+@pytest.fixture(scope="module")
+def shared(rank):
+    from pytest_msrun import cluster
+
+    cluster.init()
+    if rank == 1:
+        raise RuntimeError("rank 1's module fixture fails")
+    cluster.barrier()
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_a(rank, shared):
+    pass
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_b(rank, shared):
+    pass
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_innocent(rank):
+    from pytest_msrun import cluster
+
+    cluster.init()
+    cluster.barrier()
+""",
+        counts={"passed": 1, "errors": 2},
+        never=("failed",),
+        patterns=(r"rank 1's module fixture fails",),
+        suite_patterns=(r"test_innocent\s+passed\s+passed\s+passed$", r"test_a\s+error\s+error\s+error$"),
+    ),
     Scenario(
         "a_passing_test_of_a_task_scheduler_job_prints_a_lone_surrogate",
         """

@@ -3,10 +3,12 @@
 A rank that has joined the group tells the control plane when it enters and leaves a test's call
 phase (``{"t": "call", "test": nodeid, "state": "in"|"out", "outcome": ...}``), and tags each
 collective with the test phase it runs in (``"test"``, ``"when"``, from pytest's
-``PYTEST_CURRENT_TEST``). From that, :class:`CallStates` says of a rank missing from a collective
-entered during a test's call whether it has left that call (so it will never join it). The state
-is kept per test: entering a test's call again (a warm world running it again) clears what was
-known of it; at most :data:`REMEMBERED` left calls are kept per rank.
+``PYTEST_CURRENT_TEST``) and the test's place in the session (``"order"``: every rank runs its
+tests in one order, so a rank in a later test is past an earlier one's collectives). From that,
+:class:`CallStates` says of a rank missing from a collective entered during a test's call whether
+it has left that call (so it will never join it). The state is kept per test: entering a test's
+call again (a warm world running it again) clears what was known of it; at most
+:data:`REMEMBERED` left calls are kept per rank.
 
 Frames are parsed totally: anything malformed is ``None`` (the scheduler then drops that rank's
 connection), never an exception.
@@ -23,6 +25,9 @@ REMEMBERED = 256  # left calls remembered per rank (a suite's ranks may be a few
 MAX_TEST = 4096  # characters of a node id kept
 MAX_OUTCOME = 200
 PHASES = ("setup", "call", "teardown")
+# This rank's current test's place in its session (its pytest plugin sets it; 0: none): every
+# rank runs its tests in one order, and its collectives say it (``"order"``).
+place = 0
 
 
 def op_name(op: str) -> str:
@@ -33,6 +38,12 @@ def op_name(op: str) -> str:
 def short(test: str) -> str:
     """A test's name as a message says it: the last part of its node id."""
     return test.rsplit("::", 1)[-1] or test
+
+
+def parse_order(msg: dict[str, Any]) -> int | None:
+    """A collective's test's place in the session (``"order"``), or None when absent or malformed."""
+    order = msg.get("order")
+    return order if isinstance(order, int) and not isinstance(order, bool) and 0 <= order < 1 << 40 else None
 
 
 def parse_notice(msg: dict[str, Any]) -> tuple[str, str, str] | None:

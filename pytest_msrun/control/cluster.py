@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 
-from pytest_msrun.control import wire
+from pytest_msrun.control import calls, wire
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -145,8 +145,10 @@ class _Group:
         this rank's connection."""
         msg: dict[str, Any] = {"t": "coll", "op": op, "seq": seq, "src": src}
         where = _where()
-        if where is not None:  # the control plane pairs a test's collectives within its call
+        if where is not None:  # the control plane pairs a test's collectives within the test
             msg["test"], msg["when"] = where
+            if calls.place > 0:  # the test's place in the session (every rank runs them in one order)
+                msg["order"] = calls.place
         if data is None:
             return msg
         size, limit = frame_bytes(msg, len(data)), wire.message_limit()

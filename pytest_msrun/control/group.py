@@ -70,7 +70,7 @@ def process_text(hello: dict[str, Any], peer: str) -> str:
 class Collective:
     """Contributions to one collective operation, by rank."""
 
-    __slots__ = ("op", "src", "parts", "missing", "test", "where", "size")
+    __slots__ = ("op", "src", "parts", "missing", "test", "where", "order", "size")
 
     def __init__(self, op: str, src: int, world: int, test: str | None) -> None:
         self.op = op
@@ -79,6 +79,7 @@ class Collective:
         self.missing = set(range(world))  # ranks not in it yet
         self.test = test  # the test whose call it was entered in (None: outside a call)
         self.where: tuple[str, str] | None = None  # the test phase it was first entered in
+        self.order: int | None = None  # that test's place in the session
         self.size = 0  # the parts' bytes in its result (json_bytes)
 
 
@@ -234,7 +235,14 @@ class RankGroup:
         )
 
     def contribute(
-        self, rank: int, op: str, seq: int, src: int, data: str | None, where: tuple[str, str] | None = None
+        self,
+        rank: int,
+        op: str,
+        seq: int,
+        src: int,
+        data: str | None,
+        where: tuple[str, str] | None = None,
+        order: int | None = None,
     ) -> Sends:
         """``rank`` entered collective ``seq`` (in test phase ``where``); when it completes,
         everyone gets the result. An entry :meth:`entry_refusal` refuses expels the rank (the
@@ -252,19 +260,30 @@ class RankGroup:
             # Entered in two tests. One side's test is one the other side has left the call of:
             # that side's entry can never complete (a teardown's collective one rank alone
             # entered): it fails alone, rewound, and the other side's stays; else both fail below.
-            left = self.calls.away(rank, coll.where[0])
+            left = self.calls.away(rank, coll.where[0]) or self._past(rank, order, coll.order, coll.where[0])
             if left:
                 stale = self._stale(seq, coll, sorted(coll.parts), left)
                 del self.collectives[seq]
                 coll = None
             else:
                 behind = next((why for r in coll.parts if (why := self.calls.away(r, where[0]))), "")
+                behind = behind or self._past(min(coll.parts), coll.order, order, where[0])
                 if behind:
                     self.latest.pop(rank, None)
                     return self._stale(seq, Collective(op, src, self.world, call), [rank], behind)
         if coll is None:
             coll = self.collectives[seq] = Collective(op, src, self.world, call)
+        if coll.order is None:
+            coll.order = order
         return stale + self._enter(rank, op, seq, src, data, where, coll, call)
+
+    @staticmethod
+    def _past(rank: int, order: int | None, other: int | None, test: str) -> str:
+        """Why ``rank``, in the test at place ``order``, is past ``test`` (at place ``other``): every rank
+        runs the session's tests in one order ("" when unknown, or not past it)."""
+        if order is None or other is None or order <= other:
+            return ""
+        return f"rank {rank} is past {short(test)} (it is in a later test)"
 
     def _stale(self, seq: int, coll: Collective, ranks: list[int], why: str) -> Sends:
         """``ranks``' entries of ``coll`` (#``seq``) can never complete (``why``): they fail, and the

@@ -314,7 +314,12 @@ class Ranks:
         if self.sched.trace is not None:
             self.entered.setdefault(seq, {})[rank] = time.time()
             self.coll_op.setdefault(seq, op)
-        self.deliver(self.group.contribute(rank, op, seq, src, data, where if isinstance(where, tuple) else None))
+        place = (where, calls.parse_order(msg)) if isinstance(where, tuple) else None
+        self.deliver(
+            self.group.contribute(rank, op, seq, src, data, *place)
+            if place
+            else self.group.contribute(rank, op, seq, src, data)
+        )
 
     def _forget(self, conn: Conn, rank: int) -> None:
         self.rank_of.pop(conn, None)

@@ -25,6 +25,7 @@ from typing import IO, Any
 
 import pytest
 
+from pytest_msrun.control import calls
 from pytest_msrun.engine import ranknotes
 from pytest_msrun.fileio import make_dirs, open_output, write_whole
 from pytest_msrun.plugin import options
@@ -350,6 +351,8 @@ class RankPlugin:
         start = log_offset()
         began = time.time()
         owner = os.getpid()
+        if when == "setup":  # the tests this rank began, in the order every rank runs them
+            calls.place += 1  # its collectives carry it
         self._write("phase", nodeid=item.nodeid, when=when, offset=start)
         if self.streams is not None:
             self.streams.enter()
