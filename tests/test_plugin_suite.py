@@ -300,3 +300,57 @@ def test_last_failed_selects_the_same_tests_on_every_rank(msrun):
     code, table = run("FIXED=1")
     assert code == 0 and "msrun: 1 test(s): 1 passed" in table, table
     assert json.loads(lastfailed.read_text()) == {}
+
+
+STEPWISE = """
+import os
+import time
+
+PID1 = os.path.join(os.environ["MSRUN_LOG_DIR"], "pid1")
+
+
+def test_first(rank):
+    pass
+
+
+def test_fails_on_1(rank):
+    if rank == 1:
+        with open(PID1 + ".tmp", "w") as fh:
+            fh.write(str(os.getpid()))
+        os.rename(PID1 + ".tmp", PID1)
+    assert os.environ.get("FIXED") or rank == 0
+
+
+def test_last(rank):
+    if rank == 0 and not os.environ.get("FIXED"):  # rank 1 stopped at its failure (--sw): rank 0 ends last
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not os.path.exists(PID1):
+            time.sleep(0.02)
+        pid = int(open(PID1).read())
+        while time.monotonic() < deadline and os.path.exists(f"/proc/{pid}"):
+            time.sleep(0.02)
+"""
+
+
+def test_stepwise_selects_the_same_tests_on_every_rank(msrun):
+    """--sw in a suite: no rank writes its stepwise state (they wrote one cache in turn: the next
+    run's ranks began at different tests, and a test one rank skipped was INCOMPLETE); msrun writes
+    the state of the rank whose failure comes first, so every rank resumes there."""
+    msrun.script("test_sw.py", STEPWISE)
+
+    def run(*env: str) -> tuple[int, str]:
+        job = msrun.run(
+            job_args(2, "pytest", "-q", "-p", "no:randomly", "--sw", "test_sw.py"), env=dict(e.split("=") for e in env)
+        )
+        out = job.stdout
+        return job.returncode, out[out.index("msrun: pytest results of 2 rank(s)") :]
+
+    code, table = run()
+    assert re.search(r"test_sw.py::test_first\s+passed\s+passed\s+passed", table), table
+    assert re.search(r"test_sw.py::test_fails_on_1\s+passed\s+failed\s+failed", table), table
+    for _ in range(2):  # both ranks resume at the failure: test_first is deselected on both
+        code, table = run()
+        assert code != 0 and "test_first" not in table, table
+        assert re.search(r"test_sw.py::test_fails_on_1\s+passed\s+failed\s+failed", table), table
+    code, table = run("FIXED=1")
+    assert code == 0 and "test_first" not in table and "msrun: 2 test(s): 2 passed" in table, table

@@ -37,6 +37,8 @@ from pytest_msrun.plugin.records import (
     CACHE_FILE,
     LASTFAILED,
     REPORT_DIR_ENV,
+    STEPWISE,
+    STEPWISE_FILE,
     RecordWriter,
     records_path,
     stacks_path,
@@ -144,19 +146,30 @@ class RankPlugin:
         self._write_start()
         cache = getattr(session.config, "cache", None)
         if cache is not None and self.writer is not None and not self.controlled:
-            self._hold_lastfailed(cache)
+            self._hold_cache(cache)
 
-    def _hold_lastfailed(self, cache: Any) -> None:
-        """In a suite, ranks select ``--lf``/``--ff`` tests from the cache as the job found it and
-        none writes its last-failed set: a rank that ended first would change what a later one
-        selects. msrun writes it from the job's table (:func:`~pytest_msrun.plugin.suite.update_lastfailed`)."""
+    def _hold_cache(self, cache: Any) -> None:
+        """In a suite, ranks select ``--lf``/``--ff``/``--sw`` tests from the cache as the job found
+        it and none writes its last-failed set or its stepwise state: a rank that ended first would
+        change what a later one selects. msrun writes both from the job's table
+        (:func:`~pytest_msrun.plugin.suite.update_cache`); each rank's stepwise state is kept for it."""
         original = cache.set
+        stepwise = os.path.join(self.records_dir, STEPWISE_FILE.format(rank=self.rank))
+        try:
+            os.unlink(stepwise)  # an earlier job's, in a log directory used again
+        except OSError:
+            pass
 
-        def set_all_but_lastfailed(key: str, value: object) -> None:
-            if key != LASTFAILED:
+        def set_all_but_selections(key: str, value: object) -> None:
+            if key == STEPWISE:
+                try:
+                    write_whole(stepwise, json.dumps(value))
+                except (OSError, TypeError, ValueError):
+                    pass
+            elif key != LASTFAILED:
                 original(key, value)
 
-        cache.set = set_all_but_lastfailed
+        cache.set = set_all_but_selections
         if self.rank == 0:
             held = {"cache_dir": str(cache._cachedir), "lastfailed": cache.get(LASTFAILED, {})}
             write_whole(os.path.join(self.records_dir, CACHE_FILE), json.dumps(held))

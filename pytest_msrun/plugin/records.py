@@ -33,6 +33,8 @@ REPORT_DIR_ENV = "MSRUN_PYTEST_REPORT_DIR"
 SHARED_TMP_ENV = "MSRUN_PYTEST_SHARED_TMP"
 CACHE_FILE = "pytest_cache.json"  # a suite's rank 0: its cache directory and last-failed set as the job began
 LASTFAILED = "cache/lastfailed"  # pytest's cache key of the last-failed set
+STEPWISE = "cache/stepwise"  # pytest's cache key of --sw's state (its format is pytest's own)
+STEPWISE_FILE = "pytest_stepwise_rank{rank}.json"  # a suite's rank: the --sw state it would have written
 BASETEMP_ENV = "MSRUN_PYTEST_BASETEMP"
 PHASES = ("setup", "call", "teardown")
 

@@ -24,7 +24,16 @@ from pytest_msrun.engine.status import JobStatus
 from pytest_msrun.fileio import make_dirs, write_whole
 from pytest_msrun.plugin.extras import suite_lines
 from pytest_msrun.plugin.hang import diagnosis
-from pytest_msrun.plugin.records import CACHE_FILE, LASTFAILED, RankLog, load_rank_log, records_path, stacks_path
+from pytest_msrun.plugin.records import (
+    CACHE_FILE,
+    LASTFAILED,
+    STEPWISE,
+    STEPWISE_FILE,
+    RankLog,
+    load_rank_log,
+    records_path,
+    stacks_path,
+)
 from pytest_msrun.plugin.tracetests import lanes, rank_rows, tally, test_events
 from pytest_msrun.plugin.verdict import RankEnd, TestVerdict, judge, ranks_text
 
@@ -68,7 +77,7 @@ def job_report(status: JobStatus) -> JobReport | None:
     if not logs:
         return None
     table = render(directory, logs, ends)
-    update_lastfailed(directory, table.outcomes)
+    update_cache(directory, table.outcomes)
     text = table.text
     passed = table.passed
     missing: list[int] = []
@@ -108,10 +117,11 @@ def _trace(judged: list[TestVerdict], logs: dict[int, RankLog]) -> Callable[[], 
 PASSING = ("passed", "skipped", "xfailed", "xpassed")
 
 
-def update_lastfailed(directory: str, outcomes: dict[str, str]) -> None:
-    """pytest's last-failed set (``--lf``, ``--ff``) from the job's verdicts: in a suite no rank
-    writes it (one that ended first would change what a later one selects), msrun does, once,
-    as pytest's own cache plugin would from these results."""
+def update_cache(directory: str, outcomes: dict[str, str]) -> None:
+    """pytest's last-failed set (``--lf``, ``--ff``) from the job's verdicts, and ``--sw``'s state:
+    in a suite no rank writes them (one that ended first would change what a later one selects),
+    msrun does, once, as pytest's own cache plugins would from these results: the stepwise state
+    is that of the rank whose failure comes first in the suite's order (as that rank wrote it)."""
     import json
 
     try:
@@ -125,15 +135,44 @@ def update_lastfailed(directory: str, outcomes: dict[str, str]) -> None:
             lastfailed.pop(nodeid, None)
         elif outcome != "not run":
             lastfailed[nodeid] = True
-    path = os.path.join(cache_dir, "v", *LASTFAILED.split("/"))
+    values: dict[str, Any] = {LASTFAILED: lastfailed}
+    stepwise = _first_stepwise(directory, list(outcomes))
+    if stepwise is not None:
+        values[STEPWISE] = stepwise[0]
     try:  # pytest's cache directory, in the project: made as pytest makes it, written whole
         new = not os.path.isdir(cache_dir)
-        make_dirs(os.path.dirname(path))
+        for key, value in values.items():
+            path = os.path.join(cache_dir, "v", *key.split("/"))
+            make_dirs(os.path.dirname(path))
+            write_whole(path, json.dumps(value, ensure_ascii=False, indent=2, sort_keys=True))
         if new:
             write_whole(os.path.join(cache_dir, ".gitignore"), "# Created by pytest automatically.\n*\n")
-        write_whole(path, json.dumps(lastfailed, ensure_ascii=False, indent=2, sort_keys=True))
     except OSError:
         pass
+
+
+def _first_stepwise(directory: str, order: list[str]) -> tuple[Any] | None:
+    """The ``--sw`` state a rank would have written (None: no rank wrote one) - of the rank whose
+    last failed test comes first in ``order``, else any rank's (none failed)."""
+    import glob
+    import json
+
+    states = []
+    for path in sorted(glob.glob(os.path.join(directory, STEPWISE_FILE.format(rank="*")))):
+        try:
+            with open(path, encoding="utf-8") as fh:
+                states.append(json.load(fh))
+        except (OSError, ValueError):
+            continue
+    if not states:
+        return None
+    place = {nodeid: i for i, nodeid in enumerate(order)}
+
+    def failed_at(state: Any) -> int:
+        nodeid = state.get("last_failed") if isinstance(state, dict) else state  # (older pytest: the node id)
+        return place.get(nodeid, len(place)) if isinstance(nodeid, str) else len(place) + 1
+
+    return (min(states, key=failed_at),)
 
 
 def _dry_run_report(directory: str, status: JobStatus, summary: dict[str, Any]) -> JobReport | None:
