@@ -423,6 +423,26 @@ def test_innocent(rank):
         patterns=(r"rank 1's module fixture fails",),
         suite_patterns=(r"test_innocent\s+passed\s+passed\s+passed$", r"test_a\s+error\s+error\s+error$"),
     ),
+    Scenario(  # msrun stopped rank 1 in its call when rank 0 exited 1: a passed call became FAILED
+        "a_teardown_class_raising_on_rank_0_of_a_task_scheduler_job",
+        """
+class TestGroup:
+    @classmethod
+    def teardown_class(cls):
+        if RANK == 0:
+            raise RuntimeError("teardown_class fails on rank 0")
+
+    @pytest.mark.msrun(worker_num=2, scheduler="task")
+    def test_one(self, rank, msrun_tmp_path):
+        (msrun_tmp_path / f"pid{rank}").write_text(str(os.getpid()))
+        if rank == 1:  # still in its call when rank 0's session has ended with the error
+            wait_for(lambda: gone(peer_pid(msrun_tmp_path, 0)), 5.0)
+""",
+        counts={"passed": 1, "errors": 1},
+        never=("failed",),
+        patterns=(r"RuntimeError: teardown_class fails on rank 0",),
+        modes=("fresh", "warm"),
+    ),
     Scenario(
         "a_passing_test_of_a_task_scheduler_job_prints_a_lone_surrogate",
         """

@@ -82,6 +82,7 @@ class RankPlugin:
         self.test_real_failure = False
         self.failed_any = False
         self.real_failure = False  # a failure other than a strict xfail that passed
+        self.failed_before_teardown = False  # a failure in a setup or a call (not only in teardowns)
         self.collect_skipped = False
         self.skipped_collectors: set[str] = set()
         self.session: pytest.Session | None = None
@@ -282,6 +283,7 @@ class RankPlugin:
     def _record_report(self, report: pytest.TestReport) -> None:
         if report.failed:
             self.test_failed = self.failed_any = True
+            self.failed_before_teardown |= report.when != "teardown"
             if not _strict_xpass(report):
                 self.real_failure = self.test_real_failure = True
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
@@ -304,6 +306,10 @@ class RankPlugin:
             # must how its process ends after it (a crash at exit, judged on its last test)
             why = "its pytest session ended with failed tests" if status else "its pytest session had ended"
             ranknotes.settle(None, why)
+        elif self.writer is not None and status == pytest.ExitCode.TESTS_FAILED and not self.failed_before_teardown:
+            # a controller's job whose rank failed only in a teardown (a teardown_class raising):
+            # its peers still in their calls finish them - a passed call stays passed
+            ranknotes.settle(status, "its pytest session ended with a teardown error")
 
     # ---------------------------------------------------------------- warm worlds (serve.py)
     def begin_test(self, report_dir: str, nodeid: str) -> RecordWriter:
