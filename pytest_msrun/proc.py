@@ -17,9 +17,20 @@ def running(pid: int) -> bool:
     return state(pid) not in ("", "Z")
 
 
-def stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (SIGSTOP, SIGTSTP, a tracer): it runs nothing, answers nothing."""
-    return state(pid) in ("T", "t")
+def stopped(pid: int, *, or_its_child: bool = False) -> bool:
+    """Whether process ``pid`` is stopped (SIGSTOP, SIGTSTP, a tracer): it runs nothing, answers
+    nothing. ``or_its_child``: or a child of its main thread is (a forking world's rank runs each
+    test in a child it forked)."""
+    if state(pid) in ("T", "t"):
+        return True
+    if not or_its_child:
+        return False
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children", "rb") as fh:
+            children = [int(c) for c in fh.read().split()]
+    except (OSError, ValueError):
+        return False
+    return any(state(child) in ("T", "t") for child in children)
 
 
 STOPPED_WORDS = "stopped (SIGSTOP, SIGTSTP or a tracer): it could run nothing, not even its own timer"

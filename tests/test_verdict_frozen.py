@@ -103,7 +103,7 @@ def test_it(rank):
         never=("passed",),
         patterns=(r"rank 1: no stack \(stopped \(SIGSTOP, SIGTSTP or a tracer\)",),
         suite_patterns=(r"test_it\s+passed\s+timeout\s+failed", r"rank 1 ran out of time .*: it was stopped \(SIGSTOP"),
-        modes=("warm", "suite"),
+        modes=("fresh", "warm", "suite"),
     ),
     Scenario(
         "a_rank_whose_suite_ends_early_with_failures_stops_no_peer",

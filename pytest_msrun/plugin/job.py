@@ -453,7 +453,7 @@ class TestJob:
         asked = []
         stacks: dict[int, str] = {}
         for rank, end in self.rank_ends().items():
-            if end.pid and end.returncode is None and not end.elsewhere and stopped(end.pid):
+            if end.pid and end.returncode is None and not end.elsewhere and stopped(end.pid, or_its_child=True):
                 stacks[rank] = f"msrun: {STOPPED_WORDS}\n"  # it cannot answer: why it has no stack
             elif end.pid and end.returncode is None and not end.elsewhere and _catches(end.pid, signal.SIGUSR1):
                 try:
