@@ -443,6 +443,21 @@ class TestGroup:
         patterns=(r"RuntimeError: teardown_class fails on rank 0",),
         modes=("fresh", "warm"),
     ),
+    Scenario(  # rank 0's records were stamped by its frozen clock: it was "failed first"
+        "a_rank_that_freezes_time_time_fails_after_its_peer",
+        """
+@pytest.mark.msrun(worker_num=2)
+def test_it(rank, msrun_tmp_path, monkeypatch):
+    (msrun_tmp_path / f"pid{rank}").write_text(str(os.getpid()))
+    if rank == 1:
+        raise AssertionError("rank 1 fails first")
+    assert wait_for(lambda: gone(peer_pid(msrun_tmp_path, 1))), "rank 1 never ended"
+    monkeypatch.setattr(time, "time", lambda: 1000.0)
+    raise AssertionError("rank 0 fails later, its clock frozen")
+""",
+        suite_patterns=(r"on rank\(s\) 0, 1: rank 1: AssertionError: rank 1 fails first",),
+        modes=("suite",),
+    ),
     Scenario(
         "a_passing_test_of_a_task_scheduler_job_prints_a_lone_surrogate",
         """

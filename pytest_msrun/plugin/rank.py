@@ -19,7 +19,6 @@ import json
 import os
 import sys
 import threading
-import time
 from collections.abc import Generator
 from typing import IO, Any
 
@@ -42,6 +41,7 @@ from pytest_msrun.plugin.records import (
     RecordWriter,
     records_path,
     stacks_path,
+    wallclock,
 )
 from pytest_msrun.plugin.serve import WORLD_ENV, WORLD_TOKEN_ENV, world_address
 from pytest_msrun.plugin.stdstreams import StandardStreams, log_file, log_offset, read_log
@@ -368,7 +368,7 @@ class RankPlugin:
     def _phase(self, item: pytest.Item, when: str) -> Generator[None, None, None]:
         self.current = (item.nodeid, when)
         start = log_offset()
-        began = time.time()
+        began = wallclock()
         owner = os.getpid()
         if when == "setup":  # the tests this rank began, in the order every rank runs them
             calls.place += 1  # its collectives carry it

@@ -47,6 +47,16 @@ def stacks_path(directory: str, rank: int) -> str:
     return os.path.join(directory, f"pytest_rank{rank}.stacks")
 
 
+_clock_gettime, _REALTIME = time.clock_gettime, time.CLOCK_REALTIME  # taken now: a test cannot move them
+
+
+def wallclock() -> float:
+    """The time a record is stamped with: the system's wall clock, read so that a test replacing
+    ``time.time`` (a frozen clock, ``freezegun``) does not move its rank's records in the order of
+    failures (a frozen rank was blamed first for a failure that came later)."""
+    return _clock_gettime(_REALTIME)
+
+
 class RecordWriter:
     """Appends records for one rank; every line is flushed before the call returns."""
 
@@ -58,7 +68,7 @@ class RecordWriter:
         self.lock = threading.Lock()  # a timeout is recorded from a timer thread
 
     def write(self, kind: str, **fields: Any) -> None:
-        record = {"kind": kind, "rank": self.rank, "world": self.world, "ts": time.time(), **fields}
+        record = {"kind": kind, "rank": self.rank, "world": self.world, "ts": wallclock(), **fields}
         line = json.dumps(record, default=str) + "\n"
         with self.lock:
             self.fh.write(line)
