@@ -91,3 +91,23 @@ def test_docstrings_and_comments_stand_alone():
         if pattern.search(line) and path.name != "test_layout.py"
     ]
     assert not hits, f"references to documents outside the repository: {hits}"
+
+
+def test_verdicts_are_values():
+    """A verdict is judged once and then only read: a later fact is a new verdict
+    (``dataclasses.replace``), never a write into one the reporters may already hold."""
+    import dataclasses
+
+    from pytest_msrun.plugin.outcomes import PhaseVerdict, TestVerdict
+
+    for cls in (TestVerdict, PhaseVerdict):
+        assert cls.__dataclass_params__.frozen, cls  # type: ignore[attr-defined]
+        instance = cls(
+            *(
+                None
+                for f in dataclasses.fields(cls)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+            )
+        )
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            instance.outcome = "passed"  # type: ignore[misc]

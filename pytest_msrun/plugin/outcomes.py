@@ -134,7 +134,7 @@ class RankIssue:
     waited: bool = False  # it timed out waiting in the control plane for other ranks: not a root cause before theirs
 
 
-@dataclass
+@dataclass(frozen=True)
 class PhaseVerdict:
     phase: str
     outcome: str  # passed | failed | skipped
@@ -147,7 +147,7 @@ class PhaseVerdict:
     skip_reason: str = ""  # a skip no report of this phase carries (every rank skipped at collection)
 
 
-@dataclass
+@dataclass(frozen=True)
 class TestVerdict:
     """Every phase's verdict, each rank's cell, and the test's overall outcome."""
 

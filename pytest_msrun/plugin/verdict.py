@@ -39,7 +39,7 @@ Plain data in, plain data out: no pytest import, so the launcher side can use it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pytest_msrun.plugin.outcomes import (
@@ -186,28 +186,27 @@ class Judge(RankFacts):
         cells = {rank: self.cell(rank, kinds) for rank in self.ranks}
         not_run = [r for r in self.ranks if cells[r] == "not run"]
         verdict = TestVerdict(self.nodeid, phases, cells, self._overall(phases, cells, not_run), not_run)
-        self._blame_an_earlier_test(verdict)
-        return verdict
+        return self._blame_an_earlier_test(verdict)
 
-    def _blame_an_earlier_test(self, verdict: TestVerdict) -> None:
+    def _blame_an_earlier_test(self, verdict: TestVerdict) -> TestVerdict:
         """Suite mode: a test whose only failures are ranks waiting for the others - the cluster
         API's errors, or a timeout in a collective they waited in - while those others never began
         it, their process having ended in an earlier test (reported failed there), is incomplete
         here, not failed: that earlier test is the failure. Part of the rule, applied once."""
         if self.scope != "suite" or verdict.outcome not in ("failed", "error") or not verdict.not_run:
-            return
+            return verdict
         issues = verdict.issues
         if not issues or not all(self._only_waited(issue) for issue in issues):
-            return
+            return verdict
         gone = [r for r in verdict.not_run if self.end(r).returncode is not None]
         if gone != verdict.not_run:
-            return
+            return verdict
         where = sorted({str(self.logs[r].last_test) for r in gone if r in self.logs and self.logs[r].last_test})
-        verdict.outcome = "incomplete"
-        verdict.note = (
+        note = (
             f"ranks {ranks_text(verdict.failing_ranks)} failed only waiting for ranks {ranks_text(gone)}, "
             "which had ended" + (f" in {', '.join(where)}" if where else "")
         )
+        return replace(verdict, outcome="incomplete", note=note)
 
     def _only_waited(self, issue: RankIssue) -> bool:
         if issue.kind == "failed":
@@ -268,18 +267,31 @@ class Judge(RankFacts):
                 # The merged setup did not pass, so the test has no call phase; ranks whose own
                 # setup passed still ran it, and what went wrong there is part of the failure.
                 setup = out[0]
-                setup.issues = sorted(setup.issues + own, key=lambda i: i.at)
-                setup.stopped = sorted(set(setup.stopped) | set(halted))
-                if (own or halted or message) and setup.outcome != "failed":
-                    setup.outcome, setup.wasxfail = "failed", None
-                setup.message = setup.message or message
-                if setup.outcome == "failed" and not setup.issues:
-                    setup.cause = cause
+                joined = sorted(setup.issues + own, key=lambda i: i.at)
+                fails_now = bool(own or halted or message) and setup.outcome != "failed"
+                outcome = "failed" if fails_now else setup.outcome
+                out[0] = replace(
+                    setup,
+                    issues=joined,
+                    stopped=sorted(set(setup.stopped) | set(halted)),
+                    outcome=outcome,
+                    wasxfail=None if fails_now else setup.wasxfail,
+                    message=setup.message or message,
+                    cause=cause if outcome == "failed" and not joined else setup.cause,
+                )
                 continue
             if own or halted:
-                verdict = PhaseVerdict(phase, "failed", present[phase], own, halted, message=message)
-                verdict.cause = None if own or message else cause
-                out.append(verdict)
+                out.append(
+                    PhaseVerdict(
+                        phase,
+                        "failed",
+                        present[phase],
+                        own,
+                        halted,
+                        message=message,
+                        cause=None if own or message else cause,
+                    )
+                )
                 continue
             if phase in merged:
                 out.append(merged[phase])
