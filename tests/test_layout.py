@@ -94,13 +94,14 @@ def test_docstrings_and_comments_stand_alone():
 
 
 def test_verdicts_are_values():
-    """A verdict is judged once and then only read: a later fact is a new verdict
-    (``dataclasses.replace``), never a write into one the reporters may already hold."""
+    """A record and its verdict are values: judged once and then only read - a later fact is a new
+    one (``dataclasses.replace``), never a write into one the reporters may already hold."""
     import dataclasses
 
     from pytest_msrun.plugin.outcomes import PhaseVerdict, TestVerdict
+    from pytest_msrun.plugin.runner import TestRecord
 
-    for cls in (TestVerdict, PhaseVerdict):
+    for cls in (TestRecord, TestVerdict, PhaseVerdict):
         assert cls.__dataclass_params__.frozen, cls  # type: ignore[attr-defined]
         instance = cls(
             *(

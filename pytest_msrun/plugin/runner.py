@@ -10,7 +10,7 @@ same merge turns it into reports. A fresh job runs whole in the first step; a wa
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from pytest_msrun.fileio import private_dir, write_whole
@@ -20,7 +20,7 @@ from pytest_msrun.plugin.verdict import TestVerdict, judge
 from pytest_msrun.plugin.world import WarmTest, World
 
 
-@dataclass
+@dataclass(frozen=True)
 class TestRecord:
     """A test's complete record, as far as it goes: ranks, their records, their ends, the job's run."""
 
@@ -133,15 +133,13 @@ class WarmAttempt:
     def finish(self, next_id: str | None, exit_timeout: float) -> TestRecord:
         run = self.test.finish(next_id, exit_timeout)
         record = TestRecord.load(self.nodeid, self.ranks, self.paths, run)
-        record.leaks = self.test.leaks
-        record.notes = self.test.notes
-        self._own_logs(record)
-        return record
+        return replace(record, leaks=self.test.leaks, notes=self.test.notes, own_logs=self._own_logs(record))
 
-    def _own_logs(self, record: TestRecord) -> None:
+    def _own_logs(self, record: TestRecord) -> dict[int, str]:
         """Each rank's part of the world's log, in the test's own folder (``logs/worker_<rank>.log``):
         what reports point at, instead of a log every test of the world shares."""
         folder = self.paths.job_dir / "logs"
+        own: dict[int, str] = {}
         for rank, end in list(record.run.ranks.items()):
             log = record.logs.get(rank)
             test = log.tests.get(self.nodeid) if log is not None else None
@@ -158,4 +156,5 @@ class WarmAttempt:
                 write_whole(str(target), part)
             except OSError:
                 continue
-            record.own_logs[rank] = str(target)
+            own[rank] = str(target)
+        return own
