@@ -13,6 +13,7 @@ leaves nothing behind.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shlex
 import signal
@@ -71,7 +72,7 @@ class TestPaths:
             private_dir(str(d))
 
 
-@dataclass
+@dataclass(frozen=True)
 class JobRun:
     """The outcome of a test's job, before merging reports."""
 
@@ -366,12 +367,12 @@ class TestJob:
             exit_timeout=exit_timeout,
             cutoff=cutoff,
             running=running,
+            ranks=self.rank_ends(),
         )
-        run.ranks = self.rank_ends()
         if not timed_out and not hung:
-            run.launch_error = self.launch_error(run.exit_codes, logs)
-        elif timed_out and not self.started():
-            run.launch_error = self.no_room(timeout, logs)
+            return dataclasses.replace(run, launch_error=self.launch_error(run.exit_codes, logs))
+        if timed_out and not self.started():
+            return dataclasses.replace(run, launch_error=self.no_room(timeout, logs))
         return run
 
     def started(self) -> bool:

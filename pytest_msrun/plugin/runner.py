@@ -86,8 +86,7 @@ class FreshAttempt:
 
     def __init__(self, nodeid: str, job: TestJob, timeout: float, exit_timeout: float, note: str = "") -> None:
         self.job = job
-        run = job.run(timeout, exit_timeout)
-        run.note = note
+        run = replace(job.run(timeout, exit_timeout), note=note)
         self.record = TestRecord.load(nodeid, job.expected_ranks(), job.paths, run)
 
     def finish(self, next_id: str | None, exit_timeout: float) -> TestRecord:

@@ -447,14 +447,17 @@ class World:
         stacks = self.job.collect_stacks()
         self.stop()
         run = self.job_run(test, True)
-        for rank in waiting & set(run.ranks):
-            run.ranks[rank] = dataclasses.replace(run.ranks[rank], held=True)
-        run.stacks, run.state, run.cutoff, run.running = stacks, state, cutoff, running
-        return run
+        ranks = {r: dataclasses.replace(end, held=True) if r in waiting else end for r, end in run.ranks.items()}
+        return dataclasses.replace(run, ranks=ranks, stacks=stacks, state=state, cutoff=cutoff, running=running)
 
     def job_run(self, test: WarmTest, timed_out: bool) -> JobRun:
         """The run to judge ``test`` by: each rank's end, or - the world living on - that it lives on."""
-        run = JobRun(
+        ends = self.job.rank_ends()
+        live = not self.dead and not self.launched.exited()
+        for rank, end in ends.items():
+            if live and end.returncode is None and rank not in self.lost:
+                ends[rank] = RankEnd(pid=end.pid, log=end.log, host=end.host, alive=True)
+        return JobRun(
             reproduce_lines=self.job.reproduce_lines(test.timeout, [test.nodeid], test.env),
             exit_codes=[p.returncode for p in self.launched.procs],
             timed_out=timed_out,
@@ -463,21 +466,13 @@ class World:
             ended=time.time(),
             msrun_logs=list(self.launched.logs),
             stacks_dir=str(self.job.report_dir),
+            ranks=ends,
         )
-        ends = self.job.rank_ends()
-        live = not self.dead and not self.launched.exited()
-        for rank, end in ends.items():
-            if live and end.returncode is None and rank not in self.lost:
-                ends[rank] = RankEnd(pid=end.pid, log=end.log, host=end.host, alive=True)
-        run.ranks = ends
-        return run
 
     def ended_run(self, test: WarmTest, hung: list[int], exit_timeout: float, stacks: dict[int, str]) -> JobRun:
         """The run to judge ``test`` by once the world ended with it: ``hung``, the ranks still
         running ``exit_timeout`` s after their sessions (or forked tests) ended, with ``stacks``."""
-        run = self.job_run(test, False)
-        run.exit_hung, run.exit_timeout, run.stacks = hung, exit_timeout, stacks
-        return run
+        return dataclasses.replace(self.job_run(test, False), exit_hung=hung, exit_timeout=exit_timeout, stacks=stacks)
 
     # ---------------------------------------------------------------- the end
     def retire(self, why: str) -> None:
