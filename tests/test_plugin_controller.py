@@ -419,3 +419,78 @@ def test_the_cache_fixture_works_in_marked_tests(pytester, tracked, worlds):
     # the ranks wrote into the session's own cache directory; only the session keeps last-failed
     for rank in (0, 1):
         assert (pytester.path / ".pytest_cache" / "v" / "msrun" / f"rank{rank}").exists()
+
+
+COUNTING = """
+import json, os
+from pytest_msrun.plugin import runner
+
+COUNTS = {}
+_judge = runner.judge
+
+
+def counting_judge(nodeid, *args, **kwargs):
+    COUNTS[nodeid] = COUNTS.get(nodeid, 0) + 1
+    return _judge(nodeid, *args, **kwargs)
+
+
+runner.judge = counting_judge
+
+
+def pytest_sessionfinish(session):
+    if COUNTS:  # the controller's (and an xdist worker's) judgements, by test
+        name = f"judged-{os.environ.get('PYTEST_XDIST_WORKER', 'main')}.json"
+        with open(os.path.join(os.environ["COUNT_DIR"], name), "w") as fh:
+            json.dump(COUNTS, fh)
+"""
+
+JUDGED = """
+import pytest
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_passes(rank):
+    pass
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_fails(rank):
+    assert rank == 0
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_last(rank):
+    pass
+"""
+
+
+@pytest.mark.parametrize(
+    "mode,most",
+    [
+        (["--msrun-worlds=fresh"], 2),
+        (["--msrun-worlds=warm"], 2),
+        (["-n", "2", "--msrun-worlds=warm"], 2),
+        (["own-job"], 1),
+    ],
+    ids=["fresh", "warm", "xdist", "a-job-of-its-own"],
+)
+def test_each_record_is_judged_once(pytester, monkeypatch, mode, most):
+    """The rule runs once per record: a test in a world has two (after its call, while its world
+    lives on; after its teardown), judged once each; a job of its own (a task-scheduler job) one,
+    judged once - never again for another reporter (it was judged twice)."""
+    counts = pytester.mkdir("counts")
+    monkeypatch.setenv("COUNT_DIR", str(counts))
+    pytester.makeconftest(COUNTING)
+    own = mode == ["own-job"]
+    pytester.makepyfile(
+        test_judged=JUDGED.replace("worker_num=2)", 'worker_num=2, scheduler="task")' if own else "worker_num=2)")
+    )
+    mode = [] if own else mode
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", *mode)
+    result.assert_outcomes(passed=2, failed=1)
+    judged: dict[str, int] = {}
+    for path in counts.iterdir():
+        for nodeid, count in json.loads(path.read_text()).items():
+            judged[nodeid] = judged.get(nodeid, 0) + count
+    assert sorted(judged) == [f"test_judged.py::{t}" for t in ("test_fails", "test_last", "test_passes")], judged
+    assert all(1 <= count <= most for count in judged.values()), judged

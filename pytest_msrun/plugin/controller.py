@@ -370,7 +370,7 @@ class Controller:
         if rerun and any(r.failed for r in setup_call):
             next_id = None  # the rerun gets a fresh world
         # --msrun-leaks=error: an input of the rule, not a rewrite of its outcome
-        record = dataclasses.replace(attempt.finish(next_id, self.exit_timeout), leaks_fail=self.leaks == "error")
+        record = attempt.finish(next_id, self.exit_timeout, leaks_fail=self.leaks == "error")
         world = self.worlds.live.get(key) if key is not None else None
         world_dir = str(world.job.job_dir) if attempt.warm and world is not None else ""
         final, again = self.reporter.final(item, attempt, record, setup_call, world_dir, rerun, count)

@@ -10,6 +10,7 @@ same merge turns it into reports. A fresh job runs whole in the first step; a wa
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
@@ -51,6 +52,12 @@ class TestRecord:
         return cls(nodeid, ranks, logs, run, str(paths.log_dir))
 
     def verdict(self) -> TestVerdict:
+        """The rule's verdict on this record. A record is a value, so it is judged once: every
+        reporter reads the same verdict (a later fact makes a new record, judged in its turn)."""
+        return self.judged
+
+    @functools.cached_property
+    def judged(self) -> TestVerdict:
         run = self.run
         return judge(
             self.nodeid,
@@ -74,8 +81,9 @@ class Attempt(Protocol):
     warm: bool
     job: TestJob  # its job (a warm test's: its world's)
 
-    def finish(self, next_id: str | None, exit_timeout: float) -> TestRecord:
-        """The teardown, keeping what the test ``next_id`` shares (None: nothing); the complete record."""
+    def finish(self, next_id: str | None, exit_timeout: float, leaks_fail: bool = False) -> TestRecord:
+        """The teardown, keeping what the test ``next_id`` shares (None: nothing); the complete record
+        (``leaks_fail``: what the test left behind in its world fails its teardown)."""
         ...
 
 
@@ -89,8 +97,8 @@ class FreshAttempt:
         run = replace(job.run(timeout, exit_timeout), note=note)
         self.record = TestRecord.load(nodeid, job.expected_ranks(), job.paths, run)
 
-    def finish(self, next_id: str | None, exit_timeout: float) -> TestRecord:
-        return self.record
+    def finish(self, next_id: str | None, exit_timeout: float, leaks_fail: bool = False) -> TestRecord:
+        return self.record  # its job is over: nothing left behind in a world
 
 
 class WarmAttempt:
@@ -129,10 +137,11 @@ class WarmAttempt:
             return []
         return sorted(causes)
 
-    def finish(self, next_id: str | None, exit_timeout: float) -> TestRecord:
+    def finish(self, next_id: str | None, exit_timeout: float, leaks_fail: bool = False) -> TestRecord:
         run = self.test.finish(next_id, exit_timeout)
         record = TestRecord.load(self.nodeid, self.ranks, self.paths, run)
-        return replace(record, leaks=self.test.leaks, notes=self.test.notes, own_logs=self._own_logs(record))
+        own_logs = self._own_logs(record)
+        return replace(record, leaks=self.test.leaks, leaks_fail=leaks_fail, notes=self.test.notes, own_logs=own_logs)
 
     def _own_logs(self, record: TestRecord) -> dict[int, str]:
         """Each rank's part of the world's log, in the test's own folder (``logs/worker_<rank>.log``):
