@@ -115,8 +115,9 @@ class WarmAttempt:
         self.paths = paths
         self.ranks = ranks
         self.test: WarmTest = world.begin(paths, nodeid, timeout, exit_timeout)
-        self.record = TestRecord.load(nodeid, ranks, paths, self.test.run)
-        self._own_logs(self.record)  # so far (setup and call); completed with the teardown in finish()
+        record = TestRecord.load(nodeid, ranks, paths, self.test.run)
+        # each rank's part of the log so far (setup and call); completed with the teardown in finish()
+        self.record = replace(record, own_logs=self._own_logs(record))
 
     @property
     def missing(self) -> bool:
