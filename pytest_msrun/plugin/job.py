@@ -454,9 +454,11 @@ class TestJob:
         asked = []
         stacks: dict[int, str] = {}
         for rank, end in self.rank_ends().items():
-            if end.pid and end.returncode is None and not end.elsewhere and stopped(end.pid, or_its_child=True):
+            if not end.pid or end.returncode is not None or end.elsewhere:
+                continue  # ended, or on another host
+            if stopped(end.pid, or_its_child=True):
                 stacks[rank] = f"msrun: {STOPPED_WORDS}\n"  # it cannot answer: why it has no stack
-            elif end.pid and end.returncode is None and not end.elsewhere and _catches(end.pid, signal.SIGUSR1):
+            elif _catches(end.pid, signal.SIGUSR1):
                 try:
                     os.kill(end.pid, signal.SIGUSR1)
                     asked.append(rank)
