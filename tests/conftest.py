@@ -136,12 +136,20 @@ NO_RANDOMLY = "-p no:randomly"
 os.environ["PYTEST_ADDOPTS"] = " ".join([os.environ.get("PYTEST_ADDOPTS", ""), NO_RANDOMLY]).strip()
 
 
+# pytester's sessions lay out their output for the terminal's width (COLUMNS): a wide CI terminal
+# printed each failure's message once more, in full, in the short summary a narrow one cuts. Every
+# pytester session gets one width, so what a test reads does not depend on where it runs.
+PYTESTER_COLUMNS = "80"
+
+
 @pytest.fixture(autouse=True)
 def _pytester_in_file_order(request: pytest.FixtureRequest) -> None:
-    """pytester clears PYTEST_ADDOPTS for its sessions: put the file order back."""
+    """pytester clears PYTEST_ADDOPTS for its sessions: put the file order back; fix the width."""
     if "pytester" in request.fixturenames:
         request.getfixturevalue("pytester")
-        request.getfixturevalue("monkeypatch").setenv("PYTEST_ADDOPTS", NO_RANDOMLY)
+        monkeypatch = request.getfixturevalue("monkeypatch")
+        monkeypatch.setenv("PYTEST_ADDOPTS", NO_RANDOMLY)
+        monkeypatch.setenv("COLUMNS", PYTESTER_COLUMNS)
 
 
 _next_port = [0]
