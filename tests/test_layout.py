@@ -113,3 +113,25 @@ def test_verdicts_are_values():
         )
         with pytest.raises(dataclasses.FrozenInstanceError):
             instance.outcome = "passed"  # type: ignore[misc]
+
+
+def test_no_outcome_is_written_after_construction():
+    """An outcome is decided where its report or verdict is built: no module assigns ``.outcome``
+    (or pytest-rerunfailures' ``.rerun``) to an object that already exists - a rerun attempt's
+    reports are built as "rerun", not turned into it."""
+    written = []
+    for name, path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+                targets = [node.target]
+            while any(isinstance(t, (ast.Tuple, ast.List)) for t in targets):  # a, b.outcome = ...
+                targets = [e for t in targets for e in (t.elts if isinstance(t, (ast.Tuple, ast.List)) else [t])]
+            for target in targets:
+                if isinstance(target, ast.Attribute) and target.attr in ("outcome", "rerun"):
+                    written.append(f"{name}:{node.lineno}: .{target.attr} = ...")
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr" and len(node.args) > 1:
+                key = node.args[1]
+                if isinstance(key, ast.Constant) and key.value in ("outcome", "rerun"):
+                    written.append(f"{name}:{node.lineno}: setattr(..., {key.value!r})")
+    assert written == [], written

@@ -365,15 +365,15 @@ class Controller:
                 return self._no_files(item, exc)
             if attempt is None:
                 return False
-        setup_call = self.reporter.setup_call(item, attempt.record, rerun)
+        setup_call = self.reporter.setup_call(item, attempt.record, count if rerun else None)
         next_id = self.worlds.world_next(item, nextitem, key) if attempt.warm and key is not None else None
-        if rerun and any(r.failed for r in setup_call):
+        if rerun and any(r.outcome == "rerun" for r in setup_call):
             next_id = None  # the rerun gets a fresh world
         # --msrun-leaks=error: an input of the rule, not a rewrite of its outcome
         record = attempt.finish(next_id, self.exit_timeout, leaks_fail=self.leaks == "error")
         world = self.worlds.live.get(key) if key is not None else None
         world_dir = str(world.job.job_dir) if attempt.warm and world is not None else ""
-        final, again = self.reporter.final(item, attempt, record, setup_call, world_dir, rerun, count)
+        final, again = self.reporter.final(item, attempt, record, setup_call, world_dir, count if rerun else None)
         trace = attempt.job.extra_env.get("MSRUN_TRACE", "")
         if attempt.warm and key is not None:
             world = self.worlds.live.get(key)

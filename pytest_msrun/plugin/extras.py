@@ -63,7 +63,7 @@ def subtest_key(data: Mapping[str, Any]) -> str:
     return repr((msg, items))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class MergedSubtest:
     key: str
     outcome: str  # passed, failed, xfailed, skipped
@@ -76,26 +76,25 @@ def merge_subtests(per_rank: Mapping[int, Sequence[Mapping[str, Any]]]) -> list[
     """Subtests in the order ranks ran them (the lowest rank's order first): failed where any rank
     failed it, else xfailed where any rank xfailed it, skipped where every rank skipped it, else
     passed."""
-    merged: dict[str, MergedSubtest] = {}
+    reports: dict[str, dict[int, dict[str, Any]]] = {}
     for rank in sorted(per_rank):
         for data in per_rank[rank]:
-            key = subtest_key(data)
-            entry = merged.setdefault(key, MergedSubtest(key, "passed", rank, {}, []))
-            if rank not in entry.reports:  # a context a rank used twice: its first
-                entry.reports[rank] = dict(data)
-    for entry in merged.values():
-        outcomes = {r: _subtest_outcome(d) for r, d in entry.reports.items()}
+            reports.setdefault(subtest_key(data), {}).setdefault(rank, dict(data))  # a context used twice: its first
+    out = []
+    for key, by_rank in reports.items():
+        outcomes = {r: _subtest_outcome(d) for r, d in by_rank.items()}
         failed = sorted(r for r, o in outcomes.items() if o == "failed")
         xfailed = sorted(r for r, o in outcomes.items() if o == "xfailed")
         if failed:
-            entry.outcome, entry.shown, entry.failed = "failed", failed[0], failed
+            outcome, shown = "failed", failed[0]
         elif xfailed:  # failed where it was expected to: shown as pytest shows it (SUBXFAIL)
-            entry.outcome, entry.shown = "xfailed", xfailed[0]
+            outcome, shown = "xfailed", xfailed[0]
         elif all(o == "skipped" for o in outcomes.values()):
-            entry.outcome, entry.shown = "skipped", min(outcomes)
+            outcome, shown = "skipped", min(outcomes)
         else:
-            entry.outcome, entry.shown = "passed", min(r for r, o in outcomes.items() if o != "skipped")
-    return list(merged.values())
+            outcome, shown = "passed", min(r for r, o in outcomes.items() if o != "skipped")
+        out.append(MergedSubtest(key, outcome, shown, by_rank, failed))
+    return out
 
 
 def _subtest_outcome(data: Mapping[str, Any]) -> str:

@@ -93,10 +93,13 @@ def from_serializable(data: dict[str, Any]) -> pytest.TestReport:
 
 
 class Merger:
-    """Builds the merged reports of one item from its record and verdict."""
+    """Builds the merged reports of one item from its record and verdict. ``rerun``: the attempt's
+    number when it may run again - its reports carry it, and a failed one is built as "rerun" (as
+    pytest-rerunfailures reports an attempt it repeats)."""
 
-    def __init__(self, item: pytest.Item, record: TestRecord, style: str, cwd: str) -> None:
+    def __init__(self, item: pytest.Item, record: TestRecord, style: str, cwd: str, rerun: int | None = None) -> None:
         self.item = item
+        self.attempt_no = rerun
         self.config = item.config
         self.run = record.run
         self.logs = record.logs
@@ -280,6 +283,9 @@ class Merger:
         start, stop = window
         carried = carried_attributes({r: rep.__dict__ for r, rep in present.items()}, failing[0] if failing else None)
         extra = {**carried, **extra}
+        if self.attempt_no is not None:
+            extra["rerun"] = self.attempt_no
+            outcome = "rerun" if outcome == "failed" else outcome
         return pytest.TestReport(
             nodeid=self.item.nodeid,
             location=self.item.location,

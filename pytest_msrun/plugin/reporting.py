@@ -60,13 +60,13 @@ class Reporter:
             when=when,  # type: ignore[arg-type]
         )
 
-    def merged(self, item: pytest.Item, record: TestRecord) -> Merger:
-        return Merger(item, record, self.style, self.cwd)
+    def merged(self, item: pytest.Item, record: TestRecord, rerun: int | None = None) -> Merger:
+        return Merger(item, record, self.style, self.cwd, rerun)
 
-    def setup_call(self, item: pytest.Item, record: TestRecord, rerun: bool) -> list[pytest.TestReport]:
-        """Setup's and call's reports, logged now unless the run may be rerun."""
-        reports = self.merged(item, record).reports(record.verdict(), ("setup", "call"))
-        if not rerun:
+    def setup_call(self, item: pytest.Item, record: TestRecord, rerun: int | None) -> list[pytest.TestReport]:
+        """Setup's and call's reports, logged now unless the run may be rerun (``rerun``: its number)."""
+        reports = self.merged(item, record, rerun).reports(record.verdict(), ("setup", "call"))
+        if rerun is None:
             self.log(item, Replay(item, record.logs).with_subtests(reports))
         return reports
 
@@ -77,17 +77,17 @@ class Reporter:
         record: TestRecord,
         setup_call: list[pytest.TestReport],
         world_dir: str,
-        rerun: bool,
-        count: int,
+        rerun: int | None,
     ) -> tuple[TestVerdict, bool]:
-        """The rest of the run, from its final record: its verdict, and whether to run it again."""
+        """The rest of the run, from its final record: its verdict, and whether to run it again
+        (``rerun``: the attempt's number when it may)."""
         final = record.verdict()
         extras = Replay(item, record.logs)  # what the ranks recorded beyond their reports
         extras.junit()  # before the last report, which writes the test's junitxml testcase
         trace = attempt.job.extra_env.get("MSRUN_TRACE", "")
         job = (attempt.warm, attempt.world.created if isinstance(attempt, WarmAttempt) else record.run.started)
         self.traces.add(trace, job, final, shown(final), record.logs, record.run.ended)
-        merger = self.merged(item, record)
+        merger = self.merged(item, record, rerun)
         teardown = merger.reports(final, ("teardown",))
         if record.leaks and self.leaks == "warn":
             self._warn_leaks(item, record.leaks)
@@ -107,13 +107,10 @@ class Reporter:
             entry["trace"] = trace
             self._attach_timeline(teardown[-1], entry)
         again = False
-        if rerun:
+        if rerun is not None:  # as pytest-rerunfailures reports an attempt: up to its failure ("rerun")
             reports = [*setup_call, *teardown]
-            for report in reports:
-                report.rerun = count  # type: ignore[attr-defined]
-            failed = next((i for i, r in enumerate(reports) if r.failed), None)
-            if failed is not None:  # as pytest-rerunfailures reports it: up to the failure, marked "rerun"
-                reports[failed].outcome = "rerun"  # type: ignore[assignment]
+            failed = next((i for i, r in enumerate(reports) if r.outcome == "rerun"), None)
+            if failed is not None:
                 reports = reports[: failed + 1]
                 again = True
             self.log(item, extras.with_subtests(reports))

@@ -75,7 +75,7 @@ def test_entry(
 ) -> dict[str, Any]:
     """The page's view of one marked test."""
     outcome = shown(verdict)  # the one vocabulary (outcomes.py), as the console's reports say it
-    failed = next((r for r in reports if r.failed), None)
+    failed = next((r for r in reports if r.failed or r.outcome == "rerun"), None)
     skipped = next((r for r in reports if r.skipped), None)
     message = ""
     if failed is not None:
