@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -93,3 +94,91 @@ def test_the_usual_launch_line():
     plain = parse_plain(argv)
     assert plain is not None and plain.worker_num == 8 and plain.join is True
     assert plain.task_script == "t.py" and plain.task_script_args == ["-v"]
+
+
+# A configuration's command line (engine.argv.flags_of) - what the plugin spawns msrun with and
+# prints to reproduce a test - is read back by msrun as that configuration: the one translation.
+cpu_ranges = st.lists(st.sampled_from(["0", "1-3", "0,2", " 4 - 5", "0-1,3"]), max_size=3)
+legacy = st.dictionaries(
+    st.one_of(st.just("scheduler"), st.integers(0, 15).map(lambda n: f"device{n}")), cpu_ranges, max_size=3
+)
+unified = st.fixed_dictionaries(
+    {
+        "bind_config": st.fixed_dictionaries(
+            {"bind_cpu_mode": st.sampled_from(["numa", "NONE"]), "bind_memory_mode": st.sampled_from(["numa", "none"])},
+            optional={"actor_thread_fix_bind": st.booleans()},
+        ),
+    },
+    optional={
+        "bind_cpu": st.dictionaries(st.integers(0, 7).map(lambda n: f"device_{n}"), st.sampled_from(["0", "0-1", 1])),
+        "bind_memory": st.dictionaries(st.sampled_from(["scheduler", "device3"]), st.sampled_from(["0", 1])),
+    },
+)
+safe_text = st.text(st.characters(blacklist_categories=("Cs", "Cc")), max_size=12)
+
+
+def bind_values(flag: str, folder) -> st.SearchStrategy:
+    import json
+
+    from pytest_msrun.binding.flags import parse_bind_value
+
+    raw = [st.sampled_from(["True", "False", "true"]), legacy.map(json.dumps)]
+    if flag == "bind_numa":
+        raw.append(unified.map(json.dumps))
+        raw.append(unified.map(lambda obj: _bind_file(folder, json.dumps(obj))))
+    return st.one_of(raw).map(lambda text: parse_bind_value(text, flag))
+
+
+def _bind_file(folder, text: str) -> str:
+    import hashlib
+
+    path = folder / f"bind-{hashlib.sha256(text.encode()).hexdigest()[:16]}.json"
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def bind_folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("bind")
+
+
+def configs(folder) -> st.SearchStrategy:
+    from pytest_msrun.engine.config import SCHEDULER_MODES, LaunchConfig
+
+    return st.builds(
+        LaunchConfig,
+        task_script=st.sampled_from(["train.py", "/usr/bin/python3", "python", "pytest", "a b.py"]),
+        task_script_args=st.lists(st.one_of(st.sampled_from(TASK_ARGS), safe_text), max_size=5),
+        worker_num=st.integers(1, 1 << 20),
+        local_worker_num=st.integers(1, 1 << 16),
+        master_addr=st.sampled_from(["127.0.0.1", "node-1", "::1", "10.0.0.2"]),
+        master_port=st.integers(0, 65535),
+        node_rank=st.integers(-1, 64),
+        log_dir=safe_text,
+        join=st.booleans(),
+        cluster_time_out=st.integers(0, 1 << 31),
+        bind_core=bind_values("bind_core", folder),
+        bind_numa=bind_values("bind_numa", folder),
+        sim_level=st.sampled_from([-1, 0, 1, 2, 3]),
+        sim_rank_id=st.integers(-1, 4096),
+        sim_select=st.sampled_from(["", "first:8", "0,3,5", "first:8,last:8,sample:16"]),
+        sim_concurrency=st.integers(0, 64),
+        rank_table_file=safe_text,
+        worker_log_name=st.sampled_from(["", "w_{rank}.log", "{node}-{rank}.log"]),
+        tail_worker_log=st.sampled_from(["-1", "0", "0,3"]),
+        scheduler=st.sampled_from(SCHEDULER_MODES),
+        print_plan=st.booleans(),
+        dist_port=st.integers(-1, 65535),
+        trace=st.one_of(st.just(""), st.sampled_from(["/tmp/job.trace.json", "/a b/t.json"])),
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_a_configurations_command_line_reads_back_as_it(data, bind_folder):
+    from pytest_msrun.engine.argv import flags_of
+    from pytest_msrun.engine.cli import config_of
+
+    cfg = data.draw(configs(bind_folder))
+    read = config_of(flags_of(cfg), {})
+    assert {**vars(read), "given": None} == {**vars(cfg), "given": None}

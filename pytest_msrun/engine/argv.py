@@ -150,3 +150,31 @@ def parse_plain(argv: Sequence[str]) -> Arguments | None:
             return None
         i += 1 if eq else 2
     return None  # no task: a usage error argparse reports
+
+
+def bind_text(spec: BindSpec) -> str:
+    """A ``--bind_core``/``--bind_numa`` value that parses back to ``spec``."""
+    if spec.kind in ("off", "auto"):
+        return str(spec.kind == "auto")
+    if spec.file:
+        return spec.file
+    import json
+
+    return json.dumps(spec.entries if spec.kind == "dict" else spec.unified, separators=(",", ":"))
+
+
+def flags_of(cfg: Any) -> list[str]:
+    """The msrun command line of ``cfg`` (a :class:`~.config.LaunchConfig`): its flags - worker
+    counts always, every other flag whose value is not msrun's default - then the task and its
+    arguments. msrun reads it back as ``cfg`` (tested: tests/test_cli_roundtrip.py)."""
+    out = [f"--worker_num={cfg.worker_num}", f"--local_worker_num={cfg.local_worker_num}"]
+    for name, default in DEFAULTS.items():
+        value = getattr(cfg, name)
+        if name in ("worker_num", "local_worker_num") or value == default or (name == "sim_level" and value == -1):
+            continue
+        if isinstance(value, BindSpec):
+            value = bind_text(value)
+        out.append(f"--{name}={value}")
+    if cfg.print_plan:
+        out.append("--print_plan")
+    return [*out, cfg.task_script, *cfg.task_script_args]

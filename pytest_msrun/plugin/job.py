@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pytest_msrun.binding.flags import parse_bind_value
 from pytest_msrun.control.observer import query_state
+from pytest_msrun.engine.argv import flags_of
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.plan import job_ranks
 from pytest_msrun.engine.processes import term_grace
@@ -40,6 +42,7 @@ from pytest_msrun.plugin.msrunproc import Process, start_msrun
 from pytest_msrun.plugin.outcomes import RankEnd
 from pytest_msrun.plugin.records import BASETEMP_ENV, REPORT_DIR_ENV, SHARED_TMP_ENV, records_path, stacks_path
 from pytest_msrun.proc import STOPPED_WORDS, running, stopped
+from pytest_msrun.record import replace
 
 STACK_WAIT = 2.0
 CLI = "pmsrun"  # how a user types this project's msrun
@@ -164,18 +167,29 @@ class TestJob:
         )
         self.paths.make()
 
-    def configs(self) -> list[LaunchConfig]:
-        """The engine's configuration of each msrun invocation of the job, built from the marker
-        directly (typed, as the command line describes it; the flags are this for the user)."""
+    def configs(self, nodeids: list[str] | None = None) -> list[LaunchConfig]:
+        """The one translation of the marker: each msrun invocation's configuration, typed as msrun
+        reads it (its ranks run pytest on ``nodeids``, default the job's). The command lines - the
+        one spawned and the one printed to reproduce the test - are rendered from it (:meth:`flags`)."""
         spec = self.spec
         sizes = spec.node_sizes()
+        task = ["-m", "pytest", *self.rank_args, *(self.nodeids if nodeids is None else nodeids)]
         return [
             LaunchConfig(
                 task_script=sys.executable,
+                task_script_args=task,
                 worker_num=spec.worker_num,
                 local_worker_num=size,
+                master_port=self.ports[0],
+                dist_port=self.ports[1],
                 node_rank=node if len(sizes) > 1 else -1,
+                log_dir=str(self.log_dir),
                 join=True,
+                # time is kept by the controller (re-run by hand: by ``timeout``), never raced by a
+                # rank's own init() deadline, which fired with the test's and pre-empted the stacks
+                cluster_time_out=RANK_CLOCK,
+                bind_core=parse_bind_value(spec.bind_core, "bind_core"),
+                bind_numa=parse_bind_value(spec.bind_numa, "bind_numa"),
                 scheduler=spec.scheduler,
                 sim_level=spec.sim_level if spec.sim_level is not None else -1,
                 sim_rank_id=spec.sim_rank_id if spec.sim_rank_id is not None else -1,
@@ -199,54 +213,26 @@ class TestJob:
         status = read_status(str(self.log_dir), self._status_names()[0])
         return status.host if status is not None and status.host else self.cluster.nodes[0]
 
-    def flags(self, node: int, size: int, *, for_user: bool = False, loopback: bool = False) -> list[str]:
-        """One invocation's msrun flags. ``for_user``: the ones a person re-running it needs.
-        Under ``srun`` msrun takes the node rank and the master address from the step."""
-        spec = self.spec
-        several = self.nodes > 1
-        per_node = several and (loopback or self.cluster is None)
-        out = [f"--worker_num={spec.worker_num}", f"--local_worker_num={size}"]
-        if for_user and not several:
-            out.append("--master_port=0")  # any free port
-        else:
-            out.append(f"--master_port={self.ports[0]}")
-            if not for_user:
-                out.append(f"--dist_port={self.ports[1]}")
-        # time is kept by the controller (re-run by hand: by ``timeout``), never raced by a rank's own
-        # init() deadline, which fired with the test's and pre-empted the stacks and the hang report
-        out += ["--join=True", f"--log_dir={self.log_dir}", f"--cluster_time_out={RANK_CLOCK}"]
-        out.append(f"--scheduler={spec.scheduler}")
-        if per_node:
-            out.append(f"--node_rank={node}")
-        if spec.bind_core != "False":
-            out.append(f"--bind_core={spec.bind_core}")
-        if spec.bind_numa != "False":
-            out.append(f"--bind_numa={spec.bind_numa}")
-        if spec.sim_level is not None:
-            out.append(f"--sim_level={spec.sim_level}")
-        if spec.sim_rank_id is not None:
-            out.append(f"--sim_rank_id={spec.sim_rank_id}")
-        if spec.sim_ranks:
-            out.append(f"--sim_select={spec.sim_ranks}")
-        return out
-
-    def task(self, nodeids: list[str] | None = None) -> list[str]:
-        return [sys.executable, "-m", "pytest", *self.rank_args, *(self.nodeids if nodeids is None else nodeids)]
-
-    def msrun_args(self, node: int, size: int, *, loopback: bool = False) -> list[str]:
-        """One invocation's msrun arguments: its flags, then the rank's pytest command."""
-        return [*self.flags(node, size, loopback=loopback), *self.task()]
-
-    def _srun(self) -> list[str]:
-        assert self.cluster is not None
-        return self.cluster.srun(self.nodes, self.spec.node_sizes()[0], label="msrun-test", devices=self.spec.devices)
+    def flags(self, cfg: LaunchConfig, *, for_user: bool = False) -> list[str]:
+        """``cfg``'s msrun command line. Under ``srun`` msrun takes the node rank and the master
+        address from the step; ``for_user``: as a person re-runs it - any free port on one node,
+        and no port of this session's."""
+        changes: dict[str, Any] = {"node_rank": -1} if self.cluster is not None else {}
+        if for_user:
+            changes["dist_port"] = -1
+            if self.nodes == 1:
+                changes["master_port"] = 0
+        return flags_of(replace(cfg, **changes))
 
     def commands(self) -> list[list[str]]:
-        sizes = self.spec.node_sizes()
+        msrun = [sys.executable, "-m", "pytest_msrun"]
+        configs = self.configs()
         if self.cluster is not None:
-            msrun = [sys.executable, "-m", "pytest_msrun", *self.msrun_args(0, sizes[0])]
-            return [[*self._srun(), *msrun]]
-        return [[sys.executable, "-m", "pytest_msrun", *self.msrun_args(node, size)] for node, size in enumerate(sizes)]
+            srun = self.cluster.srun(
+                self.nodes, configs[0].local_worker_num, label="msrun-test", devices=self.spec.devices
+            )
+            return [[*srun, *msrun, *self.flags(configs[0])]]
+        return [[*msrun, *self.flags(cfg)] for cfg in configs]
 
     def reproduce_lines(
         self,
@@ -257,23 +243,15 @@ class TestJob:
         """What a user types to run the same job (of ``nodeids``: default, the job's own, with
         ``test_env`` too) with the same time limit (``timeout`` sends SIGTERM, which msrun answers
         by tearing the job down)."""
-        task = self.task(nodeids)
         variables = {**self.spec.env, **(test_env or {}), **self.extra_env}
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(variables.items()))
         prefix = (env + " ") if env else ""
-        sizes = self.spec.node_sizes()
+        limit = ["timeout", "-s", "TERM", f"{timeout:g}"]
+        configs = self.configs(nodeids)
         if self.cluster is not None:
-            assert self.cluster is not None
-            srun = self.cluster.srun(self.nodes, sizes[0], devices=self.spec.devices)
-            line = ["timeout", "-s", "TERM", f"{timeout:g}", *srun, CLI]
-            return [prefix + shlex.join([*line, *self.flags(0, sizes[0], for_user=True), *task])]
-        return [
-            prefix
-            + shlex.join(["timeout", "-s", "TERM", f"{timeout:g}", CLI, *self.flags(node, size, for_user=True)])
-            + " "
-            + shlex.join(task)
-            for node, size in enumerate(sizes)
-        ]
+            srun = self.cluster.srun(self.nodes, configs[0].local_worker_num, devices=self.spec.devices)
+            return [prefix + shlex.join([*limit, *srun, CLI, *self.flags(configs[0], for_user=True)])]
+        return [prefix + shlex.join([*limit, CLI, *self.flags(cfg, for_user=True)]) for cfg in configs]
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
