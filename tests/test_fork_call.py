@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 from conftest import wait_child, wait_for
 
+from pytest_msrun import targets
 from pytest_msrun.engine import processes
+
+
+@pytest.fixture(autouse=True)
+def _this_modules_targets(monkeypatch):
+    """fork_call runs registered targets only: this module's functions, registered for its tests."""
+    for name in ("report", "failing", "sleeps"):
+        monkeypatch.setitem(targets.TARGETS, f"test_fork_call-{name}", f"{__name__}:{name}")
 
 
 def report(env: dict[str, str]) -> int:
@@ -54,7 +62,7 @@ def test_fork_call_gives_a_fresh_process(tmp_path):
     old = signal.signal(signal.SIGTERM, lambda *_: None)  # a launcher's handler is not the child's
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     try:
-        pid = processes.fork_call(f"{__name__}:report", env, output_fd=log_fd, keep_fds=(keep_r,))
+        pid = processes.fork_call("test_fork_call-report", env, output_fd=log_fd, keep_fds=(keep_r,))
     finally:
         signal.signal(signal.SIGTERM, old)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
@@ -78,7 +86,7 @@ def test_fork_call_gives_a_fresh_process(tmp_path):
     opened = set(facts["fds"]) - {0, 1, 2}
     assert opened - {keep_r} == {max(opened - {keep_r})}  # the one listdir itself had open
     assert keep_r in opened and facts["keep_inheritable"] is False
-    assert facts["comm"] == "msrun-test_fork_call"[:15]
+    assert facts["comm"] == "msrun-test_fork_call-report"[:15]
     assert log.read_text() == "to the log\n"
 
 
@@ -86,7 +94,7 @@ def test_fork_call_reports_an_exception_in_the_log_and_exits_1(tmp_path):
     log = tmp_path / "child.log"
     log_fd = os.open(log, os.O_WRONLY | os.O_CREAT, 0o600)
     try:
-        pid = processes.fork_call(f"{__name__}:failing", {}, output_fd=log_fd)
+        pid = processes.fork_call("test_fork_call-failing", {}, output_fd=log_fd)
     finally:
         os.close(log_fd)
     assert wait_child(pid) == 1
@@ -106,12 +114,24 @@ def test_a_sigterm_the_instant_after_fork_call_ends_the_child():
     old = signal.signal(signal.SIGTERM, lambda *_: None)
     try:
         for _ in range(20):
-            pid = processes.fork_call(f"{__name__}:sleeps", {})
+            pid = processes.fork_call("test_fork_call-sleeps", {})
             child = processes.Child(tag=None, pid=pid, started=time.time())
             assert child.signal(signal.SIGTERM)
             assert wait_child(pid, timeout=20) == -signal.SIGTERM
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_fork_call_runs_only_a_registered_target(tmp_path):
+    """A name that is not in the registry is never imported: the fork reports it and exits 1."""
+    log = tmp_path / "child.log"
+    log_fd = os.open(log, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        pid = processes.fork_call("os:system", {}, output_fd=log_fd)
+    finally:
+        os.close(log_fd)
+    assert wait_child(pid) == 1
+    wait_for(lambda: "UnknownTarget: 'os:system' is not a registered target" in log.read_text())
 
 
 def test_a_child_not_leading_a_group_is_signalled_by_pid_until_reaped():

@@ -11,7 +11,19 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "pytest_msrun"
-BASE = {"record", "cpulist", "netaddr", "pathsearch", "proc", "perfetto", "boundedjson", "fsinfo", "fileio", ""}
+BASE = {
+    "record",
+    "targets",
+    "cpulist",
+    "netaddr",
+    "pathsearch",
+    "proc",
+    "perfetto",
+    "boundedjson",
+    "fsinfo",
+    "fileio",
+    "",
+}
 # Which layers each layer may import (lazy imports inside functions included).
 ALLOWED = {
     "base": {"base"},
@@ -135,3 +147,27 @@ def test_no_outcome_is_written_after_construction():
                 if isinstance(key, ast.Constant) and key.value in ("outcome", "rerun"):
                     written.append(f"{name}:{node.lineno}: setattr(..., {key.value!r})")
     assert written == [], written
+
+
+def test_functions_run_by_name_are_named_in_one_registry():
+    """Every ``module:function`` string of the package is a value of ``targets.TARGETS`` (no
+    module builds or resolves its own), and each resolves to a function."""
+    from pytest_msrun import targets
+
+    spelled = []
+    for name, path in modules():
+        if name == "pytest_msrun.targets":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            text = node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else ""
+            if re.fullmatch(r"pytest_msrun(\.\w+)+:\w+", text):
+                spelled.append(f"{name}:{node.lineno}: {text}")
+            if isinstance(node, ast.JoinedStr) and any(
+                isinstance(v, ast.Constant) and re.match(r":\w+$", str(v.value)) for v in node.values
+            ):
+                spelled.append(f"{name}:{node.lineno}: an f-string 'module:function'")
+    assert spelled == []
+    for key in targets.TARGETS:
+        assert callable(targets.resolve(key)), key
+    with pytest.raises(targets.UnknownTarget):
+        targets.resolve("os:system")

@@ -12,7 +12,6 @@ cost for jobs that register nothing. Only files owned by msrun's own user count.
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 from pytest_msrun.engine.status import JobStatus
 from pytest_msrun.fileio import private_dir, write_whole
 from pytest_msrun.record import record
+from pytest_msrun.targets import TARGETS, resolve
 
 HOOK_DIR = "msrun_hooks"
 
@@ -61,7 +61,7 @@ def registered(log_dir: str) -> list[tuple[str, str]]:
                 target = fh.read().strip()
         except OSError:
             continue
-        if target.count(":") == 1:
+        if target in TARGETS:
             out.append((name, target))
     return out
 
@@ -70,9 +70,8 @@ def run_job_end(status: JobStatus) -> list[JobReport]:
     """Call every registered reporter; return what they said (a broken reporter says so, in one line)."""
     out: list[JobReport] = []
     for name, target in registered(status.log_dir):
-        module, _, func = target.partition(":")
         try:
-            reporter: Callable[[JobStatus], str | JobReport | None] = getattr(importlib.import_module(module), func)
+            reporter: Callable[[JobStatus], str | JobReport | None] = resolve(target)
             said = reporter(status)
         except Exception as exc:  # a reporter never breaks the launcher
             said = f"msrun: job-end reporter {name!r} ({target}) failed: {exc!r}"

@@ -170,9 +170,9 @@ def fork_call(
     mems: list[int] | None = None,
     args: list[str] | None = None,
 ) -> int:
-    """Run ``call`` (``"module:function"``, called with the environment as a dict - and ``args``
-    when given - and returning the exit status) in a forked copy of this process, in a session of
-    its own; returns its pid.
+    """Run ``call`` (a key of :data:`~pytest_msrun.targets.TARGETS`, called with the environment
+    as a dict - and ``args`` when given - and returning the exit status) in a forked copy of this
+    process, in a session of its own; returns its pid.
 
     What ``posix_spawn`` of a Python program would give, minus an interpreter's start-up and its
     imports: signals at their defaults and unblocked, fds 0-2 as given, every other descriptor
@@ -204,14 +204,13 @@ def fork_call(
     code = 1
     try:
         become_fresh_child(env, stdin_fd=stdin_fd, stdout_fd=output_fd, stderr_fd=output_fd, keep_fds=keep_fds)
-        module, _, function = call.partition(":")
         # what ps and top show: the program a command stands for, else msrun's part
-        comm = os.path.basename(args[0]) if args else f"msrun-{module.rsplit('.', 1)[-1]}"
+        comm = os.path.basename(args[0]) if args else f"msrun-{call}"
         with _suppress(OSError), open("/proc/self/comm", "w") as fh:
             fh.write(comm[:15])
-        import importlib
+        from pytest_msrun.targets import resolve
 
-        target = getattr(importlib.import_module(module), function)
+        target = resolve(call)
         result = target(dict(env)) if args is None else target(dict(env), list(args))
         code = result if isinstance(result, int) else 0
     except SystemExit as exc:
@@ -349,7 +348,7 @@ class Launch:
     pass_fds: tuple[int, ...] = ()  # made inheritable for this child (others stay closed)
     in_child_cpus: list[int] | None = None  # bind in the child (no taskset)
     in_child_mems: list[int] | None = None  # MPOL_BIND in the child (a fork's numactl --membind)
-    call: str = ""  # "module:function" run in a fork of this process (``argv`` is what it stands for)
+    call: str = ""  # a target (pytest_msrun.targets) run in a fork of this process (``argv``: what it stands for)
     call_args: list[str] | None = None  # given to ``call`` after the environment (None: not)
 
 

@@ -109,7 +109,7 @@ class ProcessStarting:
         call_args = None
         cpus, mems = spec.in_child_cpus, None
         if not call and not held and spec.role == Role.WORKER and not self._fork_refusal(spec, env):
-            call, call_args = f"{TEMPLATE_MODULE}:run_module", list(spec.argv)
+            call, call_args = "worker", list(spec.argv)
             if spec.bind_prefix:  # what the binding command in front would set, set on the fork
                 cpus, mems = _template().binding_in_place(spec.bind_prefix) or (None, None)
         launch = Launch(
@@ -310,7 +310,7 @@ class ProcessStarting:
         self._move_held_in()  # (let go once the fork is done)
         import _thread
 
-        call = f"{SCHEDULER_MODULE}:main" if forkable and _thread._count() == 0 else ""
+        call = "scheduler" if forkable and _thread._count() == 0 else ""
         if call:  # this node registers over a socketpair: no connect, no challenge
             import _socket  # not socket: its import is a cost on msrun's start path
 

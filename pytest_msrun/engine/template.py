@@ -23,6 +23,8 @@ import os
 import sys
 from collections.abc import Mapping
 
+from pytest_msrun.targets import module_of, resolve
+
 FD_ENV = "MSRUN_TEMPLATE_FD"  # the template's end of its socketpair (a descriptor number)
 _RESTART_ENV = "MSRUN_TEMPLATE_RESTART"  # what a template that started over imports (JSON)
 ENGINE_MODULES = (  # what msrun runs in a job: its launch path and the control plane it forks
@@ -317,8 +319,7 @@ def _preload(hello: dict) -> list[str]:
         done = None
         # (a template forked from the session's process has its plugins imported: nothing to prepare)
         if group == "plugins" and prepare and not all(n in sys.modules for n in names(group)):
-            module, _, function = prepare.partition(":")
-            done = getattr(importlib.import_module(module), function)()
+            done = resolve(prepare)()
             if done is None:  # no such hook here: the ranks import the plugins themselves
                 break
         todo = names(group) + (list(ENGINE_MODULES) if group == "preload" else [])
@@ -368,10 +369,10 @@ def _start_msrun(request: dict, fds: list[int], parent: int) -> int:
         args = list(request["argv"])
         import importlib
 
-        module, _, function = str(request["call"]).partition(":")
+        module = module_of(str(request["call"]))
         entry = importlib.import_module(module)
         sys.argv = [str(request.get("argv0") or getattr(entry, "__file__", module)), *args]
-        code = getattr(entry, function)(args)
+        code = resolve(str(request["call"]))(args)
     except SystemExit as exc:
         from pytest_msrun.engine.processes import exit_code_of
 

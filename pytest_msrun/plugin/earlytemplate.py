@@ -139,7 +139,7 @@ def fork_session(config: pytest.Config) -> None:
             for p, _ in config.pluginmanager.list_plugin_distinfo()
             if config.pluginmanager.get_name(p) in skip
         ],
-        "prepare": "pytest_msrun.plugin.forkserver:rewriting_hook",
+        "prepare": "rewriting-hook",
         "early": "eager" if eager else "lazy",
     }
     origin = template_env()

@@ -26,12 +26,12 @@ from pytest_msrun.engine.processes import with_parent_death_signal
 from pytest_msrun.fileio import open_output
 from pytest_msrun.plugin.marker import MARKER
 from pytest_msrun.proc import wait_readable
+from pytest_msrun.targets import module_of
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from pytest_msrun.plugin.earlytemplate import EarlyTemplate
 
-ENTRY = "pytest_msrun.entry:main"  # what `python -m pytest_msrun` runs (msrun), called with its arguments
 READY_TIMEOUT = 120.0  # s the first request waits for the template's imports
 # what every rank imports as it starts (its debugger's hooks, its extras' and call phase's plugins)
 RANK_MODULES = ("pytest_msrun.plugin.debugrank", "pytest_msrun.plugin.rankextras", "pytest_msrun.plugin.callphase")
@@ -156,7 +156,7 @@ class ForkServer:
             theirs.close()
         self._sock = ours
         preload, plugins = self.preload()
-        hello = {"preload": preload, "plugins": plugins, "prepare": f"{__name__}:rewriting_hook"}
+        hello = {"preload": preload, "plugins": plugins, "prepare": "rewriting-hook"}
         ours.send(json.dumps(hello).encode())
 
     def begin(self) -> None:
@@ -212,7 +212,7 @@ class ForkServer:
         import pytest_msrun
 
         argv0 = os.path.join(os.path.dirname(pytest_msrun.__file__), "__main__.py")  # as python -m sets it
-        request = {"call": ENTRY, "argv0": argv0, "argv": cmd[3:], "cmdline": cmd, "env": env, "cwd": os.getcwd()}
+        request = {"call": "msrun", "argv0": argv0, "argv": cmd[3:], "cmdline": cmd, "env": env, "cwd": os.getcwd()}
         null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         try:
             socket.send_fds(self._sock, [json.dumps(request).encode()], [null, stdout, stderr])
@@ -339,7 +339,7 @@ def preload_for(config: pytest.Config, skip: list[str]) -> tuple[list[str], list
     then the plugins loaded from installed distributions (entry points) but those in ``skip``
     (``-p no:NAME`` given to ranks)."""
     names = ["pytest", "pytest_msrun.pytest_plugin", "pytest_msrun.plugin.rank", "pytest_msrun.plugin.serve"]
-    names += ["pytest_msrun.plugin.forked", ENTRY.partition(":")[0], *RANK_MODULES]
+    names += ["pytest_msrun.plugin.forked", module_of("msrun"), *RANK_MODULES]
     plugins: list[str] = []
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
         return names, plugins

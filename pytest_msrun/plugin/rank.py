@@ -131,7 +131,7 @@ class RankPlugin:
             # msrun prints one table of every test on every rank when the job ends.
             from pytest_msrun.engine.hooks import register
 
-            register(directory, "pytest", "pytest_msrun.plugin.suite:job_report")
+            register(directory, "pytest", "suite-report")
 
     def _running(self) -> str:
         """The node id of the test running now ("" between tests)."""

@@ -37,7 +37,6 @@ from pytest_msrun.plugin.records import (
 from pytest_msrun.plugin.tracetests import lanes, rank_rows, tally, test_events
 from pytest_msrun.plugin.verdict import RankEnd, TestVerdict, judge, ranks_text
 
-REPORTER = "pytest_msrun.plugin.suite:job_report"
 FAILING = ("failed", "error")
 
 
