@@ -171,3 +171,28 @@ def test_functions_run_by_name_are_named_in_one_registry():
         assert callable(targets.resolve(key)), key
     with pytest.raises(targets.UnknownTarget):
         targets.resolve("os:system")
+
+
+MAX_CLASS_LINES = 400  # a class past it holds two roles: split it into parts it owns
+
+
+def test_no_class_is_bigger_than_one_role_counting_what_it_inherits():
+    """A class's size is its own lines plus those of every package class it inherits: a part
+    moved into a mixin or a base class still counts where it is used (parts a class owns as
+    objects do not)."""
+    import importlib
+    import inspect
+
+    too_big = []
+    for name, _path in modules():
+        if name.endswith("__main__"):
+            continue
+        module = importlib.import_module(name)
+        for cls in vars(module).values():
+            if not (inspect.isclass(cls) and cls.__module__ == name):
+                continue
+            ours = [c for c in cls.__mro__ if c.__module__.startswith("pytest_msrun")]
+            size = sum(len(inspect.getsourcelines(c)[0]) for c in ours)
+            if size > MAX_CLASS_LINES:
+                too_big.append(f"{name}.{cls.__name__}: {size} lines ({', '.join(c.__name__ for c in ours)})")
+    assert too_big == []

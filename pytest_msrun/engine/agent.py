@@ -25,7 +25,8 @@ from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.ending import JobEnding
 from pytest_msrun.engine.kinds import Role
 from pytest_msrun.engine.link import ControlLink
-from pytest_msrun.engine.loop import Event, EventKind, EventLoop
+from pytest_msrun.engine.loop import Event, EventKind
+from pytest_msrun.engine.noderun import NodeRun
 from pytest_msrun.engine.observers import (
     ConsoleObserver,
     JobEvent,
@@ -40,13 +41,11 @@ from pytest_msrun.engine.plan import (
     assign,
     build_plan,
 )
-from pytest_msrun.engine.policy import EXIT_LAUNCH_ERROR, Ending, Policy
+from pytest_msrun.engine.policy import EXIT_LAUNCH_ERROR, Ending
 from pytest_msrun.engine.ports import LaunchError, claim
-from pytest_msrun.engine.processes import Child, ProcessGroup
-from pytest_msrun.engine.progress import StatusLine
-from pytest_msrun.engine.starting import ProcessStarting, collect_from_now
+from pytest_msrun.engine.processes import Child
+from pytest_msrun.engine.starting import Starter, collect_from_now
 from pytest_msrun.engine.status import STATUS_FILE, node_status_file
-from pytest_msrun.engine.tail import LogTailer
 from pytest_msrun.record import replace
 
 TYPE_CHECKING = False
@@ -54,9 +53,6 @@ if TYPE_CHECKING:
     from typing import Any
 
     from pytest_msrun.engine import ranknotes
-    from pytest_msrun.engine.earlystart import FirstStarted
-    from pytest_msrun.engine.observers import Observer
-    from pytest_msrun.engine.trace import TraceObserver
 
 __all__ = ["Agent", "JobResult"]
 
@@ -72,8 +68,10 @@ class Stage(Enum):
     SUPERVISING = "supervising"  # until the policy says the job ended
 
 
-class Agent(ProcessStarting, JobEnding):
-    """Runs one node's processes for one job; :meth:`run` returns its :class:`JobResult`."""
+class Agent:
+    """Runs one node's processes for one job; :meth:`run` returns its :class:`JobResult`. It
+    owns the run's state (:class:`NodeRun`) and two parts that act on it: starting processes
+    (:class:`Starter`) and ending the run (:class:`JobEnding`)."""
 
     def __init__(
         self,
@@ -84,92 +82,73 @@ class Agent(ProcessStarting, JobEnding):
         on_console_done: Callable[[int], None] | None = None,
         guard: JobGuard | None = None,
     ) -> None:
-        self.cfg = cfg
-        self.facts = facts
-        self.detached = detached
-        self.on_console_done = on_console_done
-        # The watchdog and the job's cgroup: nothing the job starts outlives it (see containment).
-        self.guard = guard if guard is not None else JobGuard(facts.job_id, dict(os.environ))
-        self.loop = EventLoop()
-        self.group = ProcessGroup(self.loop, self.guard)
-        self.plan: LaunchPlan | None = None
-        self.link: ControlLink | None = None
-        self.assignment: RankAssignment | None = None
-        self.control_sock: Any = None  # this end of a socketpair to the control plane we forked
-        self.first: FirstStarted | None = None  # workers started before the control plane
+        guard = guard if guard is not None else JobGuard(facts.job_id, dict(os.environ))
+        self.node = node = NodeRun(cfg, facts, guard, detached)
+        self.starter = Starter(node, self.emit, self._ranks_known)
+        self.ending = JobEnding(node, self.emit, on_console_done)
         self.unsaid: list[tuple[dict[str, Any], bool]] = []  # for the control plane, before registering
         self.stage = Stage.STARTING
         self._register_by = 0.0  # when registering gives up (--cluster_time_out)
-        self._spawn_said = False
-        self._fork_refusals: set[str] = set()
-        self.policy = Policy()
-        self.deadlines: ranknotes.DeadlineWatch | None = None  # the workers' own deadlines, watched
-        self.tailer: LogTailer | None = None
-        self.term_grace = processes.term_grace()
         self.node_timeout = env_seconds(dict(os.environ), "MS_NODE_TIMEOUT", 30.0, allow_negative=True)
-        self.started = time.time()
         self.status_name: str | None = STATUS_FILE if not cfg.multi_node else None
-        self.observers: list[Observer] = [
+        node.observers += [
             ConsoleObserver(cfg.log_dir, cfg.join, detached),
-            StatusObserver(cfg.log_dir, lambda: self.status_name, self.snapshot),
+            StatusObserver(cfg.log_dir, lambda: self.status_name, self.ending.snapshot),
         ]
         if cfg.join and not detached:
-            self.observers.append(ReporterObserver())
-        self.notices: list[str] = []  # what the control plane said to every node
-        self.status_line = StatusLine(enabled=None if cfg.join and not detached else False)
-        self.trace: TraceObserver | None = None
+            node.observers.append(ReporterObserver())
         if cfg.trace:
             from pytest_msrun.engine.trace import TraceObserver  # (shutil & co.) only when traced
 
-            self.trace = TraceObserver(cfg.trace, facts.job_id, facts.hostname, max(0, cfg.node_rank))
-            self.observers.append(self.trace)
+            node.trace = TraceObserver(cfg.trace, facts.job_id, facts.hostname, max(0, cfg.node_rank))
+            node.observers.append(node.trace)
 
     # ------------------------------------------------------------------ public API (also for dryrun)
     def emit(self, event: JobEvent, payload: Any = None) -> None:
-        for observer in self.observers:
+        for observer in self.node.observers:
             observer.notify(event, payload)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> JobResult:
-        with self.loop:
+        with self.node.loop:
             try:
                 return self._run()
             except OSError as exc:  # a process could not be started: what did start is stopped
                 what = f"{exc.strerror}: {exc.filename}" if exc.filename else str(exc)
-                return self._launch_error(f"cannot start the job's processes: {what}", EXIT_LAUNCH_ERROR)
+                return self.ending.launch_error(f"cannot start the job's processes: {what}", EXIT_LAUNCH_ERROR)
             except BaseException:
-                self.teardown(graceful=False)  # nothing the job started outlives an error here
+                self.ending.teardown(graceful=False)  # nothing the job started outlives an error here
                 raise
             finally:
-                self.guard.release()
+                self.node.guard.release()
 
     def _run(self) -> JobResult:
         processes.become_subreaper()
         processes.close_inherited_descriptors()  # children get only what is handed to them
         try:
-            ports = claim(self.cfg, self.facts)
+            ports = claim(self.node.cfg, self.node.facts)
         except LaunchError as exc:
-            return self._launch_error(str(exc), exc.exit_code)
-        self.facts = ports.facts
-        plan = build_plan(self.cfg, self.facts, hosts_scheduler=ports.hosts_scheduler)
-        self.plan = plan
+            return self.ending.launch_error(str(exc), exc.exit_code)
+        self.node.facts = ports.facts
+        plan = build_plan(self.node.cfg, self.node.facts, hosts_scheduler=ports.hosts_scheduler)
+        self.node.plan = plan
         for text in plan.warnings:
             console.warning(text)
         for text in plan.infos:
             console.info(text)
-        signum = self.loop.signal_received  # one that came while msrun started (held till now)
+        signum = self.node.loop.signal_received  # one that came while msrun started (held till now)
         if signum is not None:  # ends with 128 + signum, as every launch error a signal caused
-            return self._ended_by(
+            return self.ending.ended_by(
                 f"interrupted by {signal.Signals(signum).name} before the job started: nothing was started"
             )
         try:
-            self._make_log_dir()
+            self.starter.make_log_dir()
         except LaunchError as exc:
-            return self._launch_error(str(exc), exc.exit_code)
-        first = self._start_first(plan, ports.listener)
+            return self.ending.launch_error(str(exc), exc.exit_code)
+        first = self.starter.start_first(plan, ports.listener)
         if plan.scheduler is not None:
-            self._start_scheduler(plan.scheduler, ports.listener)
-        self._announce_first()
+            self.starter.start_scheduler(plan.scheduler, ports.listener)
+        self.starter.announce_first()
         return self._drive(plan, ranks_said=first)
 
     def _drive(self, plan: LaunchPlan, ranks_said: bool = False) -> JobResult:
@@ -191,11 +170,11 @@ class Agent(ProcessStarting, JobEnding):
             if plan.dry_run:
                 return self._dry_run(plan)
         self.stage = stage
-        started = {id(c.tag) for c in self.group.children}  # held workers started already
+        started = {id(c.tag) for c in self.node.group.children}  # held workers started already
         todo = [spec for spec in plan.workers if id(spec) not in started]
         while True:
             stage = self.stage
-            scheduler = self.scheduler_child
+            scheduler = self.starter.scheduler_child
             outcome = self._interrupted(stage)
             if outcome is None:
                 outcome = self._heartbeat(stage)
@@ -207,29 +186,29 @@ class Agent(ProcessStarting, JobEnding):
                 if self.stage is stage:
                     wait = REGISTER_RETRY
             elif stage is Stage.ASSIGNING:
-                if self.assignment is None:
-                    wait = self.link.hb_interval if self.link is not None else REGISTER_RETRY
+                if self.node.assignment is None:
+                    wait = self.node.link.hb_interval if self.node.link is not None else REGISTER_RETRY
                 else:
-                    plan = self.plan = assign(plan, self.assignment, self.facts.job_id)
+                    plan = self.node.plan = assign(plan, self.node.assignment, self.node.facts.job_id)
                     self._ranks_known(plan)
                     if plan.dry_run:
                         return self._dry_run(plan)
                     todo = list(plan.workers)
                     self.stage = Stage.STARTING
             elif stage is Stage.STARTING:
-                if not self._start_slice(todo):
-                    self._spawned(plan)
+                if not self.starter.start_slice(todo):
+                    self.starter.spawned(plan)
                     self._next_after_start(plan)
             else:
                 outcome = self._supervision_step()
                 if outcome is None:
-                    link = self.link
+                    link = self.node.link
                     wait = link.hb_interval if link is not None and link.up else None
-                    watch = self.deadlines.wait() if self.deadlines is not None else None
+                    watch = self.node.deadlines.wait() if self.node.deadlines is not None else None
                     if watch is not None:
                         wait = watch if wait is None else min(wait, watch)
             if outcome is None:
-                for event in self.loop.poll(wait):
+                for event in self.node.loop.poll(wait):
                     if event.kind is EventKind.SIGNALLED:
                         break  # acted on at the top of the next turn, in the stage it came in
                     outcome = self._serve(event, self.stage, scheduler)  # as the stage it reached reads it
@@ -237,34 +216,34 @@ class Agent(ProcessStarting, JobEnding):
                         break
             if outcome is not None:
                 if self.stage is Stage.STARTING:
-                    self._spawned(plan)  # msrun's "spawned" line, the status file, the tailer
-                return self._ended_by(outcome)
+                    self.starter.spawned(plan)  # msrun's "spawned" line, the status file, the tailer
+                return self.ending.ended_by(outcome)
 
     def _interrupted(self, stage: Stage) -> str | Ending | None:
         """A signal to msrun: a launch error while no worker runs yet, else the job's ending."""
-        signum = self.loop.signal_received
+        signum = self.node.loop.signal_received
         if signum is None:
             return None
-        if stage in (Stage.REGISTERING, Stage.ASSIGNING) and not self.workers_started:
+        if stage in (Stage.REGISTERING, Stage.ASSIGNING) and not self.starter.workers_started:
             waiting = "the scheduler" if stage is Stage.REGISTERING else "the other nodes"
             return f"interrupted by {signal.Signals(signum).name} while waiting for {waiting}"
-        return self.policy.signalled(signum)
+        return self.node.policy.signalled(signum)
 
     def _heartbeat(self, stage: Stage) -> str | Ending | None:
-        link = self.link
+        link = self.node.link
         if link is None or not link.up or (stage is Stage.SUPERVISING and link.finished):
             return None
         silent = link.beat()
         if not silent:
             return None
-        if not self.workers_started:
+        if not self.starter.workers_started:
             return silent
-        return self.policy.lost(f"Lost the scheduler: {silent}.")
+        return self.node.policy.lost(f"Lost the scheduler: {silent}.")
 
     def _serve(self, event: Event, stage: Stage, scheduler: Child | None) -> str | Ending | None:
         """One event, read as its stage reads it: before any worker runs, the scheduler's exit or
         its closed connection is a launch error and its messages may carry the assignment."""
-        early = stage in (Stage.REGISTERING, Stage.ASSIGNING) and not self.workers_started
+        early = stage in (Stage.REGISTERING, Stage.ASSIGNING) and not self.starter.workers_started
         if early and event.kind is EventKind.EXITED and event.child is not None:
             return _scheduler_ended(event.child.returncode or 0)
         if stage is Stage.ASSIGNING:
@@ -281,8 +260,10 @@ class Agent(ProcessStarting, JobEnding):
     def _ranks_known(self, plan: LaunchPlan) -> None:
         """This node's ranks are known: its status file is named, its trace placed."""
         if self.status_name is None:  # a node of a multi-node job, named by its index once known
-            index = self.assignment.node_index if self.assignment else self.cfg.node_rank
-            self.status_name = node_status_file(index) if index >= 0 else f"msrun_status_{self.facts.hostname}.json"
+            index = self.node.assignment.node_index if self.node.assignment else self.node.cfg.node_rank
+            self.status_name = (
+                node_status_file(index) if index >= 0 else f"msrun_status_{self.node.facts.hostname}.json"
+            )
         self._place_trace(plan)
 
     def _dry_run(self, plan: LaunchPlan) -> JobResult:
@@ -292,48 +273,48 @@ class Agent(ProcessStarting, JobEnding):
         return DryRunSupervisor(self, plan).run()
 
     def _next_after_start(self, plan: LaunchPlan) -> None:
-        if plan.scheduler_mode.has_control_plane and self.link is None:
+        if plan.scheduler_mode.has_control_plane and self.node.link is None:
             self.stage = Stage.REGISTERING
         else:
             self._supervising()
 
     def _supervising(self) -> None:
         self.stage = Stage.SUPERVISING
-        if self.several_nodes:
-            self.policy.host = self.facts.hostname
-        self.console_done(0)
+        if self.node.several_nodes:
+            self.node.policy.host = self.node.facts.hostname
+        self.ending.console_done(0)
 
     def _place_trace(self, plan: LaunchPlan) -> None:
         """Where this node's trace events go, once the link (if any) is up."""
-        if self.trace is not None and (self.link is not None or not plan.ranks_pending):
-            index = self.assignment.node_index if self.assignment else max(0, self.cfg.node_rank)
-            self.trace.place(index, plan.scheduler is not None, self.link)
+        if self.node.trace is not None and (self.node.link is not None or not plan.ranks_pending):
+            index = self.node.assignment.node_index if self.node.assignment else max(0, self.node.cfg.node_rank)
+            self.node.trace.place(index, plan.scheduler is not None, self.node.link)
 
     # ------------------------------------------------------------------ the control plane
     def _register(self, plan: LaunchPlan) -> str | None:
         """The registering stage's step: one attempt to join the control plane (over the
         socketpair when msrun forked it: at once). None when joined or to be retried, else why
         this node cannot join."""
-        cfg = self.cfg
-        if self.link is None:
-            facts = self.facts
-            self.link = ControlLink(facts.master_ip, facts.master_port, facts.job_token, self.node_timeout)
+        cfg = self.node.cfg
+        if self.node.link is None:
+            facts = self.node.facts
+            self.node.link = ControlLink(facts.master_ip, facts.master_port, facts.job_token, self.node_timeout)
             self._register_by = time.monotonic() + (cfg.cluster_time_out if cfg.cluster_time_out >= 0 else 10**9)
-        link = self.link
+        link = self.node.link
         hello = {
             "t": "hello",
             "kind": "agent",
             "node_rank": cfg.node_rank if cfg.multi_node else 0,
             "local": plan.local_worker_num,
-            "host": self.facts.hostname,
-            "ip": self.facts.source_ip,
+            "host": self.node.facts.hostname,
+            "ip": self.node.facts.source_ip,
             "pid": os.getpid(),
             "hosts_scheduler": plan.hosts_scheduler,
         }
-        scheduler = self.scheduler_child
-        if self.control_sock is not None and scheduler is not None:
-            link.adopt(self.control_sock, hello, scheduler.pid)
-            self.control_sock = None
+        scheduler = self.starter.scheduler_child
+        if self.node.control_sock is not None and scheduler is not None:
+            link.adopt(self.node.control_sock, hello, scheduler.pid)
+            self.node.control_sock = None
         else:
             try:
                 last = link.try_register(hello, max(0.2, min(5.0, self._register_by - time.monotonic())))
@@ -344,15 +325,15 @@ class Agent(ProcessStarting, JobEnding):
                     within = f"--cluster_time_out={cfg.cluster_time_out}"
                     return f"cannot reach the scheduler at {link.where} within {within}: {last}"
                 return None
-        self.loop.attach(link)
+        self.node.loop.attach(link)
         timeline.mark("registered with the control plane")
         link.flush_queued()
         for msg, defer in self.unsaid:  # a worker that ended before this node registered
             self._tell(msg, defer)
         self.unsaid = []
         if plan.ranks_pending:  # the control plane places this node's workers next
-            if self.detached:
-                self.console_done(0)
+            if self.node.detached:
+                self.ending.console_done(0)
             self.stage = Stage.ASSIGNING
         else:
             self._place_trace(plan)
@@ -363,39 +344,38 @@ class Agent(ProcessStarting, JobEnding):
         if self._told(msg):
             return None
         if msg.get("t") != "assign":
-            ending = self.policy.message(msg)
+            ending = self.node.policy.message(msg)
             return ending.reason if ending is not None else None
         offset, index, count = msg.get("offset"), msg.get("node_index"), msg.get("node_count")
         if not (isinstance(offset, int) and isinstance(index, int) and isinstance(count, int)):
             return "the scheduler sent a malformed assignment"
-        self.assignment = RankAssignment(offset, index, count)
+        self.node.assignment = RankAssignment(offset, index, count)
         job_id = msg.get("job_id")
         if isinstance(job_id, str) and job_id:
-            self.facts = replace(self.facts, job_id=job_id[:64])
-            self.guard.watchdog.job(self.facts.job_id)  # the workers will carry the job's id
+            self.node.facts = replace(self.node.facts, job_id=job_id[:64])
+            self.node.guard.watchdog.job(self.node.facts.job_id)  # the workers will carry the job's id
         return None
-
-    @property
-    def several_nodes(self) -> bool:
-        """Whether the control plane put this node in a job of more than one node."""
-        return self.assignment is not None and (self.assignment.node_count or 1) > 1
 
     # ------------------------------------------------------------------ supervision
     def _supervision_step(self) -> Ending | None:
         """The supervising stage's step: this node's ``done`` once its workers succeeded, and the
         job's success once the policy sees it (the first failure, a signal or a lost link end it
         through events)."""
-        link = self.link
-        workers = [c for c in self.group.children if c.tag.role == Role.WORKER]
-        scheduler = self.scheduler_child
-        if self.policy.workers_done(workers) and link is not None:
-            if self.trace is not None:
-                self.trace.ship()  # this node's events reach the trace before its "done"
+        link = self.node.link
+        workers = [c for c in self.node.group.children if c.tag.role == Role.WORKER]
+        scheduler = self.starter.scheduler_child
+        if self.node.policy.workers_done(workers) and link is not None:
+            if self.node.trace is not None:
+                self.node.trace.ship()  # this node's events reach the trace before its "done"
             link.send_done()
-        late = self.deadlines.late(c.tag.rank for c in workers if c.returncode is None) if self.deadlines else None
+        late = (
+            self.node.deadlines.late(c.tag.rank for c in workers if c.returncode is None)
+            if self.node.deadlines
+            else None
+        )
         if late is not None:
             return self._past_deadline(late, workers)
-        return self.policy.finished(workers, scheduler, link is None or link.finished)
+        return self.node.policy.finished(workers, scheduler, link is None or link.finished)
 
     def _past_deadline(self, late: ranknotes.Late, workers: list[Child]) -> Ending:
         """A worker is still there after the deadline it set: its stacks (the signal it named),
@@ -412,7 +392,7 @@ class Agent(ProcessStarting, JobEnding):
                 time.sleep(ranknotes.STACK_WAIT)
             except OSError:
                 pass
-        return self.policy.past_deadline(child.tag.label, late, child.tag.log_path)
+        return self.node.policy.past_deadline(child.tag.label, late, child.tag.log_path)
 
     def _on_event(self, event: Event, scheduler: Child | None) -> Ending | None:
         """Every event of a running job, dispatched in one place."""
@@ -429,28 +409,28 @@ class Agent(ProcessStarting, JobEnding):
             if spec.role == Role.WORKER and spec.rank is not None and child.returncode:
                 from pytest_msrun.engine.ranknotes import settled_status
 
-                settled = settled_status(self.cfg.log_dir, spec.rank, child.pid, child.returncode or 0) or ""
-            ending = self.policy.exited(child, spec.label, spec.log_path, spec.role == Role.WORKER, error, settled)
+                settled = settled_status(self.node.cfg.log_dir, spec.rank, child.pid, child.returncode or 0) or ""
+            ending = self.node.policy.exited(child, spec.label, spec.log_path, spec.role == Role.WORKER, error, settled)
             if ending is not None and ending.first is not None:
                 self._tell({"t": "failed", "reason": ending.reason, "code": min(255, ending.code)}, defer=True)
             return ending
         if event.kind is EventKind.MESSAGE:
             if self._told(event.message):
                 return None
-            return self.policy.message(event.message)
+            return self.node.policy.message(event.message)
         if event.kind is EventKind.LINK_CLOSED:
-            if (self.link is None or not self.link.done_sent_at) and scheduler is None:
-                return self.policy.lost(f"Lost the connection to the scheduler ({event.reason}).")
-            if self.link is not None:
-                self.link.close()
+            if (self.node.link is None or not self.node.link.done_sent_at) and scheduler is None:
+                return self.node.policy.lost(f"Lost the connection to the scheduler ({event.reason}).")
+            if self.node.link is not None:
+                self.node.link.close()
         return None
 
     def _tell(self, msg: dict[str, Any], defer: bool) -> None:
         """Say ``msg`` to the control plane (``defer``: once this node's processes are signalled).
         Before this node registered - its workers start first - it is said at registration."""
-        if self.link is not None:
-            (self.link.defer if defer else self.link.send)(msg)
-        elif self.plan is not None and self.plan.scheduler_mode.has_control_plane:
+        if self.node.link is not None:
+            (self.node.link.defer if defer else self.node.link.send)(msg)
+        elif self.node.plan is not None and self.node.plan.scheduler_mode.has_control_plane:
             self.unsaid.append((msg, defer))
 
     def _told(self, msg: dict[str, Any]) -> bool:
@@ -461,13 +441,13 @@ class Agent(ProcessStarting, JobEnding):
         elif kind == "vouch":  # is a MindSpore-protocol client of this node one of this job's processes?
             from pytest_msrun.control.foreign import vouch
 
-            if self.link is not None:
-                self.link.send(vouch(msg, os.getpid()))
+            if self.node.link is not None:
+                self.node.link.send(vouch(msg, os.getpid()))
         elif kind == "progress":
             if msg.get("done"):
-                self.status_line.clear()
+                self.node.status_line.clear()
             else:
-                self.status_line.show(str(msg.get("text", ""))[:200])
+                self.node.status_line.show(str(msg.get("text", ""))[:200])
         else:
             return False
         return True
@@ -475,11 +455,11 @@ class Agent(ProcessStarting, JobEnding):
     def _notice(self, text: str) -> None:
         """The control plane tells every node (a dropped connection, a refused node): said on this
         console and kept in the status file."""
-        if text and len(self.notices) < 100:
-            self.notices.append(text)
+        if text and len(self.node.notices) < 100:
+            self.node.notices.append(text)
             console.warning(f"Control plane: {text}")
-            if self.trace is not None:
-                self.trace.notice(text)
+            if self.node.trace is not None:
+                self.node.trace.notice(text)
 
     # ------------------------------------------------------------------ teardown
 

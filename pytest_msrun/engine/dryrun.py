@@ -43,7 +43,7 @@ class DryRunSupervisor:
         self.failed_ranks = array("i")
         self.reasons: list[str] = []
         self.next_progress = time.monotonic() + self.PROGRESS_SECONDS
-        self.tailer = LogTailer([]) if agent.cfg.join and not agent.detached else None
+        self.tailer = LogTailer([]) if agent.node.cfg.join and not agent.node.detached else None
 
     def _reason(self, child: Child, error: RankError | None) -> str:
         assert child.returncode is not None
@@ -67,11 +67,11 @@ class DryRunSupervisor:
             if len(self.reasons) < self.DETAILED:
                 error = errorfile.read_error(child.tag.error_file)
                 self.reasons.append(self._reason(child, error))
-                agent.policy.exited(child, child.tag.label, child.tag.log_path, True, error)
-        agent.group.forget(child)  # memory stays flat however many ranks run
+                agent.node.policy.exited(child, child.tag.label, child.tag.log_path, True, error)
+        agent.node.group.forget(child)  # memory stays flat however many ranks run
         now = time.monotonic()
         failed = len(self.failed_ranks)
-        line = agent.status_line
+        line = agent.node.status_line
         if line.enabled and self.finished < self.total:  # a terminal: one live line
             line.show(f"dry run: {self.finished}/{self.total} simulated ranks finished, {failed} failed")
         elif now >= self.next_progress or self.finished == self.total:  # a log: a line now and then
@@ -80,42 +80,44 @@ class DryRunSupervisor:
 
     def run(self) -> JobResult:
         agent = self.agent
-        agent.tailer = self.tailer
-        agent.console_done(0)
+        agent.node.tailer = self.tailer
+        agent.ending.console_done(0)
         specs = self.plan.dry_run_workers()
         exhausted, announced = False, False
         signalled: int | None = None
         while True:
-            while not exhausted and len(agent.group.alive()) < self.limit and agent.loop.signal_received is None:
+            while (
+                not exhausted and len(agent.node.group.alive()) < self.limit and agent.node.loop.signal_received is None
+            ):
                 spec = next(specs, None)
                 if spec is None:
                     exhausted = True
                     break
-                agent.start(spec)
+                agent.starter.start(spec)
                 if self.tailer is not None and spec.tail:
                     self.tailer.add(prefix_for(spec.rank, spec.local_index), spec.log_path)
             if not announced:
                 announced = True
-                agent.emit(JobEvent.SPAWNED, list(agent.group.children))
-            if agent.loop.signal_received is not None:
-                signalled = agent.loop.signal_received
+                agent.emit(JobEvent.SPAWNED, list(agent.node.group.children))
+            if agent.node.loop.signal_received is not None:
+                signalled = agent.node.loop.signal_received
                 break
-            if not agent.group.alive():
+            if not agent.node.group.alive():
                 break
-            for event in agent.loop.poll(1.0):
+            for event in agent.node.loop.poll(1.0):
                 if event.kind is EventKind.EXITED and event.child is not None:
                     self._reap(event.child)
         if signalled is not None:
-            ending = agent.policy.signalled(signalled)
+            ending = agent.node.policy.signalled(signalled)
         elif self.failed_ranks:
-            ending = agent.policy.first_failure()
+            ending = agent.node.policy.first_failure()
         else:
             ending = Ending(0, JobState.SUCCEEDED)
         if self.failed_ranks or signalled is not None:
             self._print_summary()
         else:
             console.out(f"msrun: dry run: all {self.total} simulated rank(s) passed")
-        return agent.conclude(ending, self.summary())
+        return agent.ending.conclude(ending, self.summary())
 
     def summary(self) -> dict[str, Any]:
         return {

@@ -1,6 +1,6 @@
 """Starting one node's processes: workers (early, held while msrun enters the job's cgroup,
 or in slices between turns of the event loop), the control plane (forked from msrun or spawned),
-and what is said once they are started. A part of :class:`~.agent.Agent`."""
+and what is said once they are started. A part the :class:`~.agent.Agent` owns."""
 
 from __future__ import annotations
 
@@ -9,13 +9,12 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 from pytest_msrun.control import wire
 from pytest_msrun.engine import console, errorfile, timeline
-from pytest_msrun.engine.config import LaunchConfig
-from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.kinds import Role
-from pytest_msrun.engine.loop import EventLoop
+from pytest_msrun.engine.noderun import NodeRun
 from pytest_msrun.engine.observers import (
     BindingsObserver,
     JobEvent,
@@ -23,23 +22,16 @@ from pytest_msrun.engine.observers import (
 from pytest_msrun.engine.plan import (
     SCHEDULER_MODULE,
     LaunchPlan,
-    NodeFacts,
     ProcessSpec,
 )
 from pytest_msrun.engine.ports import EXIT_USAGE, LaunchError
-from pytest_msrun.engine.processes import Child, Launch, ProcessGroup
-from pytest_msrun.engine.progress import StatusLine
+from pytest_msrun.engine.processes import Child, Launch
 from pytest_msrun.engine.tail import LogTailer, prefix_for
 from pytest_msrun.fileio import make_dirs
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
-
-    from pytest_msrun.engine import ranknotes
-    from pytest_msrun.engine.earlystart import FirstStarted
-    from pytest_msrun.engine.observers import Observer
-    from pytest_msrun.engine.trace import TraceObserver
 
 
 TEMPLATE_MODULE = "pytest_msrun.engine.template"
@@ -63,31 +55,24 @@ def collect_from_now() -> None:
     gc.enable()
 
 
-class ProcessStarting:
-    """Starting this node's processes (a part of :class:`~.agent.Agent`)."""
+class Starter:
+    """Starting this node's processes: a part the :class:`~.agent.Agent` owns. ``node``: the run
+    it starts them for; ``emit``: the job's events; ``ranks_known``: told once the ranks are."""
 
-    _spawn_said: bool
-    _fork_refusals: set[str]  # why workers were spawned rather than forked (each said once)
-    cfg: LaunchConfig
-    control_sock: Any
-    deadlines: ranknotes.DeadlineWatch | None
-    detached: bool
-    facts: NodeFacts
-    first: FirstStarted | None
-    group: ProcessGroup
-    guard: JobGuard
-    loop: EventLoop
-    observers: list[Observer]
-    plan: LaunchPlan | None
-    status_line: StatusLine
-    tailer: LogTailer | None
-    trace: TraceObserver | None
+    def __init__(
+        self,
+        node: NodeRun,
+        emit: Callable[[JobEvent, Any], None],
+        ranks_known: Callable[[LaunchPlan], None],
+    ) -> None:
+        self.node = node
+        self._emit = emit
+        self.ranks_known = ranks_known
+        self._spawn_said = False
+        self._fork_refusals: set[str] = set()  # why workers were spawned rather than forked (each said once)
 
-    if TYPE_CHECKING:
-
-        def _ranks_known(self, plan: LaunchPlan) -> None: ...
-
-        def emit(self, event: JobEvent, payload: Any = None) -> None: ...
+    def emit(self, event: JobEvent, payload: Any = None) -> None:
+        self._emit(event, payload)
 
     def start(
         self,
@@ -104,7 +89,7 @@ class ProcessStarting:
         comes later - see :meth:`_start_first`)."""
         if spec.error_file:
             errorfile.clear(spec.error_file)
-        trace_env = self.trace.child_env if self.trace is not None else {}
+        trace_env = self.node.trace.child_env if self.node.trace is not None else {}
         env = {**spec.env, **trace_env, **(extra_env or {})}
         call_args = None
         cpus, mems = spec.in_child_cpus, None
@@ -116,14 +101,14 @@ class ProcessStarting:
             argv=spec.command,
             env=env,
             log_path=spec.log_path,
-            stdin_devnull=spec.role == Role.SCHEDULER or self.detached,
+            stdin_devnull=spec.role == Role.SCHEDULER or self.node.detached,
             pass_fds=pass_fds,
             in_child_cpus=cpus,
             in_child_mems=mems,
             call=call,
             call_args=call_args,
         )
-        child = self.group.start(launch, spec, held=held)
+        child = self.node.group.start(launch, spec, held=held)
         timeline.mark(f"started {spec.label}")
         if announce and not held:
             self.emit(JobEvent.PROCESS_STARTED, child)
@@ -140,7 +125,7 @@ class ProcessStarting:
 
         if spec.bind_prefix and template.binding_in_place(spec.bind_prefix) is None:
             why = f"a binding command ({os.path.basename(spec.bind_prefix[0])}) runs in front"
-        elif self.guard.ready() is None and not template.shows_itself():
+        elif self.node.guard.ready() is None and not template.shows_itself():
             # without a cgroup the watchdog's last resort finds a job's processes by MSRUN_JOB_ID
             # in /proc/PID/environ, which shows a fork's template's where it cannot show its own
             why = "the job has no cgroup, and a fork cannot show its own environment here"
@@ -166,7 +151,7 @@ class ProcessStarting:
             and os.path.realpath(spec.argv[0]) == os.path.realpath(sys.executable)
         )
 
-    def _start_first(self, plan: LaunchPlan, listener: Any) -> bool:
+    def start_first(self, plan: LaunchPlan, listener: Any) -> bool:
         """Start workers before the control plane, for up to :data:`SPAWN_SLICE` s, so that their
         interpreters start up while msrun still prepares the control plane (announced after it,
         in msrun's order of lines: :meth:`_announce_first`). Only when the ranks are known and the
@@ -184,7 +169,7 @@ class ProcessStarting:
             or not plan.workers
         ):
             return False
-        entering = self.guard.entering
+        entering = self.node.guard.entering
         waiting = entering is not None and entering.done.locked()
         if waiting and not self._holdable(plan.workers[0]):
             return False
@@ -192,12 +177,12 @@ class ProcessStarting:
             return False
         from pytest_msrun.engine.earlystart import FirstStarted
 
-        self._ranks_known(plan)  # before any of them starts
-        first = self.first = FirstStarted(held=waiting)
+        self.ranks_known(plan)  # before any of them starts
+        first = self.node.first = FirstStarted(held=waiting)
         until = time.monotonic() + SPAWN_SLICE
         try:
             for spec in plan.workers:
-                if self.loop.signal_received is not None or time.monotonic() >= until:
+                if self.node.loop.signal_received is not None or time.monotonic() >= until:
                     break
                 if not waiting:
                     first.children.append(self.start(spec, announce=False))
@@ -220,65 +205,65 @@ class ProcessStarting:
     def _move_held_in(self) -> None:
         """Move the held workers into the job's cgroup, which msrun is inside (:meth:`JobGuard.ready`);
         any that cannot be moved is killed, still held: it ends as a worker killed by SIGKILL."""
-        first = self.first
-        cgroup = self.guard.ready()
+        first = self.node.first
+        cgroup = self.node.guard.ready()
         if first is None or not first.held or first.moved or cgroup is None:
             return
         for child, why in first.move_in(cgroup.procs_file):
             console.warning(f"could not move {child.tag.label} into the job's {cgroup.describe()}: {why}")
             child.signal(signal.SIGKILL)
 
-    def _announce_first(self) -> None:
+    def announce_first(self) -> None:
         """The workers started first run on (held ones moved in, then let go) and are announced:
         after the scheduler, in msrun's order of lines."""
-        first = self.first
+        first = self.node.first
         if first is None:
             return
         self._move_held_in()
-        self.first = None
+        self.node.first = None
         first.let_go()
         scheduler = self.scheduler_child
         if scheduler is not None:  # listed (status, summary) in msrun's order too
-            self.group.put_first(scheduler)
+            self.node.group.put_first(scheduler)
         for child in first.children:
             self.emit(JobEvent.PROCESS_STARTED, child)
 
-    def _start_slice(self, todo: list[ProcessSpec]) -> bool:
+    def start_slice(self, todo: list[ProcessSpec]) -> bool:
         """Start workers for up to :data:`SPAWN_SLICE` s (at least one); whether any are left.
         Starting 128 workers on a loaded machine can take a minute: the loop turns between slices."""
-        total = len(self.plan.workers) if self.plan is not None else len(todo)
+        total = len(self.node.plan.workers) if self.node.plan is not None else len(todo)
         until = time.monotonic() + SPAWN_SLICE
-        while todo and self.loop.signal_received is None:
+        while todo and self.node.loop.signal_received is None:
             self.start(todo.pop(0))
-            self.status_line.show(f"started {total - len(todo)}/{total} workers on this node")
+            self.node.status_line.show(f"started {total - len(todo)}/{total} workers on this node")
             if time.monotonic() >= until:
                 break
-        return bool(todo) and self.loop.signal_received is None
+        return bool(todo) and self.node.loop.signal_received is None
 
-    def _spawned(self, plan: LaunchPlan) -> None:
+    def spawned(self, plan: LaunchPlan) -> None:
         """Every worker of this node was started (or starting stopped): say so once."""
         if self._spawn_said:
             return
         self._spawn_said = True
         collect_from_now()
-        if self.cfg.bind_core.enabled or self.cfg.bind_numa.enabled:
-            self.observers.append(BindingsObserver(self.facts.hostname, self.facts.topology))
-        self.emit(JobEvent.SPAWNED, list(self.group.children))
+        if self.node.cfg.bind_core.enabled or self.node.cfg.bind_numa.enabled:
+            self.node.observers.append(BindingsObserver(self.node.facts.hostname, self.node.facts.topology))
+        self.emit(JobEvent.SPAWNED, list(self.node.group.children))
         workers = {
-            c.tag.rank: c.pid for c in self.group.children if c.tag.role == Role.WORKER and c.tag.rank is not None
+            c.tag.rank: c.pid for c in self.node.group.children if c.tag.role == Role.WORKER and c.tag.rank is not None
         }
         from pytest_msrun.engine.ranknotes import DeadlineWatch  # (notes an earlier job left name other pids)
 
-        self.deadlines = DeadlineWatch(self.cfg.log_dir, workers)
-        if self.cfg.join and not self.detached:
+        self.node.deadlines = DeadlineWatch(self.node.cfg.log_dir, workers)
+        if self.node.cfg.join and not self.node.detached:
             tailed = [(prefix_for(s.rank, s.local_index), s.log_path) for s in plan.workers if s.tail]
             if tailed:
-                self.tailer = LogTailer(tailed)
-                self.tailer.start()
+                self.node.tailer = LogTailer(tailed)
+                self.node.tailer.start()
 
-    def _make_log_dir(self) -> None:
+    def make_log_dir(self) -> None:
         """The log directory, made before anything starts: one that cannot be is a usage error."""
-        log_dir = self.cfg.log_dir
+        log_dir = self.node.cfg.log_dir
         if log_dir and not os.path.isdir(log_dir):
             old = os.umask(0o077)
             try:
@@ -291,7 +276,7 @@ class ProcessStarting:
             finally:
                 os.umask(old)
 
-    def _start_scheduler(self, spec: ProcessSpec, listener: Any) -> None:
+    def start_scheduler(self, spec: ProcessSpec, listener: Any) -> None:
         env: dict[str, str] = {}
         fds: tuple[int, ...] = ()
         if listener is not None:  # the port msrun bound is handed to the scheduler process
@@ -306,7 +291,7 @@ class ProcessStarting:
 
             importlib.import_module(SCHEDULER_MODULE)
             wire.load_json()
-        self.guard.ready()  # in the job's cgroup first: the thread that moves msrun there has ended
+        self.node.guard.ready()  # in the job's cgroup first: the thread that moves msrun there has ended
         self._move_held_in()  # (let go once the fork is done)
         import _thread
 
@@ -314,15 +299,15 @@ class ProcessStarting:
         if call:  # this node registers over a socketpair: no connect, no challenge
             import _socket  # not socket: its import is a cost on msrun's start path
 
-            self.control_sock, theirs = _socket.socketpair()
+            self.node.control_sock, theirs = _socket.socketpair()
             env[wire.AGENT_FD_ENV] = str(theirs.fileno())
             fds += (theirs.fileno(),)
         try:
             self.start(spec, env, fds, call)
         except BaseException:
-            if self.control_sock is not None:
-                self.control_sock.close()
-                self.control_sock = None
+            if self.node.control_sock is not None:
+                self.node.control_sock.close()
+                self.node.control_sock = None
             raise
         finally:
             for sock in (listener, theirs):
@@ -332,8 +317,8 @@ class ProcessStarting:
     @property
     def scheduler_child(self) -> Child | None:
         """The scheduler process this node started (None: another node hosts it, or none runs)."""
-        return next((c for c in self.group.children if c.tag.role == Role.SCHEDULER), None)
+        return next((c for c in self.node.group.children if c.tag.role == Role.SCHEDULER), None)
 
     @property
     def workers_started(self) -> bool:
-        return any(c.tag.role == Role.WORKER for c in self.group.children)
+        return any(c.tag.role == Role.WORKER for c in self.node.group.children)

@@ -93,36 +93,39 @@ class _Kind:
     reason: str = ""
 
 
-class Judge(RankFacts):
-    """Applies the rule to one test, on the facts of its record (:class:`RankFacts`)."""
+class Judge:
+    """Applies the rule to one test, on the facts of its record (``facts``, which the invariant
+    check reads on its own)."""
 
-    def __init__(self, *args: Any, **kw: Any) -> None:
-        super().__init__(*args, **kw)
+    def __init__(self, facts: RankFacts) -> None:
+        self.facts = facts
         self.died_in: dict[int, str] = {}
         self.end_issue: dict[int, RankIssue] = {}
 
     # ------------------------------------------------------------------ the rule
     def verdict(self) -> TestVerdict:
-        if self.launch_error:  # nothing ran: the setup's error, msrun's output its detail
+        if self.facts.launch_error:  # nothing ran: the setup's error, msrun's output its detail
             message = "msrun could not start the job"
             phases = [PhaseVerdict("setup", "failed", {}, message=message)]
-            cells = dict.fromkeys(self.ranks, "not run")
-            return TestVerdict(self.nodeid, phases, cells, "error", list(self.ranks), launch_error=self.launch_error)
+            cells = dict.fromkeys(self.facts.ranks, "not run")
+            return TestVerdict(
+                self.facts.nodeid, phases, cells, "error", list(self.facts.ranks), launch_error=self.facts.launch_error
+            )
         issues: dict[str, list[RankIssue]] = {p: [] for p in PHASES}
         stopped: dict[str, list[int]] = {p: [] for p in PHASES}
         present: dict[str, dict[int, dict[str, Any]]] = {p: {} for p in PHASES}
         kinds: dict[int, _Kind] = {}
         stopped_after: list[int] = []
-        reached = [r for r in self.ranks if self.reached(r)]
+        reached = [r for r in self.facts.ranks if self.facts.reached(r)]
         for rank in reached:
-            test = self.test(rank)
-            skipped_at_collection = self.collect_skip(rank)
+            test = self.facts.test(rank)
+            skipped_at_collection = self.facts.collect_skip(rank)
             if skipped_at_collection is not None:
                 kinds[rank] = _Kind("skipped", "setup", None, skipped_at_collection)
                 continue
             complete = True
             for phase in PHASES:
-                if not self.due(rank, phase):
+                if not self.facts.due(rank, phase):
                     continue
                 reports = test.all_reports(phase)
                 if phase in test.reports:
@@ -130,10 +133,10 @@ class Judge(RankFacts):
                 if phase not in test.reports:
                     self.died_in[rank] = phase
                     complete = False
-                    if self.stopped_by_msrun(rank):
+                    if self.facts.stopped_by_msrun(rank):
                         stopped[phase].append(rank)
                     else:
-                        issues[phase].append(self.missing(rank, phase))
+                        issues[phase].append(self.facts.missing(rank, phase))
                 for rep in reports:
                     if rep.get("outcome") == "failed" and not is_strict_xpass(rep):
                         at = float(rep.get("_ts", test.stamps.get(phase, 0.0)))
@@ -142,23 +145,23 @@ class Judge(RankFacts):
                 if not complete:
                     break
             if complete:
-                problem = self.end_problem(rank)
+                problem = self.facts.end_problem(rank)
                 if problem is not None:
                     issues["teardown"].append(problem)
                     self.end_issue[rank] = problem
-                elif self.stopped_after(rank):
+                elif self.facts.stopped_after(rank):
                     stopped_after.append(rank)
             if self.died_in.get(rank) not in ("setup", "call"):
                 kind = self._kind(rank)  # from its setup and call alone: teardown and exit do not change it
                 if kind is not None:
                     kinds[rank] = kind
-        for rank, items in sorted(self.leaks.items()):  # --msrun-leaks=error: what a test left fails its teardown
+        for rank, items in sorted(self.facts.leaks.items()):  # --msrun-leaks=error: what a test left fails its teardown
             what = "; ".join(items)
             summary = (
                 f"rank {rank} left behind in its warm world: {what} (--msrun-leaks=error; isolated=True runs "
                 "the test in processes of its own)"
             )
-            issues["teardown"].append(RankIssue(rank, "leak", self.job_ended, summary, phase="teardown"))
+            issues["teardown"].append(RankIssue(rank, "leak", self.facts.job_ended, summary, phase="teardown"))
         # Every rank's own outcome together - only when every rank has one: a rank that did not
         # finish its setup and call makes the test fail anyway, and nobody knows what it would say.
         merged = self._merge(kinds, present) if set(kinds) == set(reached) else {}
@@ -166,14 +169,14 @@ class Judge(RankFacts):
             issues[phase] += together.issues  # every rank passed a strict xfail
         failing = {p for p in PHASES if issues[p] or (p in merged and merged[p].message)}
         everything = [i for p in PHASES for i in issues[p]]
-        if not failing and not self.failed_elsewhere:
+        if not failing and not self.facts.failed_elsewhere:
             # msrun stopped ranks and nothing reported explains it: the stop is the failure
             for phase in PHASES:
                 for rank in stopped[phase]:
-                    issues[phase].append(self.unexplained_stop(rank, f"during the {phase} phase"))
+                    issues[phase].append(self.facts.unexplained_stop(rank, f"during the {phase} phase"))
                 stopped[phase] = []
             for rank in stopped_after:
-                issue = self.unexplained_stop(rank, "after its last report")
+                issue = self.facts.unexplained_stop(rank, "after its last report")
                 issue.kind, issue.phase = "exit", "teardown"
                 issues["teardown"].append(issue)
                 self.end_issue[rank] = issue
@@ -183,9 +186,9 @@ class Judge(RankFacts):
         if failing:
             self._regroup_stopped(min(failing, key=PHASES.index), stopped)
         phases = self._phases(issues, stopped, present, merged, cause)
-        cells = {rank: self.cell(rank, kinds) for rank in self.ranks}
-        not_run = [r for r in self.ranks if cells[r] == "not run"]
-        verdict = TestVerdict(self.nodeid, phases, cells, self._overall(phases, cells, not_run), not_run)
+        cells = {rank: self.cell(rank, kinds) for rank in self.facts.ranks}
+        not_run = [r for r in self.facts.ranks if cells[r] == "not run"]
+        verdict = TestVerdict(self.facts.nodeid, phases, cells, self._overall(phases, cells, not_run), not_run)
         return self._blame_an_earlier_test(verdict)
 
     def _blame_an_earlier_test(self, verdict: TestVerdict) -> TestVerdict:
@@ -193,15 +196,17 @@ class Judge(RankFacts):
         API's errors, or a timeout in a collective they waited in - while those others never began
         it, their process having ended in an earlier test (reported failed there), is incomplete
         here, not failed: that earlier test is the failure. Part of the rule, applied once."""
-        if self.scope != "suite" or verdict.outcome not in ("failed", "error") or not verdict.not_run:
+        if self.facts.scope != "suite" or verdict.outcome not in ("failed", "error") or not verdict.not_run:
             return verdict
         issues = verdict.issues
         if not issues or not all(self._only_waited(issue) for issue in issues):
             return verdict
-        gone = [r for r in verdict.not_run if self.end(r).returncode is not None]
+        gone = [r for r in verdict.not_run if self.facts.end(r).returncode is not None]
         if gone != verdict.not_run:
             return verdict
-        where = sorted({str(self.logs[r].last_test) for r in gone if r in self.logs and self.logs[r].last_test})
+        where = sorted(
+            {str(self.facts.logs[r].last_test) for r in gone if r in self.facts.logs and self.facts.logs[r].last_test}
+        )
         note = (
             f"ranks {ranks_text(verdict.failing_ranks)} failed only waiting for ranks {ranks_text(gone)}, "
             "which had ended" + (f" in {', '.join(where)}" if where else "")
@@ -228,7 +233,7 @@ class Judge(RankFacts):
 
     def _kind(self, rank: int) -> _Kind | None:
         """This rank's own outcome when nothing failed on it (None: something did)."""
-        test = self.test(rank)
+        test = self.facts.test(rank)
         reports = test.reports
         setup, call = reports.get("setup"), reports.get("call")
         if setup is None or any(
@@ -311,7 +316,7 @@ class Judge(RankFacts):
             return {}
 
         def first(ranks: list[int]) -> int:
-            return min(ranks, key=lambda r: (self.test(r).stamps.get(kinds[r].phase, 0.0), r))
+            return min(ranks, key=lambda r: (self.facts.test(r).stamps.get(kinds[r].phase, 0.0), r))
 
         by: dict[str, list[int]] = {}
         for rank, kind in kinds.items():
@@ -346,7 +351,11 @@ class Judge(RankFacts):
             rank = min(kinds)
             report = kinds[rank].report or {}
             issue = RankIssue(
-                rank, "failed", self.test(rank).stamps.get("call", 0.0), f"rank {rank}: {crash_message(report)}", report
+                rank,
+                "failed",
+                self.facts.test(rank).stamps.get("call", 0.0),
+                f"rank {rank}: {crash_message(report)}",
+                report,
             )
             return {"call": PhaseVerdict("call", "failed", present["call"], [issue])}
         if by.get("xpassed") or by.get("xpass_strict"):
@@ -375,11 +384,11 @@ class Judge(RankFacts):
 
     def cell(self, rank: int, kinds: dict[int, _Kind]) -> str:
         """This rank's own outcome for the test, in a word or two: its first problem, phase by phase."""
-        if not self.reached(rank):
+        if not self.facts.reached(rank):
             return "not run"
-        if self.collect_skip(rank) is not None:
+        if self.facts.collect_skip(rank) is not None:
             return "skipped"
-        test = self.test(rank)
+        test = self.facts.test(rank)
         died = self.died_in.get(rank)
         for phase in PHASES:
             for report in test.all_reports(phase):
@@ -390,7 +399,7 @@ class Judge(RankFacts):
         end = self.end_issue.get(rank)
         if end is not None:
             return self._exit_cell(rank)
-        if rank in self.leaks:
+        if rank in self.facts.leaks:
             return "error"
         kind = kinds.get(rank)
         if kind is None:
@@ -398,20 +407,20 @@ class Judge(RankFacts):
         return _WORDS[kind.word]  # stopped after its last report by a failure elsewhere: excused
 
     def _exit_cell(self, rank: int) -> str:
-        log = self.logs.get(rank) or RankLog(rank)
-        end = self.end(rank)
-        if log.exit_hang is not None or end.returncode is None or self.timed_out:
+        log = self.facts.logs.get(rank) or RankLog(rank)
+        end = self.facts.end(rank)
+        if log.exit_hang is not None or end.returncode is None or self.facts.timed_out:
             return "hung at exit"
         if end.terminated_by_msrun:
             return "stopped at exit"
         return f"{self._crash_word(end.returncode)} at exit"
 
     def _died_cell(self, rank: int) -> str:
-        if self.rank_timed_out(rank):
+        if self.facts.rank_timed_out(rank):
             return "timeout"
-        if self.stopped_by_msrun(rank):
+        if self.facts.stopped_by_msrun(rank):
             return "stopped"
-        end = self.end(rank)
+        end = self.facts.end(rank)
         if end.returncode is None:
             return "no record"
         return self._crash_word(end.returncode)
@@ -481,7 +490,7 @@ def _closed(verdict: TestVerdict, breach: str) -> TestVerdict:
 
 def judge(nodeid: str, ranks: list[int], logs: dict[int, RankLog], ends: dict[int, RankEnd], **kw: Any) -> TestVerdict:
     """The verdict of one test (see the module doc); one that breaks the invariant is failed closed."""
-    rule = Judge(nodeid, ranks, logs, ends, **kw)
-    verdict = rule.verdict()
-    breach = invariant_breach(verdict, RankFacts(nodeid, ranks, logs, ends, **kw))
+    facts = RankFacts(nodeid, ranks, logs, ends, **kw)
+    verdict = Judge(facts).verdict()
+    breach = invariant_breach(verdict, facts)
     return _closed(verdict, breach) if breach else verdict
