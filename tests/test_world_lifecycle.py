@@ -226,6 +226,60 @@ def test_a_world_that_died_between_tests_is_not_reused_nor_blamed_on_the_next_te
     assert "SIGKILL" in text and "its warm world ended later" in text
 
 
+KILLED_AFTER_ITS_REPORT = """
+import os
+import pytest
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_first(rank, msrun_tmp_path):
+    with open(os.path.join(os.environ["PIDS"], f"rank{rank}"), "w") as fh:
+        fh.write(str(os.getpid()))
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_innocent(rank):
+    pass
+"""
+
+# The session's own process (not a rank's) kills rank 1 once test_first's last report is logged, and waits until
+# it has ended (a zombie of msrun's, or reaped): the world dies between the two tests it serves.
+KILLER_CONFTEST = """
+import os, signal, time
+
+
+def pytest_runtest_logreport(report):
+    if "RANK_ID" in os.environ:  # a rank's own session: the session's process alone kills
+        return
+    if report.nodeid.endswith("test_first") and report.when == "teardown" and report.passed:
+        with open(os.path.join(os.environ["PIDS"], "rank1")) as fh:
+            pid = int(fh.read())
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat") as fh:
+                    if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        break
+            except OSError:
+                break
+            time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("xdist", [[], ["-n", "1"]], ids=["plain", "xdist"])
+def test_a_world_that_died_after_its_tests_report_fails_that_test_in_every_mode(pytester, monkeypatch, xdist):
+    """One outcome in every mode: under pytest-xdist too the late end is the last test's teardown
+    error and the session fails (it was a warning there, and the session passed)."""
+    monkeypatch.setenv("PIDS", str(pytester.mkdir("pids")))
+    result = _run(pytester, monkeypatch, *xdist, conftest=KILLER_CONFTEST, test_mod=KILLED_AFTER_ITS_REPORT)
+    text = result.stdout.str()
+    assert result.ret == 1, text
+    assert re.search(r"PASSED test_mod.py::test_innocent", text), text
+    assert _errors_on(text) == ["test_mod.py::test_first"], text
+    assert "SIGKILL" in text and "its warm world ended later" in text
+
+
 IMPORT_AND_THREAD = """
 import threading, time
 import pytest

@@ -18,7 +18,6 @@ import dataclasses
 import errno
 import os
 import time
-import warnings
 from collections.abc import Generator
 from typing import Any
 
@@ -49,8 +48,7 @@ from pytest_msrun.plugin.worlds import LateEnd, WorldPool
 DEFAULT_EXIT_TIMEOUT = 60.0
 
 
-class MsrunWorldWarning(pytest.PytestWarning):
-    """A warm world ended outside a test, and its end could not be reported on the last test it ran."""
+LATE_REPORTS = "msrun_late_reports"  # an xdist worker's late teardown errors, for its controller
 
 
 def _report_options(config: pytest.Config) -> tuple[str, SessionReport | None]:
@@ -458,11 +456,20 @@ class Controller:
             return
         for report in reports:
             report.sections.append(("msrun world", f"reported after the test: its warm world ended later ({why})"))
-        if self.xdist_worker:  # xdist accepts reports only of the item it is running
-            text = f"{item.nodeid}: its warm world ended after it ({why}) and revealed:\n{reports[0].longreprtext}"
-            warnings.warn(MsrunWorldWarning(text), stacklevel=1)
+        if self.xdist_worker:  # xdist's worker sends reports only of the item it runs: its controller logs these
+            late = self.config.workeroutput.setdefault(LATE_REPORTS, [])  # type: ignore[attr-defined]
+            late += [self.config.hook.pytest_report_to_serializable(config=self.config, report=r) for r in reports]
             return
         self.reporter.log(item, reports)
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: Any) -> None:
+        """pytest-xdist's controller: a worker's late teardown errors (a warm world that ended after
+        its last test was reported) are logged here, as a session of its own logs them."""
+        for data in getattr(node, "workeroutput", {}).get(LATE_REPORTS, []):
+            report = self.config.hook.pytest_report_from_serializable(config=self.config, data=data)
+            if report is not None:
+                self.config.hook.pytest_runtest_logreport(report=report)
 
 
 def _max_ranks(config: pytest.Config, xdist_worker: bool) -> int:
