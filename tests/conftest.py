@@ -17,6 +17,12 @@ from pathlib import Path
 
 import psutil
 import pytest
+from hypothesis import HealthCheck, settings
+
+# CI machines are loaded: a property test's examples may be slow to draw or to run there, which is
+# no failure of the property. Tests that give their own settings list too_slow among theirs.
+settings.register_profile("loaded", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("loaded")
 
 REPO = Path(__file__).resolve().parents[1]
 MARK = "MSRUN_TEST_MARK"

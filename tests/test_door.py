@@ -70,7 +70,12 @@ def _close_all(admitted) -> None:
         a.sock.close()
 
 
-@settings(max_examples=200, database=None, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=200,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(strangers=st.lists(streams(), min_size=1, max_size=4))
 def test_strangers_never_get_in_and_the_owner_still_does(door, strangers):
     """Fuzzed frames from several strangers, then a client with the token: only the client gets
@@ -105,7 +110,12 @@ def test_strangers_never_get_in_and_the_owner_still_does(door, strangers):
             s.close()
 
 
-@settings(max_examples=100, database=None, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=100,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(
     lines=st.lists(
         st.one_of(

@@ -129,7 +129,10 @@ def check(argv: list[str], place, capsys) -> None:
 
 
 SETTINGS = settings(
-    max_examples=600, database=None, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=600,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
 
 

@@ -310,7 +310,12 @@ def test_an_error_serving_one_client_costs_that_client_only(transport):
     bad.close()
 
 
-@settings(max_examples=400, database=None, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=400,
+    database=None,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(pieces=streams())
 def test_a_transport_serves_any_stranger_without_raising(transport, pieces):
     """Each stranger's bytes, fragmented as drawn, end with its connection dropped (or waiting

@@ -300,7 +300,9 @@ raw = (
 )
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(raw)
 def test_a_malformed_pool_file_never_breaks_the_pool_nor_hands_a_port_out_twice(tmp_path, data):
     directory = tmp_path / uuid.uuid4().hex
