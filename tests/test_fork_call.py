@@ -90,15 +90,24 @@ def test_fork_call_gives_a_fresh_process(tmp_path):
     assert log.read_text() == "to the log\n"
 
 
-def test_fork_call_reports_an_exception_in_the_log_and_exits_1(tmp_path):
+@pytest.mark.parametrize(
+    "call,said",
+    [
+        ("test_fork_call-failing", "RuntimeError: fails on purpose"),
+        # a name not in the registry is never imported
+        ("os:system", "UnknownTarget: 'os:system' is not a registered target"),
+    ],
+    ids=["raises", "unregistered"],
+)
+def test_fork_call_reports_an_exception_in_the_log_and_exits_1(tmp_path, call, said):
     log = tmp_path / "child.log"
     log_fd = os.open(log, os.O_WRONLY | os.O_CREAT, 0o600)
     try:
-        pid = processes.fork_call("test_fork_call-failing", {}, output_fd=log_fd)
+        pid = processes.fork_call(call, {}, output_fd=log_fd)
     finally:
         os.close(log_fd)
     assert wait_child(pid) == 1
-    wait_for(lambda: "RuntimeError: fails on purpose" in log.read_text())
+    wait_for(lambda: said in log.read_text())
 
 
 def sleeps(env: dict[str, str]) -> int:
@@ -120,18 +129,6 @@ def test_a_sigterm_the_instant_after_fork_call_ends_the_child():
             assert wait_child(pid, timeout=20) == -signal.SIGTERM
     finally:
         signal.signal(signal.SIGTERM, old)
-
-
-def test_fork_call_runs_only_a_registered_target(tmp_path):
-    """A name that is not in the registry is never imported: the fork reports it and exits 1."""
-    log = tmp_path / "child.log"
-    log_fd = os.open(log, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        pid = processes.fork_call("os:system", {}, output_fd=log_fd)
-    finally:
-        os.close(log_fd)
-    assert wait_child(pid) == 1
-    wait_for(lambda: "UnknownTarget: 'os:system' is not a registered target" in log.read_text())
 
 
 def test_a_child_not_leading_a_group_is_signalled_by_pid_until_reaped():
