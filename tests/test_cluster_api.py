@@ -217,7 +217,7 @@ from pytest_msrun.engine import agent
 
 register = agent.Agent._register
 def late(self, plan):
-    if not any(c.tag.rank == 1 and c.returncode is not None for c in self.group.children):
+    if not any(c.tag.rank == 1 and c.returncode is not None for c in self.node.group.children):
         return None  # tried again next turn, after the loop served the events
     return register(self, plan)
 
