@@ -166,7 +166,7 @@ def bind_text(spec: BindSpec) -> str:
 def flags_of(cfg: Any) -> list[str]:
     """The msrun command line of ``cfg`` (a :class:`~.config.LaunchConfig`): its flags - worker
     counts always, every other flag whose value is not msrun's default - then the task and its
-    arguments. msrun reads it back as ``cfg`` (tested: tests/test_cli_roundtrip.py)."""
+    arguments. msrun reads it back as ``cfg`` (tested in tests/test_argv.py)."""
     out = [f"--worker_num={cfg.worker_num}", f"--local_worker_num={cfg.local_worker_num}"]
     for name, default in DEFAULTS.items():
         value = getattr(cfg, name)

@@ -33,11 +33,8 @@ class JobEnding:
         on_console_done: Callable[[int], None] | None,
     ) -> None:
         self.node = node
-        self._emit = emit
+        self.emit = emit
         self.on_console_done = on_console_done
-
-    def emit(self, event: JobEvent, payload: Any = None) -> None:
-        self._emit(event, payload)
 
     def console_done(self, code: int) -> None:
         """The caller's console is no longer needed (``--join=False``: msrun returns now)."""

@@ -66,13 +66,10 @@ class Starter:
         ranks_known: Callable[[LaunchPlan], None],
     ) -> None:
         self.node = node
-        self._emit = emit
+        self.emit = emit
         self.ranks_known = ranks_known
         self._spawn_said = False
         self._fork_refusals: set[str] = set()  # why workers were spawned rather than forked (each said once)
-
-    def emit(self, event: JobEvent, payload: Any = None) -> None:
-        self._emit(event, payload)
 
     def start(
         self,

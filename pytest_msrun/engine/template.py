@@ -23,7 +23,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from pytest_msrun.targets import module_of, resolve
+from pytest_msrun.targets import resolve
 
 FD_ENV = "MSRUN_TEMPLATE_FD"  # the template's end of its socketpair (a descriptor number)
 _RESTART_ENV = "MSRUN_TEMPLATE_RESTART"  # what a template that started over imports (JSON)
@@ -367,12 +367,10 @@ def _start_msrun(request: dict, fds: list[int], parent: int) -> int:
         if request.get("cmdline"):
             show_as(list(request["cmdline"]), request["env"])
         args = list(request["argv"])
-        import importlib
-
-        module = module_of(str(request["call"]))
-        entry = importlib.import_module(module)
-        sys.argv = [str(request.get("argv0") or getattr(entry, "__file__", module)), *args]
-        code = resolve(str(request["call"]))(args)
+        main = resolve(str(request["call"]))  # a registered target only; its module imported
+        entry = sys.modules[main.__module__]
+        sys.argv = [str(request.get("argv0") or getattr(entry, "__file__", main.__module__)), *args]
+        code = main(args)
     except SystemExit as exc:
         from pytest_msrun.engine.processes import exit_code_of
 

@@ -146,6 +146,8 @@ class TestJob:
         self.debug = debug or NoDebug()
         self.nodeids = [nodeid]  # what each rank's pytest collects (a warm world: every test it may run)
         self.spec = spec
+        # the marker's binding, read once (a --bind_numa file is read and hashed)
+        self.binding = (parse_bind_value(spec.bind_core, "bind_core"), parse_bind_value(spec.bind_numa, "bind_numa"))
         self.paths = TestPaths(job_dir, job_dir / "logs")
         self.job_dir = job_dir
         self.log_dir = self.paths.log_dir
@@ -188,8 +190,8 @@ class TestJob:
                 # time is kept by the controller (re-run by hand: by ``timeout``), never raced by a
                 # rank's own init() deadline, which fired with the test's and pre-empted the stacks
                 cluster_time_out=RANK_CLOCK,
-                bind_core=parse_bind_value(spec.bind_core, "bind_core"),
-                bind_numa=parse_bind_value(spec.bind_numa, "bind_numa"),
+                bind_core=self.binding[0],
+                bind_numa=self.binding[1],
                 scheduler=spec.scheduler,
                 sim_level=spec.sim_level if spec.sim_level is not None else -1,
                 sim_rank_id=spec.sim_rank_id if spec.sim_rank_id is not None else -1,
