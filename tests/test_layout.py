@@ -110,9 +110,9 @@ def test_verdicts_are_values():
     one (``dataclasses.replace``), never a write into one the reporters may already hold."""
     import dataclasses
 
+    from pytest_msrun.plugin.attempts import TestRecord
     from pytest_msrun.plugin.job import JobRun
     from pytest_msrun.plugin.outcomes import PhaseVerdict, TestVerdict
-    from pytest_msrun.plugin.runner import TestRecord
 
     for cls in (JobRun, TestRecord, TestVerdict, PhaseVerdict):
         assert cls.__dataclass_params__.frozen, cls  # type: ignore[attr-defined]

@@ -423,10 +423,10 @@ def test_the_cache_fixture_works_in_marked_tests(pytester, tracked, worlds):
 
 COUNTING = """
 import json, os
-from pytest_msrun.plugin import runner
+from pytest_msrun.plugin import attempts
 
 COUNTS = {}
-_judge = runner.judge
+_judge = attempts.judge
 
 
 def counting_judge(nodeid, *args, **kwargs):
@@ -434,7 +434,7 @@ def counting_judge(nodeid, *args, **kwargs):
     return _judge(nodeid, *args, **kwargs)
 
 
-runner.judge = counting_judge
+attempts.judge = counting_judge
 
 
 def pytest_sessionfinish(session):
@@ -461,6 +461,17 @@ def test_fails(rank):
 @pytest.mark.msrun(worker_num=2)
 def test_last(rank):
     pass
+
+
+@pytest.mark.skip(reason="not here")
+@pytest.mark.msrun(worker_num=2)
+def test_skipped(rank):
+    pass
+
+
+@pytest.mark.msrun(worker_num=-1)
+def test_bad_marker(rank):
+    pass
 """
 
 
@@ -477,7 +488,8 @@ def test_last(rank):
 def test_each_record_is_judged_once(pytester, monkeypatch, mode, most):
     """The rule runs once per record: a test in a world has two (after its call, while its world
     lives on; after its teardown), judged once each; a job of its own (a task-scheduler job) one,
-    judged once - never again for another reporter (it was judged twice)."""
+    judged once - never again for another reporter (it was judged twice). A test the runner
+    refuses (a skip, a bad marker) is a record too, judged once like any other."""
     counts = pytester.mkdir("counts")
     monkeypatch.setenv("COUNT_DIR", str(counts))
     pytester.makeconftest(COUNTING)
@@ -487,10 +499,13 @@ def test_each_record_is_judged_once(pytester, monkeypatch, mode, most):
     )
     mode = [] if own else mode
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:randomly", *mode)
-    result.assert_outcomes(passed=2, failed=1)
+    result.assert_outcomes(passed=2, failed=1, skipped=1, errors=1)
+    result.stdout.fnmatch_lines(["*ERROR at setup of test_bad_marker*", "*worker_num*"])
     judged: dict[str, int] = {}
     for path in counts.iterdir():
         for nodeid, count in json.loads(path.read_text()).items():
             judged[nodeid] = judged.get(nodeid, 0) + count
-    assert sorted(judged) == [f"test_judged.py::{t}" for t in ("test_fails", "test_last", "test_passes")], judged
+    tests = ("test_bad_marker", "test_fails", "test_last", "test_passes", "test_skipped")
+    assert sorted(judged) == [f"test_judged.py::{t}" for t in tests], judged
     assert all(1 <= count <= most for count in judged.values()), judged
+    assert judged["test_judged.py::test_bad_marker"] == 1, judged  # a refusal: one record

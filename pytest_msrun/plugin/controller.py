@@ -14,8 +14,6 @@ that used it - never on a test that did not run there.
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import os
 import time
 from collections.abc import Generator
@@ -25,25 +23,24 @@ import pytest
 
 from pytest_msrun.engine.slurm import allocation
 from pytest_msrun.fileio import make_dirs, unsafe_directory, unsafe_output_dir
-from pytest_msrun.fsinfo import describe_write_error
 from pytest_msrun.pathsearch import which
 from pytest_msrun.plugin import envscope, options, rankmemory
 from pytest_msrun.plugin.debugserver import NO_TTY, DebugServer
 from pytest_msrun.plugin.earlytemplate import EARLY
 from pytest_msrun.plugin.forkserver import ForkServer, ForkServerHooks, preload_for
-from pytest_msrun.plugin.jobs import PYTEST_TIMEOUT, Jobs, static_skip
+from pytest_msrun.plugin.jobs import PYTEST_TIMEOUT, Jobs
 from pytest_msrun.plugin.keeping import default_ranks
-from pytest_msrun.plugin.marker import MARKER, MarkerError, MsrunSpec, default_timeout, spec_for
+from pytest_msrun.plugin.marker import MARKER, default_timeout
 from pytest_msrun.plugin.merge import Merger
-from pytest_msrun.plugin.outcomes import TestVerdict, shown
-from pytest_msrun.plugin.pool import DeviceShortage, ResourcePool, inventory
+from pytest_msrun.plugin.outcomes import shown
+from pytest_msrun.plugin.pool import ResourcePool, inventory
 from pytest_msrun.plugin.replay import not_carried
 from pytest_msrun.plugin.reportfiles import traces_dir
 from pytest_msrun.plugin.reporting import Reporter
-from pytest_msrun.plugin.runner import Attempt, FreshAttempt, TestRecord
+from pytest_msrun.plugin.runner import Runner, teardown_failures
 from pytest_msrun.plugin.timeline import SessionReport
 from pytest_msrun.plugin.tracetests import TraceNotes
-from pytest_msrun.plugin.worlds import LateEnd, WorldPool
+from pytest_msrun.plugin.worlds import WorldPool
 
 DEFAULT_EXIT_TIMEOUT = 60.0
 
@@ -169,8 +166,6 @@ class Controller:
         if scope not in envscope.SCOPES:
             raise pytest.UsageError(f"msrun_env_scope = {scope!r} in the ini file: use job or test")
         self.xdist_worker = hasattr(config, "workerinput")  # xdist hands this process its items one by one
-        # each world's last test and the teardown failures reported on it (a late judgement repeats none)
-        self.reported: dict[tuple, tuple[Any, set[tuple[int, str, str]]]] = {}
         # the ranks' breakpoint() and --pdb, on this terminal (said, and skipped, where there is none)
         from pytest_msrun.pytest_plugin import TERMINAL
 
@@ -205,6 +200,7 @@ class Controller:
             memory=memory_bounds(config),
             max_ranks=_max_ranks(config, self.xdist_worker),
         )
+        self.runner = Runner(self.jobs, self.worlds, self.pool, self.exit_timeout, leaks_fail=self.leaks == "error")
 
     # ---------------------------------------------------------------- the session
     @pytest.hookimpl(wrapper=True)
@@ -330,92 +326,19 @@ class Controller:
             return 0
 
     def _run_once(self, item: pytest.Item, nextitem: pytest.Item | None, rerun: bool, count: int) -> bool:
-        """One run of ``item``; with ``rerun`` a failure is reported as pytest-rerunfailures does
-        (outcome ``rerun``) and True returned: run it again. False: the test is reported."""
-        try:
-            spec = spec_for(item)
-        except MarkerError as exc:
-            self.reporter.log(item, [self.reporter.simple(item, "setup", "failed", str(exc))])
-            return False
-        assert spec is not None
-        key = self.worlds.key_of(item)
-        skip = static_skip(item)
-        attempt: Attempt | None = None
-        note = ""
-        if key is not None and (skip is None or self.worlds.expecting.get(key) == item.nodeid):
-            # a skipped test its world kept fixtures for still goes there: its ranks skip it and tear down
-            try:
-                attempt, note = self.worlds.attempt(item, spec, key, nextitem)
-            except OSError as exc:
-                return self._no_files(item, exc)
-            self._report_late_ends()
-        if attempt is None:
-            if skip is not None:
-                self.reporter.log(item, [self.reporter.simple(item, "setup", "skipped", skip)])
-                return False
-            no_room = self.worlds.no_room.pop(item.nodeid, "")
-            if no_room:
-                self.reporter.log(item, [self.reporter.simple(item, "setup", "failed", f"msrun: {no_room}")])
-                return False
-            try:
-                attempt = self._fresh_attempt(item, spec, note)
-            except OSError as exc:
-                return self._no_files(item, exc)
-            if attempt is None:
-                return False
-        setup_call = self.reporter.setup_call(item, attempt.record, count if rerun else None)
-        next_id = self.worlds.world_next(item, nextitem, key) if attempt.warm and key is not None else None
-        if rerun and any(r.outcome == "rerun" for r in setup_call):
-            next_id = None  # the rerun gets a fresh world
-        # --msrun-leaks=error: an input of the rule, not a rewrite of its outcome
-        record = attempt.finish(next_id, self.exit_timeout, leaks_fail=self.leaks == "error")
-        world = self.worlds.live.get(key) if key is not None else None
-        world_dir = str(world.job.job_dir) if attempt.warm and world is not None else ""
-        final, again = self.reporter.final(item, attempt, record, setup_call, world_dir, count if rerun else None)
-        trace = attempt.job.extra_env.get("MSRUN_TRACE", "")
-        if attempt.warm and key is not None:
-            world = self.worlds.live.get(key)
-            if world is not None and world.last is not None:  # a late judgement repeats none of them
-                self.reported[key] = (world.last, _teardown_failures(final))
-            self.worlds.after(item, key, next_id)
-        if key is None or not attempt.warm or key not in self.worlds.live:  # its job ended
-            self.traces.flush(trace)
+        """One run of ``item``: the runner's attempt, reported phase by phase. With ``rerun`` a
+        failure is reported as pytest-rerunfailures does (outcome ``rerun``) and True returned: run
+        it again. False: the test is reported."""
+        attempt = self.runner.start(item, nextitem)
+        self._report_late_ends()  # a world found ended when this test reached it: on its last test
+        number = count if rerun else None
+        setup_call = self.reporter.setup_call(item, attempt.record, number)
+        again = any(r.outcome == "rerun" for r in setup_call)
+        record = self.runner.finish(attempt, item, nextitem, again)
+        final, again = self.reporter.final(item, attempt, record, setup_call, number)
+        if self.runner.done(attempt, item, final):  # its job ended: its trace is complete
+            self.traces.flush(attempt.trace)
         return again
-
-    def _no_files(self, item: pytest.Item, exc: OSError) -> bool:
-        """The test's directories or files could not be made (a full basetemp, a file someone put
-        there): the test's setup error, naming the place, its file system and the fix - not the
-        session's internal error. False: the test is reported."""
-        path = exc.filename
-        if not path and exc.errno in (errno.ENOSPC, errno.EDQUOT):  # a write: which file is not said
-            try:
-                path = str(self.config._tmp_path_factory.getbasetemp())  # type: ignore[attr-defined]
-            except OSError:
-                path = ""
-        if path:
-            text = f"msrun: cannot make the test's files: {describe_write_error(str(path), exc, '--basetemp')}"
-        else:
-            text = f"msrun: cannot start the test's job: {exc}"
-        self.reporter.log(item, [self.reporter.simple(item, "setup", "failed", text)])
-        return False
-
-    def _fresh_attempt(self, item: pytest.Item, spec: MsrunSpec, note: str) -> FreshAttempt | None:
-        try:
-            devices = self.jobs.pooled_devices(spec)
-        except DeviceShortage as exc:  # more GPUs per node than the Slurm allocation has: as on a host
-            self.reporter.log(item, [self.reporter.simple(item, "setup", "skipped", f"msrun: {exc}")])
-            return None
-        try:
-            lease = self.pool.lease(ports=2, devices=devices, inv=self.inventory, wait=self.jobs.timeout(spec))
-        except DeviceShortage as exc:
-            outcome = "skipped" if spec.devices > len(self.inventory.ids) else "failed"
-            self.reporter.log(item, [self.reporter.simple(item, "setup", outcome, f"msrun: {exc}")])
-            return None
-        try:
-            job = self.jobs.new(item, spec, lease.ports, lease.devices)
-            return FreshAttempt(item.nodeid, job, self.jobs.test_timeout(item, spec), self.exit_timeout, note)
-        finally:
-            self.pool.release(lease)
 
     # pytest-timeout (when installed): a marked test's timeout is its job's, on the job's clock (from
     # the test's start, not its world's), ending in the grouped hang report; its own timer, which
@@ -434,33 +357,26 @@ class Controller:
         return True if item.get_closest_marker(MARKER) is not None else None
 
     def _report_late_ends(self) -> None:
-        for end in self.worlds.take_late():
-            self._report_late(end)
-
-    def _report_late(self, end: LateEnd) -> None:
-        """Judge ``end.item`` - a world's last test, already reported - again with how the world
-        ended (``end.run``) and report what failed now as a late teardown error of it."""
-        item, world, last, run, why = end.item, end.world, end.last, end.run, end.why
-        late = dataclasses.replace(run, reproduce_lines=last.run.reproduce_lines, started=last.started)
-        record = TestRecord.load(item.nodeid, world.job.expected_ranks(), last.paths, late)
-        verdict = record.verdict()
-        trace = world.job.extra_env.get("MSRUN_TRACE", "")
-        self.traces.add(trace, (True, world.created), verdict, shown(verdict), record.logs, run.ended)
-        self.traces.flush(trace)
+        """Each world's end found since: its last test - already reported - judged again with it,
+        and what failed now reported as a late teardown error of that test."""
         cwd = str(self.config.invocation_params.dir)
-        test, said = self.reported.get(world.key, (None, set()))
-        if _teardown_failures(verdict) <= (said if test is last else set()):
-            return  # nothing the test's own teardown report did not say already
-        reports = [r for r in Merger(item, record, self.style, cwd).reports(verdict, ("teardown",)) if r.failed]
-        if not reports:
-            return
-        for report in reports:
-            report.sections.append(("msrun world", f"reported after the test: its warm world ended later ({why})"))
-        if self.xdist_worker:  # xdist's worker sends reports only of the item it runs: its controller logs these
-            late = self.config.workeroutput.setdefault(LATE_REPORTS, [])  # type: ignore[attr-defined]
-            late += [self.config.hook.pytest_report_to_serializable(config=self.config, report=r) for r in reports]
-            return
-        self.reporter.log(item, reports)
+        for late in self.runner.late():
+            item, record = late.item, late.record
+            verdict = record.verdict()
+            self.traces.add(late.trace, late.job, verdict, shown(verdict), record.logs, record.run.ended)
+            self.traces.flush(late.trace)
+            if teardown_failures(verdict) <= late.said:
+                continue  # nothing the test's own teardown report did not say already
+            reports = [r for r in Merger(item, record, self.style, cwd).reports(verdict, ("teardown",)) if r.failed]
+            for report in reports:
+                report.sections.append(
+                    ("msrun world", f"reported after the test: its warm world ended later ({late.why})")
+                )
+            if reports and self.xdist_worker:  # xdist's worker sends only the running item's reports
+                data = self.config.workeroutput.setdefault(LATE_REPORTS, [])  # type: ignore[attr-defined]
+                data += [self.config.hook.pytest_report_to_serializable(config=self.config, report=r) for r in reports]
+            else:
+                self.reporter.log(item, reports)
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
@@ -481,13 +397,3 @@ def _max_ranks(config: pytest.Config, xdist_worker: bool) -> int:
     if not value.isdigit() or int(value) < 1:
         raise pytest.UsageError(f"--msrun-max-ranks / msrun_max_ranks = {value!r}: use auto or a positive count")
     return int(value)
-
-
-def _teardown_failures(verdict: TestVerdict) -> set[tuple[int, str, str]]:
-    """What failed a test's teardown, rank by rank: (rank, kind, summary)."""
-    return {
-        (issue.rank, issue.kind, issue.summary)
-        for phase in verdict.phases
-        if phase.phase == "teardown"
-        for issue in [*phase.issues, *([phase.cause] if phase.cause else [])]
-    } | {(-1, "rule", phase.message) for phase in verdict.phases if phase.phase == "teardown" and phase.message}

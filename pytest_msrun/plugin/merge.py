@@ -16,11 +16,12 @@ from typing import Any
 import pytest
 from _pytest._code.code import ReprFileLocation, TerminalRepr
 
+from pytest_msrun.plugin.attempts import TestRecord
 from pytest_msrun.plugin.excerpts import log_excerpt, stack_excerpt
 from pytest_msrun.plugin.extras import carried_attributes, merge_properties
 from pytest_msrun.plugin.hang import diagnosis
+from pytest_msrun.plugin.outcomes import Refusal
 from pytest_msrun.plugin.records import PHASES, stacks_path
-from pytest_msrun.plugin.runner import TestRecord
 from pytest_msrun.plugin.stdstreams import read_log, tag_lines
 from pytest_msrun.plugin.verdict import PhaseVerdict, RankEnd, RankIssue, TestVerdict, ranks_text, were
 
@@ -184,9 +185,9 @@ class Merger:
 
     # ------------------------------------------------------------------ merging
     def reports(self, verdict: TestVerdict, phases: tuple[str, ...] = PHASES) -> list[pytest.TestReport]:
-        """The merged reports of ``phases`` (a launch error is a setup error)."""
-        if verdict.launch_error:
-            return [self._launch_failure(verdict.launch_error)] if "setup" in phases else []
+        """The merged reports of ``phases`` (a refusal: its setup's, and a teardown with nothing to do)."""
+        if verdict.refusal is not None:
+            return [self._refused(verdict.refusal, phase) for phase in phases if phase != "call"]
         windows = self._windows(verdict)
         return [self._phase_report(p, windows[p.phase]) for p in verdict.phases if p.phase in phases]
 
@@ -407,7 +408,18 @@ class Merger:
                 no_stack[r] = f"{text[7:].strip()}; {self.end(r).describe(True)}"
         return diagnosis(self.run.stacks, main_threads, self.ranks, self.run.state, no_stack)
 
-    def _launch_failure(self, text: str) -> pytest.TestReport:
-        message = "msrun could not start the job"
-        longrepr = MergedLongrepr(message, text, [("reproduce", self.reproduce)], self._crash_location(message))
-        return self._make("setup", "failed", longrepr, {}, (self.run.started, self.run.ended))
+    def _refused(self, refusal: Refusal, phase: str) -> pytest.TestReport:
+        """A phase of a test whose job never ran: its setup skipped or failed for the refusal's
+        reason (with what msrun said, where it tried), its teardown passed - as pytest reports a
+        test whose setup did not pass."""
+        window = (self.run.started, self.run.ended)
+        if phase != "setup":
+            return self._make(phase, "passed", None, {}, window)
+        if refusal.outcome == "skipped":
+            path = str(getattr(self.item, "path", self.item.location[0]))
+            return self._make(phase, "skipped", (path, self.item.location[1] or 0, refusal.reason), {}, window)
+        longrepr: Any = refusal.reason
+        if refusal.detail:
+            crash = self._crash_location(refusal.reason)
+            longrepr = MergedLongrepr(refusal.reason, refusal.detail, [("reproduce", self.reproduce)], crash)
+        return self._make(phase, "failed", longrepr, {}, window)

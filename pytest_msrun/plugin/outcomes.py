@@ -135,6 +135,21 @@ class RankIssue:
 
 
 @dataclass(frozen=True)
+class Refusal:
+    """Why a test's job never ran: the outcome pytest gives it (``skipped``, or ``failed`` - the
+    setup's error), the reason, and what msrun said where it tried (``detail``)."""
+
+    outcome: str
+    reason: str
+    detail: str = ""
+
+    @classmethod
+    def launch(cls, output: str) -> Refusal:
+        """msrun could not start the job; ``output`` is what it said."""
+        return cls("failed", "msrun could not start the job", output)
+
+
+@dataclass(frozen=True)
 class PhaseVerdict:
     phase: str
     outcome: str  # passed | failed | skipped
@@ -159,7 +174,7 @@ class TestVerdict:
     outcome: str  # passed | failed | error | skipped | xfailed | xpassed | incomplete | not run
     not_run: list[int] = field(default_factory=list)
     note: str = ""  # why an outcome was changed after the rule (suite mode: a failure caused by another test)
-    launch_error: str = ""  # msrun could not start the job: its output (the setup's error)
+    refusal: Refusal | None = None  # the job never ran (a bad marker, a skip, no room, msrun's launch error)
 
     @property
     def issues(self) -> list[RankIssue]:

@@ -11,7 +11,7 @@ from collections.abc import Collection
 
 from pytest_msrun.control.observer import waiting_for_others
 from pytest_msrun.engine.processes import describe_returncode
-from pytest_msrun.plugin.outcomes import RankEnd, RankIssue
+from pytest_msrun.plugin.outcomes import RankEnd, RankIssue, Refusal
 from pytest_msrun.plugin.records import RankLog, RankTest
 
 
@@ -38,7 +38,7 @@ class RankFacts:
         final: Collection[int] | None = None,
         failed_elsewhere: bool = False,
         leaks: dict[int, list[str]] | None = None,
-        launch_error: str = "",
+        refusal: Refusal | None = None,
         running: Collection[int] | None = None,
     ) -> None:
         self.nodeid = nodeid
@@ -54,7 +54,7 @@ class RankFacts:
         self.leaks = {
             r: list(items) for r, items in (leaks or {}).items() if items
         }  # as failures (--msrun-leaks=error)
-        self.launch_error = launch_error  # msrun could not start the job
+        self.refusal = refusal  # the job never ran: a bad marker, a skip, no room, msrun's launch error
         self.running = frozenset(running or ()) if timed_out else frozenset()
 
     # ------------------------------------------------------------------ facts per rank

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
+from pytest_msrun.plugin.attempts import Attempt, TestRecord
 from pytest_msrun.plugin.merge import Merger
 from pytest_msrun.plugin.outcomes import TestVerdict, shown
 from pytest_msrun.plugin.replay import Replay
-from pytest_msrun.plugin.runner import Attempt, TestRecord, WarmAttempt
 from pytest_msrun.plugin.timeline import REPORT_ATTR, test_entry
 from pytest_msrun.plugin.tracetests import TraceNotes
 
@@ -46,20 +46,6 @@ class Reporter:
         for report in reports:
             item.ihook.pytest_runtest_logreport(report=report)
 
-    def simple(self, item: pytest.Item, when: str, outcome: str, text: str) -> pytest.TestReport:
-        """A report of the controller's own (a bad marker, a skip, no devices)."""
-        path = str(getattr(item, "path", item.location[0]))
-        lineno = item.location[1] or 0
-        longrepr = (path, lineno, text) if outcome == "skipped" else text
-        return pytest.TestReport(
-            nodeid=item.nodeid,
-            location=item.location,
-            keywords={k: 1 for k in item.keywords},
-            outcome=outcome,  # type: ignore[arg-type]
-            longrepr=longrepr,
-            when=when,  # type: ignore[arg-type]
-        )
-
     def merged(self, item: pytest.Item, record: TestRecord, rerun: int | None = None) -> Merger:
         return Merger(item, record, self.style, self.cwd, rerun)
 
@@ -76,7 +62,6 @@ class Reporter:
         attempt: Attempt,
         record: TestRecord,
         setup_call: list[pytest.TestReport],
-        world_dir: str,
         rerun: int | None,
     ) -> tuple[TestVerdict, bool]:
         """The rest of the run, from its final record: its verdict, and whether to run it again
@@ -84,9 +69,8 @@ class Reporter:
         final = record.verdict()
         extras = Replay(item, record.logs)  # what the ranks recorded beyond their reports
         extras.junit()  # before the last report, which writes the test's junitxml testcase
-        trace = attempt.job.extra_env.get("MSRUN_TRACE", "")
-        job = (attempt.warm, attempt.world.created if isinstance(attempt, WarmAttempt) else record.run.started)
-        self.traces.add(trace, job, final, shown(final), record.logs, record.run.ended)
+        trace = attempt.trace
+        self.traces.add(trace, (attempt.mode, attempt.job_started), final, shown(final), record.logs, record.run.ended)
         merger = self.merged(item, record, rerun)
         teardown = merger.reports(final, ("teardown",))
         if record.leaks and self.leaks == "warn":
@@ -102,8 +86,8 @@ class Reporter:
                         teardown[-1].user_properties.append((name, value))
                         have.add(name)
         if self.timelines and teardown:
-            entry = test_entry(merger, record, final, [*setup_call, *teardown], "warm" if attempt.warm else "fresh")
-            entry["world"] = world_dir
+            entry = test_entry(merger, record, final, [*setup_call, *teardown], attempt.mode)
+            entry["world"] = attempt.world_dir
             entry["trace"] = trace
             self._attach_timeline(teardown[-1], entry)
         again = False

@@ -1,169 +1,154 @@
-"""One marked test, run as a fresh job or in a warm world, behind one interface.
+"""The one runner: every marked test's attempt comes from here, whatever it runs in.
 
-What pytest-xdist's ``WorkerController`` is to its controller, an :class:`Attempt` is to ours: it
-runs the test's setup and call on every rank (:attr:`Attempt.record`), then - once the controller
-has reported them, so ``-x`` has acted - its teardown, keeping what the next test of the same world
-shares with it (:meth:`Attempt.finish`). Both steps give a :class:`TestRecord`: everything the
-verdict is a function of (every rank's records, every process end, the job's timeout), and the
-same merge turns it into reports. A fresh job runs whole in the first step; a warm world in two.
+:meth:`Runner.start` hands out an :class:`~.attempts.Attempt` for every marked test - in its warm or
+forking world, in a job of its own, or refused (a bad marker, a skip that applies here, no room, no
+devices, no files): each ends in one immutable :class:`~.attempts.TestRecord`, judged by the one
+rule. The controller reports what the attempt gives and never asks which kind it holds; what a
+world keeps between tests (the next test it serves, its last test, a late end's record) is kept
+here.
 """
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field, replace
-from typing import Protocol
+import dataclasses
+import errno
+from collections.abc import Iterator
+from typing import Any
 
-from pytest_msrun.fileio import private_dir, write_whole
-from pytest_msrun.plugin.job import JobRun, TestJob, TestPaths
-from pytest_msrun.plugin.records import RankLog, load_rank_log, records_path
-from pytest_msrun.plugin.verdict import TestVerdict, judge
-from pytest_msrun.plugin.world import WarmTest, World
+import pytest
 
-
-@dataclass(frozen=True)
-class TestRecord:
-    """A test's complete record, as far as it goes: ranks, their records, their ends, the job's run."""
-
-    __test__ = False  # not a pytest test class
-
-    nodeid: str
-    ranks: list[int]
-    logs: dict[int, RankLog]
-    run: JobRun
-    log_dir: str
-    leaks: dict[int, list[str]] = field(default_factory=dict)
-    own_logs: dict[int, str] = field(default_factory=dict)  # a warm test's part of each rank's log
-    leaks_fail: bool = False  # --msrun-leaks=error: what the test left behind fails its teardown
-    notes: list[str] = field(default_factory=list)  # why its warm world ended after it (--msrun-max-rss)
-
-    @classmethod
-    def load(cls, nodeid: str, ranks: list[int], paths: TestPaths, run: JobRun) -> TestRecord:
-        cutoff = run.cutoff or {}
-        logs = {
-            rank: load_rank_log(records_path(str(paths.report_dir), rank), rank, cutoff.get(rank)) for rank in ranks
-        }
-        for rank in run.exit_hung:  # measured by the controller: every session had ended
-            logs.setdefault(rank, RankLog(rank)).exit_hang = {
-                "grace": run.exit_timeout,
-                "ts": run.ended,
-                "after": "after every rank's pytest session ended (--msrun-exit-timeout)",
-            }
-        return cls(nodeid, ranks, logs, run, str(paths.log_dir))
-
-    def verdict(self) -> TestVerdict:
-        """The rule's verdict on this record. A record is a value, so it is judged once: every
-        reporter reads the same verdict (a later fact makes a new record, judged in its turn)."""
-        return self.judged
-
-    @functools.cached_property
-    def judged(self) -> TestVerdict:
-        run = self.run
-        return judge(
-            self.nodeid,
-            self.ranks,
-            self.logs,
-            run.ranks,
-            scope="job",
-            timed_out=run.timed_out,
-            timeout=run.timeout,
-            job_ended=run.ended,
-            leaks=self.leaks if self.leaks_fail else None,
-            launch_error=run.launch_error,
-            running=run.running,
-        )
+from pytest_msrun.fsinfo import describe_write_error
+from pytest_msrun.plugin.attempts import Attempt, FreshAttempt, RefusedAttempt, TestRecord, WarmAttempt
+from pytest_msrun.plugin.jobs import Jobs, static_skip
+from pytest_msrun.plugin.marker import MarkerError, MsrunSpec, spec_for
+from pytest_msrun.plugin.outcomes import Refusal, TestVerdict
+from pytest_msrun.plugin.pool import DeviceShortage, ResourcePool
+from pytest_msrun.plugin.worlds import WorldPool
 
 
-class Attempt(Protocol):
-    """One marked test on its ranks: setup and call done (``record``), the teardown to come."""
+@dataclasses.dataclass(frozen=True)
+class LateRecord:
+    """A world's last test, judged again with how the world ended after it was reported."""
 
+    item: pytest.Item
     record: TestRecord
-    warm: bool
-    job: TestJob  # its job (a warm test's: its world's)
-
-    def finish(self, next_id: str | None, exit_timeout: float, leaks_fail: bool = False) -> TestRecord:
-        """The teardown, keeping what the test ``next_id`` shares (None: nothing); the complete record
-        (``leaks_fail``: what the test left behind in its world fails its teardown)."""
-        ...
+    why: str  # why the world ended
+    trace: str  # the world's trace file
+    job: tuple[str, float]  # how its tests ran (warm) and when the world started, for the trace
+    said: frozenset[tuple[int, str, str]]  # the teardown failures already reported on the test
 
 
-class FreshAttempt:
-    """A job of its own: it runs whole at once, its ranks' process ends included."""
-
-    warm = False
-
-    def __init__(self, nodeid: str, job: TestJob, timeout: float, exit_timeout: float, note: str = "") -> None:
-        self.job = job
-        run = replace(job.run(timeout, exit_timeout), note=note)
-        self.record = TestRecord.load(nodeid, job.expected_ranks(), job.paths, run)
-
-    def finish(self, next_id: str | None, exit_timeout: float, leaks_fail: bool = False) -> TestRecord:
-        return self.record  # its job is over: nothing left behind in a world
-
-
-class WarmAttempt:
-    """A test in a warm world: setup and call now, the teardown when the controller knows what follows."""
-
-    warm = True
+class Runner:
+    """Hands out the attempts of one session's marked tests and keeps what worlds share between them."""
 
     def __init__(
-        self, nodeid: str, world: World, paths: TestPaths, ranks: list[int], timeout: float, exit_timeout: float
+        self, jobs: Jobs, worlds: WorldPool, pool: ResourcePool, exit_timeout: float, leaks_fail: bool
     ) -> None:
-        self.nodeid = nodeid
-        self.world = world
-        self.job = world.job
-        self.paths = paths
-        self.ranks = ranks
-        self.test: WarmTest = world.begin(paths, nodeid, timeout, exit_timeout)
-        record = TestRecord.load(nodeid, ranks, paths, self.test.run)
-        # each rank's part of the log so far (setup and call); completed with the teardown in finish()
-        self.record = replace(record, own_logs=self._own_logs(record))
+        self.jobs = jobs
+        self.worlds = worlds
+        self.pool = pool
+        self.exit_timeout = exit_timeout
+        self.leaks_fail = leaks_fail  # --msrun-leaks=error: an input of the rule, not a rewrite of its outcome
+        # each world's last test and the teardown failures reported on it (a late judgement repeats none)
+        self.reported: dict[tuple, tuple[Any, frozenset[tuple[int, str, str]]]] = {}
 
-    @property
-    def missing(self) -> bool:
-        return self.test.missing
+    # ---------------------------------------------------------------- one test
+    def start(self, item: pytest.Item, nextitem: pytest.Item | None) -> Attempt:
+        """``item``'s setup and call, run on its ranks - or its refusal."""
+        try:
+            spec = spec_for(item)
+        except MarkerError as exc:
+            return RefusedAttempt(item.nodeid, [], Refusal("failed", str(exc)))
+        assert spec is not None
+        ranks = list(range(spec.worker_num))
+        key = self.worlds.key_of(item)
+        skip = static_skip(item)
+        note = ""
+        try:
+            if key is not None and (skip is None or self.worlds.expecting.get(key) == item.nodeid):
+                # a skipped test its world kept fixtures for still goes there: its ranks skip it and tear down
+                attempt, note = self.worlds.attempt(item, spec, key, nextitem)
+                if attempt is not None:
+                    return attempt
+            if skip is not None:
+                return RefusedAttempt(item.nodeid, ranks, Refusal("skipped", skip))
+            no_room = self.worlds.no_room.pop(item.nodeid, "")
+            if no_room:
+                return RefusedAttempt(item.nodeid, ranks, Refusal("failed", f"msrun: {no_room}"), note)
+            return self._fresh(item, spec, note)
+        except OSError as exc:
+            return RefusedAttempt(item.nodeid, ranks, Refusal("failed", self._no_files(exc)), note)
 
-    def left_before(self) -> list[int]:
-        """The ranks whose leaving ended the world before they began this test (the world was
-        already dying when it was sent): not this test's failure. Judged from the ranks' own
-        ends, whether or not the world has noticed yet (on a loaded machine msrun may reap a rank
-        killed between tests only after the next test was sent): a rank that ended by itself and
-        left no record of this test never began it."""
-        causes = set(self.world.lost) | {
-            rank
-            for rank, end in self.record.run.ranks.items()
-            if end.returncode not in (None, 0) and not end.terminated_by_msrun
-        }
-        if not causes or any(self.record.logs[r].started for r in causes if r in self.record.logs):
-            return []
-        return sorted(causes)
+    def _fresh(self, item: pytest.Item, spec: MsrunSpec, note: str) -> Attempt:
+        ranks = list(range(spec.worker_num))
+        try:
+            devices = self.jobs.pooled_devices(spec)
+        except DeviceShortage as exc:  # more GPUs per node than the Slurm allocation has: as on a host
+            return RefusedAttempt(item.nodeid, ranks, Refusal("skipped", f"msrun: {exc}"), note)
+        inventory = self.jobs.inventory
+        try:
+            lease = self.pool.lease(ports=2, devices=devices, inv=inventory, wait=self.jobs.timeout(spec))
+        except DeviceShortage as exc:
+            outcome = "skipped" if spec.devices > len(inventory.ids) else "failed"
+            return RefusedAttempt(item.nodeid, ranks, Refusal(outcome, f"msrun: {exc}"), note)
+        try:
+            job = self.jobs.new(item, spec, lease.ports, lease.devices)
+            return FreshAttempt(item.nodeid, job, self.jobs.test_timeout(item, spec), self.exit_timeout, note)
+        finally:
+            self.pool.release(lease)
 
-    def finish(self, next_id: str | None, exit_timeout: float, leaks_fail: bool = False) -> TestRecord:
-        run = self.test.finish(next_id, exit_timeout)
-        record = TestRecord.load(self.nodeid, self.ranks, self.paths, run)
-        own_logs = self._own_logs(record)
-        return replace(record, leaks=self.test.leaks, leaks_fail=leaks_fail, notes=self.test.notes, own_logs=own_logs)
-
-    def _own_logs(self, record: TestRecord) -> dict[int, str]:
-        """Each rank's part of the world's log, in the test's own folder (``logs/worker_<rank>.log``):
-        what reports point at, instead of a log every test of the world shares."""
-        folder = self.paths.job_dir / "logs"
-        own: dict[int, str] = {}
-        for rank, end in list(record.run.ranks.items()):
-            log = record.logs.get(rank)
-            test = log.tests.get(self.nodeid) if log is not None else None
-            span = test.log_span() if test is not None else None
-            source = end.log or (log.log if log is not None else "")
-            if span is None or not source:
-                continue
+    def _no_files(self, exc: OSError) -> str:
+        """The test's directories or files could not be made (a full basetemp, a file someone put
+        there): the test's setup error, naming the place, its file system and the fix."""
+        path = exc.filename
+        if not path and exc.errno in (errno.ENOSPC, errno.EDQUOT):  # a write: which file is not said
             try:
-                with open(source, "rb") as fh:
-                    fh.seek(span[0])
-                    part = fh.read() if span[1] is None else fh.read(max(0, span[1] - span[0]))
-                private_dir(str(folder))
-                target = folder / f"worker_{rank}.log"
-                write_whole(str(target), part)
+                path = str(self.jobs.config._tmp_path_factory.getbasetemp())  # type: ignore[attr-defined]
             except OSError:
-                continue
-            own[rank] = str(target)
-        return own
+                path = ""
+        if path:
+            return f"msrun: cannot make the test's files: {describe_write_error(str(path), exc, '--basetemp')}"
+        return f"msrun: cannot start the test's job: {exc}"
+
+    def finish(self, attempt: Attempt, item: pytest.Item, nextitem: pytest.Item | None, again: bool) -> TestRecord:
+        """The attempt's teardown and its complete record: a world keeps what the next test it
+        serves shares with this one - nothing when this one runs ``again`` (a rerun gets a fresh world)."""
+        next_id = None
+        if isinstance(attempt, WarmAttempt) and not again:
+            next_id = self.worlds.world_next(item, nextitem, attempt.world.key)
+        record = attempt.finish(next_id, self.exit_timeout, leaks_fail=self.leaks_fail)
+        if isinstance(attempt, WarmAttempt):
+            attempt.next_id = next_id
+        return record
+
+    def done(self, attempt: Attempt, item: pytest.Item, final: TestVerdict) -> bool:
+        """The attempt is reported (``final``); whether its job ended with it (its trace is complete)."""
+        if not isinstance(attempt, WarmAttempt):
+            return True
+        key = attempt.world.key
+        world = self.worlds.live.get(key)
+        if world is not None and world.last is not None:  # a late judgement repeats none of its failures
+            self.reported[key] = (world.last, frozenset(teardown_failures(final)))
+        self.worlds.after(item, key, attempt.next_id)
+        return key not in self.worlds.live
+
+    # ---------------------------------------------------------------- worlds' ends outside a test
+    def late(self) -> Iterator[LateRecord]:
+        """The records of worlds' last tests, judged again with how each world ended since."""
+        for end in self.worlds.take_late():
+            item, world, last, run, why = end.item, end.world, end.last, end.run, end.why
+            late = dataclasses.replace(run, reproduce_lines=last.run.reproduce_lines, started=last.started)
+            record = TestRecord.load(item.nodeid, world.job.expected_ranks(), last.paths, late)
+            test, said = self.reported.get(world.key, (None, frozenset()))
+            trace = world.job.extra_env.get("MSRUN_TRACE", "")
+            yield LateRecord(item, record, why, trace, ("warm", world.created), said if test is last else frozenset())
+
+
+def teardown_failures(verdict: TestVerdict) -> set[tuple[int, str, str]]:
+    """What failed a test's teardown, rank by rank: (rank, kind, summary)."""
+    return {
+        (issue.rank, issue.kind, issue.summary)
+        for phase in verdict.phases
+        if phase.phase == "teardown"
+        for issue in [*phase.issues, *([phase.cause] if phase.cause else [])]
+    } | {(-1, "rule", phase.message) for phase in verdict.phases if phase.phase == "teardown" and phase.message}

@@ -13,11 +13,11 @@ import time
 from collections import Counter
 
 from pytest_msrun.fileio import write_whole
+from pytest_msrun.plugin.attempts import TestRecord
 from pytest_msrun.plugin.merge import Merger
 from pytest_msrun.plugin.outcomes import TestVerdict, shown
 from pytest_msrun.plugin.records import PHASES
 from pytest_msrun.plugin.reportfiles import environment, link_files
-from pytest_msrun.plugin.runner import TestRecord
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -109,7 +109,7 @@ def test_entry(
                 "rank": rank,
                 "host": (end.host if end is not None and end.host else os.uname().nodename),
                 "pid": end.pid if end is not None and end.pid else (log.pid if log is not None else None),
-                "log": merger.shown_log(rank),
+                "log": merger.shown_log(rank) if log is not None else "",
                 "outcome": verdict.cells.get(rank, ""),
                 "output": output[-OUTPUT_LIMIT:],
                 "spans": _rank_spans(record, rank),

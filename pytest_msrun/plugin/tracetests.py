@@ -162,20 +162,20 @@ class TraceNotes:
     """The tests judged in each traced job, added to its trace once its msrun has written it."""
 
     def __init__(self) -> None:
-        # trace path -> (a world's?, when its job started, node id -> (events, outcome))
-        self.pending: dict[str, tuple[bool, float, dict[str, tuple[list[dict[str, Any]], str]]]] = {}
+        # trace path -> (how its tests ran: fresh | warm, when its job started, node id -> (events, outcome))
+        self.pending: dict[str, tuple[str, float, dict[str, tuple[list[dict[str, Any]], str]]]] = {}
         self.problem = ""  # the first trace lost (a full disk): said once, at the session's end
 
     def add(
         self,
         path: str,
-        job: tuple[bool, float],
+        job: tuple[str, float],
         verdict: TestVerdict,
         outcome: str,
         logs: dict[int, RankLog],
         until: float,
     ) -> None:
-        """One judged test of the job (``job``: a world's?, when it started) whose trace is ``path``
+        """One judged test of the job (``job``: fresh or warm, when it started) whose trace is ``path``
         ("": not traced); a test judged again (a world's end revealed more) replaces its first verdict."""
         if not path:
             return
@@ -187,7 +187,7 @@ class TraceNotes:
         an earlier session left under that name, when this job's msrun wrote none)."""
         if path not in self.pending:
             return
-        world, since, tests = self.pending.pop(path)
+        mode, since, tests = self.pending.pop(path)
         try:
             fresh = os.path.getmtime(path) >= since - 1
         except OSError:  # its msrun wrote none: said when its disk is full, the likely why
@@ -197,7 +197,7 @@ class TraceNotes:
         if fresh:
             events = [ev for evs, _ in tests.values() for ev in evs]
             try:
-                annotate(path, events, [outcome for _, outcome in tests.values()], world)
+                annotate(path, events, [outcome for _, outcome in tests.values()], mode == "warm")
             except OSError as exc:
                 self._lost(path, exc)
 

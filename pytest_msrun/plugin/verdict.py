@@ -104,13 +104,13 @@ class Judge:
 
     # ------------------------------------------------------------------ the rule
     def verdict(self) -> TestVerdict:
-        if self.facts.launch_error:  # nothing ran: the setup's error, msrun's output its detail
-            message = "msrun could not start the job"
-            phases = [PhaseVerdict("setup", "failed", {}, message=message)]
-            cells = dict.fromkeys(self.facts.ranks, "not run")
-            return TestVerdict(
-                self.facts.nodeid, phases, cells, "error", list(self.facts.ranks), launch_error=self.facts.launch_error
-            )
+        refusal = self.facts.refusal
+        if refusal is not None:  # nothing ran: the setup's outcome is the refusal's, its reason the message
+            phases = [PhaseVerdict("setup", refusal.outcome, {}, message=refusal.reason)]
+            outcome, cell = ("skipped", "skipped") if refusal.outcome == "skipped" else ("error", "not run")
+            cells = dict.fromkeys(self.facts.ranks, cell)
+            not_run = [] if outcome == "skipped" else list(self.facts.ranks)
+            return TestVerdict(self.facts.nodeid, phases, cells, outcome, not_run, refusal=refusal)
         issues: dict[str, list[RankIssue]] = {p: [] for p in PHASES}
         stopped: dict[str, list[int]] = {p: [] for p in PHASES}
         present: dict[str, dict[int, dict[str, Any]]] = {p: {} for p in PHASES}
@@ -452,8 +452,9 @@ def invariant_breach(verdict: TestVerdict, facts: RankFacts) -> str:
     none failed, no timeout, and a clean process end (see the module doc)."""
     if not verdict.passing:
         return ""
-    if facts.launch_error:
-        return "although msrun could not start the job"
+    if facts.refusal is not None:  # no rank ran: only a skip passes
+        skipped = (facts.refusal.outcome, verdict.outcome) == ("skipped", "skipped")
+        return "" if skipped else f"although its job never ran ({facts.refusal.reason})"
     if facts.leaks:
         return f"although ranks {ranks_text(sorted(facts.leaks))} left things behind (--msrun-leaks=error)"
     for rank in facts.ranks:

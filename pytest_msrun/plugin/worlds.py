@@ -23,12 +23,12 @@ import pytest
 from pytest_msrun.control.door import Tally
 from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.plugin import envscope
+from pytest_msrun.plugin.attempts import WarmAttempt
 from pytest_msrun.plugin.job import JobRun, TestPaths
 from pytest_msrun.plugin.jobs import Jobs, node_path, static_skip
 from pytest_msrun.plugin.keeping import NEVER, Budget, Schedule, survives, victims
 from pytest_msrun.plugin.marker import MARKER, MarkerError, MsrunSpec, spec_for
 from pytest_msrun.plugin.pool import DeviceShortage, ResourcePool
-from pytest_msrun.plugin.runner import WarmAttempt
 from pytest_msrun.plugin.world import FORKING, WarmTest, World, eligible, world_key, world_need
 
 
