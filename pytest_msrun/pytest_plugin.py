@@ -190,7 +190,7 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
 
         start_in_rank(dict(os.environ))  # the controller runs --cov: measured before conftests load
     if roles.detect(os.environ) == roles.CONTROLLER:
-        from pytest_msrun.plugin.earlytemplate import fork_session
+        from pytest_msrun.plugin.controller.earlytemplate import fork_session
 
         fork_session(early_config)  # before any conftest, coverage or capture starts
         _keep_terminal(early_config)
@@ -250,24 +250,24 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", MARKER_HELP)
     where = roles.claim()
     if where in (roles.RANK, roles.FOREIGN):
-        from pytest_msrun.plugin.rank import RankPlugin
+        from pytest_msrun.plugin.rank.rank import RankPlugin
 
         plugin = RankPlugin(config, records=where == roles.RANK, log_capture=config.stash.get(LOG_CAPTURE, False))
         config.pluginmanager.register(plugin, "msrun-rank")
         if where == roles.RANK:
-            from pytest_msrun.plugin.callphase import CallPhase
+            from pytest_msrun.plugin.rank.callphase import CallPhase
 
             config.pluginmanager.register(CallPhase(plugin.randomly_seed), "msrun-call")
     elif where == roles.SCHEDULER:
-        from pytest_msrun.plugin.rank import SchedulerRolePlugin
+        from pytest_msrun.plugin.rank.rank import SchedulerRolePlugin
 
         config.pluginmanager.register(SchedulerRolePlugin(), "msrun-scheduler-role")
     elif config.getoption("msrun_inprocess"):
-        from pytest_msrun.plugin.inprocess import InProcessPlugin
+        from pytest_msrun.plugin.controller.inprocess import InProcessPlugin
 
         config.pluginmanager.register(InProcessPlugin(), "msrun-inprocess")
     elif not _collect_only(config):
-        from pytest_msrun.plugin.controller import Controller
+        from pytest_msrun.plugin.controller.controller import Controller
 
         config.pluginmanager.register(Controller(config), "msrun-controller")
 
@@ -296,7 +296,7 @@ def pytest_report_to_serializable(config: pytest.Config, report: Any) -> dict[st
     """A merged report keeps its one-line failure (``[rank 1] AssertionError: ...``) when it is
     sent elsewhere (pytest-xdist's controller, report-log files): pytest's own conversion turns it
     into its text, whose first line is the headline."""
-    merge = sys.modules.get("pytest_msrun.plugin.merge")
+    merge = sys.modules.get("pytest_msrun.plugin.reports.merge")
     if merge is None or not isinstance(getattr(report, "longrepr", None), merge.MergedLongrepr):
         return None
     return merge.to_serializable(report)
@@ -306,7 +306,7 @@ def pytest_report_to_serializable(config: pytest.Config, report: Any) -> dict[st
 def pytest_report_from_serializable(config: pytest.Config, data: dict[str, Any]) -> Any:
     if not isinstance(data, dict) or data.get("$report_type") != "TestReport" or "msrun_reprcrash" not in data:
         return None
-    from pytest_msrun.plugin.merge import from_serializable
+    from pytest_msrun.plugin.reports.merge import from_serializable
 
     return from_serializable(data)
 

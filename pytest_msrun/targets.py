@@ -17,8 +17,8 @@ TARGETS = {
     "msrun": "pytest_msrun.entry:main",  # `python -m pytest_msrun`, called with its arguments
     "scheduler": "pytest_msrun.control.scheduler:main",  # the control plane, forked from msrun
     "worker": "pytest_msrun.engine.template:run_module",  # a Python worker forked from a fork server's msrun
-    "rewriting-hook": "pytest_msrun.plugin.forkserver:rewriting_hook",  # a rank template's plugin imports
-    "suite-report": "pytest_msrun.plugin.suite:job_report",  # a suite's table, when its job ends
+    "rewriting-hook": "pytest_msrun.plugin.controller.forkserver:rewriting_hook",  # a rank template's plugin imports
+    "suite-report": "pytest_msrun.plugin.reports.suite:job_report",  # a suite's table, when its job ends
 }
 
 

@@ -270,7 +270,7 @@ def _rank_asks(server, where: str = "t.py:1", token: str | None = None) -> dict:
 
 def test_without_a_terminal_the_debugger_does_not_listen():
     """No terminal, no listener: the ranks are told why instead of where."""
-    from pytest_msrun.plugin.debugserver import DebugServer
+    from pytest_msrun.plugin.controller.debugserver import DebugServer
 
     server = DebugServer(post_mortem=True, terminal=None)
     try:
@@ -284,7 +284,7 @@ def test_without_a_terminal_the_debugger_does_not_listen():
 @pytest.fixture
 def terminal_server():
     """A debug server with a terminal (a pseudo-terminal) and what it says, read after it closed."""
-    from pytest_msrun.plugin.debugserver import DebugServer
+    from pytest_msrun.plugin.controller.debugserver import DebugServer
 
     primary, secondary = os.openpty()
     read, write = os.pipe()

@@ -1,4 +1,4 @@
-"""What a report shows of a rank's log and stacks (plugin/excerpts.py), against small oracles."""
+"""What a report shows of a rank's log and stacks (plugin/reports/excerpts.py), against small oracles."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pytest_msrun
-from pytest_msrun.plugin.excerpts import stack_excerpt, trim, without_session_header
-from pytest_msrun.plugin.hang import idle
+from pytest_msrun.plugin.reports.excerpts import stack_excerpt, trim, without_session_header
+from pytest_msrun.plugin.reports.hang import idle
 
 PACKAGE = os.path.dirname(os.path.abspath(pytest_msrun.__file__))
 STDLIB = sysconfig.get_paths()["stdlib"]

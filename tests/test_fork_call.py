@@ -227,7 +227,7 @@ def test_wait_forwarding_lets_the_child_end_first_and_keeps_the_stack_dumps(tmp_
         textwrap.dedent(
             f"""
             import os, signal, sys, time
-            from pytest_msrun.plugin import forked
+            from pytest_msrun.plugin.rank import forked
 
             out = {str(tmp_path)!r}
             stacks = open(os.path.join(out, "stacks"), "w")

@@ -13,7 +13,7 @@ import pytest
 from conftest import wait_gone
 
 from pytest_msrun.engine import template
-from pytest_msrun.plugin.forkserver import ForkServer
+from pytest_msrun.plugin.controller.forkserver import ForkServer
 
 PROBE = """
 import json, os, signal, sys, warnings

@@ -1,4 +1,4 @@
-"""The HTML session report (pytest_msrun.plugin.htmlpage): pure rendering checks, and real
+"""The HTML session report (pytest_msrun.plugin.reports.htmlpage): pure rendering checks, and real
 headless-Chromium loads (the ``browser`` tier) that run its script and prove it requests nothing."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from browser import open_page
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pytest_msrun.plugin.htmlpage import render_page, render_test
+from pytest_msrun.plugin.reports.htmlpage import render_page, render_test
 
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
 T0 = 1_700_000_000.0

@@ -1,4 +1,4 @@
-"""The keep/evict policy of warm worlds (:mod:`pytest_msrun.plugin.keeping`) against a tiny oracle: a
+"""The keep/evict policy of warm worlds (:mod:`pytest_msrun.plugin.controller.keeping`) against a tiny oracle: a
 session of tests whose worlds start when absent, are kept after a test only if they survive to
 their next one, and make room by :func:`victims`."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytest_msrun.plugin.keeping import NEVER, Budget, Schedule, default_ranks, survives, victims
+from pytest_msrun.plugin.controller.keeping import NEVER, Budget, Schedule, default_ranks, survives, victims
 
 SHAPES = {"a": (2, 0), "b": (3, 0), "c": (4, 0), "d": (1, 1), "e": (2, 2)}  # key -> (ranks, devices)
 

@@ -81,6 +81,58 @@ def test_imports_flow_one_way(name, path):
     assert not wrong, f"{name} ({mine}) imports {wrong}"
 
 
+# Inside the plugin, where code runs: which part each part may import (the shared modules at
+# plugin/'s top are what both sides of the process boundary use).
+PLUGIN_PARTS = {
+    "rule": {"rule"},
+    "shared": {"shared", "rule"},
+    "reports": {"reports", "rule", "shared"},
+    "rank": {"rank", "rule", "shared"},
+    "controller": {"controller", "reports", "rule", "shared"},
+}
+
+
+def plugin_part(module: str) -> str | None:
+    """The part of the plugin ``module`` belongs to (None: outside the plugin, or its entry point)."""
+    parts = module.split(".")
+    if parts[:2] != ["pytest_msrun", "plugin"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in PLUGIN_PARTS else "shared"
+
+
+@pytest.mark.parametrize("name,path", [m for m in modules() if plugin_part(m[0])], ids=lambda v: str(v))
+def test_plugin_code_shows_where_it_runs(name, path):
+    """The plugin is split where its code runs: the controller's side never imports the rank's
+    (nor the rank's the controller's or the reports), reports import no side, and the rule - the
+    record and the verdict - imports nothing else of the plugin, and no pytest (msrun reads it)."""
+    mine = plugin_part(name)
+    assert mine is not None
+    found = _all_imports(path)
+    wrong = sorted(
+        m for m in found if (plugin_part(m) or "") not in PLUGIN_PARTS[mine] and m.startswith("pytest_msrun.plugin")
+    )
+    if mine == "rule":
+        wrong += sorted(m for m in found if m.split(".")[0] in ("pytest", "_pytest"))
+    assert not wrong, f"{name} ({mine}) imports {wrong}"
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every module ``path`` imports (lazy imports too); ``from package import module`` as the module."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return {m for m in found if m.split(".")[0] != "pytest_msrun" or _is_module(m)}
+
+
+def _is_module(name: str) -> bool:
+    """Whether ``name`` is a module of the package (not a package's ``__init__``, nor a name in a module)."""
+    return (REPO / Path(*name.split("."))).with_suffix(".py").is_file()
+
+
 def test_the_architecture_layout_names_every_module():
     text = (REPO / "docs" / "architecture.md").read_text()
     section = text.split("## Layout", 1)[1]
@@ -110,11 +162,10 @@ def test_verdicts_are_values():
     one (``dataclasses.replace``), never a write into one the reporters may already hold."""
     import dataclasses
 
-    from pytest_msrun.plugin.attempts import TestRecord
-    from pytest_msrun.plugin.job import JobRun
-    from pytest_msrun.plugin.outcomes import PhaseVerdict, TestVerdict
+    from pytest_msrun.plugin.rule.outcomes import PhaseVerdict, Refusal, TestVerdict
+    from pytest_msrun.plugin.rule.testrecord import JobRun, TestRecord
 
-    for cls in (JobRun, TestRecord, TestVerdict, PhaseVerdict):
+    for cls in (JobRun, TestRecord, TestVerdict, PhaseVerdict, Refusal):
         assert cls.__dataclass_params__.frozen, cls  # type: ignore[attr-defined]
         instance = cls(
             *(
@@ -125,6 +176,27 @@ def test_verdicts_are_values():
         )
         with pytest.raises(dataclasses.FrozenInstanceError):
             instance.outcome = "passed"  # type: ignore[misc]
+
+
+def test_every_verdict_is_a_records_judgement():
+    """One route to a verdict in every mode - a job of its own, a world, a refusal, a suite: the
+    rule is called by a record (``testrecord.TestRecord``) and by nothing else in the package."""
+    callers = []
+    for name, path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and (
+                getattr(node.func, "id", "") == "judge"
+                or (getattr(node.func, "attr", "") == "judge" and getattr(node.func.value, "id", "") == "verdict")
+            ):
+                callers.append(f"{name}:{node.lineno}")
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("Judge", "RankFacts"):
+                callers.append(f"{name}:{node.lineno}")
+    rule = [
+        c
+        for c in callers
+        if c.startswith(("pytest_msrun.plugin.rule.testrecord:", "pytest_msrun.plugin.rule.verdict:"))
+    ]
+    assert callers == rule and any(c.startswith("pytest_msrun.plugin.rule.testrecord:") for c in rule), callers
 
 
 def test_no_outcome_is_written_after_construction():

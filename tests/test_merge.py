@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_msrun.plugin.records import PhaseStart, RankLog, RankTest
-from pytest_msrun.plugin.verdict import RankEnd, judge
+from pytest_msrun.plugin.rule.records import PhaseStart, RankLog, RankTest
+from pytest_msrun.plugin.rule.verdict import RankEnd, judge
 
 NODEID = "test_x.py::test_it"
 
@@ -235,7 +235,7 @@ def test_a_crash_is_ordered_by_when_it_happened_not_by_when_msrun_reaped_it(tmp_
     earlier. The crash's own time (its fatal-error dump, its error file) decides who failed first."""
     import os
 
-    from pytest_msrun.plugin.verdict import death_time
+    from pytest_msrun.plugin.rule.verdict import death_time
 
     log = tmp_path / "worker_1.log"
     log.write_text(

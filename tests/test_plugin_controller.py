@@ -423,7 +423,7 @@ def test_the_cache_fixture_works_in_marked_tests(pytester, tracked, worlds):
 
 COUNTING = """
 import json, os
-from pytest_msrun.plugin import attempts
+from pytest_msrun.plugin.controller import attempts
 
 COUNTS = {}
 _judge = attempts.judge

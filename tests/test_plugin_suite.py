@@ -73,6 +73,34 @@ def test_suite_fails_when_one_rank_fails_one_test(msrun):
     assert "msrun: 6 test(s): 3 passed, 1 failed, 2 skipped" in job.stdout
 
 
+def test_a_suites_tests_are_records_each_judged_once(msrun, monkeypatch):
+    """Suite mode reaches its verdicts the way every mode does: each test of the suite is a record
+    (``testrecord.suite_records``) judged once by the one rule - the table msrun printed is the one
+    those records give, read again from the job's files with every judgement counted."""
+    from pytest_msrun.engine.status import read_status
+    from pytest_msrun.plugin.reports import suite
+    from pytest_msrun.plugin.rule import testrecord
+
+    _suite(msrun, "\ndef test_bad_on_rank_1(rank):\n    assert rank != 1\n")
+    job = msrun.run(job_args(2, "--scheduler=builtin", "pytest", "-q", "-p", "no:cacheprovider", "suite"))
+    assert job.returncode == 1, job.stdout + job.stderr
+    counts: dict[str, int] = {}
+    judge = testrecord.judge
+
+    def counting(nodeid, *args, **kwargs):
+        counts[nodeid] = counts.get(nodeid, 0) + 1
+        return judge(nodeid, *args, **kwargs)
+
+    monkeypatch.setattr(testrecord, "judge", counting)
+    status = read_status(str(job.log_dir))
+    assert status is not None
+    report = suite.job_report(status)
+    assert report is not None
+    assert len(counts) == 6 and set(counts.values()) == {1}, counts
+    table = report.text.split("\n")[1:]  # its first line names the record directory
+    assert all(line in job.stdout for line in table), (report.text, job.stdout)
+
+
 CRASH = """
 import ctypes, os, time
 

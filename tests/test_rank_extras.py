@@ -14,7 +14,7 @@ from conftest import job_args
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytest_msrun.plugin.extras import carried_attributes, group_warnings, merge_properties, merge_subtests
+from pytest_msrun.plugin.reports.extras import carried_attributes, group_warnings, merge_properties, merge_subtests
 
 MODES = ["fresh", "warm", "isolated"]
 # pytest's own subtests (the fixture, and unittest's subTest as reports) came with pytest 9

@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from pytest_msrun import fileio
 from pytest_msrun.engine.errorfile import hook_dir
 from pytest_msrun.fileio import UnsafePath, open_output, open_output_fd, private_dir, unsafe_output_dir, write_whole
-from pytest_msrun.plugin import pool as poolmod
-from pytest_msrun.plugin.pool import ResourcePool
+from pytest_msrun.plugin.controller import pool as poolmod
+from pytest_msrun.plugin.controller.pool import ResourcePool
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "the victim's file\n"

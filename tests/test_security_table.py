@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 from pytest_msrun.control import door, transport, wire
-from pytest_msrun.plugin import debugserver, world
+from pytest_msrun.plugin.controller import debugserver, world
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = REPO / "pytest_msrun"
@@ -19,13 +19,13 @@ DOC = REPO / "docs" / "security.md"
 # below until it goes through a Door and has its row in the table.
 LISTENERS = {
     "the control plane": ("control/transport.py", "DEFAULT_AUTH_TIMEOUT"),
-    "a warm world's door": ("plugin/world.py", "HELLO_TIMEOUT"),
-    "the ranks' debugger": ("plugin/debugserver.py", "HELLO_WAIT"),
+    "a warm world's door": ("plugin/controller/world.py", "HELLO_TIMEOUT"),
+    "the ranks' debugger": ("plugin/controller/debugserver.py", "HELLO_WAIT"),
 }
 # The helpers that make listening sockets, and the modules that may call them (handing the socket
 # to one of the doors above: msrun binds the control plane's port before it starts it).
 MAKERS = {"listen_socket": {"netaddr.py", "engine/ports.py", "control/scheduler.py"}, "rank_listener": set()}
-MAKERS["rank_listener"] = {"netaddr.py", "plugin/world.py", "plugin/debugserver.py"}
+MAKERS["rank_listener"] = {"netaddr.py", "plugin/controller/world.py", "plugin/controller/debugserver.py"}
 
 
 def table(first_header: str) -> dict[str, list[str]]:

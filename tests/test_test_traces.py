@@ -14,10 +14,10 @@ from conftest import job_args
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from pytest_msrun.plugin.outcomes import TestVerdict
-from pytest_msrun.plugin.records import PHASES, PhaseStart, RankLog, RankTest
-from pytest_msrun.plugin.tracetests import tally
-from pytest_msrun.plugin.tracetests import test_events as events_of
+from pytest_msrun.plugin.reports.tracetests import tally
+from pytest_msrun.plugin.reports.tracetests import test_events as events_of
+from pytest_msrun.plugin.rule.outcomes import TestVerdict
+from pytest_msrun.plugin.rule.records import PHASES, PhaseStart, RankLog, RankTest
 
 RANK_PID, TESTS_PID, MSRUN_PID = 1000, 3, 1
 

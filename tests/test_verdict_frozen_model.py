@@ -16,10 +16,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_verdict_model import NODEID, end_of, job, records, report, run_rule
 
-from pytest_msrun.plugin import verdict as verdict_module
-from pytest_msrun.plugin.outcomes import PhaseVerdict, RankEnd, TestVerdict
-from pytest_msrun.plugin.records import RankLog, RecordWriter, load_rank_log, records_path, sizes
-from pytest_msrun.plugin.verdict import judge
+from pytest_msrun.plugin.rule import verdict as verdict_module
+from pytest_msrun.plugin.rule.outcomes import PhaseVerdict, RankEnd, TestVerdict
+from pytest_msrun.plugin.rule.records import RankLog, RecordWriter, load_rank_log, records_path, sizes
+from pytest_msrun.plugin.rule.verdict import judge
 
 PHASES = ("setup", "call", "teardown")
 
@@ -170,7 +170,7 @@ def test_a_verdict_that_breaks_the_invariant_is_failed_closed(monkeypatch):
 def test_one_vocabulary_every_view_says_the_same(j):
     """The console, JUnit, the HTML page and the suite table read one outcome: a passing verdict
     is shown as itself, a failing one as pytest's error (setup/teardown) or failure (call)."""
-    from pytest_msrun.plugin.outcomes import OUTCOMES, shown
+    from pytest_msrun.plugin.rule.outcomes import OUTCOMES, shown
 
     v = run_rule(j)
     assert v.outcome in OUTCOMES

@@ -15,8 +15,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pytest_msrun.plugin.records import PhaseStart, RankLog, RankTest
-from pytest_msrun.plugin.verdict import RankEnd, judge
+from pytest_msrun.plugin.rule.records import PhaseStart, RankLog, RankTest
+from pytest_msrun.plugin.rule.verdict import RankEnd, judge
 
 NODEID = "test_m.py::test_t"
 MODULE = "test_m.py"

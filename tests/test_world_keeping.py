@@ -1,6 +1,6 @@
 """Interleaved shapes (``worker_num=[2, 3, 4]`` on several tests: 2, 3, 4, 2, 3, 4, ...) keep one world
 per shape alive while tests of it are to come; a rank budget too small for all of them ends the
-world needed farthest ahead; verdicts and module fixtures stay exact (:mod:`pytest_msrun.plugin.keeping`)."""
+world needed farthest ahead; verdicts and module fixtures stay exact (:mod:`pytest_msrun.plugin.controller.keeping`)."""
 
 from __future__ import annotations
 

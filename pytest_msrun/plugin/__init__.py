@@ -1,11 +1,12 @@
-"""The pytest plugin, split by role.
+"""The pytest plugin, split where its code runs.
 
-* :mod:`.marker` - the ``msrun`` marker, validated.
-* :mod:`.controller` - the pytest session that launches a job per marked test and merges.
-* :mod:`.job` - one test's job: msrun invocations, timeout, stacks, rank statuses.
-* :mod:`.merge` - per-rank records -> one report per phase.
-* :mod:`.rank` - inside a job (a rank's pytest): records, inline/skip decisions.
-* :mod:`.records` - the per-rank JSON-lines record format (shared by both sides).
-* :mod:`.pool` - ports and devices leased across concurrent (xdist) sessions.
-* :mod:`.fixtures` - ``rank``, ``world_size``, ``local_rank``, ``msrun``, ``msrun_tmp_path``.
+* :mod:`.controller` - the pytest session that runs marked tests: the runner, worlds, jobs, reporting.
+* :mod:`.rank` - inside a job's ranks: their records, a world's serve loop, their debugger.
+* :mod:`.rule` - pure data and decisions: records, a test's record, the verdict rule (no pytest).
+* :mod:`.reports` - how verdicts are shown: merged reports, the suite table, the page, traces.
+
+The modules here are what both sides share: the marker, this process's role (:mod:`.env`), the
+options carried into ranks, the links across the process boundary, the fixtures, a marker's env
+per test, coverage data, memory rules, the streams. ``tests/test_layout.py`` holds the imports to
+these lines.
 """

@@ -42,7 +42,7 @@ SESSION_ONLY = frozenset(
         # informational runs
         "help", "version", "showfixtures", "show_fixtures_per_test", "markers", "setuponly", "setupplan",
         "setupshow",
-        # debugging: the controller's (a rank has no terminal: its pdb reaches the controller, plugin/debugrank.py)
+        # debugging: the controller's (a rank has no terminal: its pdb reaches the controller, plugin/rank/debugrank.py)
         "usepdb", "usepdb_cls", "trace",
         # on the rank's command line already (they act before configuration)
         "plugins", "inifilename", "rootdir", "override_ini", "pythonwarnings", "capture", "importmode",

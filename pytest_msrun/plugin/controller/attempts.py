@@ -1,0 +1,172 @@
+"""One marked test, run as a fresh job or in a warm world, behind one interface.
+
+What pytest-xdist's ``WorkerController`` is to its controller, an :class:`Attempt` is to ours: it
+runs the test's setup and call on every rank (:attr:`Attempt.record`), then - once the controller
+has reported them, so ``-x`` has acted - its teardown, keeping what the next test of the same world
+shares with it (:meth:`Attempt.finish`). Both steps give a :class:`TestRecord`: everything the
+verdict is a function of (every rank's records, every process end, the job's timeout), and the
+same merge turns it into reports. A fresh job runs whole in the first step; a warm world in two.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Protocol
+
+from pytest_msrun.fileio import private_dir, write_whole
+from pytest_msrun.plugin.controller.job import TestJob, TestPaths
+from pytest_msrun.plugin.controller.world import WarmTest, World
+from pytest_msrun.plugin.rule.outcomes import Refusal
+from pytest_msrun.plugin.rule.testrecord import JobRun, TestRecord
+
+
+class Attempt(Protocol):
+    """One marked test on its ranks: setup and call done (``record``), the teardown to come."""
+
+    record: TestRecord
+    mode: str  # how it ran, as reports name it: fresh | warm | refused
+
+    @property
+    def trace(self) -> str:
+        """Its job's trace file ("": not traced)."""
+        ...
+
+    @property
+    def job_started(self) -> float:
+        """When the job it ran in started (a warm world's: the world's start)."""
+        ...
+
+    @property
+    def world_dir(self) -> str:
+        """The directory of the warm world it ran in ("": none)."""
+        ...
+
+    def finish(self, next_id: str | None, exit_timeout: float, leaks_fail: bool = False) -> TestRecord:
+        """The teardown, keeping what the test ``next_id`` shares (None: nothing); the complete record
+        (``leaks_fail``: what the test left behind in its world fails its teardown)."""
+        ...
+
+
+class RefusedAttempt:
+    """A test whose job never ran (a bad marker, a skip that applies here, no room, no devices): its
+    record holds the refusal, judged like any other."""
+
+    mode = "refused"
+    trace = ""
+    world_dir = ""
+
+    def __init__(self, nodeid: str, ranks: list[int], refusal: Refusal, note: str = "") -> None:
+        now = time.time()
+        run = JobRun([], [], False, 0.0, now, now, note=note)
+        self.record = TestRecord(nodeid, ranks, {}, run, "", refusal=refusal)
+
+    @property
+    def job_started(self) -> float:
+        return self.record.run.started
+
+    def finish(self, next_id: str | None, exit_timeout: float, leaks_fail: bool = False) -> TestRecord:
+        return self.record
+
+
+class FreshAttempt:
+    """A job of its own: it runs whole at once, its ranks' process ends included."""
+
+    mode = "fresh"
+    world_dir = ""
+
+    def __init__(self, nodeid: str, job: TestJob, timeout: float, exit_timeout: float, note: str = "") -> None:
+        self.job = job
+        run = replace(job.run(timeout, exit_timeout), note=note)
+        self.record = TestRecord.load(nodeid, job.expected_ranks(), job.paths, run)
+
+    @property
+    def trace(self) -> str:
+        return self.job.extra_env.get("MSRUN_TRACE", "")
+
+    @property
+    def job_started(self) -> float:
+        return self.record.run.started
+
+    def finish(self, next_id: str | None, exit_timeout: float, leaks_fail: bool = False) -> TestRecord:
+        return self.record  # its job is over: nothing left behind in a world
+
+
+class WarmAttempt:
+    """A test in a warm world: setup and call now, the teardown when the controller knows what follows."""
+
+    mode = "warm"
+
+    def __init__(
+        self, nodeid: str, world: World, paths: TestPaths, ranks: list[int], timeout: float, exit_timeout: float
+    ) -> None:
+        self.nodeid = nodeid
+        self.world = world
+        self.paths = paths
+        self.ranks = ranks
+        self.test: WarmTest = world.begin(paths, nodeid, timeout, exit_timeout)
+        self.next_id: str | None = None  # the test its world kept fixtures for, once torn down
+        record = TestRecord.load(nodeid, ranks, paths, self.test.run)
+        # each rank's part of the log so far (setup and call); completed with the teardown in finish()
+        self.record = replace(record, own_logs=self._own_logs(record))
+
+    @property
+    def trace(self) -> str:
+        return self.world.job.extra_env.get("MSRUN_TRACE", "")
+
+    @property
+    def job_started(self) -> float:
+        return self.world.created
+
+    @property
+    def world_dir(self) -> str:
+        return str(self.world.job.job_dir)
+
+    @property
+    def missing(self) -> bool:
+        return self.test.missing
+
+    def left_before(self) -> list[int]:
+        """The ranks whose leaving ended the world before they began this test (the world was
+        already dying when it was sent): not this test's failure. Judged from the ranks' own
+        ends, whether or not the world has noticed yet (on a loaded machine msrun may reap a rank
+        killed between tests only after the next test was sent): a rank that ended by itself and
+        left no record of this test never began it."""
+        causes = set(self.world.lost) | {
+            rank
+            for rank, end in self.record.run.ranks.items()
+            if end.returncode not in (None, 0) and not end.terminated_by_msrun
+        }
+        if not causes or any(self.record.logs[r].started for r in causes if r in self.record.logs):
+            return []
+        return sorted(causes)
+
+    def finish(self, next_id: str | None, exit_timeout: float, leaks_fail: bool = False) -> TestRecord:
+        run = self.test.finish(next_id, exit_timeout)
+        record = TestRecord.load(self.nodeid, self.ranks, self.paths, run)
+        own_logs = self._own_logs(record)
+        return replace(record, leaks=self.test.leaks, leaks_fail=leaks_fail, notes=self.test.notes, own_logs=own_logs)
+
+    def _own_logs(self, record: TestRecord) -> dict[int, str]:
+        """Each rank's part of the world's log, in the test's own folder (``logs/worker_<rank>.log``):
+        what reports point at, instead of a log every test of the world shares."""
+        folder = self.paths.job_dir / "logs"
+        own: dict[int, str] = {}
+        for rank, end in list(record.run.ranks.items()):
+            log = record.logs.get(rank)
+            test = log.tests.get(self.nodeid) if log is not None else None
+            span = test.log_span() if test is not None else None
+            source = end.log or (log.log if log is not None else "")
+            if span is None or not source:
+                continue
+            try:
+                with open(source, "rb") as fh:
+                    fh.seek(span[0])
+                    part = fh.read() if span[1] is None else fh.read(max(0, span[1] - span[0]))
+                private_dir(str(folder))
+                target = folder / f"worker_{rank}.log"
+                write_whole(str(target), part)
+            except OSError:
+                continue
+            own[rank] = str(target)
+        return own

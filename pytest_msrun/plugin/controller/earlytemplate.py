@@ -1,0 +1,198 @@
+"""The session's template forked from the session's own process as it starts.
+
+In ``pytest_load_initial_conftests`` a controller's process has imported pytest and every plugin
+(through pytest's assertion rewriting, as a rank imports them) and nothing else of the session:
+no conftest, no collection, no capture, no coverage. Forked then, it is a fork server's template
+for the price of a fork - no interpreter's start, no imports - ready before the session's first
+job needs it. Only a clean process is forked (:func:`unforkable_session`); elsewhere the session
+starts its template as before (:class:`~pytest_msrun.plugin.controller.forkserver.ForkServer`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sys
+from typing import Any
+
+import pytest
+
+from pytest_msrun.engine import template
+from pytest_msrun.engine.processes import become_fresh_child, block_signals_for_fork, die_with_parent
+from pytest_msrun.plugin import options
+from pytest_msrun.plugin.controller.forkserver import (
+    MARKED_BEFORE,
+    ForkedProcess,
+    end_template,
+    preload_for,
+    template_env,
+)
+
+
+class EarlyTemplate:
+    """The template forked from the session's own process as it starts (:func:`fork_session`)."""
+
+    def __init__(self, proc: ForkedProcess, sock: socket.socket, origin: dict[str, str]) -> None:
+        self.proc = proc
+        self.sock: socket.socket | None = sock  # None once a ForkServer took it
+        self.origin = origin
+
+    def close(self) -> None:
+        """End it where no fork server took it (the session ended first, or had no controller)."""
+        sock, self.sock = self.sock, None
+        if sock is not None:
+            end_template(sock, self.proc)
+
+
+EARLY = pytest.StashKey[EarlyTemplate]()
+_sessions_seen = 0  # sessions of this process that reached their initial conftests
+
+
+def _started_as_pytest() -> bool:
+    """This interpreter was started as ``python -m pytest ARGS`` or a ``pytest`` script, with no
+    interpreter option: its state is a fresh ``python``'s plus pytest's own start."""
+    argv = list(getattr(sys, "orig_argv", []))
+    if argv[1:3] == ["-m", "pytest"] or argv[1:2] == ["-mpytest"]:
+        return True
+    return len(argv) > 1 and os.path.basename(argv[1]) in ("pytest", "py.test")
+
+
+def unforkable_session(config: pytest.Config) -> str:
+    """Why this session's process, now (its plugins imported, no conftest yet), cannot be the
+    template its ranks are forked from; "" when it can."""
+    ns = config.known_args_namespace
+    forking = getattr(ns, "msrun_fork_server", None) or config.getini("msrun_fork_server") or "on"
+    if forking != "on":
+        return "the fork server is off"
+    runs_nothing = ("collectonly", "msrun_inprocess", "help", "version", "showfixtures", "show_fixtures_per_test")
+    if any(getattr(ns, name, False) for name in runs_nothing):
+        return "this session runs no job"
+    if getattr(ns, "numprocesses", None) or getattr(ns, "tx", None) or hasattr(config, "workerinput"):
+        return "pytest-xdist runs the tests in other processes"
+    if _sessions_seen > 1 or not _started_as_pytest():
+        return "this process ran other code before this session (in-process pytester, pytest.main)"
+    if any(name == "conftest" or name.endswith(".conftest") for name in sys.modules):
+        return "a conftest is imported already"
+    monitoring = getattr(sys, "monitoring", None)
+    traced = monitoring is not None and any(monitoring.get_tool(i) for i in range(6))
+    if traced or sys.gettrace() is not None or sys.getprofile() is not None:
+        return "this process is traced (coverage, a profiler, a debugger)"
+    if not hasattr(os, "fork"):
+        return "this platform cannot fork"
+    if template._threads() != 1:
+        return "this process runs threads"
+    return ""
+
+
+def _marked_before(config: pytest.Config) -> bool | None:
+    """What pytest's cache says of the project's last session (None: no cache to ask)."""
+    if not config.pluginmanager.has_plugin("cacheprovider"):
+        return None
+    try:
+        from _pytest.cacheprovider import resolve_from_str
+
+        root = resolve_from_str(config.getini("cache_dir"), config.rootpath)
+        with open(root / "v" / MARKED_BEFORE, encoding="utf-8") as fh:
+            return bool(json.load(fh))
+    except (OSError, ValueError, AttributeError, ImportError):
+        return False
+
+
+def project_modules(rootdir: str) -> list[str]:
+    """The modules imported from the project's own files (under ``rootdir``, not an installed
+    package's: a ``-p`` plugin of the project, what it imported): a started template never
+    imports them, so a fork of this process forgets them and each rank imports them anew."""
+    import site
+
+    installed = [sys.prefix, sys.base_prefix, sys.exec_prefix, *site.getsitepackages(), site.getusersitepackages()]
+    kept = tuple(os.path.join(p, "") for p in {*installed, *map(os.path.realpath, installed)} if p)
+    roots = tuple(os.path.join(p, "") for p in {rootdir, os.path.realpath(rootdir)})
+    out = []
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if not isinstance(file, str) or name.partition(".")[0] == "pytest_msrun":
+            continue
+        if file.startswith(roots) and not file.startswith(kept):
+            out.append(name)
+    return out
+
+
+def fork_session(config: pytest.Config) -> None:
+    """At the session's start - every plugin imported (through pytest's assertion rewriting, as a
+    rank imports them), no conftest, nothing collected, no thread - fork this process as the
+    session's template (kept in ``config.stash[EARLY]`` for its :class:`ForkServer`): a rank then
+    skips an interpreter's start and every import without the template paying them first. Its
+    imports of msrun's modules start at once where the last session had marked tests (or no cache
+    says), else with the session's first job. Nothing is forked where the process is not clean
+    (:func:`unforkable_session`); a template is then spawned when first needed."""
+    global _sessions_seen
+    _sessions_seen += 1
+    if unforkable_session(config):
+        return
+    skip = options.unused_rank_plugins(config)
+    preload, plugins = preload_for(config, skip)
+    eager = _marked_before(config) is not False
+    hello = {
+        "preload": preload,
+        "plugins": plugins,
+        # the modules of plugins the ranks do not load, and the project's own: gone from the
+        # template, as from a started one (a rank imports them under its own environment)
+        "forget": project_modules(str(config.rootpath))
+        + [
+            getattr(p, "__name__", "")
+            for p, _ in config.pluginmanager.list_plugin_distinfo()
+            if config.pluginmanager.get_name(p) in skip
+        ],
+        "prepare": "rewriting-hook",
+        "early": "eager" if eager else "lazy",
+    }
+    origin = template_env()
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    parent = os.getpid()
+    blocked = block_signals_for_fork()
+    try:
+        pid = os.fork()
+    except OSError:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        ours.close()
+        theirs.close()
+        return
+    if pid == 0:  # the template
+        code = 1
+        try:
+            ours.close()
+            code = _be_template(theirs, parent, origin, hello)
+        except BaseException:
+            pass
+        finally:
+            os._exit(code)
+    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    theirs.close()
+    early = EarlyTemplate(ForkedProcess(pid, [sys.executable, "-m", template.__name__]), ours, origin)
+    config.stash[EARLY] = early
+    config.add_cleanup(early.close)
+
+
+def _be_template(sock: socket.socket, parent: int, origin: dict[str, str], hello: dict[str, Any]) -> int:
+    """In the fork: what a spawned template is at its start - its own session, signals, streams
+    (/dev/null until the session sends its log) and environment, and no assertion-rewriting hook
+    (each rank's pytest installs its own) - then the template's life."""
+    die_with_parent(signal.SIGKILL)
+    if os.getppid() != parent:
+        return 1
+    null = os.open(os.devnull, os.O_RDWR)
+    fd = sock.fileno()
+    env = {**origin, template.FD_ENV: str(fd)}
+    become_fresh_child(env, stdin_fd=null, stdout_fd=null, stderr_fd=null, keep_fds=(fd,))
+    os.set_inheritable(fd, True)  # kept across a start over (exec); never given to a fork
+    sys.meta_path[:] = [hook for hook in sys.meta_path if type(hook).__name__ != "AssertionRewritingHook"]
+    for name in hello.pop("forget", []):
+        sys.modules.pop(name, None)
+    sys.argv = [template.__file__]
+    template.show_as([sys.executable, "-m", template.__name__], env)  # as the spawned one shows
+    try:
+        return template.serve(sock, parent, early=hello)
+    except (ConnectionError, KeyboardInterrupt):
+        return 0

@@ -1,0 +1,355 @@
+"""The session's fork server: a template interpreter that forks each job's msrun as this process's child.
+
+Started at the session's first job (from the main thread: its forks' parent-death signal is tied to
+the thread that started it), with the modules a rank imports - pytest and the plugins this session
+loaded from installed distributions - and msrun's own. A job's msrun forked from it forks its
+Python workers in turn (:mod:`pytest_msrun.engine.template`), so a world's ranks skip an
+interpreter's start-up and every import. An msrun it cannot fork (a Slurm step, a fork server that
+did not start or is stale) is spawned as before; each reason is said once, in the session's summary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import IO, Any
+
+import pytest
+
+from pytest_msrun.engine import template
+from pytest_msrun.engine.processes import with_parent_death_signal
+from pytest_msrun.fileio import open_output
+from pytest_msrun.plugin.marker import MARKER
+from pytest_msrun.proc import wait_readable
+from pytest_msrun.targets import module_of
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from pytest_msrun.plugin.controller.earlytemplate import EarlyTemplate
+
+READY_TIMEOUT = 120.0  # s the first request waits for the template's imports
+# what every rank imports as it starts (its debugger's hooks, its extras' and call phase's plugins)
+RANK_MODULES = (
+    "pytest_msrun.plugin.rank.debugrank",
+    "pytest_msrun.plugin.rank.rankextras",
+    "pytest_msrun.plugin.rank.callphase",
+)
+REPLY_TIMEOUT = 30.0  # s a request waits for its pid (a fork: milliseconds)
+
+
+class ForkedProcess:
+    """A child of this process that the fork server forked (``CLONE_PARENT``), with the part of
+    :class:`subprocess.Popen` the plugin uses: ``poll``, ``wait``, ``send_signal``, ``terminate``,
+    ``kill``, ``pid``, ``returncode``, ``args``, ``stdout``."""
+
+    def __init__(self, pid: int, args: list[str], stdout: IO[bytes] | None = None) -> None:
+        self.pid = pid
+        self.args = args
+        self.stdout = stdout
+        self.returncode: int | None = None
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except (AttributeError, OSError):
+            self._pidfd = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere: its status is lost
+                pid, status = self.pid, 255 << 8
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+                self._close()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.poll() is not None:
+            assert self.returncode is not None
+            return self.returncode
+        if timeout is None:
+            _, status = os.waitpid(self.pid, 0)
+            self.returncode = os.waitstatus_to_exitcode(status)
+            self._close()
+            return self.returncode
+        if self._pidfd is not None:
+            wait_readable(self._pidfd, max(0.0, timeout))
+        if self.poll() is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:  # unreaped: the pid is still this child's
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def _close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+
+class ForkServer:
+    """The template process of one session, started on first use; :meth:`start_msrun` forks an msrun."""
+
+    def __init__(
+        self,
+        preload: Callable[[], tuple[list[str], list[str]]],
+        log_path: Callable[[], str],
+        early: EarlyTemplate | None = None,
+    ) -> None:
+        self.preload = preload  # what the template imports (modules, plugins), asked when it starts
+        self.log_path = log_path  # where its output goes, asked when it starts
+        self.early = early  # the template forked from this process at its start, if any
+        self.refusals: list[str] = []  # why msruns or their workers started as new processes (once each)
+        self._proc: subprocess.Popen | ForkedProcess | None = None
+        self._sock: socket.socket | None = None
+        self._ready = False
+        self._broken = ""  # why it forks nothing more
+        self.origin: dict[str, str] = {}  # the template's environment
+
+    def refuse(self, why: str) -> None:
+        """Note a reason something started as a new process (said once in the summary)."""
+        if why not in self.refusals:
+            self.refusals.append(why)
+
+    def _start(self) -> None:
+        early, self.early = self.early, None
+        if early is not None and early.sock is not None:  # forked from this process at its start
+            try:
+                with open_output(self.log_path(), binary=True) as log:
+                    socket.send_fds(early.sock, [b'{"session": true}'], [log.fileno()])
+            except OSError:  # it is gone: one is spawned instead
+                early.close()
+            else:
+                self._proc, self._sock, self.origin = early.proc, early.sock, early.origin
+                early.sock = None
+                return
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = template_env()
+        self.origin = dict(env)
+        env[template.FD_ENV] = str(theirs.fileno())
+        argv, preexec = with_parent_death_signal([sys.executable, "-m", template.__name__], signal.SIGKILL)
+        try:
+            with open_output(self.log_path(), binary=True) as log:
+                self._proc = subprocess.Popen(
+                    argv,
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    pass_fds=(theirs.fileno(),),
+                    start_new_session=True,
+                    preexec_fn=preexec,
+                )
+        finally:
+            theirs.close()
+        self._sock = ours
+        preload, plugins = self.preload()
+        hello = {"preload": preload, "plugins": plugins, "prepare": "rewriting-hook"}
+        ours.send(json.dumps(hello).encode())
+
+    def begin(self) -> None:
+        """Start the template now (its imports overlap what this session does meanwhile)."""
+        if self._proc is None and not self._broken:
+            try:
+                self._start()
+            except OSError as exc:
+                self._fail(f"the fork server did not start ({exc})")
+
+    def _fail(self, why: str) -> None:
+        self._broken = why
+        self.refuse(why)
+        self.close()
+
+    def _receive(self, timeout: float) -> dict[str, Any] | None:
+        sock = self._sock
+        if sock is None:
+            return None
+        if not wait_readable(sock.fileno(), timeout):
+            return None
+        data = sock.recv(1 << 16)
+        if not data:
+            return None
+        reply = json.loads(data)
+        return reply if isinstance(reply, dict) else None
+
+    def _await_ready(self) -> bool:
+        if self._ready:
+            return True
+        reply = self._receive(READY_TIMEOUT)
+        if reply is None:
+            self._fail("the fork server did not get ready")
+            return False
+        if reply.get("why"):
+            self._fail(f"the fork server forks nothing: {reply['why']}")
+            return False
+        self._ready = True
+        return True
+
+    def start_msrun(
+        self, cmd: list[str], env: dict[str, str], stdout: int, stderr: int, stdout_pipe: IO[bytes] | None = None
+    ) -> ForkedProcess | None:
+        """Fork ``cmd`` (``python -m pytest_msrun ...``) with ``env``, stdin from /dev/null and
+        ``stdout``/``stderr`` as given: its process, or None (it is to be spawned; why is noted)."""
+        if cmd[1:3] != ["-m", "pytest_msrun"] or os.path.realpath(cmd[0]) != os.path.realpath(sys.executable):
+            self.refuse("msrun runs under another command (a Slurm step): its ranks start as new processes")
+            return None
+        self.begin()
+        if self._broken or not self._await_ready():
+            return None
+        assert self._sock is not None
+        import pytest_msrun
+
+        argv0 = os.path.join(os.path.dirname(pytest_msrun.__file__), "__main__.py")  # as python -m sets it
+        request = {"call": "msrun", "argv0": argv0, "argv": cmd[3:], "cmdline": cmd, "env": env, "cwd": os.getcwd()}
+        null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            socket.send_fds(self._sock, [json.dumps(request).encode()], [null, stdout, stderr])
+            reply = self._receive(REPLY_TIMEOUT)
+        except OSError as exc:
+            self._fail(f"the fork server could not be reached ({exc})")
+            return None
+        finally:
+            os.close(null)
+        if reply is None:
+            self._fail("the fork server did not answer")
+            return None
+        pid = reply.get("pid")
+        if not isinstance(pid, int):
+            self._fail(f"the fork server forks nothing more: {reply.get('error') or 'no pid'}")
+            return None
+        return ForkedProcess(pid, cmd, stdout_pipe)
+
+    def close(self) -> None:
+        """End the template (its forks are this process's children and live on)."""
+        if self.early is not None:
+            self.early.close()
+        sock, self._sock = self._sock, None
+        proc, self._proc = self._proc, None
+        end_template(sock, proc)
+
+
+def end_template(sock: socket.socket | None, proc: subprocess.Popen | ForkedProcess | None) -> None:
+    """Close the template's socket (its end of file: it returns) and wait for it to end (killed
+    after 5 s)."""
+    if sock is not None:
+        sock.close()
+    if proc is not None:
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def template_env() -> dict[str, str]:
+    """The template's environment: this process's, as a rank's interpreter starts with it."""
+    env = dict(os.environ)
+    # as every rank has it (msrun sets it): a fork must stand for a fresh rank's interpreter
+    env["PYTHONUNBUFFERED"] = "1"
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS"):
+        env.pop(name, None)
+    return env
+
+
+def rewriting_hook() -> Callable[[], None] | None:
+    """In the template, before it imports plugins: pytest's assertion-rewriting import hook with
+    the modules of every plugin distribution marked, as a rank's pytest installs it - so a plugin
+    is imported (and its asserts rewritten) as a rank would import it, and the rank's pytest finds
+    it imported by its own kind of hook (no "already imported, cannot be rewritten" warning).
+    Returns what removes the hook after the imports; None where this pytest's internals differ
+    (the template then imports no plugin: each rank does)."""
+    import importlib.metadata
+
+    try:
+        from _pytest.assertion import install_importhook
+        from _pytest.config import _iter_rewritable_modules, get_config
+
+        config = get_config([])
+        if not hasattr(config, "_inicfg"):  # (pytest 9 reads ini values from it; none are set here)
+            config._inicfg = {}
+        hook = install_importhook(config)
+        files = (
+            str(file)
+            for dist in importlib.metadata.distributions()
+            if any(ep.group == "pytest11" for ep in dist.entry_points)
+            for file in dist.files or []
+        )
+        for name in _iter_rewritable_modules(files):
+            hook.mark_rewrite(name)
+    except Exception:
+        return None
+
+    def remove() -> None:
+        if hook in sys.meta_path:
+            sys.meta_path.remove(hook)
+
+    return remove
+
+
+MARKED_BEFORE = "msrun/marked-tests"  # pytest's cache: the last session collected marked tests
+
+
+class ForkServerHooks:
+    """A session's hooks for its fork server: started with the first marked test collected - or
+    at the session's start where the project's last session had marked tests (pytest's cache), so
+    its imports overlap the whole collection; why anything started as a new process, said in the
+    summary; ended with the session."""
+
+    def __init__(self, forks: ForkServer) -> None:
+        self.forks = forks
+        self.marked_collected = False
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        cache = getattr(session.config, "cache", None)
+        if cache is not None and cache.get(MARKED_BEFORE, False):
+            self.forks.begin()
+
+    def pytest_itemcollected(self, item: pytest.Item) -> None:
+        if not self.marked_collected and item.get_closest_marker(MARKER) is not None:
+            self.marked_collected = True
+            self.forks.begin()
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        cache = getattr(session.config, "cache", None)
+        if cache is not None and cache.get(MARKED_BEFORE, False) != self.marked_collected:
+            cache.set(MARKED_BEFORE, self.marked_collected)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        for why in self.forks.refusals:
+            terminalreporter.write_line(f"msrun: {why}")
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        self.forks.close()
+
+
+def preload_for(config: pytest.Config, skip: list[str]) -> tuple[list[str], list[str]]:
+    """What a rank of this session imports before collecting: pytest and this plugin's modules,
+    then the plugins loaded from installed distributions (entry points) but those in ``skip``
+    (``-p no:NAME`` given to ranks)."""
+    names = ["pytest", "pytest_msrun.pytest_plugin", "pytest_msrun.plugin.rank.rank", "pytest_msrun.plugin.rank.serve"]
+    names += ["pytest_msrun.plugin.rank.forked", module_of("msrun"), *RANK_MODULES]
+    plugins: list[str] = []
+    if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
+        return names, plugins
+    for plugin, _dist in config.pluginmanager.list_plugin_distinfo():
+        name = getattr(plugin, "__name__", None)
+        plugin_name = config.pluginmanager.get_name(plugin)
+        if isinstance(name, str) and plugin_name not in skip and name not in names:
+            plugins.append(name)
+    return names, plugins

@@ -1,0 +1,504 @@
+"""One marked test's job: the msrun invocations, the timeout, every rank's end and stacks.
+
+The controller drives the engine through its command line - the same msrun a user would type,
+which is also the command printed to reproduce a failure. A job of several nodes runs as several
+msrun invocations on this host (loopback), or - inside a Slurm allocation - as one ``srun`` step
+of its own with an msrun on each node Slurm picks where the step's CPUs are free (they take the
+node rank and master address from the step). Each invocation runs in its own
+session with a parent-death signal, so however the controller ends (Ctrl+C, SIGTERM, SIGHUP,
+``kill -9``) msrun tears its job down. A timeout first asks the control plane who is where and
+every rank for its Python stacks (SIGUSR1 -> faulthandler), then stops msrun, whose teardown
+leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pytest_msrun.binding.flags import parse_bind_value
+from pytest_msrun.control.observer import query_state
+from pytest_msrun.engine.argv import flags_of
+from pytest_msrun.engine.config import LaunchConfig
+from pytest_msrun.engine.plan import job_ranks
+from pytest_msrun.engine.processes import term_grace
+from pytest_msrun.engine.slurm import Allocation
+from pytest_msrun.engine.status import STATUS_FILE, node_status_file, read_status
+from pytest_msrun.fileio import private_dir
+from pytest_msrun.plugin.controller.debugserver import DebugServer, NoDebug
+from pytest_msrun.plugin.controller.forkserver import ForkServer
+from pytest_msrun.plugin.controller.msrunproc import Process, start_msrun
+from pytest_msrun.plugin.marker import MsrunSpec
+from pytest_msrun.plugin.rule import records
+from pytest_msrun.plugin.rule.outcomes import RankEnd
+from pytest_msrun.plugin.rule.records import BASETEMP_ENV, REPORT_DIR_ENV, SHARED_TMP_ENV, records_path, stacks_path
+from pytest_msrun.plugin.rule.testrecord import JobRun
+from pytest_msrun.proc import STOPPED_WORDS, running, stopped
+from pytest_msrun.record import replace
+
+STACK_WAIT = 2.0
+CLI = "pmsrun"  # how a user types this project's msrun
+
+
+@dataclass
+class TestPaths:
+    """One marked test's directories: its ranks' records and shared files, and its job's logs."""
+
+    __test__ = False  # not a pytest test class
+
+    job_dir: Path
+    log_dir: Path  # msrun's logs (a warm world's: the world job's)
+
+    @property
+    def report_dir(self) -> Path:
+        return self.job_dir / "reports"
+
+    @property
+    def shared_dir(self) -> Path:
+        return self.job_dir / "shared"
+
+    @property
+    def basetemp(self) -> Path:
+        return self.job_dir / "basetemp"
+
+    def make(self) -> None:
+        """Each directory made new, this user's alone - or checked, when there (a world's logs)."""
+        for d in (self.log_dir, self.report_dir, self.shared_dir, self.basetemp):
+            private_dir(str(d))
+
+
+@dataclass
+class Launched:
+    """A job's running msrun invocations: processes, their console logs, output pumps."""
+
+    procs: list[Process] = field(default_factory=list)
+    logs: list[str] = field(default_factory=list)
+    pumps: list[threading.Thread] = field(default_factory=list)
+
+    def exited(self) -> bool:
+        return any(p.poll() is not None for p in self.procs)
+
+
+RANK_CLOCK = 86400  # seconds: the job's --cluster_time_out, far beyond any test's timeout
+
+
+class TestJob:
+    """Builds and runs the msrun invocations for one test."""
+
+    __test__ = False  # not a pytest test class
+
+    def __init__(
+        self,
+        *,
+        nodeid: str,
+        spec: MsrunSpec,
+        job_dir: Path,
+        ports: list[int],
+        rank_args: list[str],
+        extra_env: dict[str, str],
+        live_output: bool,
+        cluster: Allocation | None = None,
+        debug: DebugServer | NoDebug | None = None,
+        forks: ForkServer | None = None,
+    ) -> None:
+        self.nodeid = nodeid
+        self.forks = forks  # the session's fork server (None: msrun is spawned)
+        self.debug = debug or NoDebug()
+        self.nodeids = [nodeid]  # what each rank's pytest collects (a warm world: every test it may run)
+        self.spec = spec
+        # the marker's binding, read once (a --bind_numa file is read and hashed)
+        self.binding = (parse_bind_value(spec.bind_core, "bind_core"), parse_bind_value(spec.bind_numa, "bind_numa"))
+        self.paths = TestPaths(job_dir, job_dir / "logs")
+        self.job_dir = job_dir
+        self.log_dir = self.paths.log_dir
+        self.report_dir = self.paths.report_dir
+        self.shared_dir = self.paths.shared_dir
+        self.ports = ports
+        self.rank_args = rank_args
+        self.extra_env = extra_env
+        self.live_output = live_output
+        self.basetemp = self.paths.basetemp
+        self._ranks: list[int] | None = None
+        self.token = os.urandom(16).hex()
+        sizes = spec.node_sizes()
+        self.nodes = len(sizes)
+        # inside an allocation every job is a step of its own, placed by Slurm; srun places the same
+        # msrun on every node: equal node sizes, and enough nodes to hold them
+        self.cluster = (
+            cluster if cluster is not None and len(set(sizes)) == 1 and len(cluster.nodes) >= self.nodes else None
+        )
+        self.paths.make()
+
+    def configs(self, nodeids: list[str] | None = None) -> list[LaunchConfig]:
+        """The one translation of the marker: each msrun invocation's configuration, typed as msrun
+        reads it (its ranks run pytest on ``nodeids``, default the job's). The command lines - the
+        one spawned and the one printed to reproduce the test - are rendered from it (:meth:`flags`)."""
+        spec = self.spec
+        sizes = spec.node_sizes()
+        task = ["-m", "pytest", *self.rank_args, *(self.nodeids if nodeids is None else nodeids)]
+        return [
+            LaunchConfig(
+                task_script=sys.executable,
+                task_script_args=task,
+                worker_num=spec.worker_num,
+                local_worker_num=size,
+                master_port=self.ports[0],
+                dist_port=self.ports[1],
+                node_rank=node if len(sizes) > 1 else -1,
+                log_dir=str(self.log_dir),
+                join=True,
+                # time is kept by the controller (re-run by hand: by ``timeout``), never raced by a
+                # rank's own init() deadline, which fired with the test's and pre-empted the stacks
+                cluster_time_out=RANK_CLOCK,
+                bind_core=self.binding[0],
+                bind_numa=self.binding[1],
+                scheduler=spec.scheduler,
+                sim_level=spec.sim_level if spec.sim_level is not None else -1,
+                sim_rank_id=spec.sim_rank_id if spec.sim_rank_id is not None else -1,
+                sim_select=spec.sim_ranks or "",
+            )
+            for node, size in enumerate(sizes)
+        ]
+
+    def expected_ranks(self) -> list[int]:
+        """The ranks whose results the job owes, as msrun plans its invocations."""
+        if self._ranks is None:
+            self._ranks = sorted({rank for cfg in self.configs() for rank in job_ranks(cfg)})
+        return self._ranks
+
+    @property
+    def master_host(self) -> str:
+        """Where the job's control plane listens: this host, or - a Slurm step - the step's first
+        node, which Slurm picked (known from its msrun's status file once it started)."""
+        if self.cluster is None:
+            return "127.0.0.1"
+        status = read_status(str(self.log_dir), self._status_names()[0])
+        return status.host if status is not None and status.host else self.cluster.nodes[0]
+
+    def flags(self, cfg: LaunchConfig, *, for_user: bool = False) -> list[str]:
+        """``cfg``'s msrun command line. Under ``srun`` msrun takes the node rank and the master
+        address from the step; ``for_user``: as a person re-runs it - any free port on one node,
+        and no port of this session's."""
+        changes: dict[str, Any] = {"node_rank": -1} if self.cluster is not None else {}
+        if for_user:
+            changes["dist_port"] = -1
+            if self.nodes == 1:
+                changes["master_port"] = 0
+        return flags_of(replace(cfg, **changes))
+
+    def commands(self) -> list[list[str]]:
+        msrun = [sys.executable, "-m", "pytest_msrun"]
+        configs = self.configs()
+        if self.cluster is not None:
+            srun = self.cluster.srun(
+                self.nodes, configs[0].local_worker_num, label="msrun-test", devices=self.spec.devices
+            )
+            return [[*srun, *msrun, *self.flags(configs[0])]]
+        return [[*msrun, *self.flags(cfg)] for cfg in configs]
+
+    def reproduce_lines(
+        self,
+        timeout: float,
+        nodeids: list[str] | None = None,
+        test_env: dict[str, str] | None = None,
+    ) -> list[str]:
+        """What a user types to run the same job (of ``nodeids``: default, the job's own, with
+        ``test_env`` too) with the same time limit (``timeout`` sends SIGTERM, which msrun answers
+        by tearing the job down)."""
+        variables = {**self.spec.env, **(test_env or {}), **self.extra_env}
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(variables.items()))
+        prefix = (env + " ") if env else ""
+        limit = ["timeout", "-s", "TERM", f"{timeout:g}"]
+        configs = self.configs(nodeids)
+        if self.cluster is not None:
+            srun = self.cluster.srun(self.nodes, configs[0].local_worker_num, devices=self.spec.devices)
+            return [prefix + shlex.join([*limit, *srun, CLI, *self.flags(configs[0], for_user=True)])]
+        return [prefix + shlex.join([*limit, CLI, *self.flags(cfg, for_user=True)]) for cfg in configs]
+
+    def env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(self.spec.env)
+        env.update(self.extra_env)
+        env[REPORT_DIR_ENV] = str(self.report_dir)
+        env[SHARED_TMP_ENV] = str(self.shared_dir)
+        env[BASETEMP_ENV] = str(self.basetemp)
+        env["MSRUN_JOB_TOKEN"] = self.token
+        env.update(self.debug.env())  # never in the reproduce lines: the session's own server
+        if self.cluster is None:  # every flag is given: a Slurm step this session runs in changes nothing
+            env["MSRUN_SLURM"] = "0"
+        env.pop("PYTEST_ADDOPTS", None)
+        for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURRENT_TEST"):
+            env.pop(name, None)
+        return env
+
+    def launch(self, extra_env: dict[str, str] | None = None) -> Launched:
+        """Start the job's msrun invocations (nothing waits for them)."""
+        commands = self.commands()
+        env = {**self.env(), **(extra_env or {})}
+        out = Launched()
+        try:
+            for node, cmd in enumerate(commands):
+                log_path = str(self.job_dir / (f"msrun_node{node}.log" if len(commands) > 1 else "msrun.log"))
+                out.logs.append(log_path)
+                popen, pump = self._start(cmd, env, log_path)
+                out.procs.append(popen)
+                if pump is not None:
+                    out.pumps.append(pump)
+        except BaseException:
+            self._stop(out.procs)
+            raise
+        return out
+
+    def run(self, timeout: float, exit_timeout: float) -> JobRun:
+        """Run the job to its end: every msrun exited, the timeout, or - once every rank's pytest
+        session ended - ``exit_timeout`` seconds more without every process gone (a hang at exit)."""
+        started = time.time()
+        launched = self.launch()
+        procs, logs, pumps = launched.procs, launched.logs, launched.pumps
+        timed_out = False
+        hung: list[int] = []
+        try:
+            deadline = time.monotonic() + timeout
+            finished = FinishWatch(str(self.report_dir), self.expected_ranks())
+            exit_deadline: float | None = None
+            held = self.debug.held()  # time in the debugger does not count
+            while True:
+                alive = [p for p in procs if p.poll() is None]  # one look: a process may end any time
+                if not alive:
+                    break
+                now = time.monotonic() - (self.debug.held() - held)
+                if now >= deadline:
+                    timed_out = True
+                    break
+                if exit_deadline is None and finished.all():
+                    exit_deadline = now + exit_timeout
+                if exit_deadline is not None and now >= exit_deadline:
+                    hung = self.running_ranks()
+                    break
+                try:
+                    alive[0].wait(timeout=min(0.1, max(0.0, deadline - now)))
+                except subprocess.TimeoutExpired:
+                    pass
+        except BaseException:  # Ctrl+C or pytest.exit while waiting: leave nothing running
+            self._stop(procs)
+            raise
+        stacks: dict[int, str] = {}
+        state = None
+        running, cutoff = self.freeze(str(self.report_dir), self.expected_ranks()) if timed_out else (None, None)
+        if timed_out or hung:
+            if timed_out and self.has_control_plane():
+                state = query_state(self.master_host, self.ports[0], self.token)
+            stacks = self.collect_stacks()
+            self._stop(procs)
+        for pump in pumps:
+            pump.join(timeout=5)
+        run = JobRun(
+            reproduce_lines=self.reproduce_lines(timeout),
+            exit_codes=[p.returncode for p in procs],
+            timed_out=timed_out,
+            timeout=timeout,
+            started=started,
+            ended=time.time(),
+            stacks=stacks,
+            stacks_dir=str(self.report_dir),
+            state=state,
+            msrun_logs=logs,
+            exit_hung=hung,
+            exit_timeout=exit_timeout,
+            cutoff=cutoff,
+            running=running,
+            ranks=self.rank_ends(),
+        )
+        if not timed_out and not hung:
+            return dataclasses.replace(run, launch_error=self.launch_error(run.exit_codes, logs))
+        if timed_out and not self.started():
+            return dataclasses.replace(run, launch_error=self.no_room(timeout, logs))
+        return run
+
+    def started(self) -> bool:
+        """Whether any msrun of the job started (wrote its status file)."""
+        return any(read_status(str(self.log_dir), name) is not None for name in self._status_names())
+
+    def no_room(self, timeout: float, logs: list[str]) -> str:
+        """Why a Slurm step of this job never started within ``timeout`` s: srun waited all along
+        for room in the allocation ("" outside an allocation)."""
+        if self.cluster is None:
+            return ""
+        said = ""
+        for path in logs:
+            try:
+                text = Path(path).read_text(errors="replace")
+            except OSError:
+                continue
+            said = next((line.strip() for line in text.splitlines() if "step creation" in line), said)
+        cpus = self.cluster.cpus_for(self.spec.node_sizes()[0])
+        return (
+            f"no room in Slurm allocation {self.cluster.job_id} within the test's timeout ({timeout:g} s): its "
+            f"step needs {self.nodes} node(s) with {cpus} free CPU(s) each, and other steps held them"
+            + (f" (srun: {said.removeprefix('srun: ')})" if said else "")
+        )
+
+    def launch_error(self, exit_codes: list[int | None], logs: list[str]) -> str:
+        """msrun's console output when it could not start the job - judged from its status files
+        (none written, or one saying so), never from an exit status a rank may share."""
+        if all(code == 0 for code in exit_codes):
+            return ""
+        statuses = [read_status(str(self.log_dir), name) for name in self._status_names()]
+        if all(s is not None and s.state != "error" for s in statuses):
+            return ""
+        return "\n".join(Path(p).read_text(errors="replace") for p in logs).strip()
+
+    def has_control_plane(self) -> bool:
+        return self.spec.sim_level is None and self.spec.scheduler != "task"
+
+    def _start(self, cmd: list[str], env: dict[str, str], log_path: str) -> tuple[Process, Any]:
+        forks = self.forks if self.cluster is None else None  # a step's msruns start on its nodes
+        return start_msrun(cmd, env, log_path, live_output=self.live_output, forks=forks)
+
+    # ---------------------------------------------------------------- helpers
+    def _status_names(self) -> list[str]:
+        return [STATUS_FILE] if self.nodes == 1 else [node_status_file(i) for i in range(self.nodes)]
+
+    def rank_ends(self) -> dict[int, RankEnd]:
+        """How each rank's process ended, from msrun's status file(s)."""
+        out: dict[int, RankEnd] = {}
+        for name in self._status_names():
+            status = read_status(str(self.log_dir), name)
+            if status is None:
+                continue
+            for proc in status.workers:
+                if proc.rank is None:
+                    continue
+                out[proc.rank] = RankEnd.of(proc, status.stop_reason, status.host)
+        return out
+
+    def freeze(self, report_dir: str, ranks: list[int]) -> tuple[list[int], dict[int, int]]:
+        """The record at a test's deadline: the ranks still running, then where each rank's record
+        file in ``report_dir`` stands (in this order, a rank that reports and ends between the two looks counts as
+        running - never as having ended without the report it wrote)."""
+        running = self.running_ranks()
+        return running, records.sizes(report_dir, ranks)
+
+    def running_ranks(self) -> list[int]:
+        """The ranks whose processes still run (msrun's status file is written at the job's start and
+        end only: a rank on this host is looked up by its PID, one elsewhere counts as running)."""
+        return [
+            rank
+            for rank, end in sorted(self.rank_ends().items())
+            if end.returncode is None and (end.elsewhere or (end.pid and running(end.pid)))
+        ]
+
+    def collect_stacks(self) -> dict[int, str]:
+        """Ask every live rank on this host for its Python stacks and wait briefly for them
+        (a rank's PID means nothing on another host)."""
+        asked = []
+        stacks: dict[int, str] = {}
+        for rank, end in self.rank_ends().items():
+            if not end.pid or end.returncode is not None or end.elsewhere:
+                continue  # ended, or on another host
+            if stopped(end.pid, or_its_child=True):
+                stacks[rank] = f"msrun: {STOPPED_WORDS}\n"  # it cannot answer: why it has no stack
+            elif _catches(end.pid, signal.SIGUSR1):
+                try:
+                    os.kill(end.pid, signal.SIGUSR1)
+                    asked.append(rank)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        deadline = time.monotonic() + STACK_WAIT
+        while time.monotonic() < deadline:
+            for rank in asked:
+                text = _read(stacks_path(str(self.report_dir), rank))
+                if text.strip():
+                    stacks[rank] = text
+            if all(rank in stacks for rank in asked):
+                time.sleep(0.05)  # let the last writer finish its dump
+                for rank in asked:
+                    stacks[rank] = _read(stacks_path(str(self.report_dir), rank))
+                break
+            time.sleep(0.05)
+        return stacks
+
+    def stop(self, launched: Launched) -> None:
+        """Tear a launched job down (msrun's own teardown, SIGKILL after its grace)."""
+        self._stop(launched.procs)
+        for pump in launched.pumps:
+            pump.join(timeout=5)
+
+    def _stop(self, procs: list[Process]) -> None:
+        """msrun's own teardown on SIGTERM; SIGKILL of its session after a grace period."""
+        for popen in procs:
+            if popen.poll() is None:
+                try:
+                    os.killpg(popen.pid, signal.SIGTERM)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        deadline = time.monotonic() + term_grace() + 5  # msrun's own grace, then its teardown
+        for popen in procs:
+            try:
+                popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(popen.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                popen.wait()
+
+
+class FinishWatch:
+    """Whether every rank's pytest session ended: each rank's records end with ``finish``."""
+
+    def __init__(self, report_dir: str, ranks: list[int], every: float = 0.25) -> None:
+        self.paths = {rank: records_path(report_dir, rank) for rank in ranks}
+        self.every = every
+        self.next = 0.0
+
+    def all(self) -> bool:
+        now = time.monotonic()
+        if now < self.next:
+            return False
+        self.next = now + self.every
+        for rank, path in list(self.paths.items()):
+            if not _ends_with_finish(path):
+                return False
+            del self.paths[rank]
+        return True
+
+
+def _ends_with_finish(path: str) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            size = fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, size - 4096))
+            tail = fh.read().splitlines()
+    except OSError:
+        return False
+    return bool(tail) and b'"kind": "finish"' in tail[-1]
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text(errors="replace")
+    except OSError:
+        return ""
+
+
+def _catches(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` handles ``sig`` now (``SigCgt`` in its status): a rank still starting
+    up has not registered its stack dump yet, and SIGUSR1's default action would kill it."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    return False

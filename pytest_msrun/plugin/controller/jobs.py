@@ -1,0 +1,139 @@
+"""How the controller makes a marked test's job: its directory, its msrun invocations' settings,
+its timeout, its devices - for a fresh job and a warm world alike.
+
+Also the few facts about a pytest item a job needs: its node id with an absolute path (ranks find
+it from any directory), a file-system-safe name, and whether a skip mark already applies (then no
+job is started).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from pytest_msrun.engine.slurm import Allocation
+from pytest_msrun.plugin import covdata, options
+from pytest_msrun.plugin.controller.debugserver import DebugServer, NoDebug
+from pytest_msrun.plugin.controller.forkserver import ForkServer
+from pytest_msrun.plugin.controller.job import TestJob
+from pytest_msrun.plugin.controller.pool import DeviceInventory, DeviceShortage
+from pytest_msrun.plugin.marker import MsrunSpec
+
+PYTEST_TIMEOUT = pytest.StashKey[float]()  # pytest-timeout's timeout for a marked item
+
+
+def safe_name(nodeid: str) -> str:
+    name = nodeid.split("::", 1)[-1]
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:60] or "test"
+
+
+def node_path(item: pytest.Item) -> str:
+    """The item's node id with an absolute file path, so ranks find it from any directory."""
+    path = getattr(item, "path", None)
+    rest = item.nodeid.split("::", 1)[1] if "::" in item.nodeid else ""
+    return f"{path}::{rest}" if path is not None and rest else item.nodeid
+
+
+def static_skip(item: pytest.Item) -> str | None:
+    """A skip/skipif mark that already applies here: no job is started for it."""
+    try:
+        from _pytest.skipping import evaluate_skip_marks
+    except ImportError:  # pragma: no cover - private API moved
+        return None
+    try:
+        skipped = evaluate_skip_marks(item)
+    except Exception:  # evaluation errors surface in the ranks, with their traceback
+        return None
+    return skipped.reason if skipped is not None else None
+
+
+class Jobs:
+    """Makes the jobs of one pytest session (``args``: the options every rank's pytest gets)."""
+
+    def __init__(
+        self,
+        config: pytest.Config,
+        *,
+        args: list[str],
+        trace_dir: str,
+        cluster: Allocation | None,
+        inventory: DeviceInventory,
+        timeout: float,
+        debug: DebugServer | NoDebug | None = None,
+        forks: ForkServer | None = None,
+    ) -> None:
+        self.config = config
+        self.forks = forks  # the session's fork server (None: every msrun is spawned)
+        self.debug = debug or NoDebug()  # the ranks' debugger (breakpoint(), --pdb)
+        self.args = args
+        self.trace_dir = trace_dir
+        self.cluster = cluster
+        self.inventory = inventory
+        self.default_timeout = timeout
+
+    def timeout(self, spec: MsrunSpec) -> float:
+        return spec.timeout or self.default_timeout
+
+    def test_timeout(self, item: pytest.Item, spec: MsrunSpec) -> float:
+        """The test's own timeout, the closest one set winning: the item's ``timeout`` mark
+        (pytest-timeout), else its ``msrun(timeout=)``, else pytest-timeout's session-wide one
+        (``--timeout``, ini), else ``--msrun-timeout``."""
+        theirs = item.stash.get(PYTEST_TIMEOUT, None)
+        if theirs and (spec.timeout is None or item.get_closest_marker("timeout") is not None):
+            return theirs
+        return self.timeout(spec)
+
+    def pooled_devices(self, spec: MsrunSpec) -> int:
+        """The devices of ``spec``'s job to take from this host's pool: none where Slurm hands a
+        step its GPUs (it says which in the step); too many for the allocation's nodes is a shortage."""
+        if self.cluster is None or not self.cluster.gpus or not spec.devices:
+            return spec.devices
+        nodes = len(spec.node_sizes())
+        per_node = self.cluster.gpus_per_node(spec.devices, nodes)
+        if per_node > self.cluster.gpus:
+            raise DeviceShortage(
+                f"needs {per_node} GPUs on each of {nodes} node(s); Slurm allocation {self.cluster.job_id} "
+                f"has {self.cluster.gpus} per node"
+            )
+        return 0
+
+    def device_env(self, devices: list[str]) -> dict[str, str]:
+        if not devices:
+            return {}
+        return {self.inventory.env_var: ",".join(devices)}
+
+    def test_dir(self, item: pytest.Item) -> Path:
+        factory = self.config._tmp_path_factory  # type: ignore[attr-defined]
+        path: Path = factory.mktemp(f"msrun-{safe_name(item.nodeid)}", numbered=True)
+        return path
+
+    def new(self, item: pytest.Item, spec: MsrunSpec, ports: list[int], devices: list[str]) -> TestJob:
+        """The job of ``item`` (a fresh test's, or a warm world's named by its first test)."""
+        extra_env = self.device_env(devices)
+        job_dir = self.test_dir(item)
+        if self.trace_dir:  # one trace per job
+            name = f"{safe_name(item.nodeid)}-{job_dir.name}.trace.json"
+            extra_env = {**extra_env, "MSRUN_TRACE": os.path.join(self.trace_dir, name)}
+        return TestJob(
+            nodeid=node_path(item),
+            spec=spec,
+            job_dir=job_dir,
+            ports=ports,
+            rank_args=[*self.args, *self._unused_plugins()],
+            extra_env={
+                **extra_env,
+                **options.ship(self.config, str(job_dir / "pytest-options.json")),
+                **covdata.rank_env(self.config),
+            },
+            live_output=getattr(self.config.option, "capture", "fd") == "no",
+            cluster=self.cluster,
+            debug=self.debug,
+            forks=self.forks,
+        )
+
+    def _unused_plugins(self) -> list[str]:
+        """``-p no:NAME`` for each plugin the ranks need not load (:func:`options.unused_rank_plugins`)."""
+        return [arg for name in options.unused_rank_plugins(self.config) for arg in ("-p", f"no:{name}")]

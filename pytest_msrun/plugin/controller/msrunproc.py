@@ -1,0 +1,107 @@
+"""A job's msrun process: forked by the session's fork server where it can be, else spawned.
+
+Either way it runs in a session of its own, with stdin from /dev/null and its output in its log
+(with ``-s``, the ranks' tailed lines are also shown live), and gets SIGTERM - which msrun answers
+by tearing its job down - if the controller dies.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from typing import IO, Union
+
+from pytest_msrun.engine import template
+from pytest_msrun.engine.processes import with_parent_death_signal
+from pytest_msrun.fileio import open_output
+from pytest_msrun.plugin.controller.forkserver import ForkedProcess, ForkServer
+
+Process = Union[subprocess.Popen, ForkedProcess]  # an msrun: spawned, or forked by the fork server
+
+
+def start_msrun(
+    cmd: list[str], env: dict[str, str], log_path: str, *, live_output: bool, forks: ForkServer | None
+) -> tuple[Process, threading.Thread | None]:
+    """Start one msrun (``cmd``) with ``env``, its output in ``log_path``; returns its process and
+    the thread pumping its output when ``live_output``."""
+    if forks is not None:
+        forked = _fork(forks, cmd, env, log_path, live_output)
+        if forked is not None:
+            return forked
+    argv, preexec = with_parent_death_signal(cmd, signal.SIGTERM)
+    log_fh = open_output(log_path, binary=True)  # handed to the child (and the pump), closed below
+    pump = None
+    try:
+        popen = subprocess.Popen(
+            argv,
+            env=env,
+            stdout=subprocess.PIPE if live_output else log_fh,
+            stderr=log_fh if live_output else subprocess.STDOUT,
+            start_new_session=True,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=preexec,
+        )
+        if live_output:
+            pump = threading.Thread(target=_pump_rank_lines, args=(popen.stdout, log_fh), daemon=True)
+            pump.start()
+    finally:
+        if not live_output:
+            log_fh.close()
+    return popen, pump
+
+
+def _fork(
+    forks: ForkServer, cmd: list[str], env: dict[str, str], log_path: str, live_output: bool
+) -> tuple[Process, threading.Thread | None] | None:
+    """msrun forked by the fork server (None: spawn it). Why its ranks will not be forked in turn,
+    where this process can tell, is noted once."""
+    if forks.origin:  # the ranks' environment: this one, with what msrun gives every child
+        differ = template.differences({**env, "PYTHONUNBUFFERED": "1"}, forks.origin)
+        if differ:
+            forks.refuse(f"ranks start as new processes where {', '.join(differ)} differ from this session's")
+    log_fh = open_output(log_path, binary=True)  # handed to the child (and the pump), closed below
+    read_fd = write_fd = -1
+    try:
+        if live_output:
+            read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+        out = write_fd if live_output else log_fh.fileno()
+        reader = os.fdopen(read_fd, "rb") if live_output else None
+        read_fd = -1
+        proc = forks.start_msrun(cmd, env, out, log_fh.fileno(), reader)
+        if proc is None:
+            if reader is not None:
+                reader.close()
+            log_fh.close()
+            return None
+        pump = None
+        if reader is not None:
+            pump = threading.Thread(target=_pump_rank_lines, args=(reader, log_fh), daemon=True)
+            pump.start()
+        else:
+            log_fh.close()
+        return proc, pump
+    except BaseException:
+        log_fh.close()
+        raise
+    finally:
+        for fd in (read_fd, write_fd):
+            if fd >= 0:
+                os.close(fd)
+
+
+def _pump_rank_lines(stream: IO[bytes], log_fh: IO[bytes]) -> None:
+    """With ``-s``: show the ranks' tailed lines live, keep msrun's whole output in its log."""
+    try:
+        for line in iter(stream.readline, b""):
+            log_fh.write(line)
+            if line.startswith(b"[rank ") or line.startswith(b"[local "):
+                try:
+                    sys.stdout.buffer.write(line)
+                    sys.stdout.flush()
+                except (OSError, ValueError, AttributeError):
+                    pass
+    finally:
+        log_fh.close()

@@ -1,0 +1,130 @@
+"""How one run of a marked test is reported in the controller's session, phase by phase.
+
+Setup and call are reported as soon as they are judged (with the subtests' reports before the
+call's), the teardown once the test's record is final; then what the ranks recorded beyond their
+reports (:mod:`.replay`), the test's spans for its job's trace, and its timeline for the HTML
+page. Under pytest-rerunfailures a failed run is reported as that plugin does: up to the failure,
+marked ``rerun``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+
+from pytest_msrun.plugin.controller.attempts import Attempt, TestRecord
+from pytest_msrun.plugin.reports.merge import Merger
+from pytest_msrun.plugin.reports.replay import Replay
+from pytest_msrun.plugin.reports.timeline import REPORT_ATTR, test_entry
+from pytest_msrun.plugin.reports.tracetests import TraceNotes
+from pytest_msrun.plugin.rule.outcomes import TestVerdict, shown
+
+
+class MsrunLeakWarning(pytest.PytestWarning):
+    """A test in a warm world left something behind on a rank (thread, process, file, environment)."""
+
+
+class MsrunMemoryWarning(pytest.PytestWarning):
+    """A rank of a warm world passed ``--msrun-max-rss`` after a test: the world ended after it."""
+
+
+class Reporter:
+    """Reports the runs of marked tests (one instance per controller)."""
+
+    def __init__(self, config: pytest.Config, style: str, leaks: str, timelines: bool, traces: TraceNotes) -> None:
+        self.config = config
+        self.style = style
+        self.leaks = leaks
+        self.timelines = timelines
+        self.traces = traces
+        self.cwd = str(config.invocation_params.dir)
+
+    def log(self, item: pytest.Item, reports: Iterable[pytest.TestReport]) -> None:
+        for report in reports:
+            item.ihook.pytest_runtest_logreport(report=report)
+
+    def merged(self, item: pytest.Item, record: TestRecord, rerun: int | None = None) -> Merger:
+        return Merger(item, record, self.style, self.cwd, rerun)
+
+    def setup_call(self, item: pytest.Item, record: TestRecord, rerun: int | None) -> list[pytest.TestReport]:
+        """Setup's and call's reports, logged now unless the run may be rerun (``rerun``: its number)."""
+        reports = self.merged(item, record, rerun).reports(record.verdict(), ("setup", "call"))
+        if rerun is None:
+            self.log(item, Replay(item, record.logs).with_subtests(reports))
+        return reports
+
+    def final(
+        self,
+        item: pytest.Item,
+        attempt: Attempt,
+        record: TestRecord,
+        setup_call: list[pytest.TestReport],
+        rerun: int | None,
+    ) -> tuple[TestVerdict, bool]:
+        """The rest of the run, from its final record: its verdict, and whether to run it again
+        (``rerun``: the attempt's number when it may)."""
+        final = record.verdict()
+        extras = Replay(item, record.logs)  # what the ranks recorded beyond their reports
+        extras.junit()  # before the last report, which writes the test's junitxml testcase
+        trace = attempt.trace
+        self.traces.add(trace, (attempt.mode, attempt.job_started), final, shown(final), record.logs, record.run.ended)
+        merger = self.merged(item, record, rerun)
+        teardown = merger.reports(final, ("teardown",))
+        if record.leaks and self.leaks == "warn":
+            self._warn_leaks(item, record.leaks)
+        if record.notes:
+            text = f"{item.nodeid} ended its warm world:\n  " + "\n  ".join(record.notes)
+            self._warn(item, MsrunMemoryWarning(text))
+        if teardown:  # junitxml writes the properties of a test's last report: the earlier phases' too
+            have = {name for name, _ in teardown[-1].user_properties}
+            for report in setup_call:
+                for name, value in report.user_properties:
+                    if name.startswith("msrun_") and name not in have:
+                        teardown[-1].user_properties.append((name, value))
+                        have.add(name)
+        if self.timelines and teardown:
+            entry = test_entry(merger, record, final, [*setup_call, *teardown], attempt.mode)
+            entry["world"] = attempt.world_dir
+            entry["trace"] = trace
+            self._attach_timeline(teardown[-1], entry)
+        again = False
+        if rerun is not None:  # as pytest-rerunfailures reports an attempt: up to its failure ("rerun")
+            reports = [*setup_call, *teardown]
+            failed = next((i for i, r in enumerate(reports) if r.outcome == "rerun"), None)
+            if failed is not None:
+                reports = reports[: failed + 1]
+                again = True
+            self.log(item, extras.with_subtests(reports))
+        else:
+            self.log(item, teardown)
+        extras.warnings()
+        if not again:
+            extras.benchmarks()
+        return final, again
+
+    def _attach_timeline(self, report: pytest.TestReport, entry: dict[str, Any]) -> None:
+        """The test's timeline on its last report: for the HTML page, and pytest-html's extras."""
+        setattr(report, REPORT_ATTR, entry)
+        if self.config.pluginmanager.hasplugin("html"):
+            try:
+                from pytest_html import extras  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+                from pytest_msrun.plugin.reports.htmlpage import render_test
+
+                report.extras = [*getattr(report, "extras", []), extras.html(render_test(entry))]  # type: ignore[attr-defined]
+            except ImportError:
+                pass
+
+    def _warn_leaks(self, item: pytest.Item, leaks: dict[int, list[str]]) -> None:
+        """What a test left behind in its warm world, as a warning it raised (--msrun-leaks=warn)."""
+        lines = [f"rank {rank}: {what}" for rank, items in sorted(leaks.items()) for what in items]
+        text = f"{item.nodeid} left behind in its warm world:\n  " + "\n  ".join(lines)
+        self._warn(item, MsrunLeakWarning(text))
+
+    def _warn(self, item: pytest.Item, warning: pytest.PytestWarning) -> None:
+        """``warning`` as if the test raised it, at its line."""
+        path = str(getattr(item, "path", item.location[0]))
+        warnings.warn_explicit(warning, type(warning), path, (item.location[1] or 0) + 1)

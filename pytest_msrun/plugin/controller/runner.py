@@ -1,0 +1,154 @@
+"""The one runner: every marked test's attempt comes from here, whatever it runs in.
+
+:meth:`Runner.start` hands out an :class:`~.attempts.Attempt` for every marked test - in its warm or
+forking world, in a job of its own, or refused (a bad marker, a skip that applies here, no room, no
+devices, no files): each ends in one immutable :class:`~.attempts.TestRecord`, judged by the one
+rule. The controller reports what the attempt gives and never asks which kind it holds; what a
+world keeps between tests (the next test it serves, its last test, a late end's record) is kept
+here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from pytest_msrun.fsinfo import describe_write_error
+from pytest_msrun.plugin.controller.attempts import Attempt, FreshAttempt, RefusedAttempt, TestRecord, WarmAttempt
+from pytest_msrun.plugin.controller.jobs import Jobs, static_skip
+from pytest_msrun.plugin.controller.pool import DeviceShortage, ResourcePool
+from pytest_msrun.plugin.controller.worlds import WorldPool
+from pytest_msrun.plugin.marker import MarkerError, MsrunSpec, spec_for
+from pytest_msrun.plugin.rule.outcomes import Refusal, TestVerdict
+
+
+@dataclasses.dataclass(frozen=True)
+class LateRecord:
+    """A world's last test, judged again with how the world ended after it was reported."""
+
+    item: pytest.Item
+    record: TestRecord
+    why: str  # why the world ended
+    trace: str  # the world's trace file
+    job: tuple[str, float]  # how its tests ran (warm) and when the world started, for the trace
+    said: frozenset[tuple[int, str, str]]  # the teardown failures already reported on the test
+
+
+class Runner:
+    """Hands out the attempts of one session's marked tests and keeps what worlds share between them."""
+
+    def __init__(
+        self, jobs: Jobs, worlds: WorldPool, pool: ResourcePool, exit_timeout: float, leaks_fail: bool
+    ) -> None:
+        self.jobs = jobs
+        self.worlds = worlds
+        self.pool = pool
+        self.exit_timeout = exit_timeout
+        self.leaks_fail = leaks_fail  # --msrun-leaks=error: an input of the rule, not a rewrite of its outcome
+        # each world's last test and the teardown failures reported on it (a late judgement repeats none)
+        self.reported: dict[tuple, tuple[Any, frozenset[tuple[int, str, str]]]] = {}
+
+    # ---------------------------------------------------------------- one test
+    def start(self, item: pytest.Item, nextitem: pytest.Item | None) -> Attempt:
+        """``item``'s setup and call, run on its ranks - or its refusal."""
+        try:
+            spec = spec_for(item)
+        except MarkerError as exc:
+            return RefusedAttempt(item.nodeid, [], Refusal("failed", str(exc)))
+        assert spec is not None
+        ranks = list(range(spec.worker_num))
+        key = self.worlds.key_of(item)
+        skip = static_skip(item)
+        note = ""
+        try:
+            if key is not None and (skip is None or self.worlds.expecting.get(key) == item.nodeid):
+                # a skipped test its world kept fixtures for still goes there: its ranks skip it and tear down
+                attempt, note = self.worlds.attempt(item, spec, key, nextitem)
+                if attempt is not None:
+                    return attempt
+            if skip is not None:
+                return RefusedAttempt(item.nodeid, ranks, Refusal("skipped", skip))
+            no_room = self.worlds.no_room.pop(item.nodeid, "")
+            if no_room:
+                return RefusedAttempt(item.nodeid, ranks, Refusal("failed", f"msrun: {no_room}"), note)
+            return self._fresh(item, spec, note)
+        except OSError as exc:
+            return RefusedAttempt(item.nodeid, ranks, Refusal("failed", self._no_files(exc)), note)
+
+    def _fresh(self, item: pytest.Item, spec: MsrunSpec, note: str) -> Attempt:
+        ranks = list(range(spec.worker_num))
+        try:
+            devices = self.jobs.pooled_devices(spec)
+        except DeviceShortage as exc:  # more GPUs per node than the Slurm allocation has: as on a host
+            return RefusedAttempt(item.nodeid, ranks, Refusal("skipped", f"msrun: {exc}"), note)
+        inventory = self.jobs.inventory
+        try:
+            lease = self.pool.lease(ports=2, devices=devices, inv=inventory, wait=self.jobs.timeout(spec))
+        except DeviceShortage as exc:
+            outcome = "skipped" if spec.devices > len(inventory.ids) else "failed"
+            return RefusedAttempt(item.nodeid, ranks, Refusal(outcome, f"msrun: {exc}"), note)
+        try:
+            job = self.jobs.new(item, spec, lease.ports, lease.devices)
+            return FreshAttempt(item.nodeid, job, self.jobs.test_timeout(item, spec), self.exit_timeout, note)
+        finally:
+            self.pool.release(lease)
+
+    def _no_files(self, exc: OSError) -> str:
+        """The test's directories or files could not be made (a full basetemp, a file someone put
+        there): the test's setup error, naming the place, its file system and the fix."""
+        path = exc.filename
+        if not path and exc.errno in (errno.ENOSPC, errno.EDQUOT):  # a write: which file is not said
+            try:
+                path = str(self.jobs.config._tmp_path_factory.getbasetemp())  # type: ignore[attr-defined]
+            except OSError:
+                path = ""
+        if path:
+            return f"msrun: cannot make the test's files: {describe_write_error(str(path), exc, '--basetemp')}"
+        return f"msrun: cannot start the test's job: {exc}"
+
+    def finish(self, attempt: Attempt, item: pytest.Item, nextitem: pytest.Item | None, again: bool) -> TestRecord:
+        """The attempt's teardown and its complete record: a world keeps what the next test it
+        serves shares with this one - nothing when this one runs ``again`` (a rerun gets a fresh world)."""
+        next_id = None
+        if isinstance(attempt, WarmAttempt) and not again:
+            next_id = self.worlds.world_next(item, nextitem, attempt.world.key)
+        record = attempt.finish(next_id, self.exit_timeout, leaks_fail=self.leaks_fail)
+        if isinstance(attempt, WarmAttempt):
+            attempt.next_id = next_id
+        return record
+
+    def done(self, attempt: Attempt, item: pytest.Item, final: TestVerdict) -> bool:
+        """The attempt is reported (``final``); whether its job ended with it (its trace is complete)."""
+        if not isinstance(attempt, WarmAttempt):
+            return True
+        key = attempt.world.key
+        world = self.worlds.live.get(key)
+        if world is not None and world.last is not None:  # a late judgement repeats none of its failures
+            self.reported[key] = (world.last, frozenset(teardown_failures(final)))
+        self.worlds.after(item, key, attempt.next_id)
+        return key not in self.worlds.live
+
+    # ---------------------------------------------------------------- worlds' ends outside a test
+    def late(self) -> Iterator[LateRecord]:
+        """The records of worlds' last tests, judged again with how each world ended since."""
+        for end in self.worlds.take_late():
+            item, world, last, run, why = end.item, end.world, end.last, end.run, end.why
+            late = dataclasses.replace(run, reproduce_lines=last.run.reproduce_lines, started=last.started)
+            record = TestRecord.load(item.nodeid, world.job.expected_ranks(), last.paths, late)
+            test, said = self.reported.get(world.key, (None, frozenset()))
+            trace = world.job.extra_env.get("MSRUN_TRACE", "")
+            yield LateRecord(item, record, why, trace, ("warm", world.created), said if test is last else frozenset())
+
+
+def teardown_failures(verdict: TestVerdict) -> set[tuple[int, str, str]]:
+    """What failed a test's teardown, rank by rank: (rank, kind, summary)."""
+    return {
+        (issue.rank, issue.kind, issue.summary)
+        for phase in verdict.phases
+        if phase.phase == "teardown"
+        for issue in [*phase.issues, *([phase.cause] if phase.cause else [])]
+    } | {(-1, "rule", phase.message) for phase in verdict.phases if phase.phase == "teardown" and phase.message}

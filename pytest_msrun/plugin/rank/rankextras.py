@@ -1,0 +1,149 @@
+"""What a rank's pytest session records beyond its reports, written to the rank's records.
+
+Registered beside :class:`~pytest_msrun.plugin.rank.rank.RankPlugin` in a rank the controller runs,
+as pytest-xdist's worker forwards what its session records: each warning a test raised
+(``warning``: category, message, where), and each benchmark pytest-benchmark measured
+(``benchmark``: its name, options and raw timings), and what a test gave junitxml
+(``junit``: ``record_testsuite_property``, ``record_xml_attribute``). The controller replays them
+(:mod:`pytest_msrun.plugin.reports.replay`). Subtest reports already travel as reports; here their
+progress letter is kept out of the test's captured output (the rank's output is its log, and a
+subtest's report is logged in the middle of the call phase).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Generator
+from typing import Any, Protocol
+
+import pytest
+
+from pytest_msrun.plugin.options import JUNITXML
+
+MAX_WARNINGS = 200  # per test and rank: a warning in a loop is one entry per place anyway
+MAX_TIMINGS = 200_000  # per benchmark: its rounds, as pytest-benchmark keeps them
+
+
+class Writes(Protocol):
+    current: tuple[str, str] | None
+
+    def _write(self, kind: str, **fields: Any) -> None: ...
+
+
+def warning_fields(message: Any) -> dict[str, Any]:
+    """A ``warnings.WarningMessage`` as JSON: the category by module and name, never the object."""
+    category = getattr(message, "category", None) or UserWarning
+    return {
+        "category": getattr(category, "__name__", "UserWarning"),
+        "module": getattr(category, "__module__", "builtins"),
+        "message": str(getattr(message, "message", "")),
+        "filename": str(getattr(message, "filename", "") or ""),
+        "lineno": int(getattr(message, "lineno", 0) or 0),
+        "line": getattr(message, "line", None),
+    }
+
+
+def _plain(value: Any) -> Any:
+    return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+
+
+def benchmark_fields(bench: Any) -> dict[str, Any] | None:
+    """One pytest-benchmark ``Metadata`` as JSON (None: it has no timings or cannot be carried)."""
+    try:
+        data = [float(x) for x in bench.stats.data]
+        if not data or bench.fixture.has_error or not all(math.isfinite(x) for x in data):
+            return None
+        flat = bench.as_dict(include_data=False, stats=False)
+    except Exception:  # another pytest-benchmark's internals: nothing rather than a broken rank
+        return None
+    if len(data) > MAX_TIMINGS:
+        return None
+    return {
+        "name": str(flat.get("name", "")),
+        "fullname": str(flat.get("fullname", "")),
+        "group": flat.get("group"),
+        "param": flat.get("param"),
+        "params": flat.get("params"),
+        "extra_info": dict(flat.get("extra_info") or {}),
+        "options": {
+            str(k): v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
+            for k, v in (flat.get("options") or {}).items()
+        },
+        "iterations": int(getattr(bench, "iterations", 1) or 1),
+        "data": data,
+    }
+
+
+class _Attributes:
+    def __init__(self, write: Any, nodeid: str) -> None:
+        self.write = write
+        self.nodeid = nodeid
+
+    def add_attribute(self, name: str, value: object) -> None:
+        self.write("junit", what="attribute", nodeid=self.nodeid, name=str(name), value=str(value))
+
+
+class RankJunit:
+    """Stands in a rank for pytest's junitxml writer (only the controller writes the file):
+    ``record_testsuite_property`` and ``record_xml_attribute`` become records."""
+
+    def __init__(self, rank_plugin: Writes, family: str) -> None:
+        self.rank_plugin = rank_plugin
+        self.family = family
+
+    def add_global_property(self, name: str, value: object) -> None:
+        self.rank_plugin._write("junit", what="suite_property", name=str(name), value=str(value))
+
+    def node_reporter(self, report: Any) -> _Attributes:
+        return _Attributes(self.rank_plugin._write, str(getattr(report, "nodeid", report)))
+
+
+class ExtrasRecorder:
+    """Records a rank's warnings and benchmarks, test by test, through the rank plugin's writer."""
+
+    def __init__(self, rank_plugin: Writes, config: pytest.Config) -> None:
+        self.rank_plugin = rank_plugin
+        self.config = config
+        self.benchmarks_seen = 0
+        self.warnings: dict[str, int] = {}
+        if config.stash.get(JUNITXML, False) and config.pluginmanager.hasplugin("junitxml"):
+            from _pytest.junitxml import xml_key
+
+            if config.stash.get(xml_key, None) is None:  # pytest's own unregisters it at the end
+                junit = RankJunit(rank_plugin, str(config.getini("junit_family")))
+                config.stash[xml_key] = junit  # type: ignore[misc]
+                config.pluginmanager.register(junit, "msrun-rank-junit")
+
+    def pytest_warning_recorded(self, warning_message: Any, when: str, nodeid: str, location: Any) -> None:
+        if when != "runtest" or not nodeid:
+            return  # collection and configuration warnings: the controller's own session raises them too
+        count = self.warnings.get(nodeid, 0)
+        if count >= MAX_WARNINGS:
+            return
+        self.warnings[nodeid] = count + 1
+        self.rank_plugin._write("warning", nodeid=nodeid, **warning_fields(warning_message))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_report_teststatus(self, report: pytest.TestReport, config: pytest.Config) -> Generator[None, Any, Any]:
+        status = yield
+        if type(report).__name__ != "SubtestReport":
+            return status
+        if self.rank_plugin.current is not None and isinstance(status, tuple) and len(status) == 3:
+            return (status[0], "", status[2])  # its letter would land in the test's own output
+        return status
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when in ("call", "teardown") and type(report).__name__ != "SubtestReport":
+            self._record_benchmarks(report.nodeid)
+
+    def _record_benchmarks(self, nodeid: str) -> None:
+        session = getattr(self.config, "_benchmarksession", None)
+        benchmarks = getattr(session, "benchmarks", None)
+        if not isinstance(benchmarks, list) or len(benchmarks) <= self.benchmarks_seen:
+            return
+        new = benchmarks[self.benchmarks_seen :]
+        self.benchmarks_seen = len(benchmarks)
+        for bench in new:
+            fields = benchmark_fields(bench)
+            if fields is not None:
+                self.rank_plugin._write("benchmark", nodeid=nodeid, **fields)

@@ -1,0 +1,271 @@
+"""What a marked test's ranks recorded beyond pass and fail, shown by the controller's session.
+
+As pytest-xdist replays its workers' events, the controller replays its ranks' records:
+
+* **warnings** in pytest's warnings summary: one per distinct warning (category, message, place),
+  labelled with the ranks that raised it (``[ranks 0, 1] message``);
+* **subtests** as pytest's own reports (``SUBPASSED``/``SUBFAILED`` lines and counts), logged before
+  the test's call report: one per subtest, failed if it failed on any rank (the first such rank's
+  failure shown, labelled), skipped if every rank skipped it, else passed;
+* **user properties** (``record_property``): a property every rank recorded with the same value
+  once, as recorded; otherwise each rank's as ``name [rank r]``;
+* **junitxml**: ``record_testsuite_property`` and ``record_xml_attribute`` of the ranks;
+* **pytest-benchmark** measurements: one row per rank (``name [rank r]``) in its table, its JSON
+  and its saved runs - ranks measure on their own, and a slow rank is what a user looks for.
+
+The rules are :mod:`.extras`' (pure functions of the ranks' records); this module only turns
+records into pytest's objects and hands them to pytest's hooks.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from pytest_msrun.plugin.reports.extras import (
+    MergedSubtest,
+    attribute_label,
+    group_warnings,
+    merge_properties,
+    merge_subtests,
+    rank_label,
+    subtests_of,
+)
+from pytest_msrun.plugin.rule.records import RankLog
+from pytest_msrun.plugin.stdstreams import tag_lines
+
+# ---------------------------------------------------------------------------- pytest's objects
+_CATEGORIES: dict[tuple[str, str], type[Warning]] = {}
+
+
+def _standin(module: str, name: str) -> type[Warning]:
+    key = (module, name)
+    if key not in _CATEGORIES:
+        _CATEGORIES[key] = type(name, (UserWarning,), {"__module__": module})
+    return _CATEGORIES[key]
+
+
+def _category(module: str, name: str) -> type[Warning]:
+    """The warning class a rank raised: the controller's own where it has imported it, else a
+    stand-in of the same name and module (importing a rank's module here could run its code)."""
+    found = getattr(sys.modules.get(module), name, None)
+    if isinstance(found, type) and issubclass(found, Warning):
+        return found
+    return _standin(module, name)
+
+
+def warning_message(record: Mapping[str, Any], label: str) -> warnings.WarningMessage:
+    category = _category(str(record.get("module") or "builtins"), str(record.get("category") or "UserWarning"))
+    text = f"{label} {record.get('message', '')}" if label else str(record.get("message", ""))
+    try:
+        message: Warning = category(text)
+    except Exception:  # a category whose constructor wants more
+        category = _standin(category.__module__, category.__name__)
+        message = category(text)
+    lineno = record.get("lineno")
+    return warnings.WarningMessage(
+        message=message,
+        category=category,
+        filename=str(record.get("filename") or "?"),
+        lineno=lineno if isinstance(lineno, int) else 0,
+        line=record.get("line") if isinstance(record.get("line"), str) else None,
+    )
+
+
+class Replay:
+    """The extras of one run of one marked test, from its ranks' records."""
+
+    def __init__(self, item: pytest.Item, logs: Mapping[int, RankLog]) -> None:
+        self.item = item
+        self.config = item.config
+        self.tests = {rank: log.test(item.nodeid) for rank, log in sorted(logs.items())}
+        self.world = len(logs)
+
+    # ------------------------------------------------------------------ subtests
+    def subtest_reports(self) -> list[pytest.TestReport]:
+        per_rank = {rank: subtests_of(test) for rank, test in self.tests.items()}
+        out = []
+        for entry in merge_subtests({r: s for r, s in per_rank.items() if s}):
+            report = self._subtest_report(entry)
+            if report is not None:
+                out.append(report)
+        return out
+
+    def _from_data(self, data: Mapping[str, Any]) -> Any:
+        clean = {k: v for k, v in data.items() if k != "_ts"}
+        try:
+            return self.config.hook.pytest_report_from_serializable(config=self.config, data=copy.deepcopy(clean))
+        except Exception:  # a record this pytest cannot read
+            return None
+
+    def _subtest_report(self, entry: MergedSubtest) -> Any:
+        report = self._from_data(entry.reports[entry.shown])
+        if report is None:
+            return None
+        sections = []
+        for rank in sorted(entry.reports):
+            for title, content in entry.reports[rank].get("sections") or []:
+                text = tag_lines(str(content), rank) if self.world > 1 else str(content)
+                sections.append((f"{title} [rank {rank}]", text))
+        report.sections = sections
+        report.user_properties = merge_properties(
+            {r: [tuple(p) for p in d.get("user_properties") or []] for r, d in entry.reports.items()}
+        )
+        if entry.outcome == "failed":
+            crash = getattr(report.longrepr, "reprcrash", None)
+            label = rank_label(entry.failed)
+            if crash is not None:
+                labelled = dataclasses.replace(crash, message=f"{label} {crash.message}")
+                report.longrepr.reprcrash = labelled
+                chain = getattr(report.longrepr, "chain", None)
+                if chain:  # what pytest's JSON keeps of it (pytest-xdist)
+                    chain[-1] = (chain[-1][0], labelled, chain[-1][2])
+            elif isinstance(report.longrepr, str):
+                report.longrepr = f"{label} {report.longrepr}"
+        return report
+
+    def with_subtests(self, reports: list[pytest.TestReport]) -> list[pytest.TestReport]:
+        """``reports`` with the subtests' reports before the call's, where pytest logs them."""
+        at = next((i for i, r in enumerate(reports) if r.when == "call"), None)
+        if at is None:
+            return reports
+        return [*reports[:at], *self.subtest_reports(), *reports[at:]]
+
+    # ------------------------------------------------------------------ warnings
+    def warnings(self) -> None:
+        per_rank = {rank: test.warnings for rank, test in self.tests.items() if test.warnings}
+        for ranks, record in group_warnings(per_rank):
+            label = rank_label(ranks) if self.world > 1 else ""
+            self.config.hook.pytest_warning_recorded.call_historic(
+                kwargs={
+                    "warning_message": warning_message(record, label),
+                    "when": "runtest",
+                    "nodeid": self.item.nodeid,
+                    "location": None,
+                }
+            )
+
+    # ------------------------------------------------------------------ junitxml
+    def junit(self) -> None:
+        """``record_testsuite_property`` and ``record_xml_attribute`` of the ranks, into the
+        controller's junitxml (before the test's last report, which writes its testcase): a suite
+        property once per distinct pair; an attribute every rank gave alike once, else per rank
+        (``name_rank1``)."""
+        try:
+            from _pytest.junitxml import xml_key
+        except ImportError:
+            return
+        xml = self.config.stash.get(xml_key, None)
+        if xml is None:
+            return
+        suite: list[tuple[str, str]] = []
+        attributes: dict[int, list[tuple[str, Any]]] = {}
+        for rank, test in self.tests.items():
+            for record in test.junit:
+                pair = (str(record.get("name")), str(record.get("value")))
+                if record.get("what") == "suite_property" and pair not in suite:
+                    suite.append(pair)
+                elif record.get("what") == "attribute":
+                    attributes.setdefault(rank, []).append(pair)
+        for name, value in suite:
+            xml.add_global_property(name, value)
+        if attributes:
+            reporter = xml.node_reporter(self.item.nodeid)
+            for name, value in merge_properties({r: attributes.get(r, []) for r in self.tests}, attribute_label):
+                reporter.add_attribute(name, value)
+
+    # ------------------------------------------------------------------ pytest-benchmark
+    def benchmarks(self) -> int:
+        """Each rank's measurements as rows of pytest-benchmark's session; how many were added."""
+        session = getattr(self.config, "_benchmarksession", None)
+        if session is None or not isinstance(getattr(session, "benchmarks", None), list):
+            return 0
+        try:
+            from pytest_benchmark.stats import Metadata  # type: ignore[import-untyped,import-not-found,unused-ignore]
+        except ImportError:
+            return 0
+        added = 0
+        for rank, test in self.tests.items():
+            for record in test.benchmarks:
+                meta = _metadata(Metadata, record, rank)
+                if meta is not None:
+                    session.benchmarks.append(meta)
+                    added += 1
+        return added
+
+
+@dataclasses.dataclass
+class _RankBenchmark:
+    """What pytest-benchmark's ``Metadata`` reads of its fixture, for a rank's measurement."""
+
+    name: str
+    fullname: str
+    group: Any
+    param: Any
+    params: Any
+    extra_info: dict[str, Any]
+    cprofile_stats: Any = None
+    has_error: bool = False
+
+
+def _metadata(metadata_class: Any, record: Mapping[str, Any], rank: int) -> Any:
+    data = record.get("data")
+    if not isinstance(data, list) or not data or not all(isinstance(x, (int, float)) for x in data):
+        return None
+    extra = dict(record.get("extra_info") or {}) if isinstance(record.get("extra_info"), dict) else {}
+    extra["msrun_rank"] = rank
+    fixture = _RankBenchmark(
+        name=f"{record.get('name', '')} [rank {rank}]",
+        fullname=f"{record.get('fullname', '')} [rank {rank}]",
+        group=record.get("group"),
+        param=record.get("param"),
+        params=record.get("params"),
+        extra_info=extra,
+    )
+    given = record.get("options")
+    options: dict[str, Any] = dict(given) if isinstance(given, dict) else {}
+    try:
+        meta = metadata_class(fixture, int(record.get("iterations") or 1), options)
+        for value in data:
+            meta.stats.update(float(value))
+    except Exception:  # another pytest-benchmark's internals: the row is left out
+        return None
+    return meta
+
+
+# Plugins whose work in a rank does not come back (option dest, plugin name, what the user is told).
+NOT_CARRIED = (
+    (
+        "benchmark_cprofile",
+        "benchmark",
+        "pytest-benchmark's cProfile tables of marked tests are not brought back: each rank prints its own "
+        "in its log (worker_<rank>.log)",
+    ),
+    (
+        "memray",
+        "memray",
+        "pytest-memray measures this process only: marked tests run in their ranks and are not measured "
+        "(--msrun-inprocess runs them here)",
+    ),
+    (
+        "profile",
+        "profiling",
+        "pytest-profiling profiles this process only: marked tests run in their ranks and are not profiled "
+        "(--msrun-inprocess runs them here)",
+    ),
+)
+
+
+def not_carried(config: pytest.Config) -> list[str]:
+    """What the user is told at the start: active plugins whose work in the ranks is lost."""
+    return [
+        f"msrun: {text}"
+        for dest, plugin, text in NOT_CARRIED
+        if config.pluginmanager.hasplugin(plugin) and getattr(config.option, dest, None)
+    ]
