@@ -94,6 +94,7 @@ def test_a_suites_tests_are_records_each_judged_once(msrun, monkeypatch):
     monkeypatch.setattr(testrecord, "judge", counting)
     status = read_status(str(job.log_dir))
     assert status is not None
+    monkeypatch.chdir(msrun.cwd)  # the status names its log directory as msrun was given it
     report = suite.job_report(status)
     assert report is not None
     assert len(counts) == 6 and set(counts.values()) == {1}, counts
