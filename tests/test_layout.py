@@ -162,10 +162,11 @@ def test_verdicts_are_values():
     one (``dataclasses.replace``), never a write into one the reporters may already hold."""
     import dataclasses
 
+    from pytest_msrun.plugin.controller.world import Called, TornDown, WarmTest
     from pytest_msrun.plugin.rule.outcomes import PhaseVerdict, Refusal, TestVerdict
     from pytest_msrun.plugin.rule.testrecord import JobRun, TestRecord
 
-    for cls in (JobRun, TestRecord, TestVerdict, PhaseVerdict, Refusal):
+    for cls in (JobRun, TestRecord, TestVerdict, PhaseVerdict, Refusal, WarmTest, Called, TornDown):
         assert cls.__dataclass_params__.frozen, cls  # type: ignore[attr-defined]
         instance = cls(
             *(

@@ -16,7 +16,7 @@ from typing import Protocol
 
 from pytest_msrun.fileio import private_dir, write_whole
 from pytest_msrun.plugin.controller.job import TestJob, TestPaths
-from pytest_msrun.plugin.controller.world import WarmTest, World
+from pytest_msrun.plugin.controller.world import Called, World, teardown
 from pytest_msrun.plugin.rule.outcomes import Refusal
 from pytest_msrun.plugin.rule.testrecord import JobRun, TestRecord
 
@@ -104,9 +104,9 @@ class WarmAttempt:
         self.world = world
         self.paths = paths
         self.ranks = ranks
-        self.test: WarmTest = world.begin(paths, nodeid, timeout, exit_timeout)
+        self.called: Called = world.begin(paths, nodeid, timeout, exit_timeout)
         self.next_id: str | None = None  # the test its world kept fixtures for, once torn down
-        record = TestRecord.load(nodeid, ranks, paths, self.test.run)
+        record = TestRecord.load(nodeid, ranks, paths, self.called.run)
         # each rank's part of the log so far (setup and call); completed with the teardown in finish()
         self.record = replace(record, own_logs=self._own_logs(record))
 
@@ -124,7 +124,7 @@ class WarmAttempt:
 
     @property
     def missing(self) -> bool:
-        return self.test.missing
+        return self.called.missing
 
     def left_before(self) -> list[int]:
         """The ranks whose leaving ended the world before they began this test (the world was
@@ -142,10 +142,10 @@ class WarmAttempt:
         return sorted(causes)
 
     def finish(self, next_id: str | None, exit_timeout: float, leaks_fail: bool = False) -> TestRecord:
-        run = self.test.finish(next_id, exit_timeout)
-        record = TestRecord.load(self.nodeid, self.ranks, self.paths, run)
+        done = teardown(self.called, next_id, exit_timeout)
+        record = TestRecord.load(self.nodeid, self.ranks, self.paths, done.run)
         own_logs = self._own_logs(record)
-        return replace(record, leaks=self.test.leaks, leaks_fail=leaks_fail, notes=self.test.notes, own_logs=own_logs)
+        return replace(record, leaks=done.leaks, leaks_fail=leaks_fail, notes=list(done.notes), own_logs=own_logs)
 
     def _own_logs(self, record: TestRecord) -> dict[int, str]:
         """Each rank's part of the world's log, in the test's own folder (``logs/worker_<rank>.log``):

@@ -137,7 +137,8 @@ class Runner:
         """The records of worlds' last tests, judged again with how each world ended since."""
         for end in self.worlds.take_late():
             item, world, last, run, why = end.item, end.world, end.last, end.run, end.why
-            late = dataclasses.replace(run, reproduce_lines=last.run.reproduce_lines, started=last.started)
+            lines = world.job.reproduce_lines(last.timeout, [last.nodeid], last.env)
+            late = dataclasses.replace(run, reproduce_lines=lines, started=last.started)
             record = TestRecord.load(item.nodeid, world.job.expected_ranks(), last.paths, late)
             test, said = self.reported.get(world.key, (None, frozenset()))
             trace = world.job.extra_env.get("MSRUN_TRACE", "")

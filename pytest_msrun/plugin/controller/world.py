@@ -73,9 +73,9 @@ def eligible(spec: MsrunSpec) -> bool:
 FORKING = "forking"  # the last element of a forking world's key
 
 
-@dataclass
+@dataclass(frozen=True)
 class WarmTest:
-    """One test in a world, between its call and its teardown."""
+    """One test as sent to a world: what its record and reproduce line are made of."""
 
     world: World
     paths: TestPaths
@@ -83,74 +83,99 @@ class WarmTest:
     started: float
     deadline: float
     timeout: float
-    run: JobRun  # what setup and call left (every rank done with its call, or the world ended)
-    missing: bool = False  # a rank did not collect the test: run it as a fresh job instead
-    unforkable: str = ""  # why a forking world's ranks cannot fork it: run it as a fresh job instead
-    leaks: dict[int, list[str]] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)  # its own variables (--msrun-env-scope=test)
-    absent: set[int] = field(default_factory=set)  # ranks that did not run it (no child of theirs to await)
     held: float = 0.0  # the debug server's held() when it began: time in the debugger since moves its deadline
-    notes: list[str] = field(default_factory=list)  # why its world ended after it, for its report (--msrun-max-rss)
 
-    def finish(self, next_id: str | None, exit_timeout: float) -> JobRun:
-        """The teardown (keeping what ``next_id`` shares with this test; ``None`` ends the world),
-        then the complete run: the process ends too when the world ended with this test."""
-        world = self.world
-        if world.dead:
-            return self.run
-        # fixtures kept for the next test only if it runs with the same variables as this one
-        keep = next_id is None or world.test_envs.get(next_id, {}) == self.env
-        teardown = {"t": "teardown", "next": next_id, "keep": keep}
-        world.template_rss = {}  # a forking world's, once its children ended after this test
-        replies, timed_out = world.exchange(teardown, "done", self.deadline, release=True, held=self.held)
-        self.leaks = {r: list(reply.get("leaks") or []) for r, reply in replies.items() if reply.get("leaks")}
-        for rank, reply in replies.items():  # what the test grew each rank by: one more thing left behind
-            grown = rankmemory.judge(reply.get("memory"), world.memory[0])
-            if grown:
-                self.leaks.setdefault(rank, []).extend(grown)
-        groups = {repr(reply.get("group")) for reply in replies.values()}
-        lingering = any(reply.get("lingering") for reply in replies.values())
-        if timed_out:
-            return world.stop_on_timeout(self, set(replies))
-        if world.dead:  # a rank died in the teardown
+
+@dataclass(frozen=True)
+class Called:
+    """What a test's setup and call left in its world: the run to judge them by (every rank done with
+    its call, or the world ended), and the ranks that did not run it (``absent``: they did not
+    collect it, or - ``unforkable`` says why - cannot fork it; it runs as a fresh job instead)."""
+
+    test: WarmTest
+    run: JobRun
+    absent: frozenset[int] = frozenset()
+    unforkable: str = ""
+
+    @property
+    def missing(self) -> bool:
+        return bool(self.absent)
+
+
+@dataclass(frozen=True)
+class TornDown:
+    """A test's teardown in its world: the complete run (its process ends too when the world ended
+    with it), what it left behind on each rank, and why its world ended after it (--msrun-max-rss)."""
+
+    run: JobRun
+    leaks: dict[int, list[str]] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+
+def teardown(called: Called, next_id: str | None, exit_timeout: float) -> TornDown:
+    """The teardown of ``called``'s test, keeping what the test ``next_id`` shares with it (None
+    ends the world)."""
+    test = called.test
+    world = test.world
+    if world.dead:
+        return TornDown(called.run)
+    # fixtures kept for the next test only if it runs with the same variables as this one
+    keep = next_id is None or world.test_envs.get(next_id, {}) == test.env
+    message = {"t": "teardown", "next": next_id, "keep": keep}
+    world.template_rss = {}  # a forking world's, once its children ended after this test
+    replies, timed_out = world.exchange(message, "done", test.deadline, release=True, held=test.held)
+    leaks = {r: list(reply.get("leaks") or []) for r, reply in replies.items() if reply.get("leaks")}
+    for rank, reply in replies.items():  # what the test grew each rank by: one more thing left behind
+        grown = rankmemory.judge(reply.get("memory"), world.memory[0])
+        if grown:
+            leaks.setdefault(rank, []).extend(grown)
+    groups = {repr(reply.get("group")) for reply in replies.values()}
+    lingering = any(reply.get("lingering") for reply in replies.values())
+    if timed_out:
+        return TornDown(world.stop_on_timeout(test, set(replies)), leaks)
+    if world.dead:  # a rank died in the teardown
+        world.stop()
+        return TornDown(world.job_run(test, False), leaks)
+    if world.forking and not world.lost:
+        hung = world.await_ends(exit_timeout, set(called.absent))
+        if world.dead:  # a child ended as a fresh rank would not: its template ended alike
             world.stop()
-            return world.job_run(self, False)
-        if world.forking and not world.lost:
-            hung = world.await_ends(exit_timeout, self.absent)
-            if world.dead:  # a child ended as a fresh rank would not: its template ended alike
-                world.stop()
-                return world.job_run(self, False)
-            if hung:  # a child does not end (a thread the test left, an exit handler)
-                stacks = world.job.collect_stacks()
-                world.stop()
-                return world.ended_run(self, hung, exit_timeout, stacks)
-        if not world.dead:  # a rank (a forking world's template) past --msrun-max-rss: a new world next
-            self.retire_past_max(world.template_rss if world.forking else _resident(replies))
-        if world.lost:
-            world.retire("a rank left the world")
-        if world.declared or len(groups) > 1:
-            world.retire("the ranks' control-plane state diverged in this test")
-        elif lingering:
-            world.retire("the test left a thread or a process running on a rank")
-        elif next_id is None:
-            world.retire("its last test ran")
-        if world.retiring:
-            hung, stacks = world.end(exit_timeout)
-            return world.ended_run(self, hung, exit_timeout, stacks)
-        return world.job_run(self, False)
+            return TornDown(world.job_run(test, False), leaks)
+        if hung:  # a child does not end (a thread the test left, an exit handler)
+            stacks = world.job.collect_stacks()
+            world.stop()
+            return TornDown(world.ended_run(test, hung, exit_timeout, stacks), leaks)
+    notes: tuple[str, ...] = ()
+    if not world.dead:  # a rank (a forking world's template) past --msrun-max-rss: a new world next
+        notes = _past_max(world, world.template_rss if world.forking else _resident(replies))
+    if world.lost:
+        world.retire("a rank left the world")
+    if world.declared or len(groups) > 1:
+        world.retire("the ranks' control-plane state diverged in this test")
+    elif lingering:
+        world.retire("the test left a thread or a process running on a rank")
+    elif next_id is None:
+        world.retire("its last test ran")
+    if world.retiring:
+        hung, stacks = world.end(exit_timeout)
+        return TornDown(world.ended_run(test, hung, exit_timeout, stacks), leaks, notes)
+    return TornDown(world.job_run(test, False), leaks, notes)
 
-    def retire_past_max(self, resident: dict[int, int]) -> None:
-        """End the world after this test when a rank's resident set passed ``--msrun-max-rss``."""
-        maximum = self.world.memory[1]
-        for rank, size in sorted(resident.items()):
-            if rankmemory.past_max(size, maximum):
-                what = "its template" if self.world.forking else "it"
-                self.notes.append(
-                    f"rank {rank}: resident memory {rankmemory.format_size(size)} past --msrun-max-rss="
-                    f"{rankmemory.format_size(maximum)}: the world ended after {what}, the next test starts a new one"
-                )
-        if self.notes:
-            self.world.retire("a rank's resident memory passed --msrun-max-rss")
+
+def _past_max(world: World, resident: dict[int, int]) -> tuple[str, ...]:
+    """Why ``world`` ends after this test: its ranks whose resident set passed ``--msrun-max-rss``."""
+    maximum = world.memory[1]
+    what = "its template" if world.forking else "it"
+    notes = tuple(
+        f"rank {rank}: resident memory {rankmemory.format_size(size)} past --msrun-max-rss="
+        f"{rankmemory.format_size(maximum)}: the world ended after {what}, the next test starts a new one"
+        for rank, size in sorted(resident.items())
+        if rankmemory.past_max(size, maximum)
+    )
+    if notes:
+        world.retire("a rank's resident memory passed --msrun-max-rss")
+    return notes
 
 
 def _resident(replies: dict[int, dict[str, Any]]) -> dict[int, int]:
@@ -280,7 +305,7 @@ class World:
         return ""
 
     # ---------------------------------------------------------------- one test
-    def begin(self, paths: TestPaths, nodeid: str, timeout: float, exit_timeout: float) -> WarmTest:
+    def begin(self, paths: TestPaths, nodeid: str, timeout: float, exit_timeout: float) -> Called:
         """Send the test to every rank and wait until each finished its setup and call. A rank that
         leaves meanwhile while the job goes on (an ``os._exit(0)``) ends the world within this test,
         the others finishing it as in a fresh job, so the run is complete at once."""
@@ -296,32 +321,25 @@ class World:
             msg["env"] = env
         if any(self.memory):
             msg["memory"] = list(self.memory)
-        run = JobRun([], [], False, timeout, started, 0.0)
-        test = WarmTest(self, paths, nodeid, started, deadline, timeout, run, env=env, held=self.job.debug.held())
+        test = WarmTest(self, paths, nodeid, started, deadline, timeout, env, held=self.job.debug.held())
         self.last = test
         left = f"has left {nodeid.rsplit('::', 1)[-1]}'s call"
         replies, timed_out = self.exchange(
             msg, "called", deadline, release=True, released=left, failure_grace=True, held=test.held
         )
         refusals = [str(r.get("why")) for r in replies.values() if r.get("t") == "unforkable"]
-        test.absent = {rank for rank, r in replies.items() if r.get("t") in ("missing", "unforkable")}
-        if test.absent:
-            test.missing = True
-            test.unforkable = refusals[0] if refusals else ""
+        absent = frozenset(rank for rank, r in replies.items() if r.get("t") in ("missing", "unforkable"))
+        if absent:
             if refusals:  # no test can fork there (and ranks that could, run this one now)
                 self.stop()
-            test.run = self.job_run(test, False)
-            return test
+            return Called(test, self.job_run(test, False), absent, refusals[0] if refusals else "")
         if timed_out:
-            test.run = self.stop_on_timeout(test, set(replies))
-            return test
+            return Called(test, self.stop_on_timeout(test, set(replies)))
         if self.lost and not self.dead:
-            test.run = test.finish(None, exit_timeout)
-            return test
+            return Called(test, teardown(Called(test, self.job_run(test, False)), None, exit_timeout).run)
         if self.dead:
             self.stop()
-        test.run = self.job_run(test, False)
-        return test
+        return Called(test, self.job_run(test, False))
 
     def exchange(
         self,

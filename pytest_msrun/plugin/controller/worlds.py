@@ -213,7 +213,7 @@ class WorldPool:
             if attempt.missing:  # a rank did not collect it (it differs from this process's collection)
                 attempt.finish(None, self.exit_timeout)
                 self.after(item, key, None)
-                why = attempt.test.unforkable
+                why = attempt.called.unforkable
                 if why:  # so are the ranks of every world of its shape: its tests run as fresh jobs
                     self.unforkable[key] = why
                     self._keys = {nodeid: k for nodeid, k in self._keys.items() if k != key}
