@@ -618,6 +618,38 @@ def test_last(rank, msrun):
         ),
         modes=("suite",),
     ),
+    Scenario(  # rank 0's barrier failed as a CollectiveDeadlock ("rank 1 left the job") and was blamed
+        "rank_1_stops_its_session_at_its_failure_under_x_and_rank_0_fails_to_meet_it_in_the_next",
+        """
+def test_first(rank):
+    from pytest_msrun import cluster
+
+    cluster.init()
+    cluster.barrier()
+
+
+def test_fails_on_1(rank):
+    assert rank != 1
+
+
+def test_third(rank):
+    from pytest_msrun import cluster
+
+    cluster.barrier()  # rank 1 stopped its session (-x): rank 0 fails to meet it here
+
+
+def test_fourth(rank):
+    pass
+""",
+        suite_patterns=(
+            r"test_fails_on_1\s+passed\s+failed\s+failed$",
+            r"test_third\s+failed\s+not run\s+incomplete$",
+            r"which had ended in test_scenario.py::test_fails_on_1",
+            r"1 passed, 1 failed, 1 incomplete, 1 not run",
+        ),
+        args=("-x",),
+        modes=("suite",),
+    ),
     Scenario(
         "every_rank_skips_at_collection",
         """

@@ -214,8 +214,9 @@ class Judge:
         return replace(verdict, outcome="incomplete", note=note)
 
     def _only_waited(self, issue: RankIssue) -> bool:
-        if issue.kind == "failed":
-            return any(e in issue.summary for e in CLUSTER_ERRORS)
+        if issue.kind == "failed":  # the cluster API's errors; a collective a peer left cannot complete
+            left = "CollectiveDeadlock" in issue.summary and " left the job" in issue.summary
+            return left or any(e in issue.summary for e in CLUSTER_ERRORS)
         return issue.kind == "timeout" and issue.waited
 
     @staticmethod
