@@ -22,6 +22,7 @@ BASE = {
     "boundedjson",
     "fsinfo",
     "fileio",
+    "waiting",
     "",
 }
 # Which layers each layer may import (lazy imports inside functions included).

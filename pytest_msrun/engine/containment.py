@@ -29,6 +29,7 @@ import time
 
 from pytest_msrun.engine import timeline
 from pytest_msrun.record import record
+from pytest_msrun.waiting import wait_until
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # typing is not imported at run time: this module loads before anything else
@@ -259,9 +260,7 @@ class Entering:
         # it go, so that from here on this process runs one thread again - msrun forks its
         # control plane only then (a fork copies just the calling thread); caught alive, msrun
         # had to start the control plane as a second interpreter instead.
-        deadline = time.monotonic() + self.THREAD_END
-        while _thread._count() > self.threads_before and time.monotonic() < deadline:
-            time.sleep(0.0001)
+        wait_until(lambda: _thread._count() <= self.threads_before, self.THREAD_END, 0.0001)
         sys.setswitchinterval(self.interval)
         return self.result
 

@@ -23,6 +23,7 @@ from pytest_msrun.fileio import make_dirs, open_output_fd
 from pytest_msrun.pathsearch import which
 from pytest_msrun.proc import wait_readable
 from pytest_msrun.record import record
+from pytest_msrun.waiting import wait_until
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -627,9 +628,11 @@ class ProcessGroup:
         hit = sweep_descendants(exclude=exclude)
         hit += [p for p in self.guard.kill_members() if p not in hit]
         if hit:
-            deadline = time.monotonic() + 2.0
-            while time.monotonic() < deadline and descendants_of(os.getpid()) != exclude:
+
+            def swept() -> bool:
                 reap_orphans(exclude=exclude)
-                time.sleep(0.005)
+                return descendants_of(os.getpid()) == exclude
+
+            wait_until(swept, 2.0, 0.005)
         reap_orphans(exclude=exclude)
         return hit

@@ -44,6 +44,7 @@ from pytest_msrun.plugin.rule.records import BASETEMP_ENV, REPORT_DIR_ENV, SHARE
 from pytest_msrun.plugin.rule.testrecord import JobRun
 from pytest_msrun.proc import STOPPED_WORDS, running, stopped
 from pytest_msrun.record import replace
+from pytest_msrun.waiting import wait_until
 
 STACK_WAIT = 2.0
 CLI = "pmsrun"  # how a user types this project's msrun
@@ -413,18 +414,16 @@ class TestJob:
                     asked.append(rank)
                 except (ProcessLookupError, PermissionError):
                     pass
-        deadline = time.monotonic() + STACK_WAIT
-        while time.monotonic() < deadline:
-            for rank in asked:
-                text = _read(stacks_path(str(self.report_dir), rank))
-                if text.strip():
-                    stacks[rank] = text
-            if all(rank in stacks for rank in asked):
-                time.sleep(0.05)  # let the last writer finish its dump
-                for rank in asked:
-                    stacks[rank] = _read(stacks_path(str(self.report_dir), rank))
-                break
-            time.sleep(0.05)
+
+        def dumped(rank: int) -> bool:
+            return bool(_read(stacks_path(str(self.report_dir), rank)).strip())
+
+        if wait_until(lambda: all(dumped(rank) for rank in asked), STACK_WAIT, 0.05):
+            time.sleep(0.05)  # let the last writer finish its dump
+        for rank in asked:
+            text = _read(stacks_path(str(self.report_dir), rank))
+            if text.strip():
+                stacks[rank] = text
         return stacks
 
     def stop(self, launched: Launched) -> None:

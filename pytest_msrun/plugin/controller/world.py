@@ -37,6 +37,7 @@ from pytest_msrun.plugin.links import FORK_ENV, WORLD_ENV, WORLD_TOKEN_ENV, Chan
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.rule.outcomes import RankEnd
 from pytest_msrun.proc import running
+from pytest_msrun.waiting import wait_until
 
 FAILURE_GRACE = 0.5  # s the other ranks may still finish a test one rank failed (a fresh job's teardown gap)
 STUCK_CHECK = 0.25  # s between looks at the control plane while some ranks finished a test and others not
@@ -444,12 +445,10 @@ class World:
         first-failure rule stops the others, as in a fresh job) - before the world is stopped, which
         would otherwise stop that rank too and hide why it left."""
         end = self.job.rank_ends().get(rank)
-        deadline = time.monotonic() + seconds
-        while end is not None and end.pid and running(end.pid) and time.monotonic() < deadline:
-            time.sleep(0.01)
-        deadline = time.monotonic() + 1.0  # msrun reacts to an exit within milliseconds
-        while not self.launched.exited() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        if end is not None and end.pid:
+            pid = end.pid
+            wait_until(lambda: not running(pid), seconds)
+        wait_until(self.launched.exited, 1.0)  # msrun reacts to an exit within milliseconds
 
     def stop_on_timeout(self, test: WarmTest, waiting: set[int]) -> JobRun:
         """The test ran out of time: where every rank is (control plane, stacks), then the world ends.
