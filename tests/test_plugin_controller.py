@@ -423,10 +423,10 @@ def test_the_cache_fixture_works_in_marked_tests(pytester, tracked, worlds):
 
 COUNTING = """
 import json, os
-from pytest_msrun.plugin.controller import attempts
+from pytest_msrun.plugin.rule import testrecord
 
 COUNTS = {}
-_judge = attempts.judge
+_judge = testrecord.judge
 
 
 def counting_judge(nodeid, *args, **kwargs):
@@ -434,7 +434,7 @@ def counting_judge(nodeid, *args, **kwargs):
     return _judge(nodeid, *args, **kwargs)
 
 
-attempts.judge = counting_judge
+testrecord.judge = counting_judge
 
 
 def pytest_sessionfinish(session):
