@@ -201,6 +201,18 @@ def test_every_verdict_is_a_records_judgement():
     assert callers == rule and any(c.startswith("pytest_msrun.plugin.rule.testrecord:") for c in rule), callers
 
 
+def test_the_controller_never_asks_which_kind_of_attempt_it_holds():
+    """The runner hands out every attempt (a world's, a job of its own, a refusal); the controller
+    and its reporter use what an attempt gives - no kind of attempt is named or tested there."""
+    kinds = re.compile(
+        r"\b(WarmAttempt|FreshAttempt|RefusedAttempt)\b|\.warm\b|\.mode\s*[=!]=|isinstance\([^)]*Attempt"
+    )
+    for name in ("controller", "reporting"):
+        path = PACKAGE / "plugin" / "controller" / f"{name}.py"
+        hits = [f"{name}.py:{i}" for i, line in enumerate(path.read_text().splitlines(), 1) if kinds.search(line)]
+        assert hits == [], hits
+
+
 def test_no_outcome_is_written_after_construction():
     """An outcome is decided where its report or verdict is built: no module assigns ``.outcome``
     (or pytest-rerunfailures' ``.rerun``) to an object that already exists - a rerun attempt's

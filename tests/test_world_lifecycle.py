@@ -223,7 +223,7 @@ def test_a_world_that_died_between_tests_is_not_reused_nor_blamed_on_the_next_te
     text = result.stdout.str()
     assert re.search(r"PASSED test_mod.py::test_innocent", text), text
     assert _errors_on(text) == ["test_mod.py::test_first"], text
-    assert "SIGKILL" in text and "its warm world ended later" in text
+    assert "SIGKILL" in text and "its world ended later" in text
 
 
 KILLED_AFTER_ITS_REPORT = """
@@ -280,7 +280,7 @@ def test_a_world_that_died_after_its_tests_report_fails_that_test_in_every_mode(
     assert result.ret == 1, text
     assert re.search(r"PASSED test_mod.py::test_innocent", text), text
     assert _errors_on(text) == ["test_mod.py::test_first"], text
-    assert "SIGKILL" in text and "its warm world ended later" in text
+    assert "SIGKILL" in text and "its world ended later" in text
 
 
 IMPORT_AND_THREAD = """

@@ -1,9 +1,10 @@
-"""The controller: each marked test runs as a real msrun job - a warm world shared with the tests of
-its shape (:mod:`.world`), or a fresh job of its own - and its ranks' results become one report.
+"""The controller: pytest's hooks for marked tests. Each marked test is one attempt of the runner
+(:mod:`.runner`) - in a world shared with the tests of its shape, in a job of its own, or refused -
+ending in one record; its verdict, judged once, becomes one report per phase.
 
 A marked test follows pytest's own protocol: its setup and call are run and reported, then its
-teardown keeps exactly what pytest would keep for the next test - which, for a warm world, is the
-next test of the same shape that *this process* will run (:meth:`.worlds.WorldPool.world_next`: pytest's
+teardown keeps exactly what pytest would keep for the next test - which, in a world, is the next
+test of the same shape that *this process* will run (:meth:`.worlds.WorldPool.world_next`: pytest's
 ``nextitem`` and, where the run loop is pytest's own, the rest of ``session.items`` - after
 deselection, ``--lf``, reordering and xdist's distribution; ``-x`` and ``--maxfail`` have acted by
 then). A world ends within its last test's protocol, so what its ranks' fixtures and processes do
@@ -191,7 +192,7 @@ class Controller:
             self.jobs,
             self.pool,
             exit_timeout=self.exit_timeout,
-            warm=(config.getoption("msrun_worlds") or config.getini("msrun_worlds") or "warm") == "warm",
+            mode=config.getoption("msrun_worlds") or config.getini("msrun_worlds") or "warm",
             env_per_test=scope == "test",  # tests differing only in env share a world
             # a world started ahead inside a Slurm allocation would hold a step's CPUs while idle
             prefetch=prefetch == "on" and cluster is None,
@@ -308,7 +309,7 @@ class Controller:
 
     def run_item(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
         """Run ``item`` on its ranks and report it, phase by phase - again, as a whole job on a
-        fresh world, while pytest-rerunfailures grants the failing test reruns."""
+        new world, while pytest-rerunfailures grants the failing test reruns."""
         reruns = self._reruns(item)
         for attempt_no in range(reruns + 1):
             if not self._run_once(item, nextitem, rerun=attempt_no < reruns, count=attempt_no):
@@ -369,9 +370,7 @@ class Controller:
                 continue  # nothing the test's own teardown report did not say already
             reports = [r for r in Merger(item, record, self.style, cwd).reports(verdict, ("teardown",)) if r.failed]
             for report in reports:
-                report.sections.append(
-                    ("msrun world", f"reported after the test: its warm world ended later ({late.why})")
-                )
+                report.sections.append(("msrun world", f"reported after the test: its world ended later ({late.why})"))
             if reports and self.xdist_worker:  # xdist's worker sends only the running item's reports
                 data = self.config.workeroutput.setdefault(LATE_REPORTS, [])  # type: ignore[attr-defined]
                 data += [self.config.hook.pytest_report_to_serializable(config=self.config, report=r) for r in reports]
@@ -380,7 +379,7 @@ class Controller:
 
     @pytest.hookimpl(optionalhook=True)
     def pytest_testnodedown(self, node: Any, error: Any) -> None:
-        """pytest-xdist's controller: a worker's late teardown errors (a warm world that ended after
+        """pytest-xdist's controller: a worker's late teardown errors (a world that ended after
         its last test was reported) are logged here, as a session of its own logs them."""
         for data in getattr(node, "workeroutput", {}).get(LATE_REPORTS, []):
             report = self.config.hook.pytest_report_from_serializable(config=self.config, data=data)

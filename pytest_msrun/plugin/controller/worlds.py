@@ -71,7 +71,7 @@ class WorldPool:
         resources: ResourcePool,
         *,
         exit_timeout: float,
-        warm: bool,
+        mode: str,
         env_per_test: bool,
         prefetch: bool,
         xdist_worker: bool,
@@ -83,7 +83,7 @@ class WorldPool:
         self.memory = memory  # --msrun-leak-rss, --msrun-max-rss (bytes, 0: off)
         self.resources = resources
         self.exit_timeout = exit_timeout
-        self.warm = warm  # --msrun-worlds=warm: tests share worlds (fresh: each in a forked child)
+        self.warm = mode == "warm"  # --msrun-worlds=warm: tests share worlds (fresh: each in a forked child)
         self.env_per_test = env_per_test  # tests differing only in env share a world
         self.prefetch = prefetch  # worlds, warm or forking
         self.xdist_worker = xdist_worker  # xdist hands this process its items one by one
