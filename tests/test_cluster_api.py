@@ -13,6 +13,7 @@ import pytest
 from conftest import free_port, job_args, wait_for
 
 from pytest_msrun import cluster
+from pytest_msrun.control import wire
 
 COLLECTIVES = """
 import json, os, sys
@@ -407,16 +408,59 @@ def test_a_peers_bad_data_raises_cluster_error_naming_the_peer(control_plane, op
     assert why in str(raised.value), raised.value
 
 
-def test_a_collective_entered_while_one_that_timed_out_is_pending_fails_that_rank_with_the_reason(control_plane):
+def test_a_collective_retried_after_its_timeout_completes_with_the_peer_that_came_late(control_plane):
+    """A retry loop: the call whose ``timeout=`` ran out still counts the rank in it, so calling it
+    again waits for it again (nothing is sent twice) - and completes when the late peer enters."""
+    peer = _joined_beside_a_raw_rank(control_plane())
+    with pytest.raises(cluster.ClusterError, match="gather timed out after 0.2 s on rank 0"):
+        cluster.all_gather_object("first", timeout=0.2)  # rank 1 is not there yet
+    with pytest.raises(cluster.ClusterError, match="gather timed out after 0.2 s on rank 0"):
+        cluster.all_gather_object("again", timeout=0.2)
+    peer.send({"t": "coll", "op": "gather", "seq": 1, "src": 0, "data": wire.pack_data(pickle.dumps("late"))})
+    assert cluster.all_gather_object("third", timeout=10) == ["first", "late"]  # the first call's object
+    assert peer.recv(5)["seq"] == 1
+    peer.send({"t": "coll", "op": "barrier", "seq": 2, "src": 0})
+    cluster.barrier(timeout=10)  # in step: the next collective is #2 on both
+
+
+def test_another_collective_waits_for_the_one_whose_timeout_ran_out_then_begins_in_step(control_plane):
+    """A rank is in one collective at a time: entering another while still in one whose timeout
+    ran out first waits for that one to complete (or fail), then begins - nothing refused, no
+    connection dropped; with neither in time, it times out saying what it waited for."""
     peer = _joined_beside_a_raw_rank(control_plane())
     with pytest.raises(cluster.ClusterError, match="barrier timed out after 0.2 s on rank 0"):
         cluster.barrier(timeout=0.2)  # rank 1 is not there: rank 0 is still in barrier #1
-    reason = "rank 0 entered barrier #2 while still in barrier #1: a rank is in one collective at a time"
-    with pytest.raises(cluster.ClusterError, match=f"^barrier on rank 0: refused: {reason}"):
-        cluster.barrier(timeout=10)
+    waited = "gather timed out after 0.2 s on rank 0: it waited for barrier #1, whose timeout ran out on this rank"
+    with pytest.raises(cluster.ClusterError, match=f"^{waited}"):
+        cluster.all_gather_object(0, timeout=0.2)
     peer.send({"t": "coll", "op": "barrier", "seq": 1, "src": 0})
-    failed = peer.recv(5)
-    assert failed["t"] == "error" and f"rank 0 left the job (its connection was dropped: {reason}" in failed["reason"]
+    assert peer.recv(5) == {"t": "coll", "seq": 1}  # barrier #1 completed: rank 0's part was there
+    peer.send({"t": "coll", "op": "gather", "seq": 2, "src": 0, "data": wire.pack_data(pickle.dumps(1))})
+    assert cluster.all_gather_object(0, timeout=10) == [0, 1]
+
+
+def test_a_collective_given_up_in_one_test_does_not_fail_the_next_tests(control_plane, monkeypatch):
+    """Rank 0's test moved on from a barrier whose timeout ran out; the control plane fails it once
+    rank 1 left that test's call too. The next test's barrier waits for that failure, then pairs
+    with rank 1's - it is not failed by the earlier test's collective."""
+    peer = _joined_beside_a_raw_rank(control_plane())
+    from pytest_msrun.control import cluster as control
+
+    group = control._require()
+    first, second = "t.py::test_one", "t.py::test_two"
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", f"{first} (call)")
+    group.note_call(first, True, "")
+    peer.send({"t": "call", "test": first, "state": "in", "outcome": ""})
+    with pytest.raises(cluster.ClusterError, match="barrier timed out after 0.2 s on rank 0"):
+        cluster.barrier(timeout=0.2)
+    group.note_call(first, False, "passed")
+    peer.send({"t": "call", "test": first, "state": "out", "outcome": "passed"})  # barrier #1 cannot complete
+    monkeypatch.setenv("PYTEST_CURRENT_TEST", f"{second} (call)")
+    group.note_call(second, True, "")
+    peer.send({"t": "call", "test": second, "state": "in", "outcome": ""})
+    peer.send({"t": "coll", "op": "barrier", "seq": 1, "src": 0, "test": second, "when": "call"})
+    cluster.barrier(timeout=10)  # rewound with its peer: barrier #1 again, in test_two
+    assert peer.recv(5) == {"t": "coll", "seq": 1}
 
 
 def test_a_rank_taken_twice_says_which_process_holds_it(control_plane, monkeypatch):

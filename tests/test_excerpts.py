@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import sysconfig
 
@@ -9,6 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import pytest_msrun
+from pytest_msrun.plugin.links import Channel
+from pytest_msrun.plugin.rank import serve
 from pytest_msrun.plugin.reports.excerpts import stack_excerpt, trim, without_session_header
 from pytest_msrun.plugin.reports.hang import idle
 
@@ -51,7 +54,7 @@ KINDS = {
     "internal": (os.path.join(PACKAGE, "control", "wire.py"), "recv"),
     "harness": (os.path.join(SITE, "_pytest", "runner.py"), "call_and_report"),
     "pluggy": (os.path.join(SITE, "pluggy", "_callers.py"), "_multicall"),
-    "serve": (os.path.join(PACKAGE, "plugin", "serve.py"), "_run"),
+    "serve": (serve.__file__, "_run"),
     "runpy": ("<frozen runpy>", "_run_code"),
 }
 CODE = ("user", "lib")
@@ -91,9 +94,10 @@ def test_the_kept_frames_are_the_tests_code_and_the_call_it_waits_in(
 
 
 def test_an_idle_rank_is_said_in_words() -> None:
-    receive = (os.path.join(PACKAGE, "plugin", "serve.py"), 335, "receive")
-    teardown = (os.path.join(PACKAGE, "plugin", "serve.py"), 508, "pytest_runtest_teardown")
-    loop = (os.path.join(PACKAGE, "plugin", "serve.py"), 330, "pytest_runtestloop")
+    # where the code is, read from it (a module moved or renamed must not leave the words behind)
+    receive = (inspect.getsourcefile(Channel.receive), 335, "receive")
+    teardown = (inspect.getsourcefile(serve.WorldServer.pytest_runtest_teardown), 508, "pytest_runtest_teardown")
+    loop = (inspect.getsourcefile(serve.WorldServer.pytest_runtestloop), 330, "pytest_runtestloop")
     outer = frames_of(["pluggy", "harness", "runpy"])
     assert "before its teardown" in (idle([receive, teardown, *outer]) or "")
     assert "next one" in (idle([receive, loop, *outer]) or "")

@@ -113,6 +113,8 @@ class _Group:
         self.mode = mode  # "cluster" | "dryrun" | "standalone"
         self.seq = 0
         self.lock = threading.Lock()  # one collective at a time
+        # (op, seq, src, test phase) of a collective whose timeout= ran out here: the rank is still in it
+        self.pending: tuple[str, int, int, tuple[str, str] | None] | None = None
         self.send_lock = threading.Lock()  # one frame at a time (a call notice beside a collective)
 
     def collective(self, op: str, data: bytes | None, src: int, timeout: float | None) -> Any:
@@ -128,23 +130,62 @@ class _Group:
                 return [data] * self.world
             return data
         with self.lock:
-            seq, entered = self.seq + 1, time.time()
-            msg = self._message(op, seq, src, data)
+            entered = time.time()
+            deadline = None if timeout is None else time.monotonic() + timeout
+            where = _where()
+            if self.pending is not None:
+                was_op, was_seq, was_src, was_where = self.pending
+                if (was_op, was_src, was_where) == (op, src, where):  # a retry: it waits for that call again
+                    return self._run(op, was_seq, None, src, timeout, deadline, entered)
+                self._finish_pending(op, timeout, deadline)
+            seq = self.seq + 1
+            msg = self._message(op, seq, src, data, where)
             self.seq = seq
-            try:
-                result = self._exchange(op, seq, msg, src, timeout)
-            except ClusterError as exc:
-                _remember(op, seq, entered, str(exc))
-                raise
-            _remember(op, seq, entered, "")
-            return result
+            return self._run(op, seq, msg, src, timeout, deadline, entered)
 
-    def _message(self, op: str, seq: int, src: int, data: bytes | None) -> dict[str, Any]:
+    def _run(
+        self,
+        op: str,
+        seq: int,
+        msg: dict[str, Any] | None,
+        src: int,
+        timeout: float | None,
+        deadline: float | None,
+        entered: float,
+    ) -> Any:
+        try:
+            result = self._exchange(op, seq, msg, src, timeout, deadline)
+        except ClusterError as exc:
+            _remember(op, seq, entered, str(exc))
+            raise
+        _remember(op, seq, entered, "")
+        return result
+
+    def _finish_pending(self, op: str, timeout: float | None, deadline: float | None) -> None:
+        """Another collective while the rank is still in one whose ``timeout=`` ran out (a rank is
+        in one at a time): that one completes or fails first - its peers enter it, or the control
+        plane fails it once they moved on - and only then does ``op`` begin, in step with them."""
+        assert self.pending is not None
+        was_op, was_seq, was_src, _ = self.pending
+        try:
+            self._exchange(was_op, was_seq, None, was_src, timeout, deadline)
+        except CollectiveDeadlock:
+            pass  # it failed: the rank is out of it
+        except ClusterError:
+            if self.pending is None:  # not a timeout: the connection, an abort
+                raise
+            raise ClusterError(
+                f"{op} timed out after {timeout:g} s on rank {self.rank}: it waited for "
+                f"{OP_NAMES.get(was_op, was_op)} #{was_seq}, whose timeout ran out on this rank, to complete or fail"
+            ) from None
+
+    def _message(
+        self, op: str, seq: int, src: int, data: bytes | None, where: tuple[str, str] | None
+    ) -> dict[str, Any]:
         """This rank's part of collective ``seq``, as a frame; :class:`ClusterError` (nothing sent)
         when it would exceed the message limit, which the control plane would answer by dropping
         this rank's connection."""
         msg: dict[str, Any] = {"t": "coll", "op": op, "seq": seq, "src": src}
-        where = _where()
         if where is not None:  # the control plane pairs a test's collectives within the test
             msg["test"], msg["when"] = where
             if calls.place > 0:  # the test's place in the session (every rank runs them in one order)
@@ -161,20 +202,25 @@ class _Group:
         msg["data"] = wire.pack_data(data)
         return msg
 
-    def _exchange(self, op: str, seq: int, msg: dict[str, Any], src: int, timeout: float | None) -> Any:
-        """Send this rank's part of collective ``seq`` (``msg``); wait for its result."""
+    def _exchange(
+        self, op: str, seq: int, msg: dict[str, Any] | None, src: int, timeout: float | None, deadline: float | None
+    ) -> Any:
+        """Send this rank's part of collective ``seq`` (``msg``; None: sent already) and wait for
+        its result until ``deadline``. When it passes the rank is still in it: :attr:`pending`."""
         assert self.channel is not None
+        self.pending = None
         try:
-            with self.send_lock:
-                self.channel.send(msg)
+            if msg is not None:
+                with self.send_lock:
+                    self.channel.send(msg)
         except OSError as exc:
             raise ClusterError(f"{op}: lost the scheduler connection ({exc})") from None
-        deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
                 reply = self.channel.recv(remaining)
             except socket.timeout:
+                self.pending = (op, seq, src, _where())
                 raise ClusterError(f"{op} timed out after {timeout:g} s on rank {self.rank}") from None
             except (OSError, wire.ProtocolError) as exc:
                 raise ClusterError(f"{op}: lost the scheduler connection ({exc})") from None
@@ -184,6 +230,8 @@ class _Group:
             if kind == "refused":  # this rank broke the protocol: the control plane dropped it
                 raise ClusterError(f"{OP_NAMES.get(op, op)} on rank {self.rank}: refused: {reply.get('reason')}")
             if kind == "error":
+                if reply.get("seq", seq) != seq:  # an earlier collective's, whose wait this rank gave up
+                    continue
                 rewind = reply.get("rewind")
                 if isinstance(rewind, int) and not isinstance(rewind, bool) and 0 <= rewind < seq == self.seq:
                     self.seq = rewind  # the peers never entered it: it counts for no one (stay in step)

@@ -22,6 +22,8 @@ from typing import Any
 
 import pytest
 
+import pytest_msrun
+
 SEED_SECTION = "msrun hypothesis seed"
 
 
@@ -95,7 +97,7 @@ def same_constants_on_every_rank() -> None:
     is_local = getattr(providers, "is_local_module_file", None)
     if providers is None or is_local is None or getattr(is_local, "msrun_own", False):
         return
-    ours = os.path.dirname(os.path.abspath(__file__)).rsplit(os.sep, 1)[0] + os.sep  # pytest_msrun/
+    ours = os.path.dirname(os.path.abspath(pytest_msrun.__file__)) + os.sep
 
     def is_local_module_file(path: str) -> bool:
         return not os.path.abspath(path).startswith(ours) and bool(is_local(path))

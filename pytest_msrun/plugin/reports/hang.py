@@ -18,11 +18,12 @@ import re
 import sysconfig
 from typing import Any
 
+import pytest_msrun
 from pytest_msrun.cpulist import format_id_list
 
 _THREAD = re.compile(r"^(Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PACKAGE = os.path.dirname(os.path.abspath(pytest_msrun.__file__))
 _STDLIB = os.path.abspath(sysconfig.get_paths()["stdlib"])
 # Where a rank waits on its peers: these frames name the collective; user code calls them.
 _COLLECTIVE_FILES = (
@@ -31,9 +32,10 @@ _COLLECTIVE_FILES = (
     os.path.join(_PACKAGE, "plugin", "fixtures.py"),
 )
 _HARNESS = ("_pytest", "pluggy", os.sep + "pytest" + os.sep, "<frozen runpy>", os.sep + "runpy.py")
-_SERVE = os.path.join(_PACKAGE, "plugin", "serve.py")
+_SERVE = os.path.join(_PACKAGE, "plugin", "rank", "serve.py")
+_LINKS = os.path.join(_PACKAGE, "plugin", "links.py")
 # A rank of a warm world with no frame of the test's code, waiting for the controller in its serve
-# loop (serve.py's receive(), called from): what it is doing, in words.
+# loop (the world channel's receive(), called from serve.py): what it is doing, in words.
 _IDLE = {
     "pytest_runtest_teardown": "finished the test's call; waits for the other ranks before its teardown",
     "pytest_runtestloop": "finished the test; waits in its warm world for the next one",
@@ -93,7 +95,7 @@ def is_stdlib(path: str) -> bool:
 def idle(frames: list[Frame]) -> str | None:
     """In words, what a rank idle in a warm world's serve loop is doing (None if it is not)."""
     for i, (path, _, func) in enumerate(frames):
-        if os.path.abspath(path) == _SERVE and func == "receive":
+        if os.path.abspath(path) == _LINKS and func == "receive":
             caller = frames[i + 1] if i + 1 < len(frames) else ("", 0, "")
             return _IDLE.get(caller[2]) if os.path.abspath(caller[0]) == _SERVE else None
     return None
