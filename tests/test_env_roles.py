@@ -94,7 +94,9 @@ def test_builtin_scheduler_is_a_fork_of_msrun_with_the_scheduler_environment(msr
     status = wait_for(lambda: (st := read_status(msrun.cwd / "logs")) and st["state"] == "running" and st)
     sched = next(p for p in status["processes"] if p["role"] == "scheduler")
     proc = psutil.Process(sched["pid"])
-    assert proc.name() == "msrun-scheduler" and proc.ppid() == popen.pid
+    # the fork names itself once it is set up (its descriptors, its environment): an instant later
+    assert wait_for(lambda: proc.name() == "msrun-scheduler", timeout=10), proc.name()
+    assert proc.ppid() == popen.pid
     assert os.getsid(proc.pid) == proc.pid  # a session (and process group) of its own, as every child
     release.touch()
     job = msrun.finish(popen)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 from conftest import job_args
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pytest_msrun import fileio
@@ -300,17 +300,34 @@ raw = (
 )
 
 
+def _not_json(name: str) -> None:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _depth(value: object) -> int:
+    """How deeply ``value``'s arrays and objects nest (a scalar: 0)."""
+    if isinstance(value, dict):
+        return 1 + max(map(_depth, value.values()), default=0)
+    if isinstance(value, list):
+        return 1 + max(map(_depth, value), default=0)
+    return 0
+
+
 @settings(
     max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
 )
+@example(data=b'{"leases": {"": {"pid": %d, "ports": [41197], "devices": [], "ts": 1.0}}, "x": Infinity}' % os.getpid())
+@example(data=b'{"leases": {"": {"pid": %d, "ports": [41388], "devices": [], "ts": 1.0}}, "x": [[[[]]]]}' % os.getpid())
 @given(raw)
 def test_a_malformed_pool_file_never_breaks_the_pool_nor_hands_a_port_out_twice(tmp_path, data):
     directory = tmp_path / uuid.uuid4().hex
     pool = _pool_in(directory)
     (directory / "pool.json").write_bytes(data)
     held = set()  # ports of leases this process holds in the planted file, as the pool writes them
-    try:
-        planted = json.loads(data)
+    try:  # a file that is not JSON (Infinity, NaN) or nests deeper than the pool's own is an empty pool
+        planted = json.loads(data, parse_constant=_not_json)
+        if _depth(planted) > 4:
+            raise ValueError("deeper than a pool file")
         for lease in planted["leases"].values():
             if lease.get("pid") == os.getpid() and lease.get("devices") == [] and lease.get("ts") == 1.0:
                 held.update(lease["ports"])
