@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # nothing more on msrun's start path
+    from collections.abc import Callable
 
 
 def wait_until(done: Callable[[], bool], seconds: float, interval: float = 0.01) -> bool:

@@ -82,7 +82,7 @@ class FreshAttempt:
 
     @property
     def trace(self) -> str:
-        return self.job.extra_env.get("MSRUN_TRACE", "")
+        return self.job.trace
 
     @property
     def job_started(self) -> float:
@@ -112,7 +112,7 @@ class WarmAttempt:
 
     @property
     def trace(self) -> str:
-        return self.world.job.extra_env.get("MSRUN_TRACE", "")
+        return self.world.job.trace
 
     @property
     def job_started(self) -> float:
@@ -142,6 +142,7 @@ class WarmAttempt:
         return sorted(causes)
 
     def finish(self, next_id: str | None, exit_timeout: float, leaks_fail: bool = False) -> TestRecord:
+        self.next_id = next_id
         done = teardown(self.called, next_id, exit_timeout)
         record = TestRecord.load(self.nodeid, self.ranks, self.paths, done.run)
         own_logs = self._own_logs(record)

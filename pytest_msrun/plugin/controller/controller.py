@@ -334,8 +334,8 @@ class Controller:
         self._report_late_ends()  # a world found ended when this test reached it: on its last test
         number = count if rerun else None
         setup_call = self.reporter.setup_call(item, attempt.record, number)
-        again = any(r.outcome == "rerun" for r in setup_call)
-        record = self.runner.finish(attempt, item, nextitem, again)
+        rerun_now = any(r.outcome == "rerun" for r in setup_call)  # failed already: no world kept for it
+        record = self.runner.finish(attempt, item, nextitem, rerun_now)
         final, again = self.reporter.final(item, attempt, record, setup_call, number)
         if self.runner.done(attempt, item, final):  # its job ended: its trace is complete
             self.traces.flush(attempt.trace)

@@ -28,7 +28,7 @@ from typing import Any
 from pytest_msrun.binding.flags import parse_bind_value
 from pytest_msrun.control.observer import query_state
 from pytest_msrun.engine.argv import flags_of
-from pytest_msrun.engine.config import LaunchConfig
+from pytest_msrun.engine.config import TRACE_ENV, LaunchConfig
 from pytest_msrun.engine.plan import job_ranks
 from pytest_msrun.engine.processes import term_grace
 from pytest_msrun.engine.slurm import Allocation
@@ -169,6 +169,11 @@ class TestJob:
             )
             for node, size in enumerate(sizes)
         ]
+
+    @property
+    def trace(self) -> str:
+        """The trace file its msrun writes ("": not traced)."""
+        return self.extra_env.get(TRACE_ENV, "")
 
     def expected_ranks(self) -> list[int]:
         """The ranks whose results the job owes, as msrun plans its invocations."""

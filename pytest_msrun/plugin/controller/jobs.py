@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_msrun.engine.config import TRACE_ENV
 from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.plugin import covdata, options
 from pytest_msrun.plugin.controller.debugserver import DebugServer, NoDebug
@@ -116,7 +117,7 @@ class Jobs:
         job_dir = self.test_dir(item)
         if self.trace_dir:  # one trace per job
             name = f"{safe_name(item.nodeid)}-{job_dir.name}.trace.json"
-            extra_env = {**extra_env, "MSRUN_TRACE": os.path.join(self.trace_dir, name)}
+            extra_env = {**extra_env, TRACE_ENV: os.path.join(self.trace_dir, name)}
         return TestJob(
             nodeid=node_path(item),
             spec=spec,

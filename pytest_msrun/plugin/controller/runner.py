@@ -75,12 +75,11 @@ class Runner:
             no_room = self.worlds.no_room.pop(item.nodeid, "")
             if no_room:
                 return RefusedAttempt(item.nodeid, ranks, Refusal("failed", f"msrun: {no_room}"), note)
-            return self._fresh(item, spec, note)
+            return self._fresh(item, spec, ranks, note)
         except OSError as exc:
             return RefusedAttempt(item.nodeid, ranks, Refusal("failed", self._no_files(exc)), note)
 
-    def _fresh(self, item: pytest.Item, spec: MsrunSpec, note: str) -> Attempt:
-        ranks = list(range(spec.worker_num))
+    def _fresh(self, item: pytest.Item, spec: MsrunSpec, ranks: list[int], note: str) -> Attempt:
         try:
             devices = self.jobs.pooled_devices(spec)
         except DeviceShortage as exc:  # more GPUs per node than the Slurm allocation has: as on a host
@@ -116,10 +115,7 @@ class Runner:
         next_id = None
         if isinstance(attempt, WarmAttempt) and not again:
             next_id = self.worlds.world_next(item, nextitem, attempt.world.key)
-        record = attempt.finish(next_id, self.exit_timeout, leaks_fail=self.leaks_fail)
-        if isinstance(attempt, WarmAttempt):
-            attempt.next_id = next_id
-        return record
+        return attempt.finish(next_id, self.exit_timeout, leaks_fail=self.leaks_fail)
 
     def done(self, attempt: Attempt, item: pytest.Item, final: TestVerdict) -> bool:
         """The attempt is reported (``final``); whether its job ended with it (its trace is complete)."""
@@ -137,12 +133,12 @@ class Runner:
         """The records of worlds' last tests, judged again with how each world ended since."""
         for end in self.worlds.take_late():
             item, world, last, run, why = end.item, end.world, end.last, end.run, end.why
-            lines = world.job.reproduce_lines(last.timeout, [last.nodeid], last.env)
-            late = dataclasses.replace(run, reproduce_lines=lines, started=last.started)
+            late = dataclasses.replace(run, reproduce_lines=world.reproduce_lines(last), started=last.started)
             record = TestRecord.load(item.nodeid, world.job.expected_ranks(), last.paths, late)
             test, said = self.reported.get(world.key, (None, frozenset()))
-            trace = world.job.extra_env.get("MSRUN_TRACE", "")
-            yield LateRecord(item, record, why, trace, ("warm", world.created), said if test is last else frozenset())
+            yield LateRecord(
+                item, record, why, world.job.trace, ("warm", world.created), said if test is last else frozenset()
+            )
 
 
 def teardown_failures(verdict: TestVerdict) -> set[tuple[int, str, str]]:

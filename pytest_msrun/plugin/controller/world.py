@@ -466,6 +466,10 @@ class World:
         ranks = {r: dataclasses.replace(end, held=True) if r in waiting else end for r, end in run.ranks.items()}
         return dataclasses.replace(run, ranks=ranks, stacks=stacks, state=state, cutoff=cutoff, running=running)
 
+    def reproduce_lines(self, test: WarmTest) -> list[str]:
+        """The command lines that run ``test`` alone, as this world ran it."""
+        return self.job.reproduce_lines(test.timeout, [test.nodeid], test.env)
+
     def job_run(self, test: WarmTest, timed_out: bool) -> JobRun:
         """The run to judge ``test`` by: each rank's end, or - the world living on - that it lives on."""
         ends = self.job.rank_ends()
@@ -474,7 +478,7 @@ class World:
             if live and end.returncode is None and rank not in self.lost:
                 ends[rank] = RankEnd(pid=end.pid, log=end.log, host=end.host, alive=True)
         return JobRun(
-            reproduce_lines=self.job.reproduce_lines(test.timeout, [test.nodeid], test.env),
+            reproduce_lines=self.reproduce_lines(test),
             exit_codes=[p.returncode for p in self.launched.procs],
             timed_out=timed_out,
             timeout=test.timeout,
