@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import socket
+import subprocess
 import threading
 import time
 
@@ -77,6 +78,42 @@ def test_two_invocations_form_one_job(msrun, env_dump, nodes, expected):
     logs = sorted(p.name for p in (msrun.cwd / "logs").glob("worker_*.log"))
     assert logs == ["worker_0.log", "worker_1.log", "worker_2.log", "worker_3.log"]
     assert "Start scheduler process" in a.stdout and "Start scheduler process" not in b.stdout
+
+
+@pytest.mark.parametrize("node_rank", [False, True], ids=["ranks-assigned", "node_rank-given"])
+def test_nodes_that_all_lost_the_port_still_form_the_job(msrun, env_dump, node_rank):
+    """Every node of a job on this host found the scheduler's port taken (something held it a
+    moment; or two nodes entering listen together, which Linux can refuse both): while no
+    scheduler answers there, a node hosts it once the port is free - else all wait for none."""
+    port = free_port()
+    holder = socket.socket()  # bound, not listening: the port is taken and no scheduler answers
+    holder.bind(("127.0.0.1", port))
+    consoles = [msrun.cwd / f"console-{i}.txt" for i in range(2)]
+    procs = []
+    for i, console in enumerate(consoles):
+        args = [
+            "--worker_num=4",
+            "--local_worker_num=2",
+            f"--master_port={port}",
+            "--join=True",
+            "--log_dir=logs",
+            "--cluster_time_out=60",
+            *([f"--node_rank={i}"] if node_rank else []),
+            "env_dump.py",
+        ]
+        with open(console, "w") as out:  # GLOG_v=1: msrun's INFO lines, "taken ... joining as a worker node"
+            env = msrun.env({"GLOG_v": "1"})
+            procs.append(subprocess.Popen(msrun.argv(args), cwd=msrun.cwd, env=env, stdout=out, stderr=out))
+    msrun.popens += procs
+    try:
+        wait_for(lambda: all("is taken on this host" in c.read_text() for c in consoles), timeout=60)
+    finally:
+        holder.close()
+    codes = [p.wait(timeout=60) for p in procs]
+    texts = [c.read_text() for c in consoles]
+    assert codes == [0, 0], texts
+    assert sorted(int(d["RANK_ID"]) for d in msrun.dumps()) == [0, 1, 2, 3]
+    assert sum("Start scheduler process" in t for t in texts) == 1, texts
 
 
 def test_missing_node_times_out_with_a_clear_error(msrun, env_dump):

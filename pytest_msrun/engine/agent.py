@@ -42,7 +42,7 @@ from pytest_msrun.engine.plan import (
     build_plan,
 )
 from pytest_msrun.engine.policy import EXIT_LAUNCH_ERROR, Ending
-from pytest_msrun.engine.ports import LaunchError, claim
+from pytest_msrun.engine.ports import LaunchError, claim, claim_again
 from pytest_msrun.engine.processes import Child
 from pytest_msrun.engine.starting import Starter, collect_from_now
 from pytest_msrun.engine.status import STATUS_FILE, node_status_file
@@ -89,6 +89,7 @@ class Agent:
         self.unsaid: list[tuple[dict[str, Any], bool]] = []  # for the control plane, before registering
         self.stage = Stage.STARTING
         self._register_by = 0.0  # when registering gives up (--cluster_time_out)
+        self._contested = False  # the scheduler's port was taken here when this node started
         self.node_timeout = env_seconds(dict(os.environ), "MS_NODE_TIMEOUT", 30.0, allow_negative=True)
         self.status_name: str | None = STATUS_FILE if not cfg.multi_node else None
         node.observers += [
@@ -130,6 +131,7 @@ class Agent:
         except LaunchError as exc:
             return self.ending.launch_error(str(exc), exc.exit_code)
         self.node.facts = ports.facts
+        self._contested = ports.contested
         plan = build_plan(self.node.cfg, self.node.facts, hosts_scheduler=ports.hosts_scheduler)
         self.node.plan = plan
         for text in plan.warnings:
@@ -183,6 +185,7 @@ class Agent:
                 pass
             elif stage is Stage.REGISTERING:
                 outcome = self._register(plan)
+                plan = self.node.plan  # this node may have become the scheduler's host
                 if self.stage is stage:
                     wait = REGISTER_RETRY
             elif stage is Stage.ASSIGNING:
@@ -324,6 +327,8 @@ class Agent:
                 if time.monotonic() >= self._register_by:
                     within = f"--cluster_time_out={cfg.cluster_time_out}"
                     return f"cannot reach the scheduler at {link.where} within {within}: {last}"
+                if self._contested and scheduler is None:
+                    self._host_if_free(plan)
                 return None
         self.node.loop.attach(link)
         timeline.mark("registered with the control plane")
@@ -339,6 +344,20 @@ class Agent:
             self._place_trace(plan)
             self._supervising()
         return None
+
+    def _host_if_free(self, plan: LaunchPlan) -> None:
+        """No scheduler answers at a port another process held on this host when this node
+        started: if it is free now, this node hosts the scheduler (registering over its fork's
+        socketpair next turn) - else every node of the job on this host could wait for a
+        scheduler that none of them hosts."""
+        listener = claim_again(self.node.facts)
+        if listener is None:
+            return
+        self._contested = False
+        hosting = build_plan(self.node.cfg, self.node.facts, hosts_scheduler=True)
+        assert hosting.scheduler is not None
+        self.node.plan = replace(plan, hosts_scheduler=True, processes=(hosting.scheduler, *plan.processes))
+        self.starter.start_scheduler(hosting.scheduler, listener)
 
     def _assignment(self, msg: dict[str, Any]) -> str | None:
         if self._told(msg):

@@ -3,7 +3,10 @@
 With the builtin control plane the scheduler port is bound here, by msrun itself, and handed to
 the scheduler process: agents can register at once, a busy port is a usage error before anything
 starts, and two jobs can never both pass a check and then collide. Another agent of a multi-node
-job on this host may already hold it: this node then joins as a worker-only node.
+job on this host may already hold it: this node then joins as a worker-only node - and while it
+cannot reach a scheduler there, it tries to host one itself (:func:`claim_again`): the port may
+have been held by something else for a moment, or lost by every node at once (two sockets that
+enter ``listen`` together on Linux can both be refused), and then no node would host it.
 """
 
 from __future__ import annotations
@@ -34,6 +37,15 @@ class Ports:
     facts: NodeFacts  # with the ports resolved (0 = a free one)
     hosts_scheduler: bool
     listener: _socket.socket | None = None  # the scheduler's, bound and listening
+    contested: bool = False  # the port was taken on this host: this node may host it once free
+
+
+def claim_again(facts: NodeFacts) -> _socket.socket | None:
+    """The scheduler's port, listening, if it can be had now (a contested port: see :func:`claim`)."""
+    try:
+        return listen_socket(facts.master_ip, facts.master_port)
+    except OSError:
+        return None
 
 
 def claim(cfg: LaunchConfig, facts: NodeFacts) -> Ports:
@@ -41,6 +53,7 @@ def claim(cfg: LaunchConfig, facts: NodeFacts) -> Ports:
     port, dist = facts.master_port, facts.dist_port
     where = format_hostport(facts.master_ip, port)
     listener: _socket.socket | None = None
+    contested = False
     if hosts and SchedulerMode(facts.scheduler_mode).has_control_plane:
         try:
             listener = listen_socket(facts.master_ip, port)
@@ -54,7 +67,7 @@ def claim(cfg: LaunchConfig, facts: NodeFacts) -> Ports:
                     "--master_port=0 to pick one",
                     EXIT_USAGE,
                 ) from None
-            hosts = False
+            hosts, contested = False, True
             console.info(f"{where} is taken on this host: joining as a worker node.")
     elif hosts:  # --scheduler=task: the task binds the port itself, as under MindSpore's msrun
         if port == 0:
@@ -66,4 +79,4 @@ def claim(cfg: LaunchConfig, facts: NodeFacts) -> Ports:
     dist = effective_dist_port(facts.master_port and port, dist)
     if hosts and not cfg.multi_node and (dist == 0 or not port_is_free(facts.master_ip, dist)):
         dist = free_port(facts.master_ip, avoid=(port,))
-    return Ports(replace(facts, master_port=port, dist_port=dist), hosts, listener)
+    return Ports(replace(facts, master_port=port, dist_port=dist), hosts, listener, contested)
