@@ -66,7 +66,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=None,
         metavar="DIR",
         help="keep each marked test's job trace (Chrome trace format, for Perfetto) in DIR: one file per "
-        "fresh job, one per warm world; each test in it (spans per rank, phases, failures, verdicts)",
+        "fresh job, one per warm world, one per test whose job never ran (the reason); each test in it (spans "
+        "per rank, phases, failures, verdicts)",
     )
     group.addoption(
         "--msrun-inprocess",

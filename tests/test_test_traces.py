@@ -104,6 +104,44 @@ def test_a_fresh_jobs_trace_shows_its_test(pytester: pytest.Pytester) -> None:
     ]
 
 
+REFUSED = """
+import pytest
+
+@pytest.mark.msrun(worker_num=0)
+def test_bad_marker():
+    pass
+
+@pytest.mark.skip(reason="not here")
+@pytest.mark.msrun(worker_num=2)
+def test_skipped():
+    pass
+"""
+
+
+@pytest.mark.parametrize("mode", ["warm", "fresh"])
+def test_a_refused_test_has_a_trace_that_says_why(pytester: pytest.Pytester, mode: str) -> None:
+    """A test whose job never ran (a bad marker, a skip) is a record judged like any other: its
+    own trace holds its verdict and the reason on the tests lane."""
+    pytester.makepyfile(test_refused=REFUSED)
+    traces = pytester.path / "traces"
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:randomly", f"--msrun-trace={traces}", f"--msrun-worlds={mode}"
+    )
+    result.assert_outcomes(errors=1, skipped=1)
+    files = sorted(traces.glob("*.trace.json"))
+    assert [f.name.split("-refused-")[0] for f in files] == ["test_bad_marker", "test_skipped"], files
+    verdicts = {}
+    for path in files:
+        events = json.loads(path.read_text())["traceEvents"]
+        assert any(ev["name"] == "process_name" and ev["args"]["name"] == "tests" for ev in events)
+        (said,) = [ev for ev in events if ev["pid"] == TESTS_PID and ev["ph"] != "M"]
+        verdicts[said["args"]["nodeid"].split("::")[-1]] = said["args"]
+    assert verdicts["test_bad_marker"]["verdict"] == "error"
+    assert "worker_num" in verdicts["test_bad_marker"]["refused"]
+    assert verdicts["test_skipped"]["verdict"] == "skipped"
+    assert verdicts["test_skipped"]["refused"] == "not here"
+
+
 def test_a_suites_trace_shows_each_test(msrun) -> None:
     (msrun.cwd / "suite").mkdir()
     (msrun.cwd / "suite" / "test_two.py").write_text(TWO.replace("@pytest.mark.msrun(worker_num=2{extra})\n", ""))

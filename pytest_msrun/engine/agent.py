@@ -185,7 +185,7 @@ class Agent:
                 pass
             elif stage is Stage.REGISTERING:
                 outcome = self._register(plan)
-                plan = self.node.plan  # this node may have become the scheduler's host
+                plan = self.node.plan or plan  # this node may have become the scheduler's host
                 if self.stage is stage:
                     wait = REGISTER_RETRY
             elif stage is Stage.ASSIGNING:

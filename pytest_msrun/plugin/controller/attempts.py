@@ -53,10 +53,10 @@ class RefusedAttempt:
     record holds the refusal, judged like any other."""
 
     mode = "refused"
-    trace = ""
     world_dir = ""
 
-    def __init__(self, nodeid: str, ranks: list[int], refusal: Refusal, note: str = "") -> None:
+    def __init__(self, nodeid: str, ranks: list[int], refusal: Refusal, note: str = "", trace: str = "") -> None:
+        self.trace = trace  # its own trace file, the refusal on its tests lane ("": none kept)
         now = time.time()
         run = JobRun([], [], False, 0.0, now, now, note=note)
         self.record = TestRecord(nodeid, ranks, {}, run, "", refusal=refusal)

@@ -111,13 +111,16 @@ class Jobs:
         path: Path = factory.mktemp(f"msrun-{safe_name(item.nodeid)}", numbered=True)
         return path
 
+    def trace_of(self, item: pytest.Item, tag: str) -> str:
+        """The trace file of ``item``'s job ``tag`` (its directory's name, or ``refused``); "": none kept."""
+        return os.path.join(self.trace_dir, f"{safe_name(item.nodeid)}-{tag}.trace.json") if self.trace_dir else ""
+
     def new(self, item: pytest.Item, spec: MsrunSpec, ports: list[int], devices: list[str]) -> TestJob:
         """The job of ``item`` (a fresh test's, or a warm world's named by its first test)."""
         extra_env = self.device_env(devices)
         job_dir = self.test_dir(item)
         if self.trace_dir:  # one trace per job
-            name = f"{safe_name(item.nodeid)}-{job_dir.name}.trace.json"
-            extra_env = {**extra_env, TRACE_ENV: os.path.join(self.trace_dir, name)}
+            extra_env = {**extra_env, TRACE_ENV: self.trace_of(item, job_dir.name)}
         return TestJob(
             nodeid=node_path(item),
             spec=spec,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import hashlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,7 +59,7 @@ class Runner:
         try:
             spec = spec_for(item)
         except MarkerError as exc:
-            return RefusedAttempt(item.nodeid, [], Refusal("failed", str(exc)))
+            return self._refused(item, [], Refusal("failed", str(exc)))
         assert spec is not None
         ranks = list(range(spec.worker_num))
         key = self.worlds.key_of(item)
@@ -71,30 +72,34 @@ class Runner:
                 if attempt is not None:
                     return attempt
             if skip is not None:
-                return RefusedAttempt(item.nodeid, ranks, Refusal("skipped", skip))
+                return self._refused(item, ranks, Refusal("skipped", skip))
             no_room = self.worlds.no_room.pop(item.nodeid, "")
             if no_room:
-                return RefusedAttempt(item.nodeid, ranks, Refusal("failed", f"msrun: {no_room}"), note)
+                return self._refused(item, ranks, Refusal("failed", f"msrun: {no_room}"), note)
             return self._fresh(item, spec, ranks, note)
         except OSError as exc:
-            return RefusedAttempt(item.nodeid, ranks, Refusal("failed", self._no_files(exc)), note)
+            return self._refused(item, ranks, Refusal("failed", self._no_files(exc)), note)
 
     def _fresh(self, item: pytest.Item, spec: MsrunSpec, ranks: list[int], note: str) -> Attempt:
         try:
             devices = self.jobs.pooled_devices(spec)
         except DeviceShortage as exc:  # more GPUs per node than the Slurm allocation has: as on a host
-            return RefusedAttempt(item.nodeid, ranks, Refusal("skipped", f"msrun: {exc}"), note)
+            return self._refused(item, ranks, Refusal("skipped", f"msrun: {exc}"), note)
         inventory = self.jobs.inventory
         try:
             lease = self.pool.lease(ports=2, devices=devices, inv=inventory, wait=self.jobs.timeout(spec))
         except DeviceShortage as exc:
             outcome = "skipped" if spec.devices > len(inventory.ids) else "failed"
-            return RefusedAttempt(item.nodeid, ranks, Refusal(outcome, f"msrun: {exc}"), note)
+            return self._refused(item, ranks, Refusal(outcome, f"msrun: {exc}"), note)
         try:
             job = self.jobs.new(item, spec, lease.ports, lease.devices)
             return FreshAttempt(item.nodeid, job, self.jobs.test_timeout(item, spec), self.exit_timeout, note)
         finally:
             self.pool.release(lease)
+
+    def _refused(self, item: pytest.Item, ranks: list[int], refusal: Refusal, note: str = "") -> RefusedAttempt:
+        tag = "refused-" + hashlib.sha1(item.nodeid.encode()).hexdigest()[:8]  # tests of one name in two files
+        return RefusedAttempt(item.nodeid, ranks, refusal, note, self.jobs.trace_of(item, tag))
 
     def _no_files(self, exc: OSError) -> str:
         """The test's directories or files could not be made (a full basetemp, a file someone put

@@ -106,6 +106,8 @@ def test_events(verdict: TestVerdict, outcome: str, logs: dict[int, RankLog], un
     cells = {str(rank): cell for rank, cell in sorted(verdict.cells.items())}
     args: dict[str, Any] = {"nodeid": nodeid, "verdict": outcome, "ranks": cells}
     first = verdict.first_issue
+    if verdict.refusal is not None:
+        args["refused"] = short(verdict.refusal.reason)
     if first is not None:
         args["first failure"] = f"rank {first.rank}" + (f" in {first.phase}" if first.phase else "")
         args["message"] = short(first.summary)
@@ -184,10 +186,18 @@ class TraceNotes:
 
     def flush(self, path: str) -> None:
         """The job of ``path`` has ended: add its tests to the trace its msrun wrote (not to a file
-        an earlier session left under that name, when this job's msrun wrote none)."""
+        an earlier session left under that name, when this job's msrun wrote none); a refused
+        test's trace, which no msrun writes, is written here."""
         if path not in self.pending:
             return
         mode, since, tests = self.pending.pop(path)
+        events = [ev for evs, _ in tests.values() for ev in evs]
+        if mode == "refused":  # no job, no msrun to write it: the trace holds the refusal alone
+            try:
+                write_whole(path, json.dumps({"traceEvents": [*lanes(), *events]}, separators=(",", ":")) + "\n")
+            except OSError as exc:
+                self._lost(path, exc)
+            return
         try:
             fresh = os.path.getmtime(path) >= since - 1
         except OSError:  # its msrun wrote none: said when its disk is full, the likely why
@@ -195,7 +205,6 @@ class TraceNotes:
                 self._lost(path, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path))
             return
         if fresh:
-            events = [ev for evs, _ in tests.values() for ev in evs]
             try:
                 annotate(path, events, [outcome for _, outcome in tests.values()], mode == "warm")
             except OSError as exc:
