@@ -85,7 +85,7 @@ class Conn:
         # "agent", "rank" or "observer"; relayed MindSpore connections are "foreign" (the client,
         # until attributed, then relayed) and "upstream" (to the MindSpore scheduler).
         self.kind = kind
-        self.opened = self.last_seen = now  # loop-clock times
+        self.last_seen = now  # a loop-clock time
         self.closing = False
         self.pair: Conn | None = None  # the other end of a relayed connection
         self.pending = bytearray()  # relayed bytes waiting for the other end to connect

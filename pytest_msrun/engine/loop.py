@@ -59,7 +59,6 @@ class EventLoop:
         self.epoll = select.epoll()
         self.sources: dict[int, Any] = {}  # fd -> "signal", "link" or the Child whose pidfd it is
         self.signal_received: int | None = None
-        self.use_pidfd = True
         self.children: list[Child] = []  # watched without a pidfd (SIGCHLD)
         self.link: Link | None = None
         self._wake_r = self._wake_w = -1
@@ -115,7 +114,6 @@ class EventLoop:
         if child.pidfd is not None:
             self._register(child.pidfd, child)
             return
-        self.use_pidfd = False
         self.children.append(child)
         child.reap()  # it may have exited before SIGCHLD could be watched for
 

@@ -229,7 +229,6 @@ class World:
         self.declared = False  # the control plane was told ranks had finished a test
         self.tests = 0
         self.last: WarmTest | None = None  # the last test it ran
-        self.last_used = time.monotonic()
         self.created = time.time()
         self.connected = False  # every rank connected (a world started ahead is not, until needed)
         self.claimed = 0.0  # when its first test asked for it (it may have been started ahead)
@@ -311,7 +310,6 @@ class World:
         leaves meanwhile while the job goes on (an ``os._exit(0)``) ends the world within this test,
         the others finishing it as in a fresh job, so the run is complete at once."""
         self.tests += 1
-        self.last_used = time.monotonic()
         # the first test's setup starts the world - or, started ahead, waits for it from its request
         started = max(self.created, self.claimed) if self.tests == 1 else time.time()
         deadline = time.monotonic() + timeout

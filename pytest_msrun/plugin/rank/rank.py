@@ -71,7 +71,6 @@ class RankPlugin:
         self.randomly_seed = self._common_seed(config)
         self.log = log_file() if log_capture else None  # capture through the log
         self.streams = StandardStreams() if self.log is not None else None  # kept whole across tests
-        self.phase_offset: int | None = None
         self.current: tuple[str, str] | None = None  # (nodeid, phase) running now
         self.clock = SuiteClock(self)  # a suite's marked-test timeouts (a controller times its own)
         self.writer: RecordWriter | None = None
