@@ -208,6 +208,7 @@ def test_a_failing_subtest_fails_the_test():
     records = logs(r0=PASS, r1=PASS)
     sub = rep("call", "failed", "AssertionError: sub", _report_type="SubTestReport", _ts=100.5)
     sub["_subtest.context"] = {"msg": "i=3", "kwargs": {}}
+    sub["_subtest.description"] = "[i=3]"  # what the rank's pytest calls it
     records[1].tests[NODEID].more["call"] = [sub]
     records[1].exitstatus = 1  # pytest's "tests failed"
     v = judge(NODEID, [0, 1], records, {0: RankEnd(0), 1: RankEnd(1)})

@@ -285,6 +285,9 @@ class RankPlugin:
             if not _strict_xpass(report):
                 self.real_failure = self.test_real_failure = True
         data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
+        describe = getattr(report, "_sub_test_description", None)
+        if callable(describe) and isinstance(data, dict):  # a subtest's "[msg] (i=1)", as this pytest says it
+            data["_subtest.description"] = describe()
         self._write("report", data=data)
 
     @pytest.hookimpl(trylast=True)

@@ -105,9 +105,13 @@ class Replay:
             return None
 
     def _subtest_report(self, entry: MergedSubtest) -> Any:
-        report = self._from_data(entry.reports[entry.shown])
+        data = entry.reports[entry.shown]
+        report = self._from_data(data)
         if report is None:
             return None
+        context, said = getattr(report, "context", None), (data.get("_subtest.context") or {}).get("kwargs")
+        if context is not None and isinstance(said, dict):  # as the rank wrote them: pytest 9.2 reprs them
+            object.__setattr__(context, "kwargs", dict(said))  # when it makes a report, and again reading one
         sections = []
         for rank in sorted(entry.reports):
             for title, content in entry.reports[rank].get("sections") or []:

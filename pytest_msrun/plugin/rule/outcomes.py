@@ -232,17 +232,8 @@ def crash_message(report: dict[str, Any]) -> str:
     else:
         line = lines[0] if lines else "failed"
     if is_subtest(report):
-        context = report.get("_subtest.context") or {}
-        label = " ".join(
-            filter(
-                None,
-                [
-                    f"[{context['msg']}]" if context.get("msg") is not None else "",
-                    ", ".join(f"{k}={v!r}" for k, v in (context.get("kwargs") or {}).items()),
-                ],
-            )
-        )
-        return f"subtest {label or '(<subtest>)'} failed: {line}"
+        label = report.get("_subtest.description")  # as the rank's pytest describes it
+        return f"subtest {label if isinstance(label, str) else '(<subtest>)'} failed: {line}"
     return line
 
 
