@@ -31,7 +31,7 @@ TABLE = [
         [],
         {"failed": 1},
         [
-            r"rank 1 left no record during the call phase and killed by SIGSEGV \(exit status 139\)",
+            r"rank 1 left no record during the call phase and was killed by SIGSEGV \(exit status 139\)",
             r"Fatal Python error: Segmentation fault",
             r"terminated by msrun",
             r"rank 0 was stopped after the first failure \(rank 1 killed by SIGSEGV",

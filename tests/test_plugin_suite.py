@@ -139,7 +139,7 @@ def test_suite_blames_the_test_a_rank_crashed_in(msrun):
     assert re.search(r"test_after\s+not run\s+not run\s+not run", out), out
     assert (
         "FAILED suite/test_crash.py::test_crash_on_rank_1 on rank(s) 1: rank 1 left no record during the call "
-        "phase and killed by SIGSEGV (exit status 139)" in out
+        "phase and was killed by SIGSEGV (exit status 139)" in out
     )
     assert "msrun: 4 test(s): 1 passed, 1 failed, 2 not run" in out
     assert "failed on no rank" not in out

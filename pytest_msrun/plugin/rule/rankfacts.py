@@ -123,7 +123,8 @@ class RankFacts:
             why = f"ended its pytest session (exit status {log.exitstatus})"
         else:
             why = "left no record"
-        summary = f"rank {rank} {why} during the {phase} phase and {end.describe(False)}"
+        how = end.describe(False)
+        summary = f"rank {rank} {why} during the {phase} phase and {'was ' if how.startswith('killed') else ''}{how}"
         return RankIssue(rank, "died", self.end_at(rank), summary, phase=phase)
 
     def stopped_by_msrun(self, rank: int) -> bool:
