@@ -277,6 +277,29 @@ def test_it(rank):
         suite_ok=True,
         suite_patterns=(r"test_it\s+passed\s+passed\s+passed",),
     ),
+    Scenario(  # plain pytest passes it: its rank's records were written with the test's json.dumps
+        "a_test_patches_json_dumps",
+        """
+import json
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_it(rank, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("json.dumps is the test's")
+
+    monkeypatch.setattr(json, "dumps", broken)
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_after(rank):
+    json.dumps(rank)
+""",
+        counts={"passed": 2},
+        never=("failed", "errors"),
+        suite_ok=True,
+        suite_patterns=(r"test_it\s+passed\s+passed\s+passed", r"test_after\s+passed\s+passed\s+passed"),
+    ),
     Scenario(  # as under plain pytest's capture (it returned "": a rank's stdin is /dev/null)
         "reading_stdin_raises_as_under_pytests_capture",
         """

@@ -34,6 +34,7 @@ from os import _exit  # taken now: a test that replaces os._exit does not change
 from typing import Any
 
 from pytest_msrun.engine import processes
+from pytest_msrun.plugin.rule.records import encode_json
 
 
 def join_group() -> None:
@@ -116,7 +117,7 @@ def child_exit(status: int) -> None:
 
 def tell_parent(fd: int, info: dict[str, Any]) -> None:
     try:
-        os.write(fd, json.dumps(info).encode())
+        os.write(fd, encode_json(info).encode())
     except OSError:
         pass
     finally:

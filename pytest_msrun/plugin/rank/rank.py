@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import faulthandler
 import hashlib
-import json
 import os
 import sys
 import threading
@@ -41,6 +40,7 @@ from pytest_msrun.plugin.rule.records import (
     STEPWISE,
     STEPWISE_FILE,
     RecordWriter,
+    encode_json,
     records_path,
     stacks_path,
     wallclock,
@@ -162,7 +162,7 @@ class RankPlugin:
         def set_all_but_selections(key: str, value: object) -> None:
             if key == STEPWISE:
                 try:
-                    write_whole(stepwise, json.dumps(value))
+                    write_whole(stepwise, encode_json(value))
                 except (OSError, TypeError, ValueError):
                     pass
             elif key != LASTFAILED:
@@ -171,7 +171,7 @@ class RankPlugin:
         cache.set = set_all_but_selections
         if self.rank == 0:
             held = {"cache_dir": str(cache._cachedir), "lastfailed": cache.get(LASTFAILED, {})}
-            write_whole(os.path.join(self.records_dir, CACHE_FILE), json.dumps(held))
+            write_whole(os.path.join(self.records_dir, CACHE_FILE), encode_json(held))
 
     def _write_start(self) -> None:
         self._write(

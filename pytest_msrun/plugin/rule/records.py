@@ -57,6 +57,10 @@ def wallclock() -> float:
     return _clock_gettime(_REALTIME)
 
 
+# Bound now: a test may patch ``json.dumps`` (monkeypatch, a mock) while its rank writes records.
+encode_json = json.JSONEncoder(default=str).encode
+
+
 class RecordWriter:
     """Appends records for one rank; every line is flushed before the call returns."""
 
@@ -69,7 +73,7 @@ class RecordWriter:
 
     def write(self, kind: str, **fields: Any) -> None:
         record = {"kind": kind, "rank": self.rank, "world": self.world, "ts": wallclock(), **fields}
-        line = json.dumps(record, default=str) + "\n"
+        line = encode_json(record) + "\n"
         with self.lock:
             self.fh.write(line)
             self.fh.flush()
