@@ -277,14 +277,15 @@ def test_it(rank):
         suite_ok=True,
         suite_patterns=(r"test_it\s+passed\s+passed\s+passed",),
     ),
-    Scenario(  # plain pytest passes it: its rank's records were written with the test's json.dumps
-        "a_test_patches_json_dumps",
+    Scenario(  # plain pytest passes them: the rank's own code called what the test had patched
+        "tests_patch_what_the_ranks_own_code_calls",
         """
-import json
+import builtins, json
+from unittest import mock
 
 
 @pytest.mark.msrun(worker_num=2)
-def test_it(rank, monkeypatch):
+def test_json_dumps(rank, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("json.dumps is the test's")
 
@@ -292,13 +293,25 @@ def test_it(rank, monkeypatch):
 
 
 @pytest.mark.msrun(worker_num=2)
+def test_open(rank, monkeypatch):
+    monkeypatch.setattr(builtins, "open", mock.mock_open(read_data="the test's"))
+
+
+@pytest.mark.msrun(worker_num=2)
+def test_getpid(rank, monkeypatch):
+    monkeypatch.setattr(os, "getpid", lambda: 1)
+
+
+@pytest.mark.msrun(worker_num=2)
 def test_after(rank):
     json.dumps(rank)
 """,
-        counts={"passed": 2},
+        counts={"passed": 4},
         never=("failed", "errors"),
         suite_ok=True,
-        suite_patterns=(r"test_it\s+passed\s+passed\s+passed", r"test_after\s+passed\s+passed\s+passed"),
+        suite_patterns=tuple(
+            rf"test_{name}\s+passed\s+passed\s+passed" for name in ("json_dumps", "open", "getpid", "after")
+        ),
     ),
     Scenario(  # as under plain pytest's capture (it returned "": a rank's stdin is /dev/null)
         "reading_stdin_raises_as_under_pytests_capture",

@@ -43,10 +43,13 @@ def log_offset() -> int | None:
         return None
 
 
+_open = open  # bound now: a test may patch builtins.open (mock_open) while its rank reads its log
+
+
 def read_log(path: str, start: int, end: int | None = None) -> str:
     """``path`` from byte ``start`` to ``end`` (at most 1 MiB, the end kept), decoded leniently."""
     try:
-        with open(path, "rb") as fh:
+        with _open(path, "rb") as fh:
             size = fh.seek(0, os.SEEK_END)
             stop = size if end is None else min(end, size)
             begin = max(start, stop - MAX_SECTION)

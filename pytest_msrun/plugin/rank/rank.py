@@ -49,6 +49,8 @@ from pytest_msrun.plugin.stdstreams import StandardStreams, log_file, log_offset
 
 STRICT_XPASS = "[XPASS(strict)]"
 
+_getpid = os.getpid  # bound now: a test may patch os.getpid while its phases are recorded
+
 
 def _strict_xpass(report: pytest.TestReport) -> bool:
     return report.when == "call" and str(report.longrepr).startswith(STRICT_XPASS)
@@ -176,7 +178,7 @@ class RankPlugin:
     def _write_start(self) -> None:
         self._write(
             "start",
-            pid=os.getpid(),
+            pid=_getpid(),
             args=list(self.config.invocation_params.args),
             log=log_file() or "",
             main_thread=threading.main_thread().ident,
@@ -370,7 +372,7 @@ class RankPlugin:
         self.current = (item.nodeid, when)
         start = log_offset()
         began = wallclock()
-        owner = os.getpid()
+        owner = _getpid()
         if when == "setup":  # the tests this rank began, in the order every rank runs them
             calls.place += 1  # its collectives carry it
         self._write("phase", nodeid=item.nodeid, when=when, offset=start)
@@ -379,7 +381,7 @@ class RankPlugin:
         try:
             yield
         finally:
-            if os.getpid() != owner:
+            if _getpid() != owner:
                 _forked_child_returned(item.nodeid, when)
             if self.streams is not None:
                 self.streams.leave()
@@ -452,7 +454,7 @@ def _forked_child_returned(nodeid: str, when: str) -> None:
     try:
         sys.stdout.flush()
         sys.stderr.write(
-            f"msrun: a process {nodeid} forked (pid {os.getpid()}) returned from its {when} into pytest; it ends "
+            f"msrun: a process {nodeid} forked (pid {_getpid()}) returned from its {when} into pytest; it ends "
             "here with status 0 (end a forked child with os._exit())\n"
         )
         sys.stderr.flush()
