@@ -292,6 +292,9 @@ class Msrun:
         env[MARK] = self.mark
         env["DUMP_DIR"] = str(self.dump)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
+        # a job's "pytest" and "python" are this interpreter's, as in its activated virtual
+        # environment - the suite may run from one that is not activated (PATH finds another pytest)
+        env["PATH"] = os.pathsep.join(filter(None, [os.path.dirname(sys.executable), env.get("PATH", "")]))
         for name in ("RANK_ID", "MS_ROLE", "MS_SIMULATION_LEVEL", "RANK_SIZE", "MSRUN_JOB_TOKEN"):
             env.pop(name, None)
         for name in [k for k in env if k.startswith("SLURM_")]:  # the suite itself may run under srun
