@@ -355,6 +355,35 @@ def test_ranks_load_hypothesis_only_when_a_test_uses_it(pytester: pytest.Pyteste
     pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
 
 
+@pytest.mark.parametrize("fork_server", ["on", "off"])
+def test_a_hypothesis_test_passes_under_w_error_as_unmarked(pytester: pytest.Pytester, fork_server: str) -> None:
+    """A template forked at the session's start forgot hypothesis's plugin (no test module had
+    imported hypothesis yet) but kept the start it had counted in ``_hypothesis_globals``: each
+    rank then warned "Slow code in plugin" (HypothesisSideeffectWarning), an error under ``-W error``."""
+    pytest.importorskip("hypothesis")
+    pytester.makepyfile(
+        test_hyp="""
+        import pytest
+        from hypothesis import given, settings, strategies as st
+
+        @pytest.mark.msrun(worker_num=2)
+        @settings(max_examples=5, deadline=None)
+        @given(st.integers())
+        def test_marked(x):
+            assert isinstance(x, int)
+
+        @settings(max_examples=5, deadline=None)
+        @given(st.integers())
+        def test_plain(x):
+            assert isinstance(x, int)
+        """
+    )
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-W", "error", f"--msrun-fork-server={fork_server}"
+    )
+    result.assert_outcomes(passed=2)
+
+
 def test_dry_run_suite_prints_the_table_at_once(pytester: pytest.Pytester) -> None:
     """``pmsrun --sim_level=1 … pytest``: the simulated ranks' table, and its exit status, without
     waiting for other nodes' status files (a dry run's ranks are listed by their records)."""

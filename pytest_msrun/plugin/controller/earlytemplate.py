@@ -119,6 +119,18 @@ def project_modules(rootdir: str) -> list[str]:
     return out
 
 
+def distribution_modules(dist: Any) -> list[str]:
+    """The modules of the installed distribution ``dist`` that this process imported: a plugin's
+    import may change its distribution's other modules (hypothesis's plugin counts its start in
+    ``_hypothesis_globals``), which a template that forgot only the plugin would keep."""
+    tops = set()
+    for file in getattr(dist, "files", None) or []:
+        parts = str(file).split("/")
+        if parts[-1].endswith(".py") and ".." not in parts and not parts[0].endswith((".dist-info", ".data")):
+            tops.add(parts[0][:-3] if len(parts) == 1 else parts[0])
+    return [name for name in list(sys.modules) if name.partition(".")[0] in tops]
+
+
 def fork_session(config: pytest.Config) -> None:
     """At the session's start - every plugin imported (through pytest's assertion rewriting, as a
     rank imports them), no conftest, nothing collected, no thread - fork this process as the
@@ -141,9 +153,10 @@ def fork_session(config: pytest.Config) -> None:
         # template, as from a started one (a rank imports them under its own environment)
         "forget": project_modules(str(config.rootpath))
         + [
-            getattr(p, "__name__", "")
-            for p, _ in config.pluginmanager.list_plugin_distinfo()
+            name
+            for p, dist in config.pluginmanager.list_plugin_distinfo()
             if config.pluginmanager.get_name(p) in skip
+            for name in [getattr(p, "__name__", ""), *distribution_modules(dist)]
         ],
         "prepare": "rewriting-hook",
         "early": "eager" if eager else "lazy",
