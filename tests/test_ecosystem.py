@@ -384,6 +384,24 @@ def test_a_hypothesis_test_passes_under_w_error_as_unmarked(pytester: pytest.Pyt
     result.assert_outcomes(passed=2)
 
 
+def test_an_import_error_in_a_rank_shows_the_tests_line_only(pytester: pytest.Pytester) -> None:
+    """The warm world's import watch is the plugin's frame: hidden, as pytest hides a plugin's own."""
+    pytester.makepyfile(
+        test_imp="""
+        import pytest
+
+        @pytest.mark.msrun(worker_num=2)
+        def test_imports(rank):
+            import no_such_module_here  # noqa: F401
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    text = result.stdout.str()
+    assert "watched_import" not in text and "original_import" not in text, text
+    result.stdout.fnmatch_lines([">*import no_such_module_here*", "E*ModuleNotFoundError: No module named*"])
+
+
 def test_dry_run_suite_prints_the_table_at_once(pytester: pytest.Pytester) -> None:
     """``pmsrun --sim_level=1 … pytest``: the simulated ranks' table, and its exit status, without
     waiting for other nodes' status files (a dry run's ranks are listed by their records)."""

@@ -46,6 +46,10 @@ __all__ = [
     "is_initialized",
 ]
 
+# pytest leaves this module's frames out of a failure's traceback, as plugins do with their own
+# (``--full-trace`` shows them): a failed collective points at the user's call, not its internals
+__tracebackhide__ = True
+
 NOT_INITED = (
     "Distributed Communication has not been inited.You can't invoke this interface yet. "
     "Please call `init()` method first."

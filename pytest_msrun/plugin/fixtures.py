@@ -21,6 +21,9 @@ from pytest_msrun.fileio import private_dir
 from pytest_msrun.plugin.env import RANK, current_local_rank, current_local_world, current_rank, current_world, role
 from pytest_msrun.plugin.rule.records import SHARED_TMP_ENV
 
+# pytest leaves these thin wrappers out of a failure's traceback (``--full-trace`` shows them)
+__tracebackhide__ = True
+
 ENV_PREFIXES = ("MS_", "RANK", "DEVICE_ID", "LOCAL_", "WORLD_SIZE", "GROUP_", "MASTER_", "MSRUN_")
 
 

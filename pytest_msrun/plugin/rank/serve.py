@@ -193,6 +193,7 @@ class ImportWatch:
             return bool(name) and name not in sys.modules
 
         def watched_import(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0):
+            __tracebackhide__ = True  # a failing import shows the test's line, not this wrapper
             package = (globals or {}).get("__package__") if level else None
             if not new(name, package, level):
                 return original_import(name, globals, locals, fromlist, level)
@@ -200,6 +201,7 @@ class ImportWatch:
                 return original_import(name, globals, locals, fromlist, level)
 
         def watched_import_module(name: str, package: str | None = None):
+            __tracebackhide__ = True
             level = len(name) - len(name.lstrip("."))
             if not new(name.lstrip("."), package, level):
                 return original_import_module(name, package)
