@@ -201,6 +201,45 @@ def test_timeout_report_names_the_timeout_not_a_failure(pytester, tracked):
     assert float(case.get("time")) >= 2.0, "launch and job time are the test's duration"
 
 
+def test_the_reproduce_line_runs_the_test_with_the_sessions_options(pytester, tracked):
+    """The reproduce line names the session's options (a conftest's ``--runslow`` here): run from
+    a shell it applies them - it ran without them, failing as another test - and where their file
+    is gone it says so and runs nothing."""
+    pytester.makeconftest(
+        """
+        def pytest_addoption(parser):
+            parser.addoption("--runslow", action="store_true", default=False)
+        """
+    )
+    pytester.makepyfile(
+        test_opts="""
+        import pytest
+
+        @pytest.mark.msrun(worker_num=2)
+        def test_it(request, rank):
+            assert request.config.getoption("runslow"), "--runslow not given"
+            assert rank == 0, "fails on rank 1"
+        """
+    )
+    result = pytester.runpytest_subprocess("--runslow", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    lines = result.stdout.lines
+    at = next(i for i, line in enumerate(lines) if "reproduce" in line and line.startswith("---"))
+    script = "\n".join(lines[at + 1 : at + 3])  # cd DIR, then the command
+    assert script.startswith("cd ") and "MSRUN_PYTEST_OPTIONS=" in script, script
+    env = {**os.environ, "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])}
+    env.pop("PYTEST_ADDOPTS", None)
+    rerun = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert rerun.returncode != 0 and "fails on rank 1" in rerun.stdout, rerun.stdout + rerun.stderr
+    assert "AssertionError: --runslow not given" not in rerun.stdout
+    options = script.split("MSRUN_PYTEST_OPTIONS=", 1)[1].split()[0]
+    os.unlink(options)
+    gone = subprocess.run(["bash", "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert gone.returncode != 0, gone.stdout
+    assert f"MSRUN_PYTEST_OPTIONS={options}: the controller's pytest options cannot be read" in gone.stdout
+    assert "fails on rank 1" not in gone.stdout and "--runslow not given" not in gone.stdout
+
+
 def test_a_timeout_does_not_kill_a_rank_still_starting_with_its_stack_request(pytester, tracked):
     """The stack request (SIGUSR1) goes only to ranks that already catch it: one still importing
     its conftest would be killed by it, and the diagnosis would say so instead of where it was."""

@@ -85,17 +85,24 @@ def ship(config: pytest.Config, path: str) -> dict[str, str]:
 
 
 def apply(config: pytest.Config, env: dict[str, str] | None = None) -> list[str]:
-    """In a rank: take over the shipped options this rank's pytest knows; return their names."""
+    """In a rank: take over the shipped options this rank's pytest knows; return their names.
+    Options named but not to be read (a reproduce line whose job directory was rotated away) are
+    a usage error: the rank would run without them, as another test than the one reported."""
     path = (os.environ if env is None else env).get(OPTIONS_ENV)
     if not path:
         return []
     try:
         with open(path, encoding="utf-8") as fh:
             shipped = json.load(fh)
-    except (OSError, ValueError):
-        return []
-    if not isinstance(shipped, dict):
-        return []
+        if not isinstance(shipped, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise pytest.UsageError(
+            f"{OPTIONS_ENV}={path}: the controller's pytest options cannot be read ({why}); its job directory "
+            f"may have been removed (pytest keeps the last 3 runs' basetemp): run the test with pytest again for "
+            f"a new reproduce line, or leave {OPTIONS_ENV} out to run without the session's options"
+        ) from None
     config.stash[JUNITXML] = shipped.get(JUNITXML_KEY) is True
     known = vars(config.option)
     applied = []

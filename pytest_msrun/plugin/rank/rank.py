@@ -68,8 +68,8 @@ class RankPlugin:
         self.rank = current_rank()
         self.world = current_world()
         self.controlled = bool(env.get(REPORT_DIR_ENV))
-        if self.controlled:  # the controller's options, before any other plugin is configured
-            options.apply(config)
+        # the controller's options (its job's, or a reproduce line's), before any other plugin is configured
+        options.apply(config)
         self.randomly_seed = self._common_seed(config)
         self.log = log_file() if log_capture else None  # capture through the log
         self.streams = StandardStreams() if self.log is not None else None  # kept whole across tests
