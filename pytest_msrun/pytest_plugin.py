@@ -278,7 +278,8 @@ def _collect_only(config: pytest.Config) -> bool:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """``msrun(worker_num=[2, 4])`` runs the test once per job size, ids ``worker_num=2`` ..."""
+    """``msrun(worker_num=[2, 4])`` runs the test once per job size, ids ``worker_num-2`` ... (no
+    ``=``: ``-k worker_num-2`` selects one, where ``-k`` cannot parse ``worker_num=2``)."""
     mark = metafunc.definition.get_closest_marker("msrun")
     if mark is None:
         return
@@ -289,7 +290,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     value = mark.kwargs.get("worker_num", mark.args[0] if mark.args else None)
     if isinstance(value, (list, tuple)):
         metafunc.fixturenames.append(PARAM)
-        metafunc.parametrize(PARAM, nums, ids=[f"worker_num={n}" for n in nums])
+        metafunc.parametrize(PARAM, nums, ids=[f"worker_num-{n}" for n in nums])
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -106,12 +106,18 @@ TABLE = [
         ["-v"],
         {"passed": 5},
         [
-            r"test_sizes\[worker_num=1\] PASSED",
-            r"test_sizes\[worker_num=2\] PASSED",
-            r"test_sizes\[worker_num=4\] PASSED",
+            r"test_sizes\[worker_num-1\] PASSED",
+            r"test_sizes\[worker_num-2\] PASSED",
+            r"test_sizes\[worker_num-4\] PASSED",
             r"test_with_user_params\[1\] PASSED",
         ],
     ),
+    (
+        "parametrized",
+        ["-v", "-k", "worker_num-2"],
+        {"passed": 1},
+        [r"test_sizes\[worker_num-2\] PASSED"],
+    ),  # -k takes an id
     ("classes", ["-v"], {"passed": 3}, [r"TestClass::test_override PASSED"]),
     ("many_failures", ["-x"], {"failed": 1}, [r"stopping after 1 failures"]),
     ("many_failures", ["--maxfail=2"], {"failed": 2}, [r"stopping after 2 failures"]),

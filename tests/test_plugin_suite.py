@@ -47,8 +47,8 @@ def test_suite_in_a_job_passes_with_one_table(msrun):
     assert re.search(r"suite/test_suite.py::test_every_rank\s+passed\s+passed", table)
     assert re.search(r"suite/test_suite.py::test_needs_two\s+passed\s+passed", table)
     assert re.search(r"suite/test_suite.py::test_needs_four\s+skipped\s+skipped", table)
-    assert re.search(r"test_sizes\[worker_num=2\]\s+passed\s+passed", table)
-    assert re.search(r"test_sizes\[worker_num=4\]\s+skipped\s+skipped", table)
+    assert re.search(r"test_sizes\[worker_num-2\]\s+passed\s+passed", table)
+    assert re.search(r"test_sizes\[worker_num-4\]\s+skipped\s+skipped", table)
     assert "msrun: 5 test(s): 3 passed, 2 skipped" in table
     skip_reason = "needs a job of 4 ranks (msrun --worker_num=4); this job has 2"
     assert skip_reason in job.log("worker_0.log") and skip_reason in job.log("worker_1.log")
