@@ -334,6 +334,7 @@ import pytest
 @pytest.mark.msrun(worker_num=2)
 def test_recorded(msrun, record_testsuite_property, record_xml_attribute):
     record_testsuite_property("build", "42")
+    record_testsuite_property("host", f"node{msrun.rank}")
     record_xml_attribute("owner", "same")
     record_xml_attribute("shard", str(msrun.rank))
 """
@@ -347,7 +348,7 @@ def test_junit_suite_properties_and_attributes_from_ranks(pytester: pytest.Pytes
     suite = root.find("testsuite")
     assert suite is not None
     props = [(p.get("name"), p.get("value")) for p in suite.findall("properties/property")]
-    assert props == [("build", "42")], props
+    assert props == [("build", "42"), ("host [rank 0]", "node0"), ("host [rank 1]", "node1")], props
     case = root.find(".//testcase")
     assert case is not None and case.get("owner") == "same", case.attrib
     assert case.get("shard_rank0") == "0" and case.get("shard_rank1") == "1", case.attrib

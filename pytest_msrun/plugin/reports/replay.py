@@ -159,8 +159,8 @@ class Replay:
     def junit(self) -> None:
         """``record_testsuite_property`` and ``record_xml_attribute`` of the ranks, into the
         controller's junitxml (before the test's last report, which writes its testcase): a suite
-        property once per distinct pair; an attribute every rank gave alike once, else per rank
-        (``name_rank1``)."""
+        property every rank gave alike once, else per rank (``name [rank 1]``); an attribute
+        likewise (``name_rank1``)."""
         try:
             from _pytest.junitxml import xml_key
         except ImportError:
@@ -168,17 +168,18 @@ class Replay:
         xml = self.config.stash.get(xml_key, None)
         if xml is None:
             return
-        suite: list[tuple[str, str]] = []
+        suite: dict[int, list[tuple[str, Any]]] = {}
         attributes: dict[int, list[tuple[str, Any]]] = {}
         for rank, test in self.tests.items():
             for record in test.junit:
                 pair = (str(record.get("name")), str(record.get("value")))
-                if record.get("what") == "suite_property" and pair not in suite:
-                    suite.append(pair)
+                if record.get("what") == "suite_property":
+                    suite.setdefault(rank, []).append(pair)
                 elif record.get("what") == "attribute":
                     attributes.setdefault(rank, []).append(pair)
-        for name, value in suite:
-            xml.add_global_property(name, value)
+        if suite:
+            for name, value in merge_properties({r: suite.get(r, []) for r in self.tests}):
+                xml.add_global_property(name, value)
         if attributes:
             reporter = xml.node_reporter(self.item.nodeid)
             for name, value in merge_properties({r: attributes.get(r, []) for r in self.tests}, attribute_label):
