@@ -384,6 +384,44 @@ def test_a_hypothesis_test_passes_under_w_error_as_unmarked(pytester: pytest.Pyt
     result.assert_outcomes(passed=2)
 
 
+SETUP_SHOW = """
+import pytest
+
+@pytest.fixture(scope="module", params=["a"])
+def shared(request):
+    yield request.param
+
+@pytest.fixture
+def each(shared, tmp_path):
+    yield 2
+
+{mark}
+def test_it(each):
+    pass
+"""
+
+
+@pytest.mark.parametrize("worlds", ["warm", "fresh"])
+def test_setup_show_shows_a_marked_tests_fixtures_as_for_the_test_unmarked(
+    pytester: pytest.Pytester, worlds: str
+) -> None:
+    """``--setup-show``: the fixtures set up and torn down around a marked test (the lowest rank's,
+    as it ran them), in pytest's own lines - the same as the test unmarked prints."""
+
+    def shown(mark: str, *args: str) -> list[str]:
+        pytester.makepyfile(test_show=SETUP_SHOW.format(mark=mark))
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--setup-show", *args)
+        result.assert_outcomes(passed=1)
+        lines = result.stdout.lines
+        first = next(i for i, line in enumerate(lines) if "SETUP    S" in line)
+        last = max(i for i, line in enumerate(lines) if "TEARDOWN S" in line)
+        return [line.rstrip() for line in lines[first : last + 1]]
+
+    plain = shown("")
+    assert any("SETUP    M shared['a']" in line for line in plain), plain
+    assert shown("@pytest.mark.msrun(worker_num=2)", f"--msrun-worlds={worlds}") == plain
+
+
 def test_an_import_error_in_a_rank_shows_the_tests_line_only(pytester: pytest.Pytester) -> None:
     """The warm world's import watch is the plugin's frame: hidden, as pytest hides a plugin's own."""
     pytester.makepyfile(

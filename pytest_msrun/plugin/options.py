@@ -74,12 +74,15 @@ def shippable(options: dict[str, Any]) -> dict[str, Any]:
 
 JUNITXML = pytest.StashKey[bool]()  # in a rank: whether the controller writes a junitxml file
 JUNITXML_KEY = "msrun_junitxml"  # (not an option: never applied as one)
+SETUPSHOW = pytest.StashKey[bool]()  # in a rank: whether the controller shows fixtures (--setup-show)
+SETUPSHOW_KEY = "msrun_setupshow"
 
 
 def ship(config: pytest.Config, path: str) -> dict[str, str]:
     """Write the controller's options to ``path``; return the environment a rank needs to read them."""
     data = shippable(vars(config.option))
     data[JUNITXML_KEY] = bool(getattr(config.option, "xmlpath", None))
+    data[SETUPSHOW_KEY] = bool(getattr(config.option, "setupshow", False))
     write_whole(path, json.dumps(data))
     return {OPTIONS_ENV: path}
 
@@ -104,6 +107,7 @@ def apply(config: pytest.Config, env: dict[str, str] | None = None) -> list[str]
             f"a new reproduce line, or leave {OPTIONS_ENV} out to run without the session's options"
         ) from None
     config.stash[JUNITXML] = shipped.get(JUNITXML_KEY) is True
+    config.stash[SETUPSHOW] = shipped.get(SETUPSHOW_KEY) is True
     known = vars(config.option)
     applied = []
     for name, value in shippable(shipped).items():

@@ -42,9 +42,16 @@ class Reporter:
         self.traces = traces
         self.cwd = str(config.invocation_params.dir)
 
-    def log(self, item: pytest.Item, reports: Iterable[pytest.TestReport]) -> None:
+    def log(self, item: pytest.Item, reports: Iterable[pytest.TestReport], extras: Replay | None = None) -> None:
+        """Log ``reports`` as pytest's runner does; with the ranks' ``extras``, ``--setup-show``'s
+        lines around them."""
         for report in reports:
+            phase = extras is not None and type(report).__name__ != "SubtestReport"
+            if extras is not None and phase and report.when in ("setup", "teardown"):
+                extras.show_fixtures(report.when)
             item.ihook.pytest_runtest_logreport(report=report)
+            if extras is not None and phase and report.when == "setup" and report.passed:
+                extras.show_item()
 
     def merged(self, item: pytest.Item, record: TestRecord, rerun: int | None = None) -> Merger:
         return Merger(item, record, self.style, self.cwd, rerun)
@@ -53,7 +60,8 @@ class Reporter:
         """Setup's and call's reports, logged now unless the run may be rerun (``rerun``: its number)."""
         reports = self.merged(item, record, rerun).reports(record.verdict(), ("setup", "call"))
         if rerun is None:
-            self.log(item, Replay(item, record.logs).with_subtests(reports))
+            extras = Replay(item, record.logs)
+            self.log(item, extras.with_subtests(reports), extras)
         return reports
 
     def final(
@@ -97,9 +105,9 @@ class Reporter:
             if failed is not None:
                 reports = reports[: failed + 1]
                 again = True
-            self.log(item, extras.with_subtests(reports))
+            self.log(item, extras.with_subtests(reports), extras)
         else:
-            self.log(item, teardown)
+            self.log(item, teardown, extras)
         extras.warnings()
         if not again:
             extras.benchmarks()

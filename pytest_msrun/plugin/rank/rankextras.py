@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import pytest
 
-from pytest_msrun.plugin.options import JUNITXML
+from pytest_msrun.plugin.options import JUNITXML, SETUPSHOW
 
 MAX_WARNINGS = 200  # per test and rank: a warning in a loop is one entry per place anyway
 MAX_TIMINGS = 200_000  # per benchmark: its rounds, as pytest-benchmark keeps them
@@ -98,6 +98,47 @@ class RankJunit:
         return _Attributes(self.rank_plugin._write, str(getattr(report, "nodeid", report)))
 
 
+SCOPE_INDENT = {"session": 0, "package": 1, "module": 2, "class": 3, "function": 4}  # as --setup-show indents
+
+
+class FixtureShow:
+    """``--setup-show`` on the controller: each fixture this rank sets up or tears down, recorded
+    as the line pytest's own would write (the controller shows the lowest rank's)."""
+
+    def __init__(self, rank_plugin: Writes) -> None:
+        self.rank_plugin = rank_plugin
+        self.params: dict[int, Any] = {}  # id(fixturedef) -> the parameter it was set up with
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef: Any, request: Any) -> Generator[None, Any, Any]:
+        try:
+            return (yield)
+        finally:
+            if hasattr(request, "param"):
+                ids = fixturedef.ids
+                param = (ids(request.param) if callable(ids) else ids[request.param_index]) if ids else request.param
+                self.params[id(fixturedef)] = param
+            self._record(fixturedef, "SETUP")
+
+    def pytest_fixture_post_finalizer(self, fixturedef: Any, request: Any) -> None:
+        if fixturedef.cached_result is not None:
+            self._record(fixturedef, "TEARDOWN")
+            self.params.pop(id(fixturedef), None)
+
+    def _record(self, fixturedef: Any, msg: str) -> None:
+        from _pytest._io.saferepr import saferepr
+
+        scope = str(fixturedef.scope)
+        line = " " * 2 * SCOPE_INDENT.get(scope, 4) + f"{msg:<8} {scope[0].upper()} {fixturedef.argname}"
+        deps = sorted(arg for arg in fixturedef.argnames if arg != "request")
+        if msg == "SETUP" and deps:
+            line += " (fixtures used: {})".format(", ".join(deps))
+        if id(fixturedef) in self.params:
+            line += f"[{saferepr(self.params[id(fixturedef)], maxsize=42)}]"
+        nodeid, when = self.rank_plugin.current or ("", "teardown")
+        self.rank_plugin._write("fixture", nodeid=nodeid, when=when, line=line)
+
+
 class ExtrasRecorder:
     """Records a rank's warnings and benchmarks, test by test, through the rank plugin's writer."""
 
@@ -113,6 +154,8 @@ class ExtrasRecorder:
                 junit = RankJunit(rank_plugin, str(config.getini("junit_family")))
                 config.stash[xml_key] = junit  # type: ignore[misc]
                 config.pluginmanager.register(junit, "msrun-rank-junit")
+        if config.stash.get(SETUPSHOW, False):
+            config.pluginmanager.register(FixtureShow(rank_plugin), "msrun-rank-setupshow")
 
     def pytest_warning_recorded(self, warning_message: Any, when: str, nodeid: str, location: Any) -> None:
         if when != "runtest" or not nodeid:

@@ -155,6 +155,26 @@ class Replay:
                 }
             )
 
+    # ------------------------------------------------------------------ --setup-show
+    def show_fixtures(self, when: str) -> None:
+        """``--setup-show``: the fixtures the lowest rank set up or tore down in phase ``when``,
+        written where pytest writes them (before the phase's report)."""
+        if not self.config.getoption("setupshow", False) or not self.tests:
+            return
+        lines = [str(r.get("line")) for r in self.tests[min(self.tests)].fixtures if r.get("when") == when]
+        writer = self.config.get_terminal_writer()
+        for line in lines:
+            writer.line()
+            writer.write(line)
+        writer.flush()
+
+    def show_item(self) -> None:
+        """``--setup-show``: the test's line after its setup passed, as pytest writes it."""
+        if self.config.getoption("setupshow", False):
+            from _pytest.runner import show_test_item
+
+            show_test_item(self.item)
+
     # ------------------------------------------------------------------ junitxml
     def junit(self) -> None:
         """``record_testsuite_property`` and ``record_xml_attribute`` of the ranks, into the
