@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -420,6 +421,40 @@ def test_setup_show_shows_a_marked_tests_fixtures_as_for_the_test_unmarked(
     plain = shown("")
     assert any("SETUP    M shared['a']" in line for line in plain), plain
     assert shown("@pytest.mark.msrun(worker_num=2)", f"--msrun-worlds={worlds}") == plain
+
+
+PAST_CAPTURE = """
+import logging
+import pytest
+
+@pytest.mark.msrun(worker_num=2)
+def test_marked(capsys, rank):
+    with capsys.disabled():
+        print("past capture from", rank)
+    logging.getLogger("app").info("logged by %s", rank)
+    print("captured from", rank)
+    assert rank == 0
+"""
+
+
+@pytest.mark.parametrize("worlds", ["warm", "fresh"])
+def test_what_a_rank_writes_past_capture_reaches_the_terminal_labelled(pytester: pytest.Pytester, worlds: str) -> None:
+    """``capsys.disabled()`` and live logging (``--log-cli-level``) write to the terminal past
+    capture, as for a plain test: each rank's lines, labelled, before the test's result - and not
+    again in its captured output (a rank's live log was its captured stdout)."""
+    pytester.makepyfile(test_past=PAST_CAPTURE)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--log-cli-level=INFO", f"--msrun-worlds={worlds}")
+    result.assert_outcomes(failed=1)
+    text = result.stdout.str()
+    head = text.split("= FAILURES =")[0]
+    for rank in (0, 1):
+        assert f"[rank {rank}] past capture from {rank}" in head, text
+        assert re.search(rf"\[rank {rank}\] INFO +app:test_past.py:\d+ logged by {rank}", head), text
+        assert f"[rank {rank}] ---" in head and "live log call" in head, text
+    tail = text.split("= FAILURES =")[1]
+    assert "] past capture from" not in tail and "live log call" not in tail.split("-- reproduce --")[1], text
+    assert "[rank 1] captured from 1" in tail, text  # still the test's captured output
+    assert "Captured log call [rank 1]" in tail, text
 
 
 def test_an_import_error_in_a_rank_shows_the_tests_line_only(pytester: pytest.Pytester) -> None:

@@ -43,12 +43,12 @@ class Reporter:
         self.cwd = str(config.invocation_params.dir)
 
     def log(self, item: pytest.Item, reports: Iterable[pytest.TestReport], extras: Replay | None = None) -> None:
-        """Log ``reports`` as pytest's runner does; with the ranks' ``extras``, ``--setup-show``'s
-        lines around them."""
+        """Log ``reports`` as pytest's runner does; with the ranks' ``extras``, what they wrote to
+        the terminal around them."""
         for report in reports:
             phase = extras is not None and type(report).__name__ != "SubtestReport"
-            if extras is not None and phase and report.when in ("setup", "teardown"):
-                extras.show_fixtures(report.when)
+            if extras is not None and phase:
+                extras.show_terminal(report.when)
             item.ihook.pytest_runtest_logreport(report=report)
             if extras is not None and phase and report.when == "setup" and report.passed:
                 extras.show_item()

@@ -49,6 +49,10 @@ from pytest_msrun.plugin.stdstreams import StandardStreams, log_file, log_offset
 
 STRICT_XPASS = "[XPASS(strict)]"
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from pytest_msrun.plugin.rank.rankextras import PastCapture
+
 _getpid = os.getpid  # bound now: a test may patch os.getpid while its phases are recorded
 
 
@@ -75,6 +79,7 @@ class RankPlugin:
         self.streams = StandardStreams() if self.log is not None else None  # kept whole across tests
         self.current: tuple[str, str] | None = None  # (nodeid, phase) running now
         self.clock = SuiteClock(self)  # a suite's marked-test timeouts (a controller times its own)
+        self.past: PastCapture | None = None  # what tests write with capture off (controlled ranks)
         self.writer: RecordWriter | None = None
         self.session_writer: RecordWriter | None = None  # a warm world's, while a test's records are open
         self.test_failed = False
@@ -145,6 +150,11 @@ class RankPlugin:
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         self.session = session
         self._write_start()
+        capman, log = self.config.pluginmanager.getplugin("capturemanager"), self.log or log_file()
+        if self.controlled and self.writer is not None and capman is not None and log:
+            from pytest_msrun.plugin.rank.rankextras import PastCapture
+
+            self.past = PastCapture(self, capman, log, keep_spans=self.log is not None)
         cache = getattr(session.config, "cache", None)
         if cache is not None and self.writer is not None and not self.controlled:
             self._hold_cache(cache)
@@ -398,7 +408,8 @@ class RankPlugin:
             if self.log is not None and start is not None:
                 sys.stdout.flush()
                 sys.stderr.flush()
-                text = read_log(self.log, start, log_offset())
+                end = log_offset()
+                text = self.past.captured(start, end) if self.past is not None else read_log(self.log, start, end)
                 if text:
                     # stdout and stderr are one file in a rank: its output, in order
                     item.add_report_section(when, "stdout", text)

@@ -12,13 +12,16 @@ subtest's report is logged in the middle of the call phase).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Generator
+import sys
+from collections.abc import Generator, Iterator
 from typing import Any, Protocol
 
 import pytest
 
 from pytest_msrun.plugin.options import JUNITXML, SETUPSHOW
+from pytest_msrun.plugin.stdstreams import log_offset, read_log
 
 MAX_WARNINGS = 200  # per test and rank: a warning in a loop is one entry per place anyway
 MAX_TIMINGS = 200_000  # per benchmark: its rounds, as pytest-benchmark keeps them
@@ -96,6 +99,56 @@ class RankJunit:
 
     def node_reporter(self, report: Any) -> _Attributes:
         return _Attributes(self.rank_plugin._write, str(getattr(report, "nodeid", report)))
+
+
+class PastCapture:
+    """What a test writes with capture off - ``capsys.disabled()``, live logging: whatever goes
+    through pytest's ``global_and_fixture_disabled`` - lands in the rank's log, its terminal. Each
+    such write is recorded (``uncaptured``) for the controller to show where pytest would, and
+    (``keep_spans``: a rank capturing through its log) kept out of the phase's captured output."""
+
+    def __init__(self, rank_plugin: Writes, capman: Any, log: str, keep_spans: bool) -> None:
+        self.rank_plugin = rank_plugin
+        self.log = log
+        self.keep_spans = keep_spans
+        self.spans: list[tuple[int, int]] = []
+        original = capman.global_and_fixture_disabled
+
+        @contextlib.contextmanager
+        def disabled() -> Iterator[None]:
+            with original():
+                start = log_offset() if rank_plugin.current is not None else None
+                try:
+                    yield
+                finally:
+                    if start is not None:
+                        self._written(start)
+
+        capman.global_and_fixture_disabled = disabled
+
+    def _written(self, start: int) -> None:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        end, current = log_offset(), self.rank_plugin.current
+        if end is None or end <= start or current is None:
+            return
+        if self.keep_spans:
+            self.spans.append((start, end))
+        text = read_log(self.log, start, end)
+        self.rank_plugin._write("uncaptured", nodeid=current[0], when=current[1], text=text)
+
+    def captured(self, start: int, end: int | None) -> str:
+        """The log from ``start`` to ``end`` (a phase's) but what was written past capture."""
+        spans, self.spans = sorted(s for s in self.spans if s[0] >= start), []
+        pieces, at = [], start
+        for first, last in spans:
+            pieces.append(read_log(self.log, at, first))
+            at = last
+        pieces.append(read_log(self.log, at, end))
+        return "".join(pieces)
 
 
 SCOPE_INDENT = {"session": 0, "package": 1, "module": 2, "class": 3, "function": 4}  # as --setup-show indents

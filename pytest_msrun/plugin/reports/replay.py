@@ -155,17 +155,27 @@ class Replay:
                 }
             )
 
-    # ------------------------------------------------------------------ --setup-show
-    def show_fixtures(self, when: str) -> None:
-        """``--setup-show``: the fixtures the lowest rank set up or tore down in phase ``when``,
-        written where pytest writes them (before the phase's report)."""
-        if not self.config.getoption("setupshow", False) or not self.tests:
-            return
-        lines = [str(r.get("line")) for r in self.tests[min(self.tests)].fixtures if r.get("when") == when]
+    # ------------------------------------------------------------------ the terminal
+    def show_terminal(self, when: str) -> None:
+        """What the ranks wrote to the terminal in phase ``when``, where pytest writes it (before
+        the phase's report): ``--setup-show``'s lines, the lowest rank's; what a test wrote with
+        capture off (``capsys.disabled()``, live logging), every rank's (labelled) - unless ``-s``
+        showed the ranks' output as it came."""
+        setup_show = self.config.getoption("setupshow", False)
+        live = self.config.getoption("capture", "fd") != "no"
         writer = self.config.get_terminal_writer()
-        for line in lines:
-            writer.line()
-            writer.write(line)
+        lowest = min(self.tests, default=None)
+        for rank, test in self.tests.items():
+            for record in test.terminal:
+                if record.get("when") != when:
+                    continue
+                if record.get("kind") == "fixture" and setup_show and rank == lowest:
+                    writer.line()
+                    writer.write(str(record.get("line")))
+                elif record.get("kind") == "uncaptured" and live:
+                    text = str(record.get("text") or "")
+                    lead = len(text) - len(text.lstrip("\n"))  # the rank's terminal ended a line first
+                    writer.write(text[:lead] + (tag_lines(text[lead:], rank) if self.world > 1 else text[lead:]))
         writer.flush()
 
     def show_item(self) -> None:

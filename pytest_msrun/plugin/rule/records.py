@@ -9,7 +9,8 @@ A rank (re)creates its file and writes, in order:
   subtest, and per fixture finalizer failure at a warm world's end (``world_end``),
 * ``warning`` per warning a test raised, ``benchmark`` per pytest-benchmark measurement, ``junit``
   per suite property or XML attribute a test recorded, ``fixture`` per fixture set up or torn down
-  where the controller shows them (``--setup-show``) (:mod:`.rankextras`),
+  where the controller shows them (``--setup-show``) (:mod:`.rankextras`), ``uncaptured`` per
+  write with capture off (``capsys.disabled()``, live logging),
 * ``timeout`` when a marked test ran out of time inside the job (suite mode),
 * ``finish`` with pytest's exit status, and ``exit_hang`` if the process then did not exit.
 
@@ -142,7 +143,7 @@ class RankTest:
     warnings: list[dict[str, Any]] = field(default_factory=list)  # what the test raised (see rankextras)
     benchmarks: list[dict[str, Any]] = field(default_factory=list)  # what pytest-benchmark measured
     junit: list[dict[str, Any]] = field(default_factory=list)  # what it gave junitxml (see rankextras)
-    fixtures: list[dict[str, Any]] = field(default_factory=list)  # --setup-show's lines (see rankextras)
+    terminal: list[dict[str, Any]] = field(default_factory=list)  # what it wrote past capture (see rankextras)
 
     def log_span(self) -> tuple[int, int | None] | None:
         """The test's part of the rank's log: from its setup's start to its teardown's end."""
@@ -278,11 +279,11 @@ def load_rank_log(path: str, rank: int, cutoff: int | None = None, cutoff_ts: fl
             if isinstance(spans, list):
                 test = out.tests.setdefault(nodeid, RankTest(nodeid))
                 test.collectives += [[*span, when] for span in spans if isinstance(span, list) and len(span) == 5]
-        elif kind in ("warning", "benchmark", "junit", "fixture"):
+        elif kind in ("warning", "benchmark", "junit", "fixture", "uncaptured"):
             nodeid = str(record.get("nodeid") or out.last_test or "")
             test = out.tests.setdefault(nodeid, RankTest(nodeid))
             lists = {"warning": test.warnings, "benchmark": test.benchmarks, "junit": test.junit}
-            lists.get(kind, test.fixtures).append(record)
+            lists.get(kind, test.terminal).append(record)
         elif kind == "timeout":
             nodeid = str(record.get("nodeid"))
             out.tests.setdefault(nodeid, RankTest(nodeid)).timeout = record
