@@ -45,6 +45,11 @@ class MsrunContext:
     def __repr__(self) -> str:
         return f"<msrun rank {self.rank}/{self.world_size}>"
 
+    def _repr_pretty_(self, printer: Any, cycle: bool) -> None:
+        """As :meth:`__repr__` where a pretty printer would list the fields (hypothesis's
+        falsifying example printed the whole environment)."""
+        printer.text(repr(self))
+
     @property
     def tmp_path(self) -> Path:
         """A directory shared by every rank for the test running now (see ``msrun_tmp_path``)."""
