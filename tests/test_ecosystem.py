@@ -457,6 +457,64 @@ def test_what_a_rank_writes_past_capture_reaches_the_terminal_labelled(pytester:
     assert "Captured log call [rank 1]" in tail, text
 
 
+MAKEREPORT_CONFTEST = """
+import os
+import pytest
+
+SEEN = []
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    SEEN.append(f"{item.name} {report.when} {report.outcome}")
+    return report
+
+def pytest_sessionfinish(session):
+    if "RANK_ID" not in os.environ:  # the controller's session
+        print("\\nSEEN " + "; ".join(SEEN))
+"""
+
+MAKEREPORT_TESTS = """
+import pytest
+
+@pytest.mark.msrun(worker_num=2)
+def test_fails_on_1(rank):
+    assert rank == 0
+
+@pytest.mark.msrun(worker_num=0)
+def test_refused():
+    pass
+
+@pytest.mark.msrun(worker_num=2)
+def test_passes(rank):
+    pass
+"""
+
+
+@pytest.mark.parametrize("worlds", ["warm", "fresh"])
+def test_every_plugins_makereport_sees_a_marked_tests_merged_result_once(
+    pytester: pytest.Pytester, worlds: str
+) -> None:
+    """The controller makes each phase's report through ``pytest_runtest_makereport``: what a plugin
+    learns there (pytest-dependency's results, tmp_path's retention) is the merged result, once a
+    phase, as for a plain test - refused tests included (it learned nothing of marked tests)."""
+    pytester.makeconftest(MAKEREPORT_CONFTEST)
+    pytester.makepyfile(test_made=MAKEREPORT_TESTS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s", f"--msrun-worlds={worlds}")
+    result.assert_outcomes(passed=1, failed=1, errors=1)
+    (line,) = [line for line in result.stdout.lines if line.startswith("SEEN ")]
+    assert line.removeprefix("SEEN ").split("; ") == [
+        "test_fails_on_1 setup passed",
+        "test_fails_on_1 call failed",
+        "test_fails_on_1 teardown passed",
+        "test_refused setup failed",
+        "test_refused teardown passed",
+        "test_passes setup passed",
+        "test_passes call passed",
+        "test_passes teardown passed",
+    ], line
+
+
 def test_an_import_error_in_a_rank_shows_the_tests_line_only(pytester: pytest.Pytester) -> None:
     """The warm world's import watch is the plugin's frame: hidden, as pytest hides a plugin's own."""
     pytester.makepyfile(

@@ -31,10 +31,44 @@ class MsrunMemoryWarning(pytest.PytestWarning):
     """A rank of a warm world passed ``--msrun-max-rss`` after a test: the world ended after it."""
 
 
+MERGED = pytest.StashKey[pytest.TestReport]()  # on a marked test's item: the phase's merged report, being made
+
+
+class MergedReports:
+    """The controller's ``pytest_runtest_makereport`` for a marked test: the phase's merged report -
+    so every plugin's makereport wrapper (pytest-dependency's results, tmp_path's retention policy,
+    pytest-html's extras) sees the one result the user sees, once per phase, as for a plain test."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: Any) -> pytest.TestReport | None:
+        return item.stash.get(MERGED, None)
+
+
+def made(item: pytest.Item, report: pytest.TestReport) -> pytest.TestReport:
+    """``report`` as the controller's makereport hook makes it (its plugins' wrappers around it);
+    a plugin's fault there leaves the report as it was."""
+    from _pytest.runner import CallInfo
+
+    start, stop = float(getattr(report, "start", 0.0)), float(getattr(report, "stop", 0.0))
+    call: CallInfo[None] = CallInfo(
+        None, None, start=start, stop=stop, duration=report.duration, when=report.when, _ispytest=True
+    )
+    item.stash[MERGED] = report
+    try:
+        out = item.ihook.pytest_runtest_makereport(item=item, call=call)
+    except Exception:
+        out = report
+    finally:
+        del item.stash[MERGED]
+    return out if isinstance(out, pytest.TestReport) else report
+
+
 class Reporter:
     """Reports the runs of marked tests (one instance per controller)."""
 
     def __init__(self, config: pytest.Config, style: str, leaks: str, timelines: bool, traces: TraceNotes) -> None:
+        if not config.pluginmanager.has_plugin("msrun-merged-reports"):
+            config.pluginmanager.register(MergedReports(), "msrun-merged-reports")
         self.config = config
         self.style = style
         self.leaks = leaks
@@ -49,6 +83,8 @@ class Reporter:
             phase = extras is not None and type(report).__name__ != "SubtestReport"
             if extras is not None and phase:
                 extras.show_terminal(report.when)
+            if type(report).__name__ != "SubtestReport":
+                report = made(item, report)
             item.ihook.pytest_runtest_logreport(report=report)
             if extras is not None and phase and report.when == "setup" and report.passed:
                 extras.show_item()
