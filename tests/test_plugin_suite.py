@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import textwrap
+import time
 import xml.etree.ElementTree as ET
 
 from conftest import job_args
@@ -71,6 +72,36 @@ def test_suite_fails_when_one_rank_fails_one_test(msrun):
     assert re.search(r"test_bad_on_rank_1\s+passed\s+failed\s+failed", job.stdout)
     assert "FAILED suite/test_suite.py::test_bad_on_rank_1 on rank(s) 1: rank 1: assert 1 != 1" in job.stdout
     assert "msrun: 6 test(s): 3 passed, 1 failed, 2 skipped" in job.stdout
+
+
+def test_a_log_directory_used_again_shows_no_earlier_jobs_results(msrun):
+    """A log directory used again holds the last job's records and table registration: a job
+    whose ranks end before their pytest registers prints no table, and a rank that ends before
+    its pytest writes records is no earlier rank's results - however recent those are."""
+    _suite(
+        msrun,
+        """
+        def test_bad_on_rank_1(rank):
+            assert rank != 1
+    """,
+    )
+    (msrun.cwd / "conftest.py").write_text(
+        "import os\nif os.environ.get('STOP_RANK') == os.environ.get('RANK_ID'):\n    os._exit(3)\n"
+    )
+    first = msrun.run(job_args(2, "pytest", "-q", "-p", "no:cacheprovider", "suite"))
+    assert "msrun: 6 test(s)" in first.stdout, first.stdout + first.stderr
+    records = msrun.cwd / "logs" / "pytest_rank1.jsonl"  # rank 1's, as if written a moment ago
+    lines = records.read_text().splitlines()
+    start = json.loads(lines[0])
+    lines[0] = json.dumps({**start, "ts": time.time() + 30})
+    records.write_text("\n".join(lines) + "\n")
+    stopped = msrun.run(job_args(2, "pytest", "-q", "-p", "no:cacheprovider", "suite"), env={"STOP_RANK": "1"})
+    assert stopped.returncode != 0, stopped.stdout + stopped.stderr
+    assert not re.search(r"test_bad_on_rank_1\s+passed\s+failed", stopped.stdout), stopped.stdout
+    gone = {"MSRUN_PYTEST_OPTIONS": str(msrun.cwd / "gone.json")}  # each rank's pytest stops as it configures
+    again = msrun.run(job_args(2, "pytest", "-q", "-p", "no:cacheprovider", "suite"), env=gone)
+    assert again.returncode != 0, again.stdout + again.stderr
+    assert "test(s):" not in again.stdout and "test_bad_on_rank_1" not in again.stdout, again.stdout
 
 
 def test_a_suites_tests_are_records_each_judged_once(msrun, monkeypatch):

@@ -36,14 +36,17 @@ class JobReport:
     trace: Callable[[], list[dict[str, Any]]] | None = None
 
 
-def register(log_dir: str, name: str, target: str) -> None:
-    """Ask msrun to call ``target`` (``module:function``) with the job's status when the job ends."""
+def register(log_dir: str, name: str, target: str, job_id: str = "") -> None:
+    """Ask msrun to call ``target`` (``module:function``) with the job's status when the job ends
+    (``job_id``: the job asking, ``MSRUN_JOB_ID`` - a log directory may be used again)."""
     directory = private_dir(os.path.join(log_dir or ".", HOOK_DIR))
-    write_whole(os.path.join(directory, name), target + "\n")
+    write_whole(os.path.join(directory, name), f"{target}\n{job_id}\n")
 
 
-def registered(log_dir: str) -> list[tuple[str, str]]:
-    """``(name, target)`` of every reporter registered in ``log_dir`` by this user's processes."""
+def registered(log_dir: str, job_id: str = "") -> list[tuple[str, str]]:
+    """``(name, target)`` of every reporter registered in ``log_dir`` by this user's processes -
+    with ``job_id``, not those an earlier job registered there (its ranks' records would be read
+    as this job's: a job whose ranks ended before registering printed the last job's table)."""
     directory = os.path.join(log_dir or ".", HOOK_DIR)
     try:
         names = sorted(os.listdir(directory))
@@ -58,8 +61,10 @@ def registered(log_dir: str) -> list[tuple[str, str]]:
             if os.stat(path).st_uid != os.getuid():
                 continue
             with open(path, encoding="utf-8") as fh:
-                target = fh.read().strip()
+                target, _, theirs = fh.read().strip().partition("\n")
         except OSError:
+            continue
+        if job_id and theirs.strip() and theirs.strip() != job_id:
             continue
         if target in TARGETS:
             out.append((name, target))
@@ -69,7 +74,7 @@ def registered(log_dir: str) -> list[tuple[str, str]]:
 def run_job_end(status: JobStatus) -> list[JobReport]:
     """Call every registered reporter; return what they said (a broken reporter says so, in one line)."""
     out: list[JobReport] = []
-    for name, target in registered(status.log_dir):
+    for name, target in registered(status.log_dir, status.job_id):
         try:
             reporter: Callable[[JobStatus], str | JobReport | None] = resolve(target)
             said = reporter(status)

@@ -136,7 +136,7 @@ class RankPlugin:
             # msrun prints one table of every test on every rank when the job ends.
             from pytest_msrun.engine.hooks import register
 
-            register(directory, "pytest", "suite-report")
+            register(directory, "pytest", "suite-report", env.get("MSRUN_JOB_ID", ""))
 
     def _running(self) -> str:
         """The node id of the test running now ("" between tests)."""
@@ -192,6 +192,7 @@ class RankPlugin:
             args=list(self.config.invocation_params.args),
             log=log_file() or "",
             main_thread=threading.main_thread().ident,
+            job=os.environ.get("MSRUN_JOB_ID", ""),
         )
 
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -227,8 +227,9 @@ def _pytest_ranks(directory: str, statuses: list[JobStatus]) -> tuple[dict[int, 
             late = proc.late if isinstance(proc.late, dict) else None
             cutoff = float(late.get("due") or 0.0) if late else None  # frozen at its deadline
             log = load_rank_log(records_path(directory, proc.rank), proc.rank, cutoff_ts=cutoff)
-            if log.started and log.start_ts < node.started - 1:
-                log = RankLog(proc.rank)  # records of an earlier job
+            earlier = log.start_ts < node.started - 1 or (log.job and node.job_id and log.job != node.job_id)
+            if log.started and earlier:
+                log = RankLog(proc.rank)  # records of an earlier job (in a log directory used again)
             elif late:
                 log.past_deadline(late)
             logs[proc.rank] = log

@@ -2,7 +2,7 @@
 
 A rank (re)creates its file and writes, in order:
 
-* ``start`` (pid, its log file, its main thread's id),
+* ``start`` (pid, its log file, its main thread's id, the job's id),
 * ``collected`` (the node ids it is going to run) and ``collect`` per failed or skipped collection,
 * per test phase a ``phase`` record when the phase *begins* (with the rank log's offset) and a
   ``report`` when it ends (pytest's own serializable report) - and one more ``report`` per
@@ -172,6 +172,7 @@ class RankLog:
     finished: bool = False
     exitstatus: int | None = None
     start_ts: float = 0.0
+    job: str = ""  # the job whose rank wrote it (MSRUN_JOB_ID): a log directory may be used again
     exit_hang: dict[str, Any] | None = None  # the session finished but the process did not exit
     after_deadline: list[dict[str, Any]] = field(default_factory=list)  # written too late: evidence only
 
@@ -250,6 +251,7 @@ def load_rank_log(path: str, rank: int, cutoff: int | None = None, cutoff_ts: fl
             out.log = str(record.get("log") or "")
             out.main_thread = record.get("main_thread")
             out.start_ts = float(record.get("ts", 0.0))
+            out.job = str(record.get("job") or "")
         elif kind == "collected":
             out.collected = [str(n) for n in record.get("nodeids", [])]
         elif kind == "collect":
