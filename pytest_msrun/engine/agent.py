@@ -42,7 +42,7 @@ from pytest_msrun.engine.plan import (
     build_plan,
 )
 from pytest_msrun.engine.policy import EXIT_LAUNCH_ERROR, Ending
-from pytest_msrun.engine.ports import LaunchError, claim, claim_again
+from pytest_msrun.engine.ports import LaunchError, claim
 from pytest_msrun.engine.processes import Child
 from pytest_msrun.engine.starting import Starter, collect_from_now
 from pytest_msrun.engine.status import STATUS_FILE, node_status_file
@@ -327,8 +327,9 @@ class Agent:
                 if time.monotonic() >= self._register_by:
                     within = f"--cluster_time_out={cfg.cluster_time_out}"
                     return f"cannot reach the scheduler at {link.where} within {within}: {last}"
-                if self._contested and scheduler is None:
-                    self._host_if_free(plan)
+                if self._contested and scheduler is None:  # no node of this host may host it: try to
+                    self.node.plan = self.starter.host_if_free(plan)
+                    self._contested = self.node.plan.scheduler is None
                 return None
         self.node.loop.attach(link)
         timeline.mark("registered with the control plane")
@@ -344,20 +345,6 @@ class Agent:
             self._place_trace(plan)
             self._supervising()
         return None
-
-    def _host_if_free(self, plan: LaunchPlan) -> None:
-        """No scheduler answers at a port another process held on this host when this node
-        started: if it is free now, this node hosts the scheduler (registering over its fork's
-        socketpair next turn) - else every node of the job on this host could wait for a
-        scheduler that none of them hosts."""
-        listener = claim_again(self.node.facts)
-        if listener is None:
-            return
-        self._contested = False
-        hosting = build_plan(self.node.cfg, self.node.facts, hosts_scheduler=True)
-        assert hosting.scheduler is not None
-        self.node.plan = replace(plan, hosts_scheduler=True, processes=(hosting.scheduler, *plan.processes))
-        self.starter.start_scheduler(hosting.scheduler, listener)
 
     def _assignment(self, msg: dict[str, Any]) -> str | None:
         if self._told(msg):

@@ -23,11 +23,13 @@ from pytest_msrun.engine.plan import (
     SCHEDULER_MODULE,
     LaunchPlan,
     ProcessSpec,
+    build_plan,
 )
-from pytest_msrun.engine.ports import EXIT_USAGE, LaunchError
+from pytest_msrun.engine.ports import EXIT_USAGE, LaunchError, claim_again
 from pytest_msrun.engine.processes import Child, Launch
 from pytest_msrun.engine.tail import LogTailer, prefix_for
 from pytest_msrun.fileio import make_dirs
+from pytest_msrun.record import replace
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -310,6 +312,19 @@ class Starter:
             for sock in (listener, theirs):
                 if sock is not None:
                     sock.close()
+
+    def host_if_free(self, plan: LaunchPlan) -> LaunchPlan:
+        """No scheduler answers at the port another process held on this host when this node
+        started: if the port is free now, this node starts the scheduler there (and registers over
+        its fork's socketpair next) - else every node of the job on this host could wait for a
+        scheduler none of them hosts. The plan, with the scheduler when it started."""
+        listener = claim_again(self.node.facts)
+        if listener is None:
+            return plan
+        hosting = build_plan(self.node.cfg, self.node.facts, hosts_scheduler=True)
+        assert hosting.scheduler is not None
+        self.start_scheduler(hosting.scheduler, listener)
+        return replace(plan, hosts_scheduler=True, processes=(hosting.scheduler, *plan.processes))
 
     @property
     def scheduler_child(self) -> Child | None:
