@@ -143,6 +143,8 @@ def test_controller_ended_by_a_signal_leaves_nothing(pytester, tracked, how):
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
+        # the signals' default actions, as a terminal's session has them (under nohup SIGHUP is ignored)
+        preexec_fn=lambda: [signal.signal(s, signal.SIG_DFL) for s in (signal.SIGHUP, signal.SIGTERM)],
     )
     try:
         wait_for(lambda: len(_ranks_of(proc.pid)) == 2, timeout=30)

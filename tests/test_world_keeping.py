@@ -72,7 +72,7 @@ def _fixture_once_per_world(lines: list[list[str]]) -> None:
 def test_nine_interleaved_tests_of_three_shapes_start_three_worlds(pytester, monkeypatch):
     result, lines = _run(pytester, monkeypatch, "-rA")
     result.assert_outcomes(passed=8, failed=1)
-    result.stdout.fnmatch_lines(["FAILED test_shapes.py::test_b[[]worker_num=3[]]*"])
+    result.stdout.fnmatch_lines(["FAILED test_shapes.py::test_b[[]worker_num-3[]]*"])
     order = [size for what, size, rank, _ in lines if what == "run" and rank == "0"]
     assert order == ["2", "3", "4"] * 3  # the order was interleaved
     assert _worlds(lines) == {"2": 1, "3": 1, "4": 1}
