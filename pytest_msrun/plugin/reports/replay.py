@@ -181,9 +181,14 @@ class Replay:
     def show_item(self) -> None:
         """``--setup-show``: the test's line after its setup passed, as pytest writes it."""
         if self.config.getoption("setupshow", False):
+            import inspect
+
             from _pytest.runner import show_test_item
 
-            show_test_item(self.item)
+            # pytest 9.2 added add_space (a space before the result's letter, unless --setup-only)
+            takes = "add_space" in inspect.signature(show_test_item).parameters
+            kwargs = {"add_space": not self.config.getoption("setuponly", False)} if takes else {}
+            show_test_item(self.item, **kwargs)
 
     # ------------------------------------------------------------------ junitxml
     def junit(self) -> None:
