@@ -17,18 +17,22 @@ from pytest_msrun.control import wire
 STRONG = "multinode-test-token-0123456789"  # a token the weakness rule accepts
 
 
-def _node(msrun, port, local, total, extra=(), env=None, script="env_dump.py"):
-    args = [
+def _node_args(port, local, total, extra=(), script="env_dump.py", time_out=20):
+    """One node's msrun flags and task in a job of ``total`` ranks on this host."""
+    return [
         f"--worker_num={total}",
         f"--local_worker_num={local}",
         f"--master_port={port}",
         "--join=True",
         "--log_dir=logs",
-        "--cluster_time_out=20",
+        f"--cluster_time_out={time_out}",
         *extra,
         script,
     ]
-    return msrun.start(args, env=env)
+
+
+def _node(msrun, port, local, total, extra=(), env=None, script="env_dump.py"):
+    return msrun.start(_node_args(port, local, total, extra, script), env=env)
 
 
 def _wait_listening(msrun):
@@ -91,16 +95,7 @@ def test_nodes_that_all_lost_the_port_still_form_the_job(msrun, env_dump, node_r
     consoles = [msrun.cwd / f"console-{i}.txt" for i in range(2)]
     procs = []
     for i, console in enumerate(consoles):
-        args = [
-            "--worker_num=4",
-            "--local_worker_num=2",
-            f"--master_port={port}",
-            "--join=True",
-            "--log_dir=logs",
-            "--cluster_time_out=60",
-            *([f"--node_rank={i}"] if node_rank else []),
-            "env_dump.py",
-        ]
+        args = _node_args(port, 2, 4, [f"--node_rank={i}"] if node_rank else [], time_out=60)
         with open(console, "w") as out:  # GLOG_v=1: msrun's INFO lines, "taken ... joining as a worker node"
             env = msrun.env({"GLOG_v": "1"})
             procs.append(subprocess.Popen(msrun.argv(args), cwd=msrun.cwd, env=env, stdout=out, stderr=out))

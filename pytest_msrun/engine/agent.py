@@ -327,9 +327,8 @@ class Agent:
                 if time.monotonic() >= self._register_by:
                     within = f"--cluster_time_out={cfg.cluster_time_out}"
                     return f"cannot reach the scheduler at {link.where} within {within}: {last}"
-                if self._contested and scheduler is None:  # no node of this host may host it: try to
+                if self._contested and scheduler is None:  # perhaps no node of this host hosts it
                     self.node.plan = self.starter.host_if_free(plan)
-                    self._contested = self.node.plan.scheduler is None
                 return None
         self.node.loop.attach(link)
         timeline.mark("registered with the control plane")

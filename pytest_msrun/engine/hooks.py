@@ -64,7 +64,7 @@ def registered(log_dir: str, job_id: str = "") -> list[tuple[str, str]]:
                 target, _, theirs = fh.read().strip().partition("\n")
         except OSError:
             continue
-        if job_id and theirs.strip() and theirs.strip() != job_id:
+        if job_id and theirs and theirs != job_id:
             continue
         if target in TARGETS:
             out.append((name, target))

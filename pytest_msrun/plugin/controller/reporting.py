@@ -80,13 +80,14 @@ class Reporter:
         """Log ``reports`` as pytest's runner does; with the ranks' ``extras``, what they wrote to
         the terminal around them."""
         for report in reports:
-            phase = extras is not None and type(report).__name__ != "SubtestReport"
-            if extras is not None and phase:
+            if type(report).__name__ == "SubtestReport":  # made by the rank's pytest, logged as it is
+                item.ihook.pytest_runtest_logreport(report=report)
+                continue
+            if extras is not None:
                 extras.show_terminal(report.when)
-            if type(report).__name__ != "SubtestReport":
-                report = made(item, report)
+            report = made(item, report)
             item.ihook.pytest_runtest_logreport(report=report)
-            if extras is not None and phase and report.when == "setup" and report.passed:
+            if extras is not None and report.when == "setup" and report.passed:
                 extras.show_item()
 
     def merged(self, item: pytest.Item, record: TestRecord, rerun: int | None = None) -> Merger:
