@@ -1,4 +1,5 @@
-"""What installing this project puts on PATH: never a script that another distribution owns."""
+"""What installing this project puts on PATH (never a script that another distribution owns), and
+the versions it declares it supports (the ones CI tests)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import sys
 import zipfile
 from importlib.metadata import distribution
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,3 +60,29 @@ def test_pmsrun_is_a_plain_script_that_imports_nothing_before_msrun():
         assert [ast.unparse(node) for node in imports] == ["from pytest_msrun.entry import run"], path
     proc = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "usage: pmsrun" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_the_declared_lower_bounds_are_the_ones_ci_tests():
+    """Each lower bound pyproject.toml declares for what the package imports (and for pytest-xdist
+    and hypothesis, whose behaviour the plugin follows) is pinned in .ci/oldest.txt, where .ci/run
+    runs the plugin-facing tests at it - and nothing else is pinned there."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is Python 3.11's")
+    from packaging.version import Version
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    declared = [*project["dependencies"], *extras["xdist"], *(r for r in extras["test"] if r.startswith("hypothesis"))]
+    floors = {}
+    for requirement in declared:
+        name, sep, version = requirement.partition(">=")
+        assert sep and "," not in version, f"{requirement}: a lower bound (>=) and nothing else"
+        floors[name.strip().lower()] = version.strip()
+    pins = {}
+    for line in (REPO / ".ci" / "oldest.txt").read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            pins[name.strip().lower()] = version.strip()
+    assert {name: Version(v) for name, v in pins.items()} == {name: Version(v) for name, v in floors.items()}
+    listed = (REPO / ".ci" / "oldest-tests.txt").read_text().split()
+    assert listed and all((REPO / path).is_file() for path in listed), listed
