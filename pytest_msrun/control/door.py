@@ -117,10 +117,6 @@ class Tally:
         return lines
 
 
-def _monotonic_now() -> float:
-    return time.monotonic()
-
-
 class Door:
     """Strangers at one listening socket, until each proved the token (or was dropped).
 
@@ -137,7 +133,7 @@ class Door:
         timeout: float,
         max_pending: int = PENDING_FLOOR,
         selector: selectors.BaseSelector | None = None,
-        now: Callable[[], float] = _monotonic_now,
+        now: Callable[[], float] = time.monotonic,
         welcome: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         foreign: bytes = b"",
         refusal: str = "bad token (this client's token differs from this listener's)",
