@@ -34,9 +34,9 @@ def _status_field(text: str, name: str) -> list[int] | None:
     return None
 
 
-def past_wrappers(pid: int, timeout: float = 1.0) -> bool:
-    """Wait until ``pid`` runs the task itself rather than taskset/numactl/setpriv."""
-    deadline = time.monotonic() + timeout
+def past_wrappers(pid: int) -> bool:
+    """Wait (up to a second) until ``pid`` runs the task itself rather than taskset/numactl/setpriv."""
+    deadline = time.monotonic() + 1.0
     while True:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as fh:

@@ -212,9 +212,9 @@ def unpack_data(text: Any) -> bytes:
 class Channel:
     """A blocking, message-oriented client connection (used by agents and ranks)."""
 
-    def __init__(self, sock: _socket.socket, limit: int | None = None) -> None:
+    def __init__(self, sock: _socket.socket) -> None:
         self.sock = sock
-        self.frames = FrameBuffer(limit or message_limit())
+        self.frames = FrameBuffer(message_limit())
         self.pending: list[dict[str, Any]] = []
         self.eof = False
 
