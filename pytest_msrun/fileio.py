@@ -156,20 +156,12 @@ def open_output_fd(path: str, *, append: bool = False, mode: int = 0o666) -> int
     return fd
 
 
-def open_output(
-    path: str,
-    *,
-    append: bool = False,
-    binary: bool = False,
-    mode: int = 0o666,
-    encoding: str = "utf-8",
-    buffering: int = -1,
-) -> IO[Any]:
-    """:func:`open_output_fd` as a file object (text in ``encoding``, or ``binary``)."""
-    fd = open_output_fd(path, append=append, mode=mode)
+def open_output(path: str, *, append: bool = False, binary: bool = False, buffering: int = -1) -> IO[Any]:
+    """:func:`open_output_fd` as a file object (UTF-8 text, or ``binary``)."""
+    fd = open_output_fd(path, append=append)
     try:
         how = ("a" if append else "w") + ("b" if binary else "")
-        return os.fdopen(fd, how, buffering, None if binary else encoding)
+        return os.fdopen(fd, how, buffering, None if binary else "utf-8")
     except BaseException:
         os.close(fd)
         raise

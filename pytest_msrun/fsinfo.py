@@ -61,11 +61,11 @@ def _unescape(field: str) -> str:
     return "".join(out)
 
 
-def mounts(mountinfo: str = "/proc/self/mountinfo") -> list[Mount]:
+def mounts() -> list[Mount]:
     """Every mount this process sees, in the kernel's order (later ones cover earlier ones)."""
     out = []
     try:
-        with open(mountinfo, encoding="utf-8", errors="replace") as fh:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as fh:
             lines = fh.read().splitlines()
     except OSError:
         return []
@@ -78,11 +78,11 @@ def mounts(mountinfo: str = "/proc/self/mountinfo") -> list[Mount]:
     return out
 
 
-def mount_of(path: str, table: list[Mount] | None = None) -> Mount | None:
+def mount_of(path: str) -> Mount | None:
     """The mount that holds ``path`` (or its nearest existing ancestor), None when unknown."""
     probe = os.path.realpath(path or ".")
     best: Mount | None = None
-    for mount in mounts() if table is None else table:
+    for mount in mounts():
         point = mount.point.rstrip("/") or "/"
         inside = probe == point or probe.startswith(point if point == "/" else point + "/")
         # the later of two mounts on one point covers the earlier: >=, not >

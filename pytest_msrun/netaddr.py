@@ -218,14 +218,14 @@ def free_port(ip: str = "127.0.0.1", avoid: tuple[int, ...] = ()) -> int:
     raise OSError("no free port found")
 
 
-def listen_socket(ip: str, port: int, backlog: int = 4096) -> _socket.socket:
+def listen_socket(ip: str, port: int) -> _socket.socket:
     """A listening TCP socket on ``ip:port`` (``port`` 0 = any free port); ``_socket``'s (accept
     with ``_accept()``, or wrap it: ``socket.socket(fileno=sock.detach())``)."""
     sock = _socket.socket(family_of(ip), _socket.SOCK_STREAM)
     try:
         sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_REUSEADDR, 1)
         sock.bind(sockaddr(ip, port))
-        sock.listen(backlog)
+        sock.listen(4096)
     except OSError:
         sock.close()
         raise

@@ -27,25 +27,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("msrun", "multi-rank tests with msrun")
     group.addoption(
         "--msrun-timeout",
-        dest="msrun_timeout",
         type=float,
-        default=None,
         help="seconds a marked test's job may run before every rank's stack is collected and the job "
         "is torn down (default: ini msrun_timeout, else 300; the marker's timeout= wins)",
     )
     group.addoption(
         "--msrun-exit-timeout",
-        dest="msrun_exit_timeout",
         type=float,
-        default=None,
         help="seconds a marked test's ranks may take to exit once every rank's pytest session ended; a "
         "rank still running then hangs at exit and fails the test's teardown (default: ini "
         "msrun_exit_timeout, else 60)",
     )
     group.addoption(
         "--msrun-report",
-        dest="msrun_report",
-        default=None,
         metavar="FILE.html",
         help="write one self-contained HTML page of the marked tests: verdicts, every rank's timeline "
         "(phases, collectives, the first failure), outputs, reproduce commands, the environment, a search "
@@ -54,16 +48,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--msrun-detail",
-        dest="msrun_detail",
         choices=("first", "all"),
-        default=None,
         help="failure detail: the first failing rank's traceback and one line per other failing rank "
         "(first, default), or every failing rank's traceback (all)",
     )
     group.addoption(
         "--msrun-trace",
-        dest="msrun_trace",
-        default=None,
         metavar="DIR",
         help="keep each marked test's job trace (Chrome trace format, for Perfetto) in DIR: one file per "
         "fresh job, one per warm world, one per test whose job never ran (the reason); each test in it (spans "
@@ -71,24 +61,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--msrun-inprocess",
-        dest="msrun_inprocess",
         action="store_true",
-        default=False,
         help="run marked tests in this process as rank 0 of a one-rank world (for IDE debuggers; a failure of "
         "another rank does not happen there: --pdb stops a failing rank of a normal run on this terminal)",
     )
     group.addoption(
         "--msrun-devices",
-        dest="msrun_devices",
-        default=None,
         help="devices jobs may use: auto (default: visible-device variables, then NVML), none, "
         "cuda:0,1,... or ascend:0-7",
     )
     group.addoption(
         "--msrun-worlds",
-        dest="msrun_worlds",
         choices=("warm", "fresh"),
-        default=None,
         help="warm (default): marked tests of one shape share a long-lived job, each test isolated and "
         "judged alone, the world restarted after a crash, hang or failure inside it; fresh: each marked "
         "test in processes of its own, forked from its shape's world (as msrun(isolated=True) does for "
@@ -96,9 +80,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--msrun-prefetch",
-        dest="msrun_prefetch",
         choices=("on", "off"),
-        default=None,
         help="on (default): while a test runs in its warm world, start the world of the next shape "
         "the session will need (within --msrun-max-ranks, when its ranks, the running world's and those "
         "still starting fit this machine's CPUs), so its start-up overlaps the test; off: each world "
@@ -106,8 +88,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--msrun-max-ranks",
-        dest="msrun_max_ranks",
-        default=None,
         help="auto (default) or N: the ranks the warm worlds of this pytest process may hold together. An "
         "idle world is kept while a test of its shape is still to come; a world that needs room ends the "
         "worlds needed farthest ahead. auto: the memory available at 512 MiB a rank (shared by xdist's "
@@ -115,9 +95,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--msrun-fork-server",
-        dest="msrun_fork_server",
         choices=("on", "off"),
-        default=None,
         help="on (default): a template process of this session imports pytest and its plugins once; "
         "each job's msrun and its Python ranks are forked from it rather than started as new "
         "interpreters (where a fork stands for one exactly: same interpreter and start-up variables, "
@@ -125,9 +103,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--msrun-env-scope",
-        dest="msrun_env_scope",
         choices=("job", "test"),
-        default=None,
         help="job (default): a marker's env is its job's environment, each env a world of its own; test: "
         "tests differing only in env share a world, each with its variables set for its setup, call and "
         "teardown (variables launchers and native libraries read at start - MSRUN_, MS_, OMP_, CUDA_, ... "
@@ -135,17 +111,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--msrun-leaks",
-        dest="msrun_leaks",
         choices=("warn", "error", "off"),
-        default=None,
         help="what a test in a warm world leaves behind (threads, child processes, open files, "
         "environment, working directory): a warning (default), a failure, or nothing",
     )
     group.addoption(
         "--msrun-leak-rss",
-        dest="msrun_leak_rss",
         metavar="SIZE",
-        default=None,
         help="a test in a warm or forking world that grows a rank's resident memory (or a device's "
         "allocated memory) by more than SIZE left it behind, judged as --msrun-leaks says: 200MB, 100MiB, "
         "1GiB, bytes, 0 (off); what first imports of modules and broader fixtures grow is not counted "
@@ -153,9 +125,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption(
         "--msrun-max-rss",
-        dest="msrun_max_rss",
         metavar="SIZE",
-        default=None,
         help="a warm world whose rank's resident memory is past SIZE after a test ends after it, and "
         "the next test starts a new one (a warning names the rank): 2GiB, 500MB, ... (default: 0, off)",
     )
@@ -267,14 +237,10 @@ def pytest_configure(config: pytest.Config) -> None:
         from pytest_msrun.plugin.controller.inprocess import InProcessPlugin
 
         config.pluginmanager.register(InProcessPlugin(), "msrun-inprocess")
-    elif not _collect_only(config):
+    elif not getattr(config.option, "collectonly", False):
         from pytest_msrun.plugin.controller.controller import Controller
 
         config.pluginmanager.register(Controller(config), "msrun-controller")
-
-
-def _collect_only(config: pytest.Config) -> bool:
-    return bool(getattr(config.option, "collectonly", False))
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

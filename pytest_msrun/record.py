@@ -8,7 +8,7 @@ default factories, ``__post_init__``); ``__repr__``, ``__eq__`` and, for ``froze
 :func:`fields` work as their ``dataclasses`` namesakes do for these classes.
 
 Supported: annotated fields in definition order (inherited fields first), ``field(default=...,
-default_factory=..., repr=..., compare=...)``; not: ``init=False`` fields, ``InitVar``, slots.
+default_factory=..., repr=..., compare=...)``; not: ``ClassVar``, ``init=False`` fields, ``InitVar``, slots.
 """
 
 from __future__ import annotations
@@ -59,19 +59,12 @@ def field(
     return Field(default, default_factory, repr, compare)
 
 
-def _is_classvar(annotation: object) -> bool:
-    text = annotation if isinstance(annotation, str) else getattr(annotation, "__name__", "")
-    return isinstance(text, str) and (text.startswith("ClassVar") or text.startswith("typing.ClassVar"))
-
-
 def _collect(cls: type) -> list[Field]:
     found: dict[str, Field] = {}
     for base in reversed(cls.__mro__[1:]):
         for f in getattr(base, FIELDS, ()):
             found[f.name] = f
-    for name, annotation in cls.__dict__.get("__annotations__", {}).items():
-        if _is_classvar(annotation):
-            continue
+    for name in cls.__dict__.get("__annotations__", {}):
         value = cls.__dict__.get(name, _MISSING)
         if isinstance(value, Field):
             f = value

@@ -196,7 +196,7 @@ class Planner:
 
     # ------------------------------------------------------------------ legacy flags
     def _dict_entry(self, spec: BindSpec, flag: str, key: str | None, unit: str) -> tuple[str | None, list[int] | None]:
-        if key is None or key not in spec.entries:
+        if spec.kind != "dict" or key is None or key not in spec.entries:
             return None, None
         items = spec.entries[key]
         if not items:
@@ -243,19 +243,9 @@ class Planner:
                 place.env["MSRUN_CPU_LIST"] = cpu_list
             place.device = self._device_label(i)
             workers.append(place)
-        sched = Placement(how="not bound")
-        if "dict" in (self.core.kind, self.numa.kind):
-            core = (
-                self._dict_entry(self.core, "bind_core", "scheduler", "CPU")
-                if self.core.kind == "dict"
-                else (None, None)
-            )
-            node = (
-                self._dict_entry(self.numa, "bind_numa", "scheduler", "NUMA")
-                if self.numa.kind == "dict"
-                else (None, None)
-            )
-            sched = self._compose(core, node, auto_numa=False)
+        core = self._dict_entry(self.core, "bind_core", "scheduler", "CPU")
+        node = self._dict_entry(self.numa, "bind_numa", "scheduler", "NUMA")
+        sched = self._compose(core, node, auto_numa=False)  # not bound without a dict entry
         return BindingPlan(workers, sched, self.warnings)
 
     def _device_label(self, i: int) -> str:

@@ -11,7 +11,7 @@ import json
 import os
 
 from pytest_msrun.cpulist import format_id_list, parse_id_list
-from pytest_msrun.record import field, record
+from pytest_msrun.record import asdict, field, record
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 
 SCHEMA = "pytest-msrun/topology/1"
 TOPOLOGY_ENV = "MSRUN_TOPOLOGY"
+
+
+def _id_text(ids: list[int] | None) -> str | None:
+    return None if ids is None else format_id_list(ids)
 
 
 @record
@@ -115,6 +119,7 @@ class Topology:
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> dict[str, Any]:
+        cg = self.cgroup
         return {
             "schema": SCHEMA,
             "source": self.source,
@@ -123,38 +128,11 @@ class Topology:
             "cpus_online": format_id_list(self.cpus_online),
             "cpus_allowed": format_id_list(self.cpus_allowed),
             "mems_allowed": format_id_list(self.mems_allowed),
-            "cgroup": None
-            if self.cgroup is None
-            else {
-                "version": self.cgroup.version,
-                "path": self.cgroup.path,
-                "cpus": None if self.cgroup.cpus is None else format_id_list(self.cgroup.cpus),
-                "mems": None if self.cgroup.mems is None else format_id_list(self.cgroup.mems),
-            },
-            "numa_nodes": [
-                {
-                    "id": n.id,
-                    "cpus": format_id_list(n.cpus),
-                    "memory_mb": n.memory_mb,
-                    "has_memory": n.has_memory,
-                    "distances": n.distances,
-                }
-                for n in self.numa_nodes
-            ],
+            "cgroup": None if cg is None else {**asdict(cg), "cpus": _id_text(cg.cpus), "mems": _id_text(cg.mems)},
+            "numa_nodes": [{**asdict(n), "cpus": format_id_list(n.cpus)} for n in self.numa_nodes],
             "packages": {str(k): format_id_list(v) for k, v in sorted(self.packages.items())},
             "cores": [format_id_list(c) for c in self.cores],
-            "devices": [
-                {
-                    "kind": d.kind,
-                    "index": d.index,
-                    "pci_bus_id": d.pci_bus_id,
-                    "uuid": d.uuid,
-                    "name": d.name,
-                    "numa_node": d.numa_node,
-                    "cpu_affinity": format_id_list(d.cpu_affinity),
-                }
-                for d in self.devices
-            ],
+            "devices": [{**asdict(d), "cpu_affinity": format_id_list(d.cpu_affinity)} for d in self.devices],
             "raw": self.raw,
         }
 

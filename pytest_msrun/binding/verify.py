@@ -34,9 +34,9 @@ def _status_field(text: str, name: str) -> list[int] | None:
     return None
 
 
-def past_wrappers(pid: int, timeout: float = 1.0) -> bool:
-    """Wait until ``pid`` runs the task itself rather than taskset/numactl/setpriv."""
-    deadline = time.monotonic() + timeout
+def past_wrappers(pid: int) -> bool:
+    """Wait (up to a second) until ``pid`` runs the task itself rather than taskset/numactl/setpriv."""
+    deadline = time.monotonic() + 1.0
     while True:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as fh:
@@ -80,13 +80,16 @@ def mismatch(expected_cpus: list[int] | None, expected_mems: list[int] | None, g
     if expected_cpus is not None and got.cpus is not None and sorted(expected_cpus) != sorted(got.cpus):
         out.append(f"runs on CPUs {format_id_list(got.cpus)}, the plan says {format_id_list(expected_cpus)}")
     if expected_mems is not None and (got.mem_policy != "bind" or sorted(got.mem_nodes or []) != sorted(expected_mems)):
-        have = got.mem_policy + (f":{format_id_list(got.mem_nodes)}" if got.mem_nodes else "")
-        out.append(f"has memory policy {have}, the plan says bind:{format_id_list(expected_mems)}")
+        out.append(f"has memory policy {_policy(got)}, the plan says bind:{format_id_list(expected_mems)}")
     return out
 
 
 def _ids(ids: list[int] | None) -> str:
     return "-" if ids is None else format_id_list(ids)
+
+
+def _policy(got: KernelBinding) -> str:
+    return got.mem_policy + (f":{format_id_list(got.mem_nodes)}" if got.mem_nodes else "")
 
 
 def report_table(
@@ -95,9 +98,6 @@ def report_table(
     """``mpirun --report-bindings`` style: plan and kernel side by side for every process."""
     table = [("process", "pid", "device", "cpus plan", "cpus kernel", "memory plan", "memory kernel", "via")]
     for label, pid, device, cpus, mems, got, how in rows:
-        kernel_mem = "?"
-        if got is not None:
-            kernel_mem = got.mem_policy + (f":{format_id_list(got.mem_nodes)}" if got.mem_nodes else "")
         table.append(
             (
                 label,
@@ -106,7 +106,7 @@ def report_table(
                 _ids(cpus),
                 _ids(got.cpus) if got else "?",
                 "-" if mems is None else f"bind:{format_id_list(mems)}",
-                kernel_mem,
+                _policy(got) if got else "?",
                 how or "-",
             )
         )

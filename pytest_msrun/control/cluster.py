@@ -81,7 +81,6 @@ class CollectiveDeadlock(ClusterError):
     in another collective, or called another operation (the message names each and where it is)."""
 
 
-OP_NAMES = {"barrier": "barrier", "gather": "all_gather", "bcast": "broadcast"}
 API_NAMES = {"barrier": "barrier", "gather": "all_gather_object", "bcast": "broadcast_object"}
 
 
@@ -123,9 +122,8 @@ class _Group:
 
     def collective(self, op: str, data: bytes | None, src: int, timeout: float | None) -> Any:
         if self.mode == "dryrun" and op != "barrier":
-            name = "all_gather_object" if op == "gather" else "broadcast_object"
             raise ClusterError(
-                f"{name} is not available in a dry run (MS_SIMULATION_LEVEL): simulated ranks run "
+                f"{API_NAMES[op]} is not available in a dry run (MS_SIMULATION_LEVEL): simulated ranks run "
                 "independently and cannot see each other's objects; derive other ranks' values from "
                 "get_rank()/get_group_size() instead"
             )
@@ -180,7 +178,7 @@ class _Group:
                 raise
             raise ClusterError(
                 f"{op} timed out after {timeout:g} s on rank {self.rank}: it waited for "
-                f"{OP_NAMES.get(was_op, was_op)} #{was_seq}, whose timeout ran out on this rank, to complete or fail"
+                f"{calls.op_name(was_op)} #{was_seq}, whose timeout ran out on this rank, to complete or fail"
             ) from None
 
     def _message(
@@ -232,14 +230,14 @@ class _Group:
             if kind == "abort":
                 raise ClusterAborted(f"job aborted: {reply.get('reason')}")
             if kind == "refused":  # this rank broke the protocol: the control plane dropped it
-                raise ClusterError(f"{OP_NAMES.get(op, op)} on rank {self.rank}: refused: {reply.get('reason')}")
+                raise ClusterError(f"{calls.op_name(op)} on rank {self.rank}: refused: {reply.get('reason')}")
             if kind == "error":
                 if reply.get("seq", seq) != seq:  # an earlier collective's, whose wait this rank gave up
                     continue
                 rewind = reply.get("rewind")
                 if isinstance(rewind, int) and not isinstance(rewind, bool) and 0 <= rewind < seq == self.seq:
                     self.seq = rewind  # the peers never entered it: it counts for no one (stay in step)
-                raise CollectiveDeadlock(f"{OP_NAMES.get(op, op)} failed on rank {self.rank}: {reply.get('reason')}")
+                raise CollectiveDeadlock(f"{calls.op_name(op)} failed on rank {self.rank}: {reply.get('reason')}")
             if kind == "coll" and reply.get("seq") == seq:
                 data_out = reply.get("data")
                 if op == "gather":
@@ -255,7 +253,7 @@ class _Group:
             return wire.unpack_data(part)
         except wire.ProtocolError as exc:
             raise ClusterError(
-                f"{OP_NAMES.get(op, op)} on rank {self.rank}: rank {peer} sent data that is not an object's ({exc})"
+                f"{calls.op_name(op)} on rank {self.rank}: rank {peer} sent data that is not an object's ({exc})"
             ) from None
 
     def note_call(self, test: str, entered: bool, outcome: str) -> None:
@@ -350,14 +348,12 @@ def init(timeout: float | None = None) -> None:
             timeout = None if topo < 0 else float(topo)
         deadline = time.monotonic() + (timeout if timeout is not None else 10**9)
         backoff = 0.05
+        host = os.uname().nodename  # the control plane names the process holding a rank when another asks
+        hello = {"t": "hello", "kind": "rank", "rank": rank, "world": world, "pid": os.getpid(), "host": host}
         while True:
             channel = _connect(env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"]), deadline)
             try:
-                channel.handshake(
-                    {"t": "hello", "kind": "rank", "rank": rank, "world": world, "pid": os.getpid(), "host": _host()},
-                    env.get("MSRUN_JOB_TOKEN", ""),
-                    max(0.1, deadline - time.monotonic()),
-                )
+                channel.handshake(hello, env.get("MSRUN_JOB_TOKEN", ""), max(0.1, deadline - time.monotonic()))
                 break
             except wire.AuthError as exc:
                 channel.close()
@@ -396,12 +392,6 @@ def init(timeout: float | None = None) -> None:
         # the descriptor is let go by Python and closed by the kernel when the process exits.
         _group = _Group(rank, world, channel, "cluster")
         atexit.register(_keep_connection_until_exit)
-
-
-def _host() -> str:
-    """This host's name, as a rank's hello gives it (the control plane names the process holding a
-    rank when another asks for it)."""
-    return os.uname().nodename
 
 
 def _require() -> _Group:

@@ -117,10 +117,6 @@ class Tally:
         return lines
 
 
-def _monotonic_now() -> float:
-    return time.monotonic()
-
-
 class Door:
     """Strangers at one listening socket, until each proved the token (or was dropped).
 
@@ -137,7 +133,7 @@ class Door:
         timeout: float,
         max_pending: int = PENDING_FLOOR,
         selector: selectors.BaseSelector | None = None,
-        now: Callable[[], float] = _monotonic_now,
+        now: Callable[[], float] = time.monotonic,
         welcome: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         foreign: bytes = b"",
         refusal: str = "bad token (this client's token differs from this listener's)",
@@ -322,8 +318,7 @@ class Door:
             if not self._hello(stranger, msg):
                 return []
             if not self.token:  # an unauthenticated job: welcomed at its hello
-                admitted = self._admit(stranger, messages[index + 1 :], bytes(stranger.frames.buf))
-                return [admitted] if admitted is not None else []
+                return self._admit(stranger, messages[index + 1 :], bytes(stranger.frames.buf))
         return []
 
     def _hello(self, stranger: Stranger, msg: dict[str, Any]) -> bool:
@@ -349,11 +344,10 @@ class Door:
         if msg["t"] != "auth" or not wire.token_ok(msg.get("proof"), expected):
             self._refuse(stranger, self.refusal)
             return []
-        admitted = self._admit(stranger, after, bytes(stranger.frames.buf))
-        return [admitted] if admitted is not None else []
+        return self._admit(stranger, after, bytes(stranger.frames.buf))
 
-    def _admit(self, stranger: Stranger, messages: list[dict[str, Any]], rest: bytes) -> Admitted | None:
-        """Welcome ``stranger`` (with the door's proof) and let it in."""
+    def _admit(self, stranger: Stranger, messages: list[dict[str, Any]], rest: bytes) -> list[Admitted]:
+        """Welcome ``stranger`` (with the door's proof) and let it in (none: its connection failed)."""
         hello = stranger.hello
         assert hello is not None
         welcome: dict[str, Any] = {"t": "welcome"}
@@ -362,9 +356,9 @@ class Door:
         if self.extra is not None:
             welcome.update(self.extra(hello))
         if not self._send(stranger, welcome):
-            return None
+            return []
         self._forget(stranger)
-        return Admitted(stranger.sock, stranger.peer, str(hello["kind"]), hello, messages, rest)
+        return [Admitted(stranger.sock, stranger.peer, str(hello["kind"]), hello, messages, rest)]
 
     def _leave_foreign(self, stranger: Stranger) -> Admitted:
         self._forget(stranger)

@@ -60,9 +60,9 @@ class ForeignClients:
             self.transport.drop_stranger(conn, "MindSpore-protocol client gone before it was attributed")
             return
         ip = str(peer[0]).split("%", 1)[0]
-        if _on_this_host(ip):
-            from pytest_msrun.netaddr import local_peer_uid
+        from pytest_msrun.netaddr import is_local_address, local_peer_uid
 
+        if is_local_address(ip):
             uid = local_peer_uid(conn.sock)
             if uid == os.getuid():
                 self.accept(conn)
@@ -139,12 +139,6 @@ class ForeignClients:
         self.by_conn.pop(entry[0], None)
         self.address.pop(entry[0], None)
         return entry
-
-
-def _on_this_host(ip: str) -> bool:
-    from pytest_msrun.netaddr import is_local_address
-
-    return is_local_address(ip)
 
 
 def vouch(msg: dict[str, Any], root_pid: int) -> dict[str, Any]:

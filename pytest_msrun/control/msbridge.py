@@ -12,9 +12,9 @@ The MindSpore scheduler waits for its workers without a topology timeout of its 
 apply ``MS_TOPO_TIMEOUT``); it is stopped when the job ends, and if it exits with an error while the
 job runs, the job is aborted with its reason.
 
-:class:`MindSporeRelay` is the scheduler's side: it pairs each MindSpore-protocol client - once
-shown to be this job's own process (:mod:`.foreign`: MindSpore's protocol has no authentication) -
-with its own connection upstream.
+:class:`MindSporeBridge` pairs each MindSpore-protocol client - once shown to be this job's own
+process (:mod:`.foreign`: MindSpore's protocol has no authentication) - with its own connection
+upstream (``kind`` ``foreign`` <-> ``upstream``).
 
 Imported by the scheduler process only when needed; standard library only.
 """
@@ -117,7 +117,8 @@ class MindSporeBridge:
     are opened inside it and handed over. Elsewhere it listens on loopback only (so no other host
     can reach it, but other local users could - said in ``scheduler.log``)."""
 
-    def __init__(self, env: dict[str, str], log: Any) -> None:
+    def __init__(self, transport: Any, env: dict[str, str], log: Any) -> None:
+        self.transport = transport
         self.env = env
         self.log = log
         self.host = "127.0.0.1"  # where the MindSpore scheduler listens when it has no namespace
@@ -247,15 +248,16 @@ class MindSporeBridge:
         self.start()
         conn.kind = "foreign"
         self.waiting.append(conn)
+        self.connect_waiting()
 
-    def connect_waiting(self, make_conn: Any) -> None:
+    def connect_waiting(self) -> None:
         """Connect the waiting clients to the MindSpore scheduler once it listens."""
         self._settle()
         if not self.waiting or self.proc is None or self.proc.poll() is not None or not self.private:
             return
         self.waiting = [c for c in self.waiting if c.sock.fileno() >= 0]
         if self.private == "yes":
-            self._connect_private(make_conn)
+            self._connect_private()
             return
         still = []
         for conn in self.waiting:
@@ -264,10 +266,10 @@ class MindSporeBridge:
             except OSError:
                 still.append(conn)
                 continue
-            make_conn(conn, sock)
+            self._pair(conn, sock)
         self.waiting = still
 
-    def _connect_private(self, make_conn: Any) -> None:
+    def _connect_private(self) -> None:
         """Ask the helper for a connection per waiting client; pair the answers in order."""
         assert self.chan is not None
         try:
@@ -281,7 +283,7 @@ class MindSporeBridge:
                 self.asked -= 1
                 conn = self.waiting.pop(0)
                 if fds:
-                    make_conn(conn, socket.socket(fileno=fds[0]))
+                    self._pair(conn, socket.socket(fileno=fds[0]))
                 else:
                     self.waiting.append(conn)  # it does not listen yet: ask again
         except (BlockingIOError, InterruptedError):
@@ -298,23 +300,6 @@ class MindSporeBridge:
     def busy(self) -> bool:
         """True while clients wait for the MindSpore scheduler to listen (poll faster then)."""
         return bool(self.waiting) or (self.proc is not None and not self.private)
-
-
-class MindSporeRelay:
-    """The scheduler's relay of MindSpore-protocol connections (``kind`` ``foreign`` <-> ``upstream``),
-    each shown to be this job's first (:mod:`.foreign`)."""
-
-    def __init__(self, transport: Any, env: dict[str, str], log: Any) -> None:
-        self.transport = transport
-        self.bridge = MindSporeBridge(env, log)
-
-    def adopt(self, conn: Any) -> None:
-        """Relay ``conn`` (the bytes it sent so far are in ``conn.pending``) to the MindSpore scheduler."""
-        self.bridge.adopt(conn)
-        self.connect_waiting()
-
-    def connect_waiting(self) -> None:
-        self.bridge.connect_waiting(self._pair)
 
     def _pair(self, client: Any, sock: socket.socket) -> None:
         from pytest_msrun.control.transport import Conn
@@ -343,8 +328,8 @@ class MindSporeRelay:
 
     def unpair(self, conn: Any) -> None:
         other, conn.pair = conn.pair, None
-        if conn in self.bridge.waiting:
-            self.bridge.waiting.remove(conn)
+        if conn in self.waiting:
+            self.waiting.remove(conn)
         if other is not None:
             other.pair = None
             other.closing = True  # send what it still has, then close

@@ -40,7 +40,7 @@ def declare_finished(host: str, port: int, token: str, ranks: list[int], why: st
     return _ask(host, port, token, {"t": "finished", "ranks": ranks, "why": why}, timeout) is not None
 
 
-def query_from_env(env: dict[str, str], timeout: float = 2.0) -> dict[str, Any] | None:
+def query_from_env(env: dict[str, str]) -> dict[str, Any] | None:
     """The state of the job this process belongs to (its ``MS_SCHED_*`` and token variables)."""
     if env.get("MSRUN_SCHEDULER") not in ("auto", "builtin", "mindspore"):
         return None
@@ -48,7 +48,7 @@ def query_from_env(env: dict[str, str], timeout: float = 2.0) -> dict[str, Any] 
         host, port = env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"])
     except (KeyError, ValueError):
         return None
-    return query_state(host, port, env.get("MSRUN_JOB_TOKEN", ""), timeout)
+    return query_state(host, port, env.get("MSRUN_JOB_TOKEN", ""))
 
 
 def waiting_for_others(state: Any, rank: int, world: int) -> bool:

@@ -113,18 +113,11 @@ class NodeRegistry:
             node.offset = offset
             table.append({"host": node.host, "ip": node.ip, "local": node.local, "offset": offset})
             offset += node.local
-        out = []
-        for index, node in enumerate(ordered):
-            msg = {
-                "t": "assign",
-                "offset": node.offset,
-                "node_index": index,
-                "node_count": len(ordered),
-                "nodes": table,
-                "job_id": self.job_id,
-            }
-            out.append((node, msg))
-        return out
+        rest = {"node_count": len(ordered), "nodes": table, "job_id": self.job_id}
+        return [
+            (node, {"t": "assign", "offset": node.offset, "node_index": index, **rest})
+            for index, node in enumerate(ordered)
+        ]
 
     def done(self, node: NodeInfo) -> bool:
         """``node`` finished; whether every node has (the job succeeded)."""

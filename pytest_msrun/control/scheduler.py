@@ -314,12 +314,8 @@ class Ranks:
         if self.sched.trace is not None:
             self.entered.setdefault(seq, {})[rank] = time.time()
             self.coll_op.setdefault(seq, op)
-        place = (where, calls.parse_order(msg)) if isinstance(where, tuple) else None
-        self.deliver(
-            self.group.contribute(rank, op, seq, src, data, *place)
-            if place
-            else self.group.contribute(rank, op, seq, src, data)
-        )
+        place = (where, calls.parse_order(msg)) if isinstance(where, tuple) else ()
+        self.deliver(self.group.contribute(rank, op, seq, src, data, *place))
 
     def _forget(self, conn: Conn, rank: int) -> None:
         self.rank_of.pop(conn, None)
@@ -332,25 +328,6 @@ class Ranks:
             return
         self._forget(conn, rank)
         self.deliver(self.group.left(rank, why))
-
-
-class Observers:
-    """The handler of observers (the pytest controller): the state, ranks that finished their test."""
-
-    def __init__(self, sched: Scheduler) -> None:
-        self.sched = sched
-
-    def message(self, conn: Conn, msg: dict[str, Any]) -> None:
-        ranks = self.sched.ranks
-        if msg["t"] == "finished":
-            listed, why = msg.get("ranks"), msg.get("why")
-            if isinstance(listed, list) and all(_is_int(r, 0, self.sched.worker_num - 1) for r in listed):
-                text = (why if isinstance(why, str) and why else "finished its test")[:200]
-                ranks.deliver(ranks.group.finished(listed, text))
-        elif msg["t"] != "state":
-            self.sched.transport.drop(conn, f"unexpected observer message {msg['t']!r}")
-            return
-        self.sched.transport.send(conn, ranks.group.snapshot())
 
 
 class Scheduler:
@@ -381,8 +358,7 @@ class Scheduler:
         )
         self.agents = Agents(self)
         self.ranks = Ranks(self)
-        self.observers = Observers(self)
-        self.relay: Any = None  # msbridge.MindSporeRelay, created when first needed
+        self.relay: Any = None  # msbridge.MindSporeBridge, created when first needed
         self.foreign: Any = None  # foreign.ForeignClients: MindSpore-protocol clients being attributed
         self.next_timers = 0.0
         self.started = self.transport.clock.now
@@ -445,7 +421,20 @@ class Scheduler:
         elif conn.kind == "rank":
             self.ranks.message(conn, msg)
         elif conn.kind == "observer":
-            self.observers.message(conn, msg)
+            self.observer_message(conn, msg)
+
+    def observer_message(self, conn: Conn, msg: dict[str, Any]) -> None:
+        """An observer (the pytest controller) asks for the state, or says ranks finished their test."""
+        ranks = self.ranks
+        if msg["t"] == "finished":
+            listed, why = msg.get("ranks"), msg.get("why")
+            if isinstance(listed, list) and all(_is_int(r, 0, self.worker_num - 1) for r in listed):
+                text = (why if isinstance(why, str) and why else "finished its test")[:200]
+                ranks.deliver(ranks.group.finished(listed, text))
+        elif msg["t"] != "state":
+            self.transport.drop(conn, f"unexpected observer message {msg['t']!r}")
+            return
+        self.transport.send(conn, ranks.group.snapshot())
 
     def on_lost(self, conn: Conn, why: str) -> None:
         if conn.kind == "agent":
@@ -492,9 +481,9 @@ class Scheduler:
 
     def _relay(self) -> Any:
         if self.relay is None:
-            from pytest_msrun.control.msbridge import MindSporeRelay
+            from pytest_msrun.control.msbridge import MindSporeBridge
 
-            self.relay = MindSporeRelay(self.transport, self.env, log)
+            self.relay = MindSporeBridge(self.transport, self.env, log)
         return self.relay
 
     def local_peer(self, conn: Conn) -> bool:
@@ -543,12 +532,12 @@ class Scheduler:
         self.next_timers = now + TIMER_INTERVAL
         relay = self.relay
         if relay is not None:
-            failure = relay.bridge.failure()
+            failure = relay.failure()
             if failure is not None and not self.ended:
                 self.abort(failure, None)
         # MindSpore clients open connections they use later (its scheduler never speaks first);
         # ours send their hello at once: a silent one is a foreign client once one is relayed.
-        self.transport.expire(silent=lambda: relay is not None and relay.bridge.serving)
+        self.transport.expire(silent=lambda: relay is not None and relay.serving)
         if self.foreign is not None:
             self.foreign.expire(now)
         self.agents.silent(now)
@@ -589,7 +578,7 @@ class Scheduler:
     # ---------------------------------------------------------------- the loop
     def _turn(self) -> None:
         """One turn of the loop: serve what is ready, answer a signal, look at the deadlines."""
-        busy = self.relay is not None and self.relay.bridge.busy
+        busy = self.relay is not None and self.relay.busy
         if busy:
             self.relay.connect_waiting()
         self.transport.poll(0.02 if busy else 0.25, self._wake)
@@ -624,7 +613,7 @@ class Scheduler:
         self.transport.sel.register(wake_r, selectors.EVENT_READ, "signal")
         log(f"listening on {self.transport.listener.getsockname()[:2]} for {self.worker_num} ranks ({self.mode} mode)")
         if self.mode == "mindspore":
-            self._relay().bridge.start()
+            self._relay().start()
         faults = 0  # turns of the loop in a row that raised
         while self.exit_code is None:
             try:
@@ -639,7 +628,7 @@ class Scheduler:
                     self.abort(f"the control plane failed {faults} times in a row, last: {exc!r}", None)
         self.transport.drain(1.0)
         if self.relay is not None:
-            self.relay.bridge.stop()
+            self.relay.stop()
         if self.trace is not None:
             self.event(f"the control plane ends ({self.exit_code})")
             self.trace.close()

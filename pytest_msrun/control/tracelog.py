@@ -136,10 +136,14 @@ class Recorder:
         self.fh = open_output(path, append=True, buffering=1 << 16)  # lives as long as the process
         self.error: OSError | None = None
 
-    def _write(self, text: str) -> None:
+    def _write(self, text: str | None) -> None:
+        """Write ``text`` (None: flush); the first error stops the recorder."""
         if self.error is None:
             try:
-                self.fh.write(text)
+                if text is None:
+                    self.fh.flush()
+                else:
+                    self.fh.write(text)
             except OSError as exc:
                 self._stop(exc)
             except ValueError:  # closed
@@ -166,13 +170,7 @@ class Recorder:
             self._write(text if text.endswith("\n") else text + "\n")
 
     def flush(self) -> None:
-        if self.error is None:
-            try:
-                self.fh.flush()
-            except OSError as exc:
-                self._stop(exc)
-            except ValueError:
-                pass
+        self._write(None)
 
     def close(self) -> None:
         self.flush()

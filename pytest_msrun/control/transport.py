@@ -2,9 +2,9 @@
 
 A :class:`Transport` owns the listening socket's :class:`~.door.Door` (strangers, until they proved
 the job's token: bounds, deadlines, the handshake) and every connection that went through it, in one
-event loop: it reads frames (:mod:`.wire`) and hands each client's messages to a :class:`Handler`. A
-connection that opens with MindSpore's RPC magic leaves the door unproven and is handed over as a
-foreign protocol (its handler attributes it before serving it).
+event loop: it reads frames (:mod:`.wire`) and hands each client's messages to its handler, the
+scheduler. A connection that opens with MindSpore's RPC magic leaves the door unproven and is handed
+over as a foreign protocol (its handler attributes it before serving it).
 
 Deadlines for strangers are measured by a :class:`LoopClock`, which does not count time this process
 itself could not run (a loaded machine starves the scheduler too: its peers' answers are waiting in
@@ -26,20 +26,9 @@ from pytest_msrun.control.wire import AGENT_FD_ENV
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable
-    from typing import Any, Protocol
+    from typing import Any
 
-    class Handler(Protocol):
-        """What the transport calls: authenticated hellos, messages, ends, foreign protocols."""
-
-        def on_hello(self, conn: Conn, hello: dict[str, Any]) -> None: ...
-
-        def on_message(self, conn: Conn, msg: dict[str, Any]) -> None: ...
-
-        def on_lost(self, conn: Conn, why: str) -> None: ...
-
-        def on_foreign(self, conn: Conn) -> None: ...
-
-        def on_relay(self, conn: Conn, data: bytes) -> None: ...
+    from pytest_msrun.control.scheduler import Scheduler
 
 
 __all__ = ["AGENT_FD_ENV", "ConfigError", "Conn", "LoopClock", "Transport", "env_seconds"]
@@ -102,7 +91,7 @@ class Transport:
     def __init__(
         self,
         listener: _socket.socket,
-        handler: Handler,
+        handler: Scheduler,  # its on_hello, on_message, on_lost, on_foreign and on_relay
         *,
         token: str,
         auth_timeout: float,

@@ -212,9 +212,9 @@ def unpack_data(text: Any) -> bytes:
 class Channel:
     """A blocking, message-oriented client connection (used by agents and ranks)."""
 
-    def __init__(self, sock: _socket.socket, limit: int | None = None) -> None:
+    def __init__(self, sock: _socket.socket) -> None:
         self.sock = sock
-        self.frames = FrameBuffer(limit or message_limit())
+        self.frames = FrameBuffer(message_limit())
         self.pending: list[dict[str, Any]] = []
         self.eof = False
 
@@ -282,12 +282,15 @@ class Channel:
             if remaining == 0.0 and deadline is not None:
                 raise _socket.timeout("timed out")
             self.sock.settimeout(remaining)
-            data = self.sock.recv(1 << 20)
-            if not data:
-                self.eof = True
-                continue
-            self.pending.extend(self.frames.feed(data))
+            self._take(self.sock.recv(1 << 20))
         return self.pending.pop(0)
+
+    def _take(self, data: bytes) -> None:
+        """Bytes read: the messages they complete, or the end of the connection."""
+        if data:
+            self.pending.extend(self.frames.feed(data))
+        else:
+            self.eof = True
 
     def poll(self) -> list[dict[str, Any]]:
         """Messages available right now without blocking.
@@ -298,13 +301,9 @@ class Channel:
         try:
             while not self.eof:
                 try:
-                    data = self.sock.recv(1 << 20)
+                    self._take(self.sock.recv(1 << 20))
                 except (BlockingIOError, InterruptedError):
                     break
-                if not data:
-                    self.eof = True
-                    break
-                self.pending.extend(self.frames.feed(data))
         finally:
             self.sock.setblocking(True)
         if self.eof and not self.pending:
