@@ -19,10 +19,9 @@ from _pytest._code.code import ReprFileLocation, TerminalRepr
 from pytest_msrun.plugin.reports.excerpts import log_excerpt, stack_excerpt
 from pytest_msrun.plugin.reports.extras import carried_attributes, merge_properties
 from pytest_msrun.plugin.reports.hang import diagnosis
-from pytest_msrun.plugin.rule.outcomes import Refusal
+from pytest_msrun.plugin.rule.outcomes import PhaseVerdict, RankEnd, RankIssue, Refusal, TestVerdict, ranks_text, were
 from pytest_msrun.plugin.rule.records import PHASES, stacks_path
 from pytest_msrun.plugin.rule.testrecord import TestRecord
-from pytest_msrun.plugin.rule.verdict import PhaseVerdict, RankEnd, RankIssue, TestVerdict, ranks_text, were
 from pytest_msrun.plugin.stdstreams import read_log, tag_lines
 
 MAX_RANK_SECTIONS = 8  # per-rank sections shown in a report; big dry runs list the rest compactly

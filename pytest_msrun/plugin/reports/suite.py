@@ -25,6 +25,7 @@ from pytest_msrun.fileio import make_dirs, write_whole
 from pytest_msrun.plugin.reports.extras import suite_lines
 from pytest_msrun.plugin.reports.hang import diagnosis
 from pytest_msrun.plugin.reports.tracetests import lanes, rank_rows, tally, test_events
+from pytest_msrun.plugin.rule.outcomes import PASSING, RankEnd, TestVerdict, ranks_text
 from pytest_msrun.plugin.rule.records import (
     CACHE_FILE,
     LASTFAILED,
@@ -36,7 +37,6 @@ from pytest_msrun.plugin.rule.records import (
     stacks_path,
 )
 from pytest_msrun.plugin.rule.testrecord import suite_records
-from pytest_msrun.plugin.rule.verdict import RankEnd, TestVerdict, ranks_text
 
 FAILING = ("failed", "error")
 
@@ -112,9 +112,6 @@ def _trace(judged: list[TestVerdict], logs: dict[int, RankLog]) -> Callable[[], 
         return out
 
     return events
-
-
-PASSING = ("passed", "skipped", "xfailed", "xpassed")
 
 
 def update_cache(directory: str, outcomes: dict[str, str]) -> None:

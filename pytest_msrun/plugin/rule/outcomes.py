@@ -216,6 +216,11 @@ def is_strict_xpass(report: dict[str, Any]) -> bool:
     return report.get("outcome") == "failed" and _longrepr_text(report).startswith(STRICT_XPASS)
 
 
+def fails(report: dict[str, Any]) -> bool:
+    """A failed report, but a strict xfail that passed (it fails the test only on every rank)."""
+    return report.get("outcome") == "failed" and not is_strict_xpass(report)
+
+
 def is_subtest(report: dict[str, Any]) -> bool:
     return report.get("_report_type") == "SubTestReport"
 

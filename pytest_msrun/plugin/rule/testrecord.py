@@ -14,9 +14,9 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pytest_msrun.plugin.rule.outcomes import RankEnd, Refusal
+from pytest_msrun.plugin.rule.outcomes import RankEnd, Refusal, TestVerdict
 from pytest_msrun.plugin.rule.records import RankLog, load_rank_log, records_path
-from pytest_msrun.plugin.rule.verdict import TestVerdict, judge
+from pytest_msrun.plugin.rule.verdict import judge
 
 
 class Paths(Protocol):

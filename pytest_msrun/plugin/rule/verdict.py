@@ -43,8 +43,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pytest_msrun.plugin.rule.outcomes import (
-    OUTCOMES,
-    PASSING,
     STRICT_XPASS,
     PhaseVerdict,
     RankEnd,
@@ -53,34 +51,16 @@ from pytest_msrun.plugin.rule.outcomes import (
     _longrepr_text,
     crash_message,
     death_time,
-    is_strict_xpass,
-    is_subtest,
+    fails,
     ranks_text,
     skip_reason,
-    were,
 )
 from pytest_msrun.plugin.rule.rankfacts import RankFacts
 from pytest_msrun.plugin.rule.records import PHASES, RankLog
 
 CLUSTER_ERRORS = ("ClusterError", "ClusterAborted")  # pytest_msrun.cluster's: a peer left, the job aborts
 
-__all__ = [
-    "OUTCOMES",
-    "PASSING",
-    "PhaseVerdict",
-    "RankEnd",
-    "RankFacts",
-    "RankIssue",
-    "TestVerdict",
-    "crash_message",
-    "death_time",
-    "is_strict_xpass",
-    "is_subtest",
-    "judge",
-    "ranks_text",
-    "skip_reason",
-    "were",
-]
+__all__ = ["RankEnd", "death_time", "judge"]  # what the tests read here
 
 
 @dataclass
@@ -138,7 +118,7 @@ class Judge:
                     else:
                         issues[phase].append(self.facts.missing(rank, phase))
                 for rep in reports:
-                    if rep.get("outcome") == "failed" and not is_strict_xpass(rep):
+                    if fails(rep):
                         at = float(rep.get("_ts", test.stamps.get(phase, 0.0)))
                         summary = f"rank {rank}: {crash_message(rep)}"
                         issues[phase].append(RankIssue(rank, "failed", at, summary, rep, phase))
@@ -237,11 +217,7 @@ class Judge:
         test = self.facts.test(rank)
         reports = test.reports
         setup, call = reports.get("setup"), reports.get("call")
-        if setup is None or any(
-            rep.get("outcome") == "failed" and not is_strict_xpass(rep)
-            for phase in ("setup", "call")
-            for rep in test.all_reports(phase)
-        ):
+        if setup is None or any(fails(rep) for phase in ("setup", "call") for rep in test.all_reports(phase)):
             return None
         if setup.get("outcome") == "skipped":
             word = "xfailed" if "wasxfail" in setup else "skipped"
@@ -251,7 +227,7 @@ class Judge:
         outcome = call.get("outcome")
         if outcome == "skipped":
             return _Kind("xfailed" if "wasxfail" in call else "skipped", "call", call, skip_reason(call))
-        if is_strict_xpass(call):
+        if outcome == "failed":  # not a failure (checked above): a strict xfail that passed
             return _Kind("xpass_strict", "call", call)
         if outcome == "passed":
             return _Kind("xpassed" if "wasxfail" in call else "passed", "call", call)
@@ -322,10 +298,14 @@ class Judge:
         by: dict[str, list[int]] = {}
         for rank, kind in kinds.items():
             by.setdefault(kind.word, []).append(rank)
+
+        def decided_in(ranks: list[int]) -> str:
+            return "setup" if any(kinds[r].phase == "setup" for r in ranks) else "call"
+
         skipped = by.get("skipped", [])
         ran = [r for r in kinds if r not in skipped]
         if skipped and ran:
-            phase = "setup" if any(kinds[r].phase == "setup" for r in skipped) else "call"
+            phase = decided_in(skipped)
             reasons: dict[str, list[int]] = {}
             for r in skipped:
                 reasons.setdefault(kinds[r].reason, []).append(r)
@@ -340,11 +320,11 @@ class Judge:
             )
             return {phase: PhaseVerdict(phase, "failed", present[phase], message=message)}
         if skipped:
-            phase = "setup" if any(kinds[r].phase == "setup" for r in skipped) else "call"
+            phase = decided_in(skipped)
             lowest = min(r for r in skipped if kinds[r].phase == phase)
             return {phase: PhaseVerdict(phase, "skipped", present[phase], skip_reason=kinds[lowest].reason)}
         if by.get("xfailed"):
-            phase = "setup" if any(kinds[r].phase == "setup" for r in by["xfailed"]) else "call"
+            phase = decided_in(by["xfailed"])
             rank = first([r for r in by["xfailed"] if kinds[r].phase == phase])
             report = kinds[rank].report or {}
             return {phase: PhaseVerdict(phase, "skipped", present[phase], wasxfail=str(report.get("wasxfail", "")))}
@@ -392,9 +372,8 @@ class Judge:
         test = self.facts.test(rank)
         died = self.died_in.get(rank)
         for phase in PHASES:
-            for report in test.all_reports(phase):
-                if report.get("outcome") == "failed" and not is_strict_xpass(report):
-                    return "failed" if phase == "call" else "error"
+            if any(fails(report) for report in test.all_reports(phase)):
+                return "failed" if phase == "call" else "error"
             if died == phase:
                 return self._died_cell(rank)
         end = self.end_issue.get(rank)
@@ -405,7 +384,8 @@ class Judge:
         kind = kinds.get(rank)
         if kind is None:
             return "incomplete"
-        return _WORDS[kind.word]  # stopped after its last report by a failure elsewhere: excused
+        # stopped after its last report by a failure elsewhere: excused
+        return "xpassed(strict)" if kind.word == "xpass_strict" else kind.word
 
     def _exit_cell(self, rank: int) -> str:
         log = self.facts.logs.get(rank) or RankLog(rank)
@@ -438,15 +418,6 @@ class Judge:
         return f"crashed (exit {code})"
 
 
-_WORDS = {
-    "skipped": "skipped",
-    "xfailed": "xfailed",
-    "xpassed": "xpassed",
-    "xpass_strict": "xpassed(strict)",
-    "passed": "passed",
-}
-
-
 def invariant_breach(verdict: TestVerdict, facts: RankFacts) -> str:
     """Why ``verdict`` breaks the invariant ("" when it holds), read from the record's facts alone
     (not the rule's state): a passing outcome needs every reached rank's due phases reported,
@@ -465,7 +436,7 @@ def invariant_breach(verdict: TestVerdict, facts: RankFacts) -> str:
         for phase in PHASES:
             if facts.due(rank, phase) and phase not in test.reports:
                 return f"without rank {rank}'s {phase} report"
-            if any(r.get("outcome") == "failed" and not is_strict_xpass(r) for r in test.all_reports(phase)):
+            if any(fails(r) for r in test.all_reports(phase)):
                 return f"although rank {rank} failed its {phase}"
         if test.timeout is not None:
             return f"although rank {rank} ran out of time"
