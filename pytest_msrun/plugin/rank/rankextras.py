@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
+import types
 from collections.abc import Generator, Iterator
 from typing import Any, Protocol
 
 import pytest
 
+from pytest_msrun.engine import processes
 from pytest_msrun.plugin.options import JUNITXML, SETUPSHOW
 from pytest_msrun.plugin.stdstreams import log_offset, read_log
 
@@ -68,22 +69,10 @@ def benchmark_fields(bench: Any) -> dict[str, Any] | None:
         "param": flat.get("param"),
         "params": flat.get("params"),
         "extra_info": dict(flat.get("extra_info") or {}),
-        "options": {
-            str(k): v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
-            for k, v in (flat.get("options") or {}).items()
-        },
+        "options": {str(k): _plain(v) for k, v in (flat.get("options") or {}).items()},
         "iterations": int(getattr(bench, "iterations", 1) or 1),
         "data": data,
     }
-
-
-class _Attributes:
-    def __init__(self, write: Any, nodeid: str) -> None:
-        self.write = write
-        self.nodeid = nodeid
-
-    def add_attribute(self, name: str, value: object) -> None:
-        self.write("junit", what="attribute", nodeid=self.nodeid, name=str(name), value=str(value))
 
 
 class RankJunit:
@@ -97,8 +86,13 @@ class RankJunit:
     def add_global_property(self, name: str, value: object) -> None:
         self.rank_plugin._write("junit", what="suite_property", name=str(name), value=str(value))
 
-    def node_reporter(self, report: Any) -> _Attributes:
-        return _Attributes(self.rank_plugin._write, str(getattr(report, "nodeid", report)))
+    def node_reporter(self, report: Any) -> Any:
+        nodeid = str(getattr(report, "nodeid", report))
+
+        def add_attribute(name: str, value: object) -> None:
+            self.rank_plugin._write("junit", what="attribute", nodeid=nodeid, name=str(name), value=str(value))
+
+        return types.SimpleNamespace(add_attribute=add_attribute)
 
 
 class PastCapture:
@@ -127,11 +121,7 @@ class PastCapture:
         capman.global_and_fixture_disabled = disabled
 
     def _written(self, start: int) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError, AttributeError):
-                pass
+        processes.flush_std_streams()
         end, current = log_offset(), self.rank_plugin.current
         if end is None or end <= start or current is None:
             return
