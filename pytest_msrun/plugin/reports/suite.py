@@ -310,7 +310,7 @@ def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -
     if len(hosts) > 1:
         lines.append("msrun: hosts: " + "; ".join(f"{h}: ranks {ranks_text(r)}" for h, r in hosts.items()))
     lines += suite_lines((v.nodeid for v in judged), logs)
-    lines.append(_totals(judged))
+    lines.append(f"msrun: {len(judged)} test(s): {tally(v.outcome for v in judged)}")
     passed = bool(judged) and all(v.passing for v in judged) and not collect_errors and not never
     none_ran = not judged and not collect_errors and not never
     return Table("\n".join(lines), passed, none_ran, {v.nodeid: v.outcome for v in judged}, judged)
@@ -350,16 +350,6 @@ def _explain(v: TestVerdict, directory: str, logs: dict[int, RankLog], ends: dic
         text = diagnosis(dumps, threads, sorted(here), record.get("state"), no_stack)
         out += ["  " + line for line in text.splitlines()]
     return out
-
-
-def _totals(verdicts: list[TestVerdict]) -> str:
-    counts: dict[str, int] = {}
-    for v in verdicts:
-        counts[v.outcome] = counts.get(v.outcome, 0) + 1
-    order = ("passed", "failed", "error", "incomplete", "not run", "skipped", "xfailed", "xpassed")
-    parts = [f"{counts[k]} {k}" for k in order if counts.get(k)]
-    parts += [f"{n} {k}" for k, n in counts.items() if k not in order]
-    return f"msrun: {len(verdicts)} test(s): " + (", ".join(parts) if parts else "none ran")
 
 
 def _was(how: str) -> str:

@@ -34,14 +34,7 @@ def _rank_spans(record: TestRecord, rank: int) -> list[dict[str, Any]]:
     if test is None:
         return []
     spans: list[dict[str, Any]] = []
-    for when in PHASES:
-        report = test.reports.get(when)
-        began = test.started.get(when)
-        if report is None and began is None:
-            continue
-        start = float(report.get("start") or 0.0) if report else 0.0
-        start = start or (began.ts if began is not None else 0.0)
-        stop = float(report.get("stop") or 0.0) if report else 0.0
+    for when, start, stop, report in test.phase_spans():
         outcome = str(report.get("outcome", "")) if report else "running"
         if not stop:  # never finished the phase (a crash, a hang): until the rank's end or the job's
             end = record.run.ranks.get(rank)
