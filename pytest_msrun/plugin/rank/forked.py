@@ -73,9 +73,7 @@ def group_state() -> Any:
     if group is None:
         return "left" if _joined_at_fork else None
     channel = getattr(group, "channel", None)
-    if channel is None:
-        return int(group.seq)
-    if getattr(channel, "pending", None) or getattr(channel, "eof", False):
+    if channel is not None and (getattr(channel, "pending", None) or getattr(channel, "eof", False)):
         return "left"
     return int(group.seq)
 

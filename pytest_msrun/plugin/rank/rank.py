@@ -32,6 +32,7 @@ from pytest_msrun.plugin.links import FORK_ENV, WORLD_ENV, WORLD_TOKEN_ENV, worl
 from pytest_msrun.plugin.marker import default_timeout, marked_specs
 from pytest_msrun.plugin.rank.forked import dump_stacks_on_signals
 from pytest_msrun.plugin.rank.suiteclock import SuiteClock
+from pytest_msrun.plugin.rule.outcomes import STRICT_XPASS
 from pytest_msrun.plugin.rule.records import (
     BASETEMP_ENV,
     CACHE_FILE,
@@ -46,8 +47,6 @@ from pytest_msrun.plugin.rule.records import (
     wallclock,
 )
 from pytest_msrun.plugin.stdstreams import StandardStreams, log_file, log_offset, read_log
-
-STRICT_XPASS = "[XPASS(strict)]"
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -121,8 +120,7 @@ class RankPlugin:
         from pytest_msrun.plugin.rank.debugrank import RankDebugger
 
         post_mortem = not self.controlled and bool(getattr(config.option, "usepdb", False))
-        debugger = RankDebugger.from_env(self.rank, post_mortem, self._running)
-        config.pluginmanager.register(debugger, "msrun-debug")
+        config.pluginmanager.register(RankDebugger(self.rank, post_mortem, self._running), "msrun-debug")
         address = world_address(env)
         if address is not None and self.controlled:  # a warm world's rank: the controller sends tests
             from pytest_msrun.plugin.rank.serve import WorldServer

@@ -41,18 +41,11 @@ def merge_properties(
     as it is; any other pair as ``name [rank r]`` (``label``) - so no rank's value is lost or
     misattributed."""
     ranks = sorted(per_rank)
-    out: list[tuple[str, Any]] = []
     shared: list[tuple[str, Any]] = []
     for name, value in per_rank[ranks[0]] if ranks else []:
-        pair = (name, value)
-        if pair not in shared and all(pair in per_rank[r] for r in ranks):
-            shared.append(pair)
-    out.extend(shared)
-    for rank in ranks:
-        for name, value in per_rank[rank]:
-            if (name, value) not in shared:
-                out.append((label(name, rank), value))
-    return out
+        if (name, value) not in shared and all((name, value) in per_rank[r] for r in ranks):
+            shared.append((name, value))
+    return shared + [(label(n, r), v) for r in ranks for n, v in per_rank[r] if (n, v) not in shared]
 
 
 def subtest_key(data: Mapping[str, Any]) -> str:

@@ -203,21 +203,19 @@ class Replay:
         xml = self.config.stash.get(xml_key, None)
         if xml is None:
             return
-        suite: dict[int, list[tuple[str, Any]]] = {}
-        attributes: dict[int, list[tuple[str, Any]]] = {}
-        for rank, test in self.tests.items():
-            for record in test.junit:
-                pair = (str(record.get("name")), str(record.get("value")))
-                if record.get("what") == "suite_property":
-                    suite.setdefault(rank, []).append(pair)
-                elif record.get("what") == "attribute":
-                    attributes.setdefault(rank, []).append(pair)
-        if suite:
-            for name, value in merge_properties({r: suite.get(r, []) for r in self.tests}):
+        suite, attributes = (
+            {
+                rank: [(str(x.get("name")), str(x.get("value"))) for x in test.junit if x.get("what") == what]
+                for rank, test in self.tests.items()
+            }
+            for what in ("suite_property", "attribute")
+        )
+        if any(suite.values()):
+            for name, value in merge_properties(suite):
                 xml.add_global_property(name, value)
-        if attributes:
+        if any(attributes.values()):
             reporter = xml.node_reporter(self.item.nodeid)
-            for name, value in merge_properties({r: attributes.get(r, []) for r in self.tests}, attribute_label):
+            for name, value in merge_properties(attributes, attribute_label):
                 reporter.add_attribute(name, value)
 
     # ------------------------------------------------------------------ pytest-benchmark
