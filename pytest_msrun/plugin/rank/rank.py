@@ -352,29 +352,24 @@ class RankPlugin:
     @pytest.hookimpl(trylast=True)
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         """Close the records. A crash while the process exits still dumps every thread's stack into
-        the rank's log (pytest's own fault handler has stopped by now)."""
+        the rank's log (pytest's own fault handler has stopped by now), and into the stacks file on
+        SIGUSR1 until the process ends (a controller asks a rank that does not exit for them); in
+        suite mode a rank that does not exit within the marked tests' timeout records so and ends itself."""
         try:
             faulthandler.enable(file=sys.stderr, all_threads=True)
         except (OSError, ValueError, AttributeError):  # no usable stderr
             pass
-        self._close()
+        self.clock.disarm()
+        if self.writer is not None:
+            self.writer.close()
+            if not self.controlled and self.default_timeout:
+                self.clock.arm_exit_watchdog(self.writer.fh.name, self.default_timeout)
         if self.streams is not None:
             self.streams.close()
         if "pytest_msrun.plugin.covdata" in sys.modules:  # measured for the controller's --cov
             from pytest_msrun.plugin.covdata import stop
 
             stop()
-
-    def _close(self) -> None:
-        """Close the records. Every thread's stack still lands in the stacks file on SIGUSR1 until the
-        process ends (a controller asks a rank that does not exit for them); in suite mode a rank
-        that does not exit within the marked tests' timeout records so and ends itself."""
-        self.clock.disarm()
-        path = self.writer.fh.name if self.writer is not None else None
-        if self.writer is not None:
-            self.writer.close()
-        if path and not self.controlled and self.default_timeout:
-            self.clock.arm_exit_watchdog(path, self.default_timeout)
 
     # ---------------------------------------------------------------- phases
     def _phase(self, item: pytest.Item, when: str) -> Generator[None, None, None]:

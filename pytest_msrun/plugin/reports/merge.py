@@ -221,9 +221,7 @@ class Merger:
             skipped = [r for r, rep in present.items() if rep.skipped]
             if skipped:
                 return self._make(phase.phase, "skipped", present[min(skipped)].longrepr, present, window)
-            path = str(getattr(self.item, "path", self.item.location[0]))
-            longrepr = (path, self.item.location[1] or 0, phase.skip_reason)
-            return self._make(phase.phase, "skipped", longrepr, present, window)
+            return self._make(phase.phase, "skipped", self._skip_at(phase.skip_reason), present, window)
         return self._make(phase.phase, "passed", None, present, window)
 
     def _sections(self, phase: str, present: dict[int, pytest.TestReport], died: list[int]) -> list[tuple[str, str]]:
@@ -301,10 +299,13 @@ class Merger:
             **extra,
         )
 
+    def _skip_at(self, reason: str) -> tuple[str, int, str]:
+        """A skip's longrepr at the test's own line, as pytest makes one."""
+        return (str(getattr(self.item, "path", self.item.location[0])), self.item.location[1] or 0, reason)
+
     def _crash_location(self, message: str) -> ReprFileLocation:
-        path = str(self.item.path) if hasattr(self.item, "path") else self.item.location[0]
-        lineno = (self.item.location[1] or 0) + 1
-        return ReprFileLocation(path=path, lineno=lineno, message=message)
+        path, lineno, _ = self._skip_at(message)
+        return ReprFileLocation(path=path, lineno=lineno + 1, message=message)
 
     def _failed(
         self, phase: PhaseVerdict, present: dict[int, pytest.TestReport], window: tuple[float, float]
@@ -415,8 +416,7 @@ class Merger:
         if phase != "setup":
             return self._make(phase, "passed", None, {}, window)
         if refusal.outcome == "skipped":
-            path = str(getattr(self.item, "path", self.item.location[0]))
-            return self._make(phase, "skipped", (path, self.item.location[1] or 0, refusal.reason), {}, window)
+            return self._make(phase, "skipped", self._skip_at(refusal.reason), {}, window)
         longrepr: Any = refusal.reason
         if refusal.detail:
             crash = self._crash_location(refusal.reason)

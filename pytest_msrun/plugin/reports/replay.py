@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import sys
+import types
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -40,15 +42,11 @@ from pytest_msrun.plugin.reports.extras import (
 from pytest_msrun.plugin.rule.records import RankLog
 from pytest_msrun.plugin.stdstreams import tag_lines
 
+
 # ---------------------------------------------------------------------------- pytest's objects
-_CATEGORIES: dict[tuple[str, str], type[Warning]] = {}
-
-
+@functools.cache
 def _standin(module: str, name: str) -> type[Warning]:
-    key = (module, name)
-    if key not in _CATEGORIES:
-        _CATEGORIES[key] = type(name, (UserWarning,), {"__module__": module})
-    return _CATEGORIES[key]
+    return type(name, (UserWarning,), {"__module__": module})
 
 
 def _category(module: str, name: str) -> type[Warning]:
@@ -238,33 +236,21 @@ class Replay:
         return added
 
 
-@dataclasses.dataclass
-class _RankBenchmark:
-    """What pytest-benchmark's ``Metadata`` reads of its fixture, for a rank's measurement."""
-
-    name: str
-    fullname: str
-    group: Any
-    param: Any
-    params: Any
-    extra_info: dict[str, Any]
-    cprofile_stats: Any = None
-    has_error: bool = False
-
-
 def _metadata(metadata_class: Any, record: Mapping[str, Any], rank: int) -> Any:
     data = record.get("data")
     if not isinstance(data, list) or not data or not all(isinstance(x, (int, float)) for x in data):
         return None
     extra = dict(record.get("extra_info") or {}) if isinstance(record.get("extra_info"), dict) else {}
     extra["msrun_rank"] = rank
-    fixture = _RankBenchmark(
+    fixture = types.SimpleNamespace(  # what pytest-benchmark's Metadata reads of its fixture
         name=f"{record.get('name', '')} [rank {rank}]",
         fullname=f"{record.get('fullname', '')} [rank {rank}]",
         group=record.get("group"),
         param=record.get("param"),
         params=record.get("params"),
         extra_info=extra,
+        cprofile_stats=None,
+        has_error=False,
     )
     given = record.get("options")
     options: dict[str, Any] = dict(given) if isinstance(given, dict) else {}

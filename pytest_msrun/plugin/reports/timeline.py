@@ -168,8 +168,26 @@ class SessionReport:
     def write(self) -> str:
         """Write the page and its files; "" and :attr:`error` set when they cannot be written (a
         full disk: no half-written file is left, see :func:`.reportfiles.link_files`)."""
+        from pytest_msrun.plugin.reports.htmlpage import render_page
+
+        outcomes = Counter(str(e.get("outcome")) for e in self.entries)
         try:
-            return self._write()
+            link_files(self.entries, self.path)
+            session = {
+                "title": "msrun: marked tests",
+                "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "command": self.command,
+                "environment": environment(self.config),
+                "summary": {
+                    "tests": len(self.entries),
+                    "outcomes": dict(outcomes),
+                    "worlds_started": len(self.worlds),
+                    "phase_seconds": {w: round(self.phase_seconds[w], 3) for w in PHASES},
+                    "duration": time.time() - self.started,
+                },
+                "tests": self.entries,
+            }
+            write_whole(self.path, render_page(session))
         except OSError as exc:
             from pytest_msrun.fsinfo import describe_write_error
 
@@ -177,27 +195,6 @@ class SessionReport:
             what = describe_write_error(where, exc, "--msrun-report")
             self.error = f"could not write the HTML report {self.path}: {what}"
             return ""
-
-    def _write(self) -> str:
-        from pytest_msrun.plugin.reports.htmlpage import render_page
-
-        outcomes = Counter(str(e.get("outcome")) for e in self.entries)
-        link_files(self.entries, self.path)
-        session = {
-            "title": "msrun: marked tests",
-            "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "command": self.command,
-            "environment": environment(self.config),
-            "summary": {
-                "tests": len(self.entries),
-                "outcomes": dict(outcomes),
-                "worlds_started": len(self.worlds),
-                "phase_seconds": {w: round(self.phase_seconds[w], 3) for w in PHASES},
-                "duration": time.time() - self.started,
-            },
-            "tests": self.entries,
-        }
-        write_whole(self.path, render_page(session))
         self.written = True
         return self.path
 

@@ -110,7 +110,7 @@ class Judge:
                 reports = test.all_reports(phase)
                 if phase in test.reports:
                     present[phase][rank] = test.reports[phase]
-                if phase not in test.reports:
+                else:
                     self.died_in[rank] = phase
                     complete = False
                     if self.facts.stopped_by_msrun(rank):
