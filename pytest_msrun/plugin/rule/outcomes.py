@@ -199,7 +199,8 @@ class TestVerdict:
         return self.outcome in PASSING
 
 
-def _longrepr_text(report: dict[str, Any]) -> str:
+def longrepr_text(report: dict[str, Any]) -> str:
+    """A report's failure or skip in one text: its own, its crash line, or its skip's reason."""
     longrepr = report.get("longrepr")
     if isinstance(longrepr, str):
         return longrepr
@@ -213,7 +214,7 @@ def _longrepr_text(report: dict[str, Any]) -> str:
 
 
 def is_strict_xpass(report: dict[str, Any]) -> bool:
-    return report.get("outcome") == "failed" and _longrepr_text(report).startswith(STRICT_XPASS)
+    return report.get("outcome") == "failed" and longrepr_text(report).startswith(STRICT_XPASS)
 
 
 def fails(report: dict[str, Any]) -> bool:
@@ -227,12 +228,8 @@ def is_subtest(report: dict[str, Any]) -> bool:
 
 def crash_message(report: dict[str, Any]) -> str:
     """The one-line reason of a failed report."""
-    text = _longrepr_text(report).strip()
-    longrepr = report.get("longrepr")
-    if isinstance(longrepr, dict) and not (longrepr.get("reprcrash") or {}).get("message"):
-        text = ""
-    lines = text.splitlines()
-    if isinstance(longrepr, str) and lines:
+    lines = longrepr_text(report).strip().splitlines()
+    if isinstance(report.get("longrepr"), str) and lines:
         line = lines[-1]
     else:
         line = lines[0] if lines else "failed"
@@ -240,13 +237,6 @@ def crash_message(report: dict[str, Any]) -> str:
         label = report.get("_subtest.description")  # as the rank's pytest describes it
         return f"subtest {label if isinstance(label, str) else '(<subtest>)'} failed: {line}"
     return line
-
-
-def skip_reason(report: dict[str, Any]) -> str:
-    longrepr = report.get("longrepr")
-    if isinstance(longrepr, (list, tuple)) and len(longrepr) == 3:
-        return str(longrepr[2])
-    return _longrepr_text(report)
 
 
 def were(ranks) -> str:

@@ -48,12 +48,11 @@ from pytest_msrun.plugin.rule.outcomes import (
     RankEnd,
     RankIssue,
     TestVerdict,
-    _longrepr_text,
     crash_message,
     death_time,
     fails,
+    longrepr_text,
     ranks_text,
-    skip_reason,
 )
 from pytest_msrun.plugin.rule.rankfacts import RankFacts
 from pytest_msrun.plugin.rule.records import PHASES, RankLog
@@ -221,12 +220,12 @@ class Judge:
             return None
         if setup.get("outcome") == "skipped":
             word = "xfailed" if "wasxfail" in setup else "skipped"
-            return _Kind(word, "setup", setup, skip_reason(setup))
+            return _Kind(word, "setup", setup, longrepr_text(setup))
         if setup.get("outcome") != "passed" or call is None:
             return None
         outcome = call.get("outcome")
         if outcome == "skipped":
-            return _Kind("xfailed" if "wasxfail" in call else "skipped", "call", call, skip_reason(call))
+            return _Kind("xfailed" if "wasxfail" in call else "skipped", "call", call, longrepr_text(call))
         if outcome == "failed":  # not a failure (checked above): a strict xfail that passed
             return _Kind("xpass_strict", "call", call)
         if outcome == "passed":
@@ -342,7 +341,7 @@ class Judge:
         if by.get("xpassed") or by.get("xpass_strict"):
             rank = min(by.get("xpassed", []) or by["xpass_strict"])
             report = kinds[rank].report or {}
-            reason = str(report.get("wasxfail", "")) or _longrepr_text(report)[len(STRICT_XPASS) :].strip()
+            reason = str(report.get("wasxfail", "")) or longrepr_text(report)[len(STRICT_XPASS) :].strip()
             return {"call": PhaseVerdict("call", "passed", present["call"], wasxfail=reason)}
         return {}
 
