@@ -25,7 +25,7 @@ from pytest_msrun.fileio import make_dirs, write_whole
 from pytest_msrun.plugin.reports.extras import suite_lines
 from pytest_msrun.plugin.reports.hang import diagnosis
 from pytest_msrun.plugin.reports.tracetests import lanes, rank_rows, tally, test_events
-from pytest_msrun.plugin.rule.outcomes import PASSING, RankEnd, TestVerdict, ranks_text
+from pytest_msrun.plugin.rule.outcomes import PASSING, RankEnd, TestVerdict, ranks_text, was
 from pytest_msrun.plugin.rule.records import (
     CACHE_FILE,
     LASTFAILED,
@@ -298,7 +298,7 @@ def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -
         where = logs[rank].last_test
         did = "finish" if logs[rank].started else "start"
         lines.append(
-            f"rank {rank}: its pytest session did not {did} - it {_was(end.describe(False))}"
+            f"rank {rank}: its pytest session did not {did} - it {was(end.describe(False))}"
             + (f" in {where}" if where else "")
         )
     never = [r for r in unfinished if not logs[r].tests]  # died before its first test (not in any row)
@@ -350,8 +350,3 @@ def _explain(v: TestVerdict, directory: str, logs: dict[int, RankLog], ends: dic
         text = diagnosis(dumps, threads, sorted(here), record.get("state"), no_stack)
         out += ["  " + line for line in text.splitlines()]
     return out
-
-
-def _was(how: str) -> str:
-    """ "killed by ..." as a predicate: "was killed by ..."."""
-    return f"was {how}" if how.startswith("killed") else how

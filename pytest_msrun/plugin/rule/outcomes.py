@@ -239,6 +239,11 @@ def crash_message(report: dict[str, Any]) -> str:
     return line
 
 
+def was(how: str) -> str:
+    """ "killed by ..." as a predicate: "was killed by ..."."""
+    return f"was {how}" if how.startswith("killed") else how
+
+
 def were(ranks) -> str:
     """``rank 0 was`` / ``ranks 0, 1 were``: a sentence's subject."""
     ranks = sorted(ranks)

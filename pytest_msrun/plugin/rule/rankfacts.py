@@ -11,7 +11,7 @@ from collections.abc import Collection
 
 from pytest_msrun.control.observer import waiting_for_others
 from pytest_msrun.engine.processes import describe_returncode
-from pytest_msrun.plugin.rule.outcomes import RankEnd, RankIssue, Refusal
+from pytest_msrun.plugin.rule.outcomes import RankEnd, RankIssue, Refusal, was
 from pytest_msrun.plugin.rule.records import RankLog, RankTest
 
 
@@ -123,8 +123,7 @@ class RankFacts:
             why = f"ended its pytest session (exit status {log.exitstatus})"
         else:
             why = "left no record"
-        how = end.describe(False)
-        summary = f"rank {rank} {why} during the {phase} phase and {'was ' if how.startswith('killed') else ''}{how}"
+        summary = f"rank {rank} {why} during the {phase} phase and {was(end.describe(False))}"
         return RankIssue(rank, "died", self.end_at(rank), summary, phase=phase)
 
     def stopped_by_msrun(self, rank: int) -> bool:

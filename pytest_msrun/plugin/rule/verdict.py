@@ -147,7 +147,6 @@ class Judge:
         for phase, together in merged.items():
             issues[phase] += together.issues  # every rank passed a strict xfail
         failing = {p for p in PHASES if issues[p] or (p in merged and merged[p].message)}
-        everything = [i for p in PHASES for i in issues[p]]
         if not failing and not self.facts.failed_elsewhere:
             # msrun stopped ranks and nothing reported explains it: the stop is the failure
             for phase in PHASES:
@@ -159,8 +158,8 @@ class Judge:
                 issue.kind, issue.phase = "exit", "teardown"
                 issues["teardown"].append(issue)
                 self.end_issue[rank] = issue
-            everything = [i for p in PHASES for i in issues[p]]
             failing = {p for p in PHASES if issues[p]}
+        everything = [i for p in PHASES for i in issues[p]]
         cause = min(everything, key=lambda i: i.at) if everything else None
         if failing:
             self._regroup_stopped(min(failing, key=PHASES.index), stopped)
