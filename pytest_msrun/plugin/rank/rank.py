@@ -338,16 +338,13 @@ class RankPlugin:
         """A report of the open test written after its phases (a warm world's final teardown)."""
         self._write("report", data=data, late=True)
 
-    def end_test(self) -> bool:
-        """Close the open test's records (if any); whether any of its phases failed. (No ``finish``
-        record: the session goes on; how the process ends is judged at the world's end.)"""
-        failed = self.test_failed
-        if self.session_writer is None:
-            return failed
-        if self.writer is not None:
-            self.writer.close()
-        self.writer, self.session_writer = self.session_writer, None
-        return failed
+    def end_test(self) -> None:
+        """Close the open test's records (if any). (No ``finish`` record: the session goes on; how
+        the process ends is judged at the world's end.)"""
+        if self.session_writer is not None:
+            if self.writer is not None:
+                self.writer.close()
+            self.writer, self.session_writer = self.session_writer, None
 
     @pytest.hookimpl(trylast=True)
     def pytest_unconfigure(self, config: pytest.Config) -> None:

@@ -491,15 +491,14 @@ class WorldServer:
             return (yield)
 
     # ---------------------------------------------------------------- the world's end
-    def _world_end(self, setup_state: Any) -> bool:
+    def _world_end(self, setup_state: Any) -> None:
         """Tear every fixture left down (a failure is a late teardown report of the last test) and
-        close the last test's records; whether that test failed on this rank."""
-        item = self.last
-        if item is None:
+        close the last test's records."""
+        if self.last is None:
             setup_state.teardown_exact(None)
-            return False
-        self._teardown_for(item, lambda: setup_state.teardown_exact(None))
-        return self.rank_plugin.end_test()
+            return
+        self._teardown_for(self.last, lambda: setup_state.teardown_exact(None))
+        self.rank_plugin.end_test()
 
     def _teardown_for(self, item: pytest.Item, teardown: Any) -> None:
         """Run ``teardown``; a failure is a late teardown report of ``item`` (whose records are open)."""

@@ -314,10 +314,7 @@ class Merger:
         issues = phase.issues
         died = [i.rank for i in issues if i.report is None]
         if phase.message:  # a rule's own failure (a mix of skip and run)
-            longrepr = MergedLongrepr(
-                phase.message, None, [("reproduce", self.reproduce)], self._crash_location(phase.message)
-            )
-            return self._make(phase.phase, "failed", longrepr, present, window)
+            return self._make(phase.phase, "failed", self._headline(phase.message), present, window)
         reported = [i for i in issues if i.report is not None]
         if not issues and phase.stopped:  # stopped by msrun because of a failure reported in another phase
             cause = phase.cause
@@ -417,8 +414,9 @@ class Merger:
             return self._make(phase, "passed", None, {}, window)
         if refusal.outcome == "skipped":
             return self._make(phase, "skipped", self._skip_at(refusal.reason), {}, window)
-        longrepr: Any = refusal.reason
-        if refusal.detail:
-            crash = self._crash_location(refusal.reason)
-            longrepr = MergedLongrepr(refusal.reason, refusal.detail, [("reproduce", self.reproduce)], crash)
+        longrepr = self._headline(refusal.reason, refusal.detail) if refusal.detail else refusal.reason
         return self._make(phase, "failed", longrepr, {}, window)
+
+    def _headline(self, headline: str, root: str | None = None) -> MergedLongrepr:
+        """A failure that is msrun's own: its headline, what it says beside it, the reproduce command."""
+        return MergedLongrepr(headline, root, [("reproduce", self.reproduce)], self._crash_location(headline))
