@@ -219,12 +219,10 @@ class ExtrasRecorder:
         return status
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if report.when in ("call", "teardown") and type(report).__name__ != "SubtestReport":
-            self._record_benchmarks(report.nodeid)
-
-    def _record_benchmarks(self, nodeid: str) -> None:
-        session = getattr(self.config, "_benchmarksession", None)
-        benchmarks = getattr(session, "benchmarks", None)
+        """The benchmarks measured since the last report, after a test's call or teardown."""
+        if report.when not in ("call", "teardown") or type(report).__name__ == "SubtestReport":
+            return
+        benchmarks = getattr(getattr(self.config, "_benchmarksession", None), "benchmarks", None)
         if not isinstance(benchmarks, list) or len(benchmarks) <= self.benchmarks_seen:
             return
         new = benchmarks[self.benchmarks_seen :]
@@ -232,4 +230,4 @@ class ExtrasRecorder:
         for bench in new:
             fields = benchmark_fields(bench)
             if fields is not None:
-                self.rank_plugin._write("benchmark", nodeid=nodeid, **fields)
+                self.rank_plugin._write("benchmark", nodeid=report.nodeid, **fields)
