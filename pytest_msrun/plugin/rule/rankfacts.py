@@ -138,28 +138,22 @@ class RankFacts:
         at = self.end_at(rank)
         if end.alive or end.held:
             return None
-        head = f"rank {rank} reported every phase, then"
+
+        def ended(when: float, how: str) -> RankIssue:
+            return RankIssue(rank, "exit", when, f"rank {rank} reported every phase, then {how}", phase="teardown")
+
         if log.exit_hang is not None:
             seconds = float(log.exit_hang.get("grace", 0))
             after = str(log.exit_hang.get("after") or "of its pytest session's end (--msrun-timeout)")
-            return RankIssue(
-                rank,
-                "exit",
-                float(log.exit_hang.get("ts", at)),
-                f"{head} did not exit within {seconds:g} s {after}: it hangs at exit (a non-daemon thread, "
-                f"an atexit handler, a library's finalizer) and {end.describe(False)}",
-                phase="teardown",
+            how = (
+                f"did not exit within {seconds:g} s {after}: it hangs at exit (a non-daemon thread, "
+                f"an atexit handler, a library's finalizer) and {end.describe(False)}"
             )
+            return ended(float(log.exit_hang.get("ts", at)), how)
         if end.returncode is None or (self.timed_out and end.terminated_by_msrun):
             if end.returncode is None and not self.timed_out and end.pid is None:
                 return None  # never started: reported where its phases are missing
-            return RankIssue(
-                rank,
-                "exit",
-                at,
-                f"{head} was still running at the timeout ({self.timeout:g} s): it hangs at exit",
-                phase="teardown",
-            )
+            return ended(at, f"was still running at the timeout ({self.timeout:g} s): it hangs at exit")
         if end.terminated_by_msrun:
             return None  # excused by the failure that made msrun stop it (or judged below: see verdict)
         code = end.returncode
@@ -171,7 +165,7 @@ class RankFacts:
             if code == 5 and log.collect_skips and not log.collected:
                 return None  # pytest's "no tests collected": its module was skipped at collection
         session = f" (its pytest session ended with exit status {log.exitstatus})" if log.finished else ""
-        return RankIssue(rank, "exit", at, f"{head} {describe_returncode(code)}{session}", phase="teardown")
+        return ended(at, f"{describe_returncode(code)}{session}")
 
     def stopped_after(self, rank: int) -> bool:
         """Whether msrun stopped ``rank`` after it reported everything (excused only by a failure)."""

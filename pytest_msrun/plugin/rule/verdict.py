@@ -261,17 +261,8 @@ class Judge:
                 )
                 continue
             if own or halted:
-                out.append(
-                    PhaseVerdict(
-                        phase,
-                        "failed",
-                        present[phase],
-                        own,
-                        halted,
-                        message=message,
-                        cause=None if own or message else cause,
-                    )
-                )
+                shown = None if own or message else cause
+                out.append(PhaseVerdict(phase, "failed", present[phase], own, halted, message=message, cause=shown))
                 continue
             if phase in merged:
                 out.append(merged[phase])
@@ -329,13 +320,8 @@ class Judge:
         if len(by.get("xpass_strict", [])) == len(kinds):  # pytest's own failure, from the lowest rank
             rank = min(kinds)
             report = kinds[rank].report or {}
-            issue = RankIssue(
-                rank,
-                "failed",
-                self.facts.test(rank).stamps.get("call", 0.0),
-                f"rank {rank}: {crash_message(report)}",
-                report,
-            )
+            at = self.facts.test(rank).stamps.get("call", 0.0)
+            issue = RankIssue(rank, "failed", at, f"rank {rank}: {crash_message(report)}", report)
             return {"call": PhaseVerdict("call", "failed", present["call"], [issue])}
         if by.get("xpassed") or by.get("xpass_strict"):
             rank = min(by.get("xpassed", []) or by["xpass_strict"])
