@@ -197,14 +197,12 @@ class RankPlugin:
         for item, spec in marked_specs(items):  # an invalid marker is reported when the test runs
             if self.scheduler_of_another_job:
                 reason = "this process is the scheduler (MS_ROLE=MS_SCHED) of another launcher's job"
-                item.add_marker(pytest.mark.skip(reason=reason))
             elif spec.worker_num != self.world:
-                item.add_marker(
-                    pytest.mark.skip(
-                        reason=f"needs a job of {spec.worker_num} ranks (msrun --worker_num={spec.worker_num}); "
-                        f"this job has {self.world}"
-                    )
-                )
+                n = spec.worker_num
+                reason = f"needs a job of {n} ranks (msrun --worker_num={n}); this job has {self.world}"
+            else:
+                continue
+            item.add_marker(pytest.mark.skip(reason=reason))
 
     # pytest-timeout in a rank the controller runs: the controller times the marked test (its job's
     # timeout, stacks of every rank); a timer of the rank's own would cut that report short.

@@ -25,6 +25,11 @@ from pytest_msrun.plugin.rule.testrecord import TestRecord
 from pytest_msrun.plugin.stdstreams import read_log, tag_lines
 
 MAX_RANK_SECTIONS = 8  # per-rank sections shown in a report; big dry runs list the rest compactly
+PDB_NOTE = (
+    "--pdb stops each failing rank in pdb on the controller's terminal (prompt '(Pdb rank N)'); without one "
+    "(stdin not a tty) it says so and goes on. --msrun-inprocess is no substitute here: it runs the test as "
+    "rank 0 of a one-rank world, where another rank's failure does not happen."
+)
 
 
 class MergedLongrepr(TerminalRepr):
@@ -264,15 +269,7 @@ class Merger:
         if failing:  # junitxml and other report consumers: which ranks failed, the first one first
             props.append(("msrun_failing_ranks", ",".join(map(str, failing))))
             if getattr(self.config.option, "usepdb", False):
-                sections.append(
-                    (
-                        "msrun --pdb",
-                        "--pdb stops each failing rank in pdb on the controller's terminal (prompt "
-                        "'(Pdb rank N)'); without one (stdin not a tty) it says so and goes on. "
-                        "--msrun-inprocess is no substitute here: it runs the test as rank 0 of a one-rank "
-                        "world, where another rank's failure does not happen.",
-                    )
-                )
+                sections.append(("msrun --pdb", PDB_NOTE))
         hosts = self._hosts()
         if hosts:  # a job across hosts: where each rank ran
             props.append(("msrun_hosts", {str(r): h for r, h in hosts.items()}))
@@ -372,12 +369,8 @@ class Merger:
             sections.append(("more failing ranks", ranks_text(i.rank for i in issues[1 + MAX_RANK_SECTIONS :])))
         if phase.stopped and issues:
             why = self.end(phase.stopped[0]).stop_reason
-            sections.append(
-                (
-                    "terminated by msrun",
-                    f"{were(phase.stopped)} stopped after the first failure" + (f" ({why})" if why else ""),
-                )
-            )
+            said = f"{were(phase.stopped)} stopped after the first failure" + (f" ({why})" if why else "")
+            sections.append(("terminated by msrun", said))
         when = "at the timeout" if self.run.timed_out else "when it did not exit"
         for rank in sorted(self.run.stacks):
             if rank not in shown_stacks:
