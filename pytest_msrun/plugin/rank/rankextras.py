@@ -55,12 +55,10 @@ def benchmark_fields(bench: Any) -> dict[str, Any] | None:
     """One pytest-benchmark ``Metadata`` as JSON (None: it has no timings or cannot be carried)."""
     try:
         data = [float(x) for x in bench.stats.data]
-        if not data or bench.fixture.has_error or not all(math.isfinite(x) for x in data):
+        if not data or len(data) > MAX_TIMINGS or bench.fixture.has_error or not all(map(math.isfinite, data)):
             return None
         flat = bench.as_dict(include_data=False, stats=False)
     except Exception:  # another pytest-benchmark's internals: nothing rather than a broken rank
-        return None
-    if len(data) > MAX_TIMINGS:
         return None
     return {
         "name": str(flat.get("name", "")),

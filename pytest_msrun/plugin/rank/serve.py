@@ -13,10 +13,10 @@ After the test the rank restores the environment and working directory and answe
 what the test left behind: threads and child processes still running, descriptors left open,
 environment changes, memory grown (:mod:`.rankmemory`) - not counting what an import of a new module
 or a fixture of a broader scope created meanwhile (a library's thread pool, a module fixture's
-socket, its memory), which stays. ``quit``
-tears every fixture left down - a failure there is recorded as a late teardown report of the last
-test, where it belongs - and ends the session with status 0 (each test was judged from its own
-records), so the controller judges the process's end like a fresh job's.
+socket, its memory), which stays. ``quit`` tears every fixture left down - a failure there is
+recorded as a late teardown report of the last test, where it belongs - and ends the session with
+status 0 (each test was judged from its own records), so the controller judges the process's end
+like a fresh job's.
 
 The wire is the control plane's (:mod:`pytest_msrun.control.wire`: length-prefixed JSON frames, the
 door's handshake first): the controller never sends code, only node ids from its own collection.
