@@ -58,7 +58,6 @@ def subtest_key(data: Mapping[str, Any]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class MergedSubtest:
-    key: str
     outcome: str  # passed, failed, xfailed, skipped
     shown: int  # the rank whose report stands for it
     reports: dict[int, dict[str, Any]]  # rank -> its report of this subtest
@@ -74,7 +73,7 @@ def merge_subtests(per_rank: Mapping[int, Sequence[Mapping[str, Any]]]) -> list[
         for data in per_rank[rank]:
             reports.setdefault(subtest_key(data), {}).setdefault(rank, dict(data))  # a context used twice: its first
     out = []
-    for key, by_rank in reports.items():
+    for by_rank in reports.values():
         outcomes = {r: _subtest_outcome(d) for r, d in by_rank.items()}
         failed = sorted(r for r, o in outcomes.items() if o == "failed")
         xfailed = sorted(r for r, o in outcomes.items() if o == "xfailed")
@@ -86,7 +85,7 @@ def merge_subtests(per_rank: Mapping[int, Sequence[Mapping[str, Any]]]) -> list[
             outcome, shown = "skipped", min(outcomes)
         else:
             outcome, shown = "passed", min(r for r, o in outcomes.items() if o != "skipped")
-        out.append(MergedSubtest(key, outcome, shown, by_rank, failed))
+        out.append(MergedSubtest(outcome, shown, by_rank, failed))
     return out
 
 
