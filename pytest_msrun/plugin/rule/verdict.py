@@ -102,28 +102,25 @@ class Judge:
             if skipped_at_collection is not None:
                 kinds[rank] = _Kind("skipped", "setup", None, skipped_at_collection)
                 continue
-            complete = True
             for phase in PHASES:
                 if not self.facts.due(rank, phase):
                     continue
-                reports = test.all_reports(phase)
                 if phase in test.reports:
                     present[phase][rank] = test.reports[phase]
                 else:
                     self.died_in[rank] = phase
-                    complete = False
                     if self.facts.stopped_by_msrun(rank):
                         stopped[phase].append(rank)
                     else:
                         issues[phase].append(self.facts.missing(rank, phase))
-                for rep in reports:
+                for rep in test.all_reports(phase):
                     if fails(rep):
                         at = float(rep.get("_ts", test.stamps.get(phase, 0.0)))
                         summary = f"rank {rank}: {crash_message(rep)}"
                         issues[phase].append(RankIssue(rank, "failed", at, summary, rep, phase))
-                if not complete:
+                if rank in self.died_in:
                     break
-            if complete:
+            if rank not in self.died_in:  # it reported every phase it was due
                 problem = self.facts.end_problem(rank)
                 if problem is not None:
                     issues["teardown"].append(problem)
@@ -159,8 +156,7 @@ class Judge:
                 issues["teardown"].append(issue)
                 self.end_issue[rank] = issue
             failing = {p for p in PHASES if issues[p]}
-        everything = [i for p in PHASES for i in issues[p]]
-        cause = min(everything, key=lambda i: i.at) if everything else None
+        cause = min((i for p in PHASES for i in issues[p]), key=lambda i: i.at, default=None)
         if failing:
             self._regroup_stopped(min(failing, key=PHASES.index), stopped)
         phases = self._phases(issues, stopped, present, merged, cause)
