@@ -349,9 +349,8 @@ class Merger:
             if first_report is not None:
                 root = first_report.longrepr
                 base = getattr(root, "reprcrash", None)
-                reason = base.message if base is not None else first.summary.split(": ", 1)[-1]
-                if first.summary.startswith(f"rank {first.rank}: subtest"):
-                    reason = first.summary.split(": ", 1)[-1]
+                subtest = first.summary.startswith(f"rank {first.rank}: subtest")
+                reason = first.summary.split(": ", 1)[-1] if base is None or subtest else base.message
                 message = f"[rank {first.rank}] {reason}"
                 crash = (
                     dataclasses.replace(base, message=message) if base is not None else self._crash_location(message)
@@ -376,8 +375,7 @@ class Merger:
             if rank not in shown_stacks:
                 sections.append((f"stack of rank {rank} {when}", self._stack(rank, self.run.stacks[rank])))
         shown = [i.rank for i in issues[: 1 + MAX_RANK_SECTIONS]] or self.ranks[:MAX_RANK_SECTIONS]
-        if len(self.ranks) <= MAX_RANK_SECTIONS:
-            shown = self.ranks
+        shown = self.ranks if len(self.ranks) <= MAX_RANK_SECTIONS else shown
         hosts = self._hosts()
         logs = "\n".join(
             f"rank {r}" + (f" on {hosts[r]}" if r in hosts else "") + f": {self.shown_log(r)}" for r in shown
