@@ -332,8 +332,10 @@ class RankPlugin:
         self._write("collected", nodeids=[nodeid])
         return self.writer
 
-    def write_late(self, data: dict[str, Any]) -> None:
-        """A report of the open test written after its phases (a warm world's final teardown)."""
+    def write_late(self, report: pytest.TestReport) -> None:
+        """A failed report of the open test written after its phases (a warm world's final teardown)."""
+        self.test_failed = self.test_real_failure = True
+        data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
         self._write("report", data=data, late=True)
 
     def end_test(self) -> None:

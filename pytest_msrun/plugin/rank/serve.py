@@ -506,7 +506,4 @@ class WorldServer:
 
         call = CallInfo.from_call(teardown, when="teardown", reraise=get_reraise_exceptions(item.config))
         if call.excinfo is not None:
-            report = item.ihook.pytest_runtest_makereport(item=item, call=call)
-            self.rank_plugin.test_failed = self.rank_plugin.test_real_failure = True
-            data = item.config.hook.pytest_report_to_serializable(config=item.config, report=report)
-            self.rank_plugin.write_late(data)
+            self.rank_plugin.write_late(item.ihook.pytest_runtest_makereport(item=item, call=call))

@@ -70,11 +70,10 @@ def test_entry(
     outcome = shown(verdict)  # the one vocabulary (outcomes.py), as the console's reports say it
     failed = next((r for r in reports if r.failed or r.outcome == "rerun"), None)
     skipped = next((r for r in reports if r.skipped), None)
-    message = ""
     if failed is not None:
-        message = failed.longreprtext.strip().splitlines()[0] if failed.longreprtext.strip() else ""
-    elif skipped is not None and isinstance(skipped.longrepr, tuple):
-        message = str(skipped.longrepr[2])
+        message = next(iter(failed.longreprtext.strip().splitlines()), "")
+    else:
+        message = str(skipped.longrepr[2]) if skipped is not None and isinstance(skipped.longrepr, tuple) else ""
     first = verdict.first_issue
     first_failure = None
     first_at = 0.0
@@ -106,7 +105,9 @@ def test_entry(
                 "outcome": verdict.cells.get(rank, ""),
                 "output": output[-OUTPUT_LIMIT:],
                 "spans": _rank_spans(record, rank),
-                "marks": [],
+                "marks": [{"name": "first failure", "at": first_at, "text": first.summary}]
+                if first is not None and first.rank == rank
+                else [],
             }
         )
     _waited_for(ranks)
@@ -115,10 +116,6 @@ def test_entry(
     times = [t for lane in ranks for span in lane["spans"] for t in (span["start"], span["end"]) if t]
     t0 = record.run.started if mode == "fresh" or not times else min(times)
     t1 = max([*times, *([first_at] if first_at else [])], default=record.run.ended)
-    if first is not None:
-        for lane in ranks:
-            if lane["rank"] == first.rank:
-                lane["marks"].append({"name": "first failure", "at": first_at, "text": first.summary})
     return {
         "nodeid": record.nodeid,
         "outcome": outcome,
