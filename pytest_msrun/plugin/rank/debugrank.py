@@ -102,8 +102,7 @@ class _Stdio:
         pass
 
     def readline(self) -> str:
-        link = self.owner.link
-        return link.readline() if link is not None else ""
+        return self.owner.link.readline() if self.owner.link is not None else ""
 
     def isatty(self) -> bool:
         return False
@@ -275,6 +274,4 @@ def _traceback(exc: BaseException, tb: TracebackType) -> TracebackType:
     """The traceback to inspect (a doctest's unexpected exception: the test's own)."""
     from doctest import UnexpectedException
 
-    if isinstance(exc, UnexpectedException):
-        return exc.exc_info[2]
-    return tb
+    return exc.exc_info[2] if isinstance(exc, UnexpectedException) else tb

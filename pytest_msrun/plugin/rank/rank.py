@@ -98,8 +98,7 @@ class RankPlugin:
         self.scheduler_of_another_job = not records and env.get("MS_ROLE") == "MS_SCHED"
         if not records:
             return
-        directory = env.get(REPORT_DIR_ENV) or os.path.abspath(env.get("MSRUN_LOG_DIR") or ".")
-        self.records_dir = directory
+        self.records_dir = directory = env.get(REPORT_DIR_ENV) or os.path.abspath(env.get("MSRUN_LOG_DIR") or ".")
         self.writer = RecordWriter(records_path(directory, self.rank), self.rank, self.world)
         self.stacks = open_output(stacks_path(directory, self.rank))  # lives as long as the session
         dump_stacks_on_signals(self.stacks)
