@@ -32,14 +32,8 @@ def outcome_text(result: Any) -> str:
     excinfo = getattr(result, "excinfo", None)
     if not excinfo:
         return "passed"
-    kind = excinfo[0]
-    if issubclass(kind, pytest.skip.Exception):
-        return "skipped"
-    if issubclass(kind, pytest.xfail.Exception):
-        return "xfailed"
-    if issubclass(kind, pytest.fail.Exception):
-        return "failed"
-    return f"raised {kind.__name__}"
+    words = {pytest.skip.Exception: "skipped", pytest.xfail.Exception: "xfailed", pytest.fail.Exception: "failed"}
+    return next((word for kind, word in words.items() if issubclass(excinfo[0], kind)), f"raised {excinfo[0].__name__}")
 
 
 def common_seed(nodeid: str, randomly_seed: int | None, job_id: str) -> int | None:

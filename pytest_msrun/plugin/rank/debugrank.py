@@ -79,8 +79,9 @@ class Link:
             pass
 
 
-class _Out:
-    """pdb's stdout: the open session, or kept until one opens."""
+class _Stdio:
+    """pdb's stdin and stdout: the open session's lines ("" - pdb's EOF, a quit - when none is
+    open); what pdb writes goes to it, or is kept until one opens."""
 
     def __init__(self, owner: RankPdb) -> None:
         self.owner = owner
@@ -100,19 +101,8 @@ class _Out:
     def flush(self) -> None:
         pass
 
-    def isatty(self) -> bool:
-        return False
-
-
-class _In:
-    """pdb's stdin: the open session's lines ("" - pdb's EOF, a quit - when none is open)."""
-
-    def __init__(self, owner: RankPdb) -> None:
-        self.owner = owner
-
     def readline(self) -> str:
-        link = self.owner.link
-        return link.readline() if link is not None else ""
+        return self.owner.link.readline() if self.owner.link is not None else ""
 
     def isatty(self) -> bool:
         return False
@@ -124,7 +114,8 @@ class RankPdb(pdb.Pdb):
     def __init__(self, debugger: RankDebugger, link: Link | None) -> None:
         self.debugger = debugger
         self.link: Link | None = link
-        super().__init__(stdin=_In(self), stdout=_Out(self), nosigint=True)  # type: ignore[arg-type]
+        stdio = _Stdio(self)
+        super().__init__(stdin=stdio, stdout=stdio, nosigint=True)  # type: ignore[arg-type]
         self.prompt = f"(Pdb rank {debugger.rank}) "
 
     def interaction(self, frame: FrameType | None, tb: Any) -> None:
@@ -148,28 +139,18 @@ class RankPdb(pdb.Pdb):
 class RankDebugger:
     """Registered in a rank of this project's jobs: its ``breakpoint()`` and ``--pdb`` go to the controller."""
 
-    def __init__(
-        self, rank: int, address: str, token: str, post_mortem: bool, nodeid: Callable[[], str], none: str = ""
-    ) -> None:
+    def __init__(self, rank: int, post_mortem: bool, nodeid: Callable[[], str]) -> None:
+        """For the controller's server named in this process's environment (removed from it: a
+        process this rank starts is not the rank)."""
+        env = os.environ
         self.rank = rank
-        self.address = address  # "" where no controller serves a debugger (a suite, no terminal)
-        self.token = token
-        self.none = none  # why no controller serves a debugger, as the controller said
-        self.post_mortem = post_mortem
+        self.address = env.pop(DEBUG_ENV, "")  # "" where no controller serves a debugger (a suite, no terminal)
+        self.token = env.pop(DEBUG_TOKEN_ENV, "")
+        self.none = env.pop(DEBUG_NONE_ENV, "")  # why no controller serves a debugger, as the controller said
+        self.post_mortem = env.pop(DEBUG_PDB_ENV, "") == "1" or post_mortem
         self.nodeid = nodeid  # the test running now
         self.refused: set[tuple[str, str]] = set()
         self._saved: tuple[Any, Any, Any] | None = None  # the hooks replaced
-
-    @classmethod
-    def from_env(cls, rank: int, post_mortem: bool, nodeid: Callable[[], str]) -> RankDebugger:
-        """The controller's server named in this process's environment (removed from it: a process
-        this rank starts is not the rank)."""
-        env = os.environ
-        address = env.pop(DEBUG_ENV, "")
-        token = env.pop(DEBUG_TOKEN_ENV, "")
-        none = env.pop(DEBUG_NONE_ENV, "")
-        post_mortem = env.pop(DEBUG_PDB_ENV, "") == "1" or post_mortem
-        return cls(rank, address, token, post_mortem, nodeid, none)
 
     # ---------------------------------------------------------------- hooks of this process
     def install(self) -> None:
@@ -196,8 +177,7 @@ class RankDebugger:
             return None
         if chosen not in ("", "pdb.set_trace") and self._saved is not None:
             return self._saved[0](*args, **kwargs)  # a debugger of the user's choice
-        frame = sys._getframe(1)
-        return self._trace(frame, kwargs.get("header"))
+        return self._trace(sys._getframe(1), kwargs.get("header"))
 
     def set_trace(self, *, header: str | None = None, **_: Any) -> None:
         self._trace(sys._getframe(1), header)
@@ -294,6 +274,4 @@ def _traceback(exc: BaseException, tb: TracebackType) -> TracebackType:
     """The traceback to inspect (a doctest's unexpected exception: the test's own)."""
     from doctest import UnexpectedException
 
-    if isinstance(exc, UnexpectedException):
-        return exc.exc_info[2]
-    return tb
+    return exc.exc_info[2] if isinstance(exc, UnexpectedException) else tb

@@ -73,9 +73,7 @@ def group_state() -> Any:
     if group is None:
         return "left" if _joined_at_fork else None
     channel = getattr(group, "channel", None)
-    if channel is None:
-        return int(group.seq)
-    if getattr(channel, "pending", None) or getattr(channel, "eof", False):
+    if channel is not None and (getattr(channel, "pending", None) or getattr(channel, "eof", False)):
         return "left"
     return int(group.seq)
 
@@ -107,11 +105,7 @@ def child_exit(status: int) -> None:
         atexit._run_exitfuncs()
     except BaseException:  # noqa: BLE001
         pass
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
+    processes.flush_std_streams()
     _exit(status)
 
 
@@ -197,10 +191,7 @@ def raise_again(signum: int) -> None:
 def read_info(fd: int) -> dict[str, Any]:
     chunks = []
     try:
-        while True:
-            data = os.read(fd, 65536)
-            if not data:
-                break
+        while data := os.read(fd, 65536):
             chunks.append(data)
     except OSError:
         pass
@@ -215,19 +206,13 @@ def read_info(fd: int) -> dict[str, Any]:
 
 def returncode(status: int) -> int:
     """A wait status as ``subprocess`` reports it: the exit status, or minus the signal."""
-    if os.WIFSIGNALED(status):
-        return -os.WTERMSIG(status)
-    return os.WEXITSTATUS(status) if os.WIFEXITED(status) else 1
+    return os.waitstatus_to_exitcode(status)
 
 
 def mirror(code: int) -> None:
     """End this process as its child ended (``code`` as :func:`returncode` gives it): msrun then
     sees the rank end as the test's process did."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError, AttributeError):
-            pass
+    processes.flush_std_streams()
     if code < 0:
         signum = -code
         try:

@@ -32,6 +32,7 @@ from pytest_msrun.plugin.links import FORK_ENV, WORLD_ENV, WORLD_TOKEN_ENV, worl
 from pytest_msrun.plugin.marker import default_timeout, marked_specs
 from pytest_msrun.plugin.rank.forked import dump_stacks_on_signals
 from pytest_msrun.plugin.rank.suiteclock import SuiteClock
+from pytest_msrun.plugin.rule.outcomes import STRICT_XPASS
 from pytest_msrun.plugin.rule.records import (
     BASETEMP_ENV,
     CACHE_FILE,
@@ -46,8 +47,6 @@ from pytest_msrun.plugin.rule.records import (
     wallclock,
 )
 from pytest_msrun.plugin.stdstreams import StandardStreams, log_file, log_offset, read_log
-
-STRICT_XPASS = "[XPASS(strict)]"
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -99,8 +98,7 @@ class RankPlugin:
         self.scheduler_of_another_job = not records and env.get("MS_ROLE") == "MS_SCHED"
         if not records:
             return
-        directory = env.get(REPORT_DIR_ENV) or os.path.abspath(env.get("MSRUN_LOG_DIR") or ".")
-        self.records_dir = directory
+        self.records_dir = directory = env.get(REPORT_DIR_ENV) or os.path.abspath(env.get("MSRUN_LOG_DIR") or ".")
         self.writer = RecordWriter(records_path(directory, self.rank), self.rank, self.world)
         self.stacks = open_output(stacks_path(directory, self.rank))  # lives as long as the session
         dump_stacks_on_signals(self.stacks)
@@ -121,8 +119,7 @@ class RankPlugin:
         from pytest_msrun.plugin.rank.debugrank import RankDebugger
 
         post_mortem = not self.controlled and bool(getattr(config.option, "usepdb", False))
-        debugger = RankDebugger.from_env(self.rank, post_mortem, self._running)
-        config.pluginmanager.register(debugger, "msrun-debug")
+        config.pluginmanager.register(RankDebugger(self.rank, post_mortem, self._running), "msrun-debug")
         address = world_address(env)
         if address is not None and self.controlled:  # a warm world's rank: the controller sends tests
             from pytest_msrun.plugin.rank.serve import WorldServer
@@ -199,14 +196,12 @@ class RankPlugin:
         for item, spec in marked_specs(items):  # an invalid marker is reported when the test runs
             if self.scheduler_of_another_job:
                 reason = "this process is the scheduler (MS_ROLE=MS_SCHED) of another launcher's job"
-                item.add_marker(pytest.mark.skip(reason=reason))
             elif spec.worker_num != self.world:
-                item.add_marker(
-                    pytest.mark.skip(
-                        reason=f"needs a job of {spec.worker_num} ranks (msrun --worker_num={spec.worker_num}); "
-                        f"this job has {self.world}"
-                    )
-                )
+                n = spec.worker_num
+                reason = f"needs a job of {n} ranks (msrun --worker_num={n}); this job has {self.world}"
+            else:
+                continue
+            item.add_marker(pytest.mark.skip(reason=reason))
 
     # pytest-timeout in a rank the controller runs: the controller times the marked test (its job's
     # timeout, stacks of every rank); a timer of the rank's own would cut that report short.
@@ -336,47 +331,41 @@ class RankPlugin:
         self._write("collected", nodeids=[nodeid])
         return self.writer
 
-    def write_late(self, data: dict[str, Any]) -> None:
-        """A report of the open test written after its phases (a warm world's final teardown)."""
+    def write_late(self, report: pytest.TestReport) -> None:
+        """A failed report of the open test written after its phases (a warm world's final teardown)."""
+        self.test_failed = self.test_real_failure = True
+        data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
         self._write("report", data=data, late=True)
 
-    def end_test(self) -> bool:
-        """Close the open test's records (if any); whether any of its phases failed. (No ``finish``
-        record: the session goes on; how the process ends is judged at the world's end.)"""
-        failed = self.test_failed
-        if self.session_writer is None:
-            return failed
-        if self.writer is not None:
-            self.writer.close()
-        self.writer, self.session_writer = self.session_writer, None
-        return failed
+    def end_test(self) -> None:
+        """Close the open test's records (if any). (No ``finish`` record: the session goes on; how
+        the process ends is judged at the world's end.)"""
+        if self.session_writer is not None:
+            if self.writer is not None:
+                self.writer.close()
+            self.writer, self.session_writer = self.session_writer, None
 
     @pytest.hookimpl(trylast=True)
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         """Close the records. A crash while the process exits still dumps every thread's stack into
-        the rank's log (pytest's own fault handler has stopped by now)."""
+        the rank's log (pytest's own fault handler has stopped by now), and into the stacks file on
+        SIGUSR1 until the process ends (a controller asks a rank that does not exit for them); in
+        suite mode a rank that does not exit within the marked tests' timeout records so and ends itself."""
         try:
             faulthandler.enable(file=sys.stderr, all_threads=True)
         except (OSError, ValueError, AttributeError):  # no usable stderr
             pass
-        self._close()
+        self.clock.disarm()
+        if self.writer is not None:
+            self.writer.close()
+            if not self.controlled and self.default_timeout:
+                self.clock.arm_exit_watchdog(self.writer.fh.name, self.default_timeout)
         if self.streams is not None:
             self.streams.close()
         if "pytest_msrun.plugin.covdata" in sys.modules:  # measured for the controller's --cov
             from pytest_msrun.plugin.covdata import stop
 
             stop()
-
-    def _close(self) -> None:
-        """Close the records. Every thread's stack still lands in the stacks file on SIGUSR1 until the
-        process ends (a controller asks a rank that does not exit for them); in suite mode a rank
-        that does not exit within the marked tests' timeout records so and ends itself."""
-        self.clock.disarm()
-        path = self.writer.fh.name if self.writer is not None else None
-        if self.writer is not None:
-            self.writer.close()
-        if path and not self.controlled and self.default_timeout:
-            self.clock.arm_exit_watchdog(path, self.default_timeout)
 
     # ---------------------------------------------------------------- phases
     def _phase(self, item: pytest.Item, when: str) -> Generator[None, None, None]:

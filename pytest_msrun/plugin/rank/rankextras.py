@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
+import types
 from collections.abc import Generator, Iterator
 from typing import Any, Protocol
 
 import pytest
 
+from pytest_msrun.engine import processes
 from pytest_msrun.plugin.options import JUNITXML, SETUPSHOW
 from pytest_msrun.plugin.stdstreams import log_offset, read_log
 
@@ -54,12 +55,10 @@ def benchmark_fields(bench: Any) -> dict[str, Any] | None:
     """One pytest-benchmark ``Metadata`` as JSON (None: it has no timings or cannot be carried)."""
     try:
         data = [float(x) for x in bench.stats.data]
-        if not data or bench.fixture.has_error or not all(math.isfinite(x) for x in data):
+        if not data or len(data) > MAX_TIMINGS or bench.fixture.has_error or not all(map(math.isfinite, data)):
             return None
         flat = bench.as_dict(include_data=False, stats=False)
     except Exception:  # another pytest-benchmark's internals: nothing rather than a broken rank
-        return None
-    if len(data) > MAX_TIMINGS:
         return None
     return {
         "name": str(flat.get("name", "")),
@@ -68,22 +67,10 @@ def benchmark_fields(bench: Any) -> dict[str, Any] | None:
         "param": flat.get("param"),
         "params": flat.get("params"),
         "extra_info": dict(flat.get("extra_info") or {}),
-        "options": {
-            str(k): v if isinstance(v, (int, float, str, bool, type(None))) else str(v)
-            for k, v in (flat.get("options") or {}).items()
-        },
+        "options": {str(k): _plain(v) for k, v in (flat.get("options") or {}).items()},
         "iterations": int(getattr(bench, "iterations", 1) or 1),
         "data": data,
     }
-
-
-class _Attributes:
-    def __init__(self, write: Any, nodeid: str) -> None:
-        self.write = write
-        self.nodeid = nodeid
-
-    def add_attribute(self, name: str, value: object) -> None:
-        self.write("junit", what="attribute", nodeid=self.nodeid, name=str(name), value=str(value))
 
 
 class RankJunit:
@@ -97,8 +84,13 @@ class RankJunit:
     def add_global_property(self, name: str, value: object) -> None:
         self.rank_plugin._write("junit", what="suite_property", name=str(name), value=str(value))
 
-    def node_reporter(self, report: Any) -> _Attributes:
-        return _Attributes(self.rank_plugin._write, str(getattr(report, "nodeid", report)))
+    def node_reporter(self, report: Any) -> Any:
+        nodeid = str(getattr(report, "nodeid", report))
+
+        def add_attribute(name: str, value: object) -> None:
+            self.rank_plugin._write("junit", what="attribute", nodeid=nodeid, name=str(name), value=str(value))
+
+        return types.SimpleNamespace(add_attribute=add_attribute)
 
 
 class PastCapture:
@@ -127,11 +119,7 @@ class PastCapture:
         capman.global_and_fixture_disabled = disabled
 
     def _written(self, start: int) -> None:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError, AttributeError):
-                pass
+        processes.flush_std_streams()
         end, current = log_offset(), self.rank_plugin.current
         if end is None or end <= start or current is None:
             return
@@ -229,12 +217,10 @@ class ExtrasRecorder:
         return status
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if report.when in ("call", "teardown") and type(report).__name__ != "SubtestReport":
-            self._record_benchmarks(report.nodeid)
-
-    def _record_benchmarks(self, nodeid: str) -> None:
-        session = getattr(self.config, "_benchmarksession", None)
-        benchmarks = getattr(session, "benchmarks", None)
+        """The benchmarks measured since the last report, after a test's call or teardown."""
+        if report.when not in ("call", "teardown") or type(report).__name__ == "SubtestReport":
+            return
+        benchmarks = getattr(getattr(self.config, "_benchmarksession", None), "benchmarks", None)
         if not isinstance(benchmarks, list) or len(benchmarks) <= self.benchmarks_seen:
             return
         new = benchmarks[self.benchmarks_seen :]
@@ -242,4 +228,4 @@ class ExtrasRecorder:
         for bench in new:
             fields = benchmark_fields(bench)
             if fields is not None:
-                self.rank_plugin._write("benchmark", nodeid=nodeid, **fields)
+                self.rank_plugin._write("benchmark", nodeid=report.nodeid, **fields)

@@ -13,10 +13,10 @@ After the test the rank restores the environment and working directory and answe
 what the test left behind: threads and child processes still running, descriptors left open,
 environment changes, memory grown (:mod:`.rankmemory`) - not counting what an import of a new module
 or a fixture of a broader scope created meanwhile (a library's thread pool, a module fixture's
-socket, its memory), which stays. ``quit``
-tears every fixture left down - a failure there is recorded as a late teardown report of the last
-test, where it belongs - and ends the session with status 0 (each test was judged from its own
-records), so the controller judges the process's end like a fresh job's.
+socket, its memory), which stays. ``quit`` tears every fixture left down - a failure there is
+recorded as a late teardown report of the last test, where it belongs - and ends the session with
+status 0 (each test was judged from its own records), so the controller judges the process's end
+like a fresh job's.
 
 The wire is the control plane's (:mod:`pytest_msrun.control.wire`: length-prefixed JSON frames, the
 door's handshake first): the controller never sends code, only node ids from its own collection.
@@ -25,6 +25,7 @@ door's handshake first): the controller never sends code, only node ids from its
 from __future__ import annotations
 
 import builtins
+import contextlib
 import gc
 import importlib
 import importlib.util
@@ -33,7 +34,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from os import _exit  # taken now: a test that replaces os._exit does not change how a rank ends
 from typing import Any
 
@@ -92,24 +93,20 @@ class Snapshot:
         self._depth = 0
 
     # ---------------------------------------------------------------- who created what
-    def owning(self, imported: bool = False) -> Any:
+    @contextlib.contextmanager
+    def owning(self, imported: bool = False) -> Iterator[None]:
         """A context in which whatever appears belongs to the code run (an import, a fixture)."""
-        snapshot = self
-
-        class _Owning:
-            def __enter__(self) -> None:
-                snapshot._depth += 1
-                self.state = State() if snapshot._depth == 1 else None
-                if self.state is not None:
-                    snapshot.memory.enter()
-
-            def __exit__(self, *exc: Any) -> None:
-                snapshot._depth -= 1
-                if self.state is not None:
-                    snapshot.memory.exit()
-                    snapshot.owned.add(self.state, State(), imported)
-
-        return _Owning()
+        self._depth += 1
+        state = State() if self._depth == 1 else None
+        if state is not None:
+            self.memory.enter()
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            if state is not None:
+                self.memory.exit()
+                self.owned.add(state, State(), imported)
 
     # ---------------------------------------------------------------- after the test
     def leaks(self, ignore_fds: set[int]) -> tuple[list[str], bool]:
@@ -173,50 +170,35 @@ class Snapshot:
         os.chdir(self.cwd)
 
 
-class ImportWatch:
-    """While installed, the first import of a module new to this process runs inside ``owning()``."""
+@contextlib.contextmanager
+def watching_imports(snapshot: Snapshot) -> Iterator[None]:
+    """Inside it, the first import of a module new to this process runs inside ``owning()``."""
+    original_import, original_import_module = builtins.__import__, importlib.import_module
 
-    def __init__(self, snapshot: Snapshot) -> None:
-        self.snapshot = snapshot
-        self.saved: tuple[Any, Any] | None = None
+    def new(name: str, package: str | None = None, level: int = 0) -> Any:
+        if level:
+            try:
+                name = importlib.util.resolve_name("." * level + name, package)
+            except (ImportError, ValueError):
+                return contextlib.nullcontext()
+        return snapshot.owning(imported=True) if name and name not in sys.modules else contextlib.nullcontext()
 
-    def __enter__(self) -> ImportWatch:
-        original_import, original_import_module = builtins.__import__, importlib.import_module
-        snapshot = self.snapshot
+    def watched_import(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0):
+        __tracebackhide__ = True  # a failing import shows the test's line, not this wrapper
+        with new(name, (globals or {}).get("__package__") if level else None, level):
+            return original_import(name, globals, locals, fromlist, level)
 
-        def new(name: str, package: str | None = None, level: int = 0) -> bool:
-            if level:
-                try:
-                    name = importlib.util.resolve_name("." * level + name, package)
-                except (ImportError, ValueError):
-                    return False
-            return bool(name) and name not in sys.modules
+    def watched_import_module(name: str, package: str | None = None):
+        __tracebackhide__ = True
+        with new(name.lstrip("."), package, len(name) - len(name.lstrip("."))):
+            return original_import_module(name, package)
 
-        def watched_import(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0):
-            __tracebackhide__ = True  # a failing import shows the test's line, not this wrapper
-            package = (globals or {}).get("__package__") if level else None
-            if not new(name, package, level):
-                return original_import(name, globals, locals, fromlist, level)
-            with snapshot.owning(imported=True):
-                return original_import(name, globals, locals, fromlist, level)
-
-        def watched_import_module(name: str, package: str | None = None):
-            __tracebackhide__ = True
-            level = len(name) - len(name.lstrip("."))
-            if not new(name.lstrip("."), package, level):
-                return original_import_module(name, package)
-            with snapshot.owning(imported=True):
-                return original_import_module(name, package)
-
-        self.saved = (original_import, original_import_module)
-        builtins.__import__ = watched_import
-        importlib.import_module = watched_import_module
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.saved is not None:
-            builtins.__import__, importlib.import_module = self.saved
-            self.saved = None
+    builtins.__import__ = watched_import
+    importlib.import_module = watched_import_module
+    try:
+        yield
+    finally:
+        builtins.__import__, importlib.import_module = original_import, original_import_module
 
 
 def _memory(snapshot: Snapshot, msg: dict[str, Any]) -> dict[str, Any]:
@@ -276,13 +258,6 @@ def _fds() -> dict[int, str]:
         except OSError:
             continue  # the directory's own descriptor, already closed
     return out
-
-
-def _adopt_orphans() -> None:
-    """Make this rank a child subreaper: what a test starts and detaches (``cmd &`` in a shell it
-    ran) re-parents to the rank - where the leak check sees it - instead of to msrun, unseen until
-    it kills the rank during another test."""
-    processes.become_subreaper()
 
 
 def _children() -> list[int]:
@@ -351,7 +326,9 @@ class WorldServer:
     def pytest_runtestloop(self, session: pytest.Session) -> bool:
         self.items = {item.nodeid: item for item in session.items}
         env_read = envscope.reads()  # collection is over: what it read, not what comes next
-        _adopt_orphans()
+        # A child subreaper: what a test starts and detaches (``cmd &`` in a shell it ran) re-parents to
+        # the rank - where the leak check sees it - not to msrun, unseen until it kills the rank later.
+        processes.become_subreaper()
         if self.forking:
             forked.join_group()
         self.channel = channel = join_world(self.address, self.token, self.rank_plugin.rank)
@@ -388,21 +365,34 @@ class WorldServer:
             channel.close()
         return True
 
+    def _begin(self, item: pytest.Item, msg: dict[str, Any]) -> tuple[Any, dict[str, Any], Snapshot]:
+        """Open ``item``'s records, set its shared directory and its own variables
+        (--msrun-env-scope=test): its record writer, the variables replaced, the state before it."""
+        writer = self.rank_plugin.begin_test(str(msg["report_dir"]), item.nodeid)
+        shared = msg.get("shared_dir")
+        if shared:
+            os.environ[SHARED_TMP_ENV] = str(shared)
+        replaced = envscope.apply(msg.get("env") or {})
+        self.snapshot = snapshot = Snapshot()
+        self.next = LateNext()
+        self.last = item
+        return writer, replaced, snapshot
+
+    def _protocol(self, item: pytest.Item, snapshot: Snapshot) -> None:
+        with watching_imports(snapshot):
+            item.ihook.pytest_runtest_protocol(item=item, nextitem=self.next)
+
+    def _done(self, leaks: list[str], lingering: bool) -> dict[str, Any]:
+        plugin = self.rank_plugin
+        return {"failed": plugin.test_failed, "leaks": leaks, "lingering": lingering, "group": _group_state()}
+
     def _run(self, item: pytest.Item, msg: dict[str, Any]) -> dict[str, Any]:
         plugin = self.rank_plugin
         if self.last is not None:  # fixtures kept for another test than this one: the last test's to end
             self._teardown_for(self.last, lambda: item.session._setupstate.teardown_exact(item))
-        writer = plugin.begin_test(str(msg["report_dir"]), item.nodeid)
-        shared = msg.get("shared_dir")
-        if shared:
-            os.environ[SHARED_TMP_ENV] = str(shared)
-        replaced = envscope.apply(msg.get("env") or {})  # the test's own variables (--msrun-env-scope=test)
-        self.snapshot = snapshot = Snapshot()
-        self.next = LateNext()
-        self.last = item
+        writer, replaced, snapshot = self._begin(item, msg)
         try:
-            with ImportWatch(snapshot):
-                item.ihook.pytest_runtest_protocol(item=item, nextitem=self.next)
+            self._protocol(item, snapshot)
         finally:
             streams = plugin.streams.fds() if plugin.streams is not None else set()
             leaks, lingering = snapshot.leaks(ignore_fds={writer.fh.fileno(), *_group_fds(), *streams})
@@ -410,8 +400,7 @@ class WorldServer:
             snapshot.restore()
             envscope.revert(replaced)
             self.snapshot = self.next = None
-        done = {"failed": plugin.test_failed, "leaks": leaks, "lingering": lingering, "group": _group_state()}
-        return {**done, **memory}
+        return {**self._done(leaks, lingering), **memory}
 
     # ---------------------------------------------------------------- a forking world's template
     def _run_forked(self, item: pytest.Item, msg: dict[str, Any]) -> None:
@@ -452,21 +441,12 @@ class WorldServer:
         try:
             forked.child_start()
             plugin = self.rank_plugin
-            plugin.begin_test(str(msg["report_dir"]), item.nodeid)
-            shared = msg.get("shared_dir")
-            if shared:
-                os.environ[SHARED_TMP_ENV] = str(shared)
-            envscope.apply(msg.get("env") or {})
-            self.next = LateNext()
-            self.last = item
-            self.snapshot = snapshot = Snapshot()  # for its memory: what imports and broader fixtures grew
-            with ImportWatch(snapshot):
-                item.ihook.pytest_runtest_protocol(item=item, nextitem=self.next)
+            _, _, snapshot = self._begin(item, msg)  # the snapshot for its memory: what imports and fixtures grew
+            self._protocol(item, snapshot)
             plugin.end_test()
             code = 1 if plugin.test_real_failure else 0
             assert self.channel is not None
-            done = {"failed": plugin.test_failed, "leaks": [], "lingering": False, "group": _group_state()}
-            self.channel.send({"t": "done", "nodeid": item.nodeid, **done, **_memory(snapshot, msg)})
+            self.channel.send({"t": "done", "nodeid": item.nodeid, **self._done([], False), **_memory(snapshot, msg)})
             info = {
                 "done": True,
                 "status": code,
@@ -511,15 +491,14 @@ class WorldServer:
             return (yield)
 
     # ---------------------------------------------------------------- the world's end
-    def _world_end(self, setup_state: Any) -> bool:
+    def _world_end(self, setup_state: Any) -> None:
         """Tear every fixture left down (a failure is a late teardown report of the last test) and
-        close the last test's records; whether that test failed on this rank."""
-        item = self.last
-        if item is None:
+        close the last test's records."""
+        if self.last is None:
             setup_state.teardown_exact(None)
-            return False
-        self._teardown_for(item, lambda: setup_state.teardown_exact(None))
-        return self.rank_plugin.end_test()
+            return
+        self._teardown_for(self.last, lambda: setup_state.teardown_exact(None))
+        self.rank_plugin.end_test()
 
     def _teardown_for(self, item: pytest.Item, teardown: Any) -> None:
         """Run ``teardown``; a failure is a late teardown report of ``item`` (whose records are open)."""
@@ -527,7 +506,4 @@ class WorldServer:
 
         call = CallInfo.from_call(teardown, when="teardown", reraise=get_reraise_exceptions(item.config))
         if call.excinfo is not None:
-            report = item.ihook.pytest_runtest_makereport(item=item, call=call)
-            self.rank_plugin.test_failed = self.rank_plugin.test_real_failure = True
-            data = item.config.hook.pytest_report_to_serializable(config=item.config, report=report)
-            self.rank_plugin.write_late(data)
+            self.rank_plugin.write_late(item.ihook.pytest_runtest_makereport(item=item, call=call))

@@ -69,23 +69,13 @@ class SuiteClock:
         from pytest_msrun.control.observer import query_from_env, waiting_for_others
 
         when = self.plugin.current[1] if self.plugin.current and self.plugin.current[0] == nodeid else "setup"
-        stack = ""
-        if self.plugin.stacks is not None:
-            self.plugin.stacks.flush()
-            start = os.lseek(self.plugin.stacks.fileno(), 0, os.SEEK_END)
-            faulthandler.dump_traceback(self.plugin.stacks, all_threads=True)
-            self.plugin.stacks.flush()
-            stack = read_log(self.plugin.stacks.name, start)
+        stack = _dump_stacks(self.plugin.stacks)
         state = query_from_env(dict(os.environ))
         self.plugin._write("timeout", nodeid=nodeid, when=when, timeout=seconds, state=state, stack=stack)
-        try:
-            sys.stderr.write(
-                f"\nmsrun: {nodeid} timed out after {seconds:g} s on rank {self.plugin.rank} in its {when} phase; "
-                f"this rank ends with exit status {TIMEOUT_EXIT}\n"
-            )
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
+        _say(
+            f"\nmsrun: {nodeid} timed out after {seconds:g} s on rank {self.plugin.rank} in its {when} phase; "
+            f"this rank ends with exit status {TIMEOUT_EXIT}\n"
+        )
         # Waiting for ranks that have not come (in a suite: a rank stuck in an earlier test, whose
         # own clock runs out about now): let them end first - the first to end is the job's root
         # cause, and it is theirs. msrun's teardown ends this rank meanwhile if they do. This rank
@@ -99,25 +89,39 @@ class SuiteClock:
 
         def fire() -> None:
             time.sleep(seconds)
-            stack = ""
-            if stacks is not None:
-                stacks.flush()
-                start = os.lseek(stacks.fileno(), 0, os.SEEK_END)
-                faulthandler.dump_traceback(stacks, all_threads=True)
-                stacks.flush()
-                stack = read_log(stacks.name, start)
+            stack = _dump_stacks(stacks)
             try:
                 RecordWriter(path, rank, world, append=True).write("exit_hang", grace=seconds, stack=stack)
-                sys.stderr.write(
+            except (OSError, ValueError):
+                pass
+            else:
+                _say(
                     f"\nmsrun: rank {rank} did not exit within {seconds:g} s of its pytest session's end "
                     f"(--msrun-timeout); it ends with exit status {TIMEOUT_EXIT}\n"
                 )
-                sys.stderr.flush()
-            except (OSError, ValueError):
-                pass
             _exit(TIMEOUT_EXIT)
 
         threading.Thread(target=fire, name="msrun-exit-watchdog", daemon=True).start()
         ranknotes.set_deadline(seconds, "its exit after its pytest session ended", int(signal.SIGUSR1))
         # A backstop that needs no Python (a hang in the interpreter's own finalization).
         faulthandler.dump_traceback_later(seconds + 5, exit=True, file=stacks or sys.stderr)
+
+
+def _dump_stacks(stacks: Any) -> str:
+    """Every thread's stack, appended to the rank's stacks file (None: it has none) and returned."""
+    if stacks is None:
+        return ""
+    stacks.flush()
+    start = os.lseek(stacks.fileno(), 0, os.SEEK_END)
+    faulthandler.dump_traceback(stacks, all_threads=True)
+    stacks.flush()
+    return read_log(stacks.name, start)
+
+
+def _say(text: str) -> None:
+    """``text`` into the rank's log (its stderr), unless that is closed or broken."""
+    try:
+        sys.stderr.write(text)
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass

@@ -41,18 +41,11 @@ def merge_properties(
     as it is; any other pair as ``name [rank r]`` (``label``) - so no rank's value is lost or
     misattributed."""
     ranks = sorted(per_rank)
-    out: list[tuple[str, Any]] = []
     shared: list[tuple[str, Any]] = []
     for name, value in per_rank[ranks[0]] if ranks else []:
-        pair = (name, value)
-        if pair not in shared and all(pair in per_rank[r] for r in ranks):
-            shared.append(pair)
-    out.extend(shared)
-    for rank in ranks:
-        for name, value in per_rank[rank]:
-            if (name, value) not in shared:
-                out.append((label(name, rank), value))
-    return out
+        if (name, value) not in shared and all((name, value) in per_rank[r] for r in ranks):
+            shared.append((name, value))
+    return shared + [(label(n, r), v) for r in ranks for n, v in per_rank[r] if (n, v) not in shared]
 
 
 def subtest_key(data: Mapping[str, Any]) -> str:
@@ -65,7 +58,6 @@ def subtest_key(data: Mapping[str, Any]) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class MergedSubtest:
-    key: str
     outcome: str  # passed, failed, xfailed, skipped
     shown: int  # the rank whose report stands for it
     reports: dict[int, dict[str, Any]]  # rank -> its report of this subtest
@@ -81,7 +73,7 @@ def merge_subtests(per_rank: Mapping[int, Sequence[Mapping[str, Any]]]) -> list[
         for data in per_rank[rank]:
             reports.setdefault(subtest_key(data), {}).setdefault(rank, dict(data))  # a context used twice: its first
     out = []
-    for key, by_rank in reports.items():
+    for by_rank in reports.values():
         outcomes = {r: _subtest_outcome(d) for r, d in by_rank.items()}
         failed = sorted(r for r, o in outcomes.items() if o == "failed")
         xfailed = sorted(r for r, o in outcomes.items() if o == "xfailed")
@@ -93,7 +85,7 @@ def merge_subtests(per_rank: Mapping[int, Sequence[Mapping[str, Any]]]) -> list[
             outcome, shown = "skipped", min(outcomes)
         else:
             outcome, shown = "passed", min(r for r, o in outcomes.items() if o != "skipped")
-        out.append(MergedSubtest(key, outcome, shown, by_rank, failed))
+        out.append(MergedSubtest(outcome, shown, by_rank, failed))
     return out
 
 

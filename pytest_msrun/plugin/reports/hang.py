@@ -72,19 +72,14 @@ def main_stack(dump: str, main_thread: int | None) -> list[Frame]:
     return list(found.values())[-1] if found else []
 
 
-def _is_harness(path: str) -> bool:
-    return any(part in path for part in _HARNESS)
-
-
 def is_harness(path: str) -> bool:
     """A frame of pytest, pluggy or runpy: what runs the test, not the test."""
-    return _is_harness(path)
+    return any(part in path for part in _HARNESS)
 
 
 def is_msrun(path: str) -> bool:
     """A frame of this package."""
-    ap = os.path.abspath(path)
-    return ap.startswith(_PACKAGE + os.sep)
+    return os.path.abspath(path).startswith(_PACKAGE + os.sep)
 
 
 def is_stdlib(path: str) -> bool:
@@ -102,11 +97,9 @@ def idle(frames: list[Frame]) -> str | None:
 
 
 def _is_internal(path: str) -> bool:
-    if path.startswith("<frozen "):  # the standard library's frozen modules (posixpath, importlib, ...)
+    if is_stdlib(path):  # frozen modules (posixpath, importlib, ...) included
         return True
     ap = os.path.abspath(path)
-    if ap.startswith(_STDLIB) and "site-packages" not in ap:
-        return True
     return any(ap == p or ap.startswith(p + os.sep) for p in (*_COLLECTIVE_FILES, *_INTERNAL))
 
 
@@ -121,7 +114,7 @@ def signature(frames: list[Frame]) -> str:
     user: list[Frame] = []
     for frame in frames:
         path = frame[0]
-        if _is_harness(path):
+        if is_harness(path):
             break
         if _is_internal(path):
             if not user and os.path.abspath(path) in _COLLECTIVE_FILES:
@@ -143,17 +136,19 @@ def _ranks_label(ranks: list[int]) -> str:
     return f"ranks {format_id_list(ranks)} ({len(ranks)})"
 
 
+def _grouped(per_rank: dict[int, str]) -> dict[str, list[int]]:
+    """The ranks of each distinct value, in the order of their lowest rank."""
+    groups: dict[str, list[int]] = {}
+    for rank, value in sorted(per_rank.items()):
+        groups.setdefault(value, []).append(rank)
+    return groups
+
+
 def group_lines(stacks: dict[int, list[Frame]], missing: dict[int, str] | None = None) -> list[str]:
     """One line per distinct stack, ranks grouped; ranks without a stack say why."""
-    groups: dict[str, list[int]] = {}
-    for rank, frames in sorted(stacks.items()):
-        groups.setdefault(signature(frames), []).append(rank)
-    lines = [f"{_ranks_label(ranks)}: {sig}" for sig, ranks in sorted(groups.items(), key=lambda kv: kv[1][0])]
-    by_reason: dict[str, list[int]] = {}
-    for rank, why in sorted((missing or {}).items()):
-        by_reason.setdefault(why, []).append(rank)
-    lines += [f"{_ranks_label(ranks)}: no stack ({why})" for why, ranks in by_reason.items()]
-    return lines
+    groups = _grouped({rank: signature(frames) for rank, frames in stacks.items()})
+    lines = [f"{_ranks_label(ranks)}: {sig}" for sig, ranks in groups.items()]
+    return lines + [f"{_ranks_label(ranks)}: no stack ({why})" for why, ranks in _grouped(missing or {}).items()]
 
 
 def state_lines(state: dict[str, Any] | None) -> list[str]:
@@ -182,15 +177,8 @@ def state_lines(state: dict[str, Any] | None) -> list[str]:
         out.append("every rank joined the group, none entered a collective: a hang outside the control plane's")
     in_coll = {int(r) for c in state.get("collectives", []) for r in c.get("ranks", [])}
     outside = {int(r): what for r, what in last.items() if int(r) not in in_coll}
-    by_last: dict[str, list[int]] = {}
-    for rank, what in sorted(outside.items()):
-        by_last.setdefault(what, []).append(rank)
-    out += [f"{_ranks_label(ranks)}: last collective {what}, none pending" for what, ranks in by_last.items()]
-    by_exit: dict[str, list[int]] = {}
-    for rank, how in sorted(exited.items()):
-        by_exit.setdefault(how, []).append(rank)
-    out += [f"{_ranks_label(ranks)}: process {how}" for how, ranks in by_exit.items()]
-    return out
+    out += [f"{_ranks_label(ranks)}: last collective {what}, none pending" for what, ranks in _grouped(outside).items()]
+    return out + [f"{_ranks_label(ranks)}: process {how}" for how, ranks in _grouped(exited).items()]
 
 
 def diagnosis(

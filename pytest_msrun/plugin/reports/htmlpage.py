@@ -12,7 +12,7 @@ is one test's part alone, its style scoped to it (for pytest-html's extras).
 
 Every value from the record is escaped; any key but a test's ``nodeid`` and ``outcome`` may be
 missing or None. With JS off the page shows everything; JS only adds the outcome filters and the search.
-Standard library only, no pytest import.
+No pytest import.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+from pytest_msrun.cpulist import format_id_list
 
 OUTCOMES = ("failed", "error", "xpassed", "xfailed", "skipped", "passed")
 WIDTH, LABEL_W, RIGHT = 1000.0, 200.0, 12.0  # SVG user units
@@ -162,14 +164,8 @@ def _u(x: float) -> str:
 
 
 def _ranks(ids: Iterable[object]) -> str:
-    """``[0, 1, 2, 5]`` -> ``0-2,5``."""
-    runs: list[list[int]] = []
-    for n in sorted({i for i in ids if type(i) is int}):
-        if runs and runs[-1][-1] == n - 1:
-            runs[-1].append(n)
-        else:
-            runs.append([n])
-    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+    """``[0, 1, 2, 5]`` -> ``0-2,5`` (what is not a rank left out)."""
+    return format_id_list(i for i in ids if type(i) is int)
 
 
 def _times(test: dict[str, Any]) -> list[float]:

@@ -19,13 +19,17 @@ from _pytest._code.code import ReprFileLocation, TerminalRepr
 from pytest_msrun.plugin.reports.excerpts import log_excerpt, stack_excerpt
 from pytest_msrun.plugin.reports.extras import carried_attributes, merge_properties
 from pytest_msrun.plugin.reports.hang import diagnosis
-from pytest_msrun.plugin.rule.outcomes import Refusal
+from pytest_msrun.plugin.rule.outcomes import PhaseVerdict, RankEnd, RankIssue, Refusal, TestVerdict, ranks_text, were
 from pytest_msrun.plugin.rule.records import PHASES, stacks_path
 from pytest_msrun.plugin.rule.testrecord import TestRecord
-from pytest_msrun.plugin.rule.verdict import PhaseVerdict, RankEnd, RankIssue, TestVerdict, ranks_text, were
 from pytest_msrun.plugin.stdstreams import read_log, tag_lines
 
 MAX_RANK_SECTIONS = 8  # per-rank sections shown in a report; big dry runs list the rest compactly
+PDB_NOTE = (
+    "--pdb stops each failing rank in pdb on the controller's terminal (prompt '(Pdb rank N)'); without one "
+    "(stdin not a tty) it says so and goes on. --msrun-inprocess is no substitute here: it runs the test as "
+    "rank 0 of a one-rank world, where another rank's failure does not happen."
+)
 
 
 class MergedLongrepr(TerminalRepr):
@@ -222,9 +226,7 @@ class Merger:
             skipped = [r for r, rep in present.items() if rep.skipped]
             if skipped:
                 return self._make(phase.phase, "skipped", present[min(skipped)].longrepr, present, window)
-            path = str(getattr(self.item, "path", self.item.location[0]))
-            longrepr = (path, self.item.location[1] or 0, phase.skip_reason)
-            return self._make(phase.phase, "skipped", longrepr, present, window)
+            return self._make(phase.phase, "skipped", self._skip_at(phase.skip_reason), present, window)
         return self._make(phase.phase, "passed", None, present, window)
 
     def _sections(self, phase: str, present: dict[int, pytest.TestReport], died: list[int]) -> list[tuple[str, str]]:
@@ -267,15 +269,7 @@ class Merger:
         if failing:  # junitxml and other report consumers: which ranks failed, the first one first
             props.append(("msrun_failing_ranks", ",".join(map(str, failing))))
             if getattr(self.config.option, "usepdb", False):
-                sections.append(
-                    (
-                        "msrun --pdb",
-                        "--pdb stops each failing rank in pdb on the controller's terminal (prompt "
-                        "'(Pdb rank N)'); without one (stdin not a tty) it says so and goes on. "
-                        "--msrun-inprocess is no substitute here: it runs the test as rank 0 of a one-rank "
-                        "world, where another rank's failure does not happen.",
-                    )
-                )
+                sections.append(("msrun --pdb", PDB_NOTE))
         hosts = self._hosts()
         if hosts:  # a job across hosts: where each rank ran
             props.append(("msrun_hosts", {str(r): h for r, h in hosts.items()}))
@@ -302,10 +296,13 @@ class Merger:
             **extra,
         )
 
+    def _skip_at(self, reason: str) -> tuple[str, int, str]:
+        """A skip's longrepr at the test's own line, as pytest makes one."""
+        return (str(getattr(self.item, "path", self.item.location[0])), self.item.location[1] or 0, reason)
+
     def _crash_location(self, message: str) -> ReprFileLocation:
-        path = str(self.item.path) if hasattr(self.item, "path") else self.item.location[0]
-        lineno = (self.item.location[1] or 0) + 1
-        return ReprFileLocation(path=path, lineno=lineno, message=message)
+        path, lineno, _ = self._skip_at(message)
+        return ReprFileLocation(path=path, lineno=lineno + 1, message=message)
 
     def _failed(
         self, phase: PhaseVerdict, present: dict[int, pytest.TestReport], window: tuple[float, float]
@@ -314,10 +311,7 @@ class Merger:
         issues = phase.issues
         died = [i.rank for i in issues if i.report is None]
         if phase.message:  # a rule's own failure (a mix of skip and run)
-            longrepr = MergedLongrepr(
-                phase.message, None, [("reproduce", self.reproduce)], self._crash_location(phase.message)
-            )
-            return self._make(phase.phase, "failed", longrepr, present, window)
+            return self._make(phase.phase, "failed", self._headline(phase.message), present, window)
         reported = [i for i in issues if i.report is not None]
         if not issues and phase.stopped:  # stopped by msrun because of a failure reported in another phase
             cause = phase.cause
@@ -355,9 +349,8 @@ class Merger:
             if first_report is not None:
                 root = first_report.longrepr
                 base = getattr(root, "reprcrash", None)
-                reason = base.message if base is not None else first.summary.split(": ", 1)[-1]
-                if first.summary.startswith(f"rank {first.rank}: subtest"):
-                    reason = first.summary.split(": ", 1)[-1]
+                subtest = first.summary.startswith(f"rank {first.rank}: subtest")
+                reason = first.summary.split(": ", 1)[-1] if base is None or subtest else base.message
                 message = f"[rank {first.rank}] {reason}"
                 crash = (
                     dataclasses.replace(base, message=message) if base is not None else self._crash_location(message)
@@ -375,19 +368,14 @@ class Merger:
             sections.append(("more failing ranks", ranks_text(i.rank for i in issues[1 + MAX_RANK_SECTIONS :])))
         if phase.stopped and issues:
             why = self.end(phase.stopped[0]).stop_reason
-            sections.append(
-                (
-                    "terminated by msrun",
-                    f"{were(phase.stopped)} stopped after the first failure" + (f" ({why})" if why else ""),
-                )
-            )
+            said = f"{were(phase.stopped)} stopped after the first failure" + (f" ({why})" if why else "")
+            sections.append(("terminated by msrun", said))
         when = "at the timeout" if self.run.timed_out else "when it did not exit"
         for rank in sorted(self.run.stacks):
             if rank not in shown_stacks:
                 sections.append((f"stack of rank {rank} {when}", self._stack(rank, self.run.stacks[rank])))
         shown = [i.rank for i in issues[: 1 + MAX_RANK_SECTIONS]] or self.ranks[:MAX_RANK_SECTIONS]
-        if len(self.ranks) <= MAX_RANK_SECTIONS:
-            shown = self.ranks
+        shown = self.ranks if len(self.ranks) <= MAX_RANK_SECTIONS else shown
         hosts = self._hosts()
         logs = "\n".join(
             f"rank {r}" + (f" on {hosts[r]}" if r in hosts else "") + f": {self.shown_log(r)}" for r in shown
@@ -416,10 +404,10 @@ class Merger:
         if phase != "setup":
             return self._make(phase, "passed", None, {}, window)
         if refusal.outcome == "skipped":
-            path = str(getattr(self.item, "path", self.item.location[0]))
-            return self._make(phase, "skipped", (path, self.item.location[1] or 0, refusal.reason), {}, window)
-        longrepr: Any = refusal.reason
-        if refusal.detail:
-            crash = self._crash_location(refusal.reason)
-            longrepr = MergedLongrepr(refusal.reason, refusal.detail, [("reproduce", self.reproduce)], crash)
+            return self._make(phase, "skipped", self._skip_at(refusal.reason), {}, window)
+        longrepr = self._headline(refusal.reason, refusal.detail) if refusal.detail else refusal.reason
         return self._make(phase, "failed", longrepr, {}, window)
+
+    def _headline(self, headline: str, root: str | None = None) -> MergedLongrepr:
+        """A failure that is msrun's own: its headline, what it says beside it, the reproduce command."""
+        return MergedLongrepr(headline, root, [("reproduce", self.reproduce)], self._crash_location(headline))

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import sys
+import types
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -40,15 +42,11 @@ from pytest_msrun.plugin.reports.extras import (
 from pytest_msrun.plugin.rule.records import RankLog
 from pytest_msrun.plugin.stdstreams import tag_lines
 
+
 # ---------------------------------------------------------------------------- pytest's objects
-_CATEGORIES: dict[tuple[str, str], type[Warning]] = {}
-
-
+@functools.cache
 def _standin(module: str, name: str) -> type[Warning]:
-    key = (module, name)
-    if key not in _CATEGORIES:
-        _CATEGORIES[key] = type(name, (UserWarning,), {"__module__": module})
-    return _CATEGORIES[key]
+    return type(name, (UserWarning,), {"__module__": module})
 
 
 def _category(module: str, name: str) -> type[Warning]:
@@ -203,21 +201,19 @@ class Replay:
         xml = self.config.stash.get(xml_key, None)
         if xml is None:
             return
-        suite: dict[int, list[tuple[str, Any]]] = {}
-        attributes: dict[int, list[tuple[str, Any]]] = {}
-        for rank, test in self.tests.items():
-            for record in test.junit:
-                pair = (str(record.get("name")), str(record.get("value")))
-                if record.get("what") == "suite_property":
-                    suite.setdefault(rank, []).append(pair)
-                elif record.get("what") == "attribute":
-                    attributes.setdefault(rank, []).append(pair)
-        if suite:
-            for name, value in merge_properties({r: suite.get(r, []) for r in self.tests}):
+        suite, attributes = (
+            {
+                rank: [(str(x.get("name")), str(x.get("value"))) for x in test.junit if x.get("what") == what]
+                for rank, test in self.tests.items()
+            }
+            for what in ("suite_property", "attribute")
+        )
+        if any(suite.values()):
+            for name, value in merge_properties(suite):
                 xml.add_global_property(name, value)
-        if attributes:
+        if any(attributes.values()):
             reporter = xml.node_reporter(self.item.nodeid)
-            for name, value in merge_properties({r: attributes.get(r, []) for r in self.tests}, attribute_label):
+            for name, value in merge_properties(attributes, attribute_label):
                 reporter.add_attribute(name, value)
 
     # ------------------------------------------------------------------ pytest-benchmark
@@ -240,33 +236,21 @@ class Replay:
         return added
 
 
-@dataclasses.dataclass
-class _RankBenchmark:
-    """What pytest-benchmark's ``Metadata`` reads of its fixture, for a rank's measurement."""
-
-    name: str
-    fullname: str
-    group: Any
-    param: Any
-    params: Any
-    extra_info: dict[str, Any]
-    cprofile_stats: Any = None
-    has_error: bool = False
-
-
 def _metadata(metadata_class: Any, record: Mapping[str, Any], rank: int) -> Any:
     data = record.get("data")
     if not isinstance(data, list) or not data or not all(isinstance(x, (int, float)) for x in data):
         return None
     extra = dict(record.get("extra_info") or {}) if isinstance(record.get("extra_info"), dict) else {}
     extra["msrun_rank"] = rank
-    fixture = _RankBenchmark(
+    fixture = types.SimpleNamespace(  # what pytest-benchmark's Metadata reads of its fixture
         name=f"{record.get('name', '')} [rank {rank}]",
         fullname=f"{record.get('fullname', '')} [rank {rank}]",
         group=record.get("group"),
         param=record.get("param"),
         params=record.get("params"),
         extra_info=extra,
+        cprofile_stats=None,
+        has_error=False,
     )
     given = record.get("options")
     options: dict[str, Any] = dict(given) if isinstance(given, dict) else {}

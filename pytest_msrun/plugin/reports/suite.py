@@ -25,6 +25,7 @@ from pytest_msrun.fileio import make_dirs, write_whole
 from pytest_msrun.plugin.reports.extras import suite_lines
 from pytest_msrun.plugin.reports.hang import diagnosis
 from pytest_msrun.plugin.reports.tracetests import lanes, rank_rows, tally, test_events
+from pytest_msrun.plugin.rule.outcomes import PASSING, RankEnd, TestVerdict, ranks_text, was
 from pytest_msrun.plugin.rule.records import (
     CACHE_FILE,
     LASTFAILED,
@@ -36,7 +37,6 @@ from pytest_msrun.plugin.rule.records import (
     stacks_path,
 )
 from pytest_msrun.plugin.rule.testrecord import suite_records
-from pytest_msrun.plugin.rule.verdict import RankEnd, TestVerdict, ranks_text
 
 FAILING = ("failed", "error")
 
@@ -112,9 +112,6 @@ def _trace(judged: list[TestVerdict], logs: dict[int, RankLog]) -> Callable[[], 
         return out
 
     return events
-
-
-PASSING = ("passed", "skipped", "xfailed", "xpassed")
 
 
 def update_cache(directory: str, outcomes: dict[str, str]) -> None:
@@ -301,7 +298,7 @@ def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -
         where = logs[rank].last_test
         did = "finish" if logs[rank].started else "start"
         lines.append(
-            f"rank {rank}: its pytest session did not {did} - it {_was(end.describe(False))}"
+            f"rank {rank}: its pytest session did not {did} - it {was(end.describe(False))}"
             + (f" in {where}" if where else "")
         )
     never = [r for r in unfinished if not logs[r].tests]  # died before its first test (not in any row)
@@ -313,7 +310,7 @@ def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -
     if len(hosts) > 1:
         lines.append("msrun: hosts: " + "; ".join(f"{h}: ranks {ranks_text(r)}" for h, r in hosts.items()))
     lines += suite_lines((v.nodeid for v in judged), logs)
-    lines.append(_totals(judged))
+    lines.append(f"msrun: {len(judged)} test(s): {tally(v.outcome for v in judged)}")
     passed = bool(judged) and all(v.passing for v in judged) and not collect_errors and not never
     none_ran = not judged and not collect_errors and not never
     return Table("\n".join(lines), passed, none_ran, {v.nodeid: v.outcome for v in judged}, judged)
@@ -353,18 +350,3 @@ def _explain(v: TestVerdict, directory: str, logs: dict[int, RankLog], ends: dic
         text = diagnosis(dumps, threads, sorted(here), record.get("state"), no_stack)
         out += ["  " + line for line in text.splitlines()]
     return out
-
-
-def _totals(verdicts: list[TestVerdict]) -> str:
-    counts: dict[str, int] = {}
-    for v in verdicts:
-        counts[v.outcome] = counts.get(v.outcome, 0) + 1
-    order = ("passed", "failed", "error", "incomplete", "not run", "skipped", "xfailed", "xpassed")
-    parts = [f"{counts[k]} {k}" for k in order if counts.get(k)]
-    parts += [f"{n} {k}" for k, n in counts.items() if k not in order]
-    return f"msrun: {len(verdicts)} test(s): " + (", ".join(parts) if parts else "none ran")
-
-
-def _was(how: str) -> str:
-    """ "killed by ..." as a predicate: "was killed by ..."."""
-    return f"was {how}" if how.startswith("killed") else how

@@ -34,14 +34,7 @@ def _rank_spans(record: TestRecord, rank: int) -> list[dict[str, Any]]:
     if test is None:
         return []
     spans: list[dict[str, Any]] = []
-    for when in PHASES:
-        report = test.reports.get(when)
-        began = test.started.get(when)
-        if report is None and began is None:
-            continue
-        start = float(report.get("start") or 0.0) if report else 0.0
-        start = start or (began.ts if began is not None else 0.0)
-        stop = float(report.get("stop") or 0.0) if report else 0.0
+    for when, start, stop, report in test.phase_spans():
         outcome = str(report.get("outcome", "")) if report else "running"
         if not stop:  # never finished the phase (a crash, a hang): until the rank's end or the job's
             end = record.run.ranks.get(rank)
@@ -77,11 +70,10 @@ def test_entry(
     outcome = shown(verdict)  # the one vocabulary (outcomes.py), as the console's reports say it
     failed = next((r for r in reports if r.failed or r.outcome == "rerun"), None)
     skipped = next((r for r in reports if r.skipped), None)
-    message = ""
     if failed is not None:
-        message = failed.longreprtext.strip().splitlines()[0] if failed.longreprtext.strip() else ""
-    elif skipped is not None and isinstance(skipped.longrepr, tuple):
-        message = str(skipped.longrepr[2])
+        message = next(iter(failed.longreprtext.strip().splitlines()), "")
+    else:
+        message = str(skipped.longrepr[2]) if skipped is not None and isinstance(skipped.longrepr, tuple) else ""
     first = verdict.first_issue
     first_failure = None
     first_at = 0.0
@@ -113,7 +105,9 @@ def test_entry(
                 "outcome": verdict.cells.get(rank, ""),
                 "output": output[-OUTPUT_LIMIT:],
                 "spans": _rank_spans(record, rank),
-                "marks": [],
+                "marks": [{"name": "first failure", "at": first_at, "text": first.summary}]
+                if first is not None and first.rank == rank
+                else [],
             }
         )
     _waited_for(ranks)
@@ -122,10 +116,6 @@ def test_entry(
     times = [t for lane in ranks for span in lane["spans"] for t in (span["start"], span["end"]) if t]
     t0 = record.run.started if mode == "fresh" or not times else min(times)
     t1 = max([*times, *([first_at] if first_at else [])], default=record.run.ended)
-    if first is not None:
-        for lane in ranks:
-            if lane["rank"] == first.rank:
-                lane["marks"].append({"name": "first failure", "at": first_at, "text": first.summary})
     return {
         "nodeid": record.nodeid,
         "outcome": outcome,
@@ -175,8 +165,26 @@ class SessionReport:
     def write(self) -> str:
         """Write the page and its files; "" and :attr:`error` set when they cannot be written (a
         full disk: no half-written file is left, see :func:`.reportfiles.link_files`)."""
+        from pytest_msrun.plugin.reports.htmlpage import render_page
+
+        outcomes = Counter(str(e.get("outcome")) for e in self.entries)
         try:
-            return self._write()
+            link_files(self.entries, self.path)
+            session = {
+                "title": "msrun: marked tests",
+                "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
+                "command": self.command,
+                "environment": environment(self.config),
+                "summary": {
+                    "tests": len(self.entries),
+                    "outcomes": dict(outcomes),
+                    "worlds_started": len(self.worlds),
+                    "phase_seconds": {w: round(self.phase_seconds[w], 3) for w in PHASES},
+                    "duration": time.time() - self.started,
+                },
+                "tests": self.entries,
+            }
+            write_whole(self.path, render_page(session))
         except OSError as exc:
             from pytest_msrun.fsinfo import describe_write_error
 
@@ -184,27 +192,6 @@ class SessionReport:
             what = describe_write_error(where, exc, "--msrun-report")
             self.error = f"could not write the HTML report {self.path}: {what}"
             return ""
-
-    def _write(self) -> str:
-        from pytest_msrun.plugin.reports.htmlpage import render_page
-
-        outcomes = Counter(str(e.get("outcome")) for e in self.entries)
-        link_files(self.entries, self.path)
-        session = {
-            "title": "msrun: marked tests",
-            "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "command": self.command,
-            "environment": environment(self.config),
-            "summary": {
-                "tests": len(self.entries),
-                "outcomes": dict(outcomes),
-                "worlds_started": len(self.worlds),
-                "phase_seconds": {w: round(self.phase_seconds[w], 3) for w in PHASES},
-                "duration": time.time() - self.started,
-            },
-            "tests": self.entries,
-        }
-        write_whole(self.path, render_page(session))
         self.written = True
         return self.path
 

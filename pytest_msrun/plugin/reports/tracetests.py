@@ -24,7 +24,7 @@ from pytest_msrun import fsinfo
 from pytest_msrun.control import tracelog
 from pytest_msrun.fileio import write_whole
 from pytest_msrun.plugin.rule.outcomes import TestVerdict
-from pytest_msrun.plugin.rule.records import PHASES, RankLog
+from pytest_msrun.plugin.rule.records import RankLog
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -63,13 +63,8 @@ def _phase_spans(verdict: TestVerdict, log: RankLog, until: float) -> list[dict[
         return []
     lane = tracelog.RANK_PID + log.rank
     out = []
-    for when in PHASES:
-        report = test.reports.get(when)
-        began = test.started.get(when)
-        if report is None and began is None:
-            continue
-        start = float((report or {}).get("start") or 0.0) or (began.ts if began is not None else 0.0)
-        stop = float((report or {}).get("stop") or 0.0) or max(start, until)  # never ended: a crash, a hang
+    for when, start, stop, report in test.phase_spans():
+        stop = stop or max(start, until)  # never ended: a crash, a hang
         outcome = str((report or {}).get("outcome") or "unfinished")
         out.append(tracelog.span(when, lane, TEST_TID, start, max(start, stop), {"outcome": outcome}))
     return out

@@ -199,7 +199,8 @@ class TestVerdict:
         return self.outcome in PASSING
 
 
-def _longrepr_text(report: dict[str, Any]) -> str:
+def longrepr_text(report: dict[str, Any]) -> str:
+    """A report's failure or skip in one text: its own, its crash line, or its skip's reason."""
     longrepr = report.get("longrepr")
     if isinstance(longrepr, str):
         return longrepr
@@ -213,7 +214,12 @@ def _longrepr_text(report: dict[str, Any]) -> str:
 
 
 def is_strict_xpass(report: dict[str, Any]) -> bool:
-    return report.get("outcome") == "failed" and _longrepr_text(report).startswith(STRICT_XPASS)
+    return report.get("outcome") == "failed" and longrepr_text(report).startswith(STRICT_XPASS)
+
+
+def fails(report: dict[str, Any]) -> bool:
+    """A failed report, but a strict xfail that passed (it fails the test only on every rank)."""
+    return report.get("outcome") == "failed" and not is_strict_xpass(report)
 
 
 def is_subtest(report: dict[str, Any]) -> bool:
@@ -222,12 +228,8 @@ def is_subtest(report: dict[str, Any]) -> bool:
 
 def crash_message(report: dict[str, Any]) -> str:
     """The one-line reason of a failed report."""
-    text = _longrepr_text(report).strip()
-    longrepr = report.get("longrepr")
-    if isinstance(longrepr, dict) and not (longrepr.get("reprcrash") or {}).get("message"):
-        text = ""
-    lines = text.splitlines()
-    if isinstance(longrepr, str) and lines:
+    lines = longrepr_text(report).strip().splitlines()
+    if isinstance(report.get("longrepr"), str) and lines:
         line = lines[-1]
     else:
         line = lines[0] if lines else "failed"
@@ -237,11 +239,9 @@ def crash_message(report: dict[str, Any]) -> str:
     return line
 
 
-def skip_reason(report: dict[str, Any]) -> str:
-    longrepr = report.get("longrepr")
-    if isinstance(longrepr, (list, tuple)) and len(longrepr) == 3:
-        return str(longrepr[2])
-    return _longrepr_text(report)
+def was(how: str) -> str:
+    """ "killed by ..." as a predicate: "was killed by ..."."""
+    return f"was {how}" if how.startswith("killed") else how
 
 
 def were(ranks) -> str:

@@ -11,7 +11,7 @@ from collections.abc import Collection
 
 from pytest_msrun.control.observer import waiting_for_others
 from pytest_msrun.engine.processes import describe_returncode
-from pytest_msrun.plugin.rule.outcomes import RankEnd, RankIssue, Refusal
+from pytest_msrun.plugin.rule.outcomes import RankEnd, RankIssue, Refusal, was
 from pytest_msrun.plugin.rule.records import RankLog, RankTest
 
 
@@ -123,8 +123,7 @@ class RankFacts:
             why = f"ended its pytest session (exit status {log.exitstatus})"
         else:
             why = "left no record"
-        how = end.describe(False)
-        summary = f"rank {rank} {why} during the {phase} phase and {'was ' if how.startswith('killed') else ''}{how}"
+        summary = f"rank {rank} {why} during the {phase} phase and {was(end.describe(False))}"
         return RankIssue(rank, "died", self.end_at(rank), summary, phase=phase)
 
     def stopped_by_msrun(self, rank: int) -> bool:
@@ -139,28 +138,22 @@ class RankFacts:
         at = self.end_at(rank)
         if end.alive or end.held:
             return None
-        head = f"rank {rank} reported every phase, then"
+
+        def ended(when: float, how: str) -> RankIssue:
+            return RankIssue(rank, "exit", when, f"rank {rank} reported every phase, then {how}", phase="teardown")
+
         if log.exit_hang is not None:
             seconds = float(log.exit_hang.get("grace", 0))
             after = str(log.exit_hang.get("after") or "of its pytest session's end (--msrun-timeout)")
-            return RankIssue(
-                rank,
-                "exit",
-                float(log.exit_hang.get("ts", at)),
-                f"{head} did not exit within {seconds:g} s {after}: it hangs at exit (a non-daemon thread, "
-                f"an atexit handler, a library's finalizer) and {end.describe(False)}",
-                phase="teardown",
+            how = (
+                f"did not exit within {seconds:g} s {after}: it hangs at exit (a non-daemon thread, "
+                f"an atexit handler, a library's finalizer) and {end.describe(False)}"
             )
+            return ended(float(log.exit_hang.get("ts", at)), how)
         if end.returncode is None or (self.timed_out and end.terminated_by_msrun):
             if end.returncode is None and not self.timed_out and end.pid is None:
                 return None  # never started: reported where its phases are missing
-            return RankIssue(
-                rank,
-                "exit",
-                at,
-                f"{head} was still running at the timeout ({self.timeout:g} s): it hangs at exit",
-                phase="teardown",
-            )
+            return ended(at, f"was still running at the timeout ({self.timeout:g} s): it hangs at exit")
         if end.terminated_by_msrun:
             return None  # excused by the failure that made msrun stop it (or judged below: see verdict)
         code = end.returncode
@@ -172,7 +165,7 @@ class RankFacts:
             if code == 5 and log.collect_skips and not log.collected:
                 return None  # pytest's "no tests collected": its module was skipped at collection
         session = f" (its pytest session ended with exit status {log.exitstatus})" if log.finished else ""
-        return RankIssue(rank, "exit", at, f"{head} {describe_returncode(code)}{session}", phase="teardown")
+        return ended(at, f"{describe_returncode(code)}{session}")
 
     def stopped_after(self, rank: int) -> bool:
         """Whether msrun stopped ``rank`` after it reported everything (excused only by a failure)."""

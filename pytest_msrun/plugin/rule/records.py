@@ -150,6 +150,15 @@ class RankTest:
         first = next((self.started[w].offset for w in PHASES if w in self.started), None)
         return (first, self.log_end) if first is not None else None
 
+    def phase_spans(self) -> Iterator[tuple[str, float, float, dict[str, Any] | None]]:
+        """Each phase the rank began or reported: its name, start, stop (0.0: it never ended), report."""
+        for when in PHASES:
+            report, began = self.reports.get(when), self.started.get(when)
+            if report is None and began is None:
+                continue
+            start = float((report or {}).get("start") or 0.0) or (began.ts if began is not None else 0.0)
+            yield when, start, float((report or {}).get("stop") or 0.0), report
+
     def all_reports(self, when: str) -> list[dict[str, Any]]:
         """Every report of phase ``when``: its own, then its subtests' and late ones."""
         own = self.reports.get(when)
@@ -240,6 +249,10 @@ def load_rank_log(path: str, rank: int, cutoff: int | None = None, cutoff_ts: fl
     (the deadline's time) the records written after it are kept apart in
     :attr:`RankLog.after_deadline`, never taken as results."""
     out = RankLog(rank)
+
+    def test(nodeid: Any) -> RankTest:
+        return out.tests.setdefault(str(nodeid), RankTest(str(nodeid)))
+
     for record, late in read_records(path, cutoff, cutoff_ts):
         if late:
             out.after_deadline.append(record)
@@ -258,37 +271,31 @@ def load_rank_log(path: str, rank: int, cutoff: int | None = None, cutoff_ts: fl
             data = record.get("data", {})
             (out.collect_skips if data.get("outcome") == "skipped" else out.collect_errors).append(data)
         elif kind == "phase":
-            test = out.tests.setdefault(str(record.get("nodeid")), RankTest(str(record.get("nodeid"))))
-            test.started[str(record.get("when"))] = PhaseStart(float(record.get("ts", 0.0)), record.get("offset"))
+            started = PhaseStart(float(record.get("ts", 0.0)), record.get("offset"))
+            test(record.get("nodeid")).started[str(record.get("when"))] = started
         elif kind == "report":
             data = record.get("data", {})
-            nodeid = str(data.get("nodeid", ""))
-            test = out.tests.setdefault(nodeid, RankTest(nodeid))
+            one = test(data.get("nodeid", ""))
             when = str(data.get("when", "call"))
             if data.get("_report_type") == "SubTestReport" or record.get("late"):
-                test.more.setdefault(when, []).append({**data, "_ts": float(record.get("ts", 0.0))})
+                one.more.setdefault(when, []).append({**data, "_ts": float(record.get("ts", 0.0))})
             else:
-                test.reports[when] = data
-                test.stamps[when] = float(record.get("ts", 0.0))
+                one.reports[when] = data
+                one.stamps[when] = float(record.get("ts", 0.0))
         elif kind == "phase_end":
-            nodeid = str(record.get("nodeid"))
-            end = record.get("offset")
-            if isinstance(end, int):
-                out.tests.setdefault(nodeid, RankTest(nodeid)).log_end = end
+            if isinstance(record.get("offset"), int):
+                test(record.get("nodeid")).log_end = record["offset"]
         elif kind == "collectives":
-            nodeid, when = str(record.get("nodeid")), str(record.get("when"))
-            spans = record.get("spans")
+            spans, when = record.get("spans"), str(record.get("when"))
             if isinstance(spans, list):
-                test = out.tests.setdefault(nodeid, RankTest(nodeid))
-                test.collectives += [[*span, when] for span in spans if isinstance(span, list) and len(span) == 5]
+                new = [[*span, when] for span in spans if isinstance(span, list) and len(span) == 5]
+                test(record.get("nodeid")).collectives += new
         elif kind in ("warning", "benchmark", "junit", "fixture", "uncaptured"):
-            nodeid = str(record.get("nodeid") or out.last_test or "")
-            test = out.tests.setdefault(nodeid, RankTest(nodeid))
-            lists = {"warning": test.warnings, "benchmark": test.benchmarks, "junit": test.junit}
-            lists.get(kind, test.terminal).append(record)
+            one = test(record.get("nodeid") or out.last_test or "")
+            lists = {"warning": one.warnings, "benchmark": one.benchmarks, "junit": one.junit}
+            lists.get(kind, one.terminal).append(record)
         elif kind == "timeout":
-            nodeid = str(record.get("nodeid"))
-            out.tests.setdefault(nodeid, RankTest(nodeid)).timeout = record
+            test(record.get("nodeid")).timeout = record
         elif kind == "finish":
             out.finished = True
             out.exitstatus = record.get("exitstatus")

@@ -12,21 +12,11 @@ from __future__ import annotations
 import functools
 import shlex
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
-from pytest_msrun.plugin.rule.outcomes import RankEnd, Refusal
+from pytest_msrun.plugin.rule.outcomes import RankEnd, Refusal, TestVerdict
 from pytest_msrun.plugin.rule.records import RankLog, load_rank_log, records_path
-from pytest_msrun.plugin.rule.verdict import TestVerdict, judge
-
-
-class Paths(Protocol):
-    """Where a test's ranks wrote their records and logs."""
-
-    @property
-    def report_dir(self) -> Any: ...
-
-    @property
-    def log_dir(self) -> Any: ...
+from pytest_msrun.plugin.rule.verdict import judge
 
 
 @dataclass(frozen=True)
@@ -82,7 +72,8 @@ class TestRecord:
     suite: tuple[frozenset[int], bool] | None = None
 
     @classmethod
-    def load(cls, nodeid: str, ranks: list[int], paths: Paths, run: JobRun) -> TestRecord:
+    def load(cls, nodeid: str, ranks: list[int], paths: Any, run: JobRun) -> TestRecord:
+        """``paths``: where the ranks wrote their records (``report_dir``) and logs (``log_dir``)."""
         cutoff = run.cutoff or {}
         logs = {
             rank: load_rank_log(records_path(str(paths.report_dir), rank), rank, cutoff.get(rank)) for rank in ranks

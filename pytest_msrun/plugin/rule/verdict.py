@@ -43,44 +43,23 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pytest_msrun.plugin.rule.outcomes import (
-    OUTCOMES,
-    PASSING,
     STRICT_XPASS,
     PhaseVerdict,
     RankEnd,
     RankIssue,
     TestVerdict,
-    _longrepr_text,
     crash_message,
     death_time,
-    is_strict_xpass,
-    is_subtest,
+    fails,
+    longrepr_text,
     ranks_text,
-    skip_reason,
-    were,
 )
 from pytest_msrun.plugin.rule.rankfacts import RankFacts
 from pytest_msrun.plugin.rule.records import PHASES, RankLog
 
 CLUSTER_ERRORS = ("ClusterError", "ClusterAborted")  # pytest_msrun.cluster's: a peer left, the job aborts
 
-__all__ = [
-    "OUTCOMES",
-    "PASSING",
-    "PhaseVerdict",
-    "RankEnd",
-    "RankFacts",
-    "RankIssue",
-    "TestVerdict",
-    "crash_message",
-    "death_time",
-    "is_strict_xpass",
-    "is_subtest",
-    "judge",
-    "ranks_text",
-    "skip_reason",
-    "were",
-]
+__all__ = ["RankEnd", "death_time", "judge"]  # what the tests read here
 
 
 @dataclass
@@ -123,28 +102,25 @@ class Judge:
             if skipped_at_collection is not None:
                 kinds[rank] = _Kind("skipped", "setup", None, skipped_at_collection)
                 continue
-            complete = True
             for phase in PHASES:
                 if not self.facts.due(rank, phase):
                     continue
-                reports = test.all_reports(phase)
                 if phase in test.reports:
                     present[phase][rank] = test.reports[phase]
-                if phase not in test.reports:
+                else:
                     self.died_in[rank] = phase
-                    complete = False
                     if self.facts.stopped_by_msrun(rank):
                         stopped[phase].append(rank)
                     else:
                         issues[phase].append(self.facts.missing(rank, phase))
-                for rep in reports:
-                    if rep.get("outcome") == "failed" and not is_strict_xpass(rep):
+                for rep in test.all_reports(phase):
+                    if fails(rep):
                         at = float(rep.get("_ts", test.stamps.get(phase, 0.0)))
                         summary = f"rank {rank}: {crash_message(rep)}"
                         issues[phase].append(RankIssue(rank, "failed", at, summary, rep, phase))
-                if not complete:
+                if rank in self.died_in:
                     break
-            if complete:
+            if rank not in self.died_in:  # it reported every phase it was due
                 problem = self.facts.end_problem(rank)
                 if problem is not None:
                     issues["teardown"].append(problem)
@@ -168,7 +144,6 @@ class Judge:
         for phase, together in merged.items():
             issues[phase] += together.issues  # every rank passed a strict xfail
         failing = {p for p in PHASES if issues[p] or (p in merged and merged[p].message)}
-        everything = [i for p in PHASES for i in issues[p]]
         if not failing and not self.facts.failed_elsewhere:
             # msrun stopped ranks and nothing reported explains it: the stop is the failure
             for phase in PHASES:
@@ -180,9 +155,8 @@ class Judge:
                 issue.kind, issue.phase = "exit", "teardown"
                 issues["teardown"].append(issue)
                 self.end_issue[rank] = issue
-            everything = [i for p in PHASES for i in issues[p]]
             failing = {p for p in PHASES if issues[p]}
-        cause = min(everything, key=lambda i: i.at) if everything else None
+        cause = min((i for p in PHASES for i in issues[p]), key=lambda i: i.at, default=None)
         if failing:
             self._regroup_stopped(min(failing, key=PHASES.index), stopped)
         phases = self._phases(issues, stopped, present, merged, cause)
@@ -237,21 +211,17 @@ class Judge:
         test = self.facts.test(rank)
         reports = test.reports
         setup, call = reports.get("setup"), reports.get("call")
-        if setup is None or any(
-            rep.get("outcome") == "failed" and not is_strict_xpass(rep)
-            for phase in ("setup", "call")
-            for rep in test.all_reports(phase)
-        ):
+        if setup is None or any(fails(rep) for phase in ("setup", "call") for rep in test.all_reports(phase)):
             return None
         if setup.get("outcome") == "skipped":
             word = "xfailed" if "wasxfail" in setup else "skipped"
-            return _Kind(word, "setup", setup, skip_reason(setup))
+            return _Kind(word, "setup", setup, longrepr_text(setup))
         if setup.get("outcome") != "passed" or call is None:
             return None
         outcome = call.get("outcome")
         if outcome == "skipped":
-            return _Kind("xfailed" if "wasxfail" in call else "skipped", "call", call, skip_reason(call))
-        if is_strict_xpass(call):
+            return _Kind("xfailed" if "wasxfail" in call else "skipped", "call", call, longrepr_text(call))
+        if outcome == "failed":  # not a failure (checked above): a strict xfail that passed
             return _Kind("xpass_strict", "call", call)
         if outcome == "passed":
             return _Kind("xpassed" if "wasxfail" in call else "passed", "call", call)
@@ -287,17 +257,8 @@ class Judge:
                 )
                 continue
             if own or halted:
-                out.append(
-                    PhaseVerdict(
-                        phase,
-                        "failed",
-                        present[phase],
-                        own,
-                        halted,
-                        message=message,
-                        cause=None if own or message else cause,
-                    )
-                )
+                shown = None if own or message else cause
+                out.append(PhaseVerdict(phase, "failed", present[phase], own, halted, message=message, cause=shown))
                 continue
             if phase in merged:
                 out.append(merged[phase])
@@ -322,10 +283,14 @@ class Judge:
         by: dict[str, list[int]] = {}
         for rank, kind in kinds.items():
             by.setdefault(kind.word, []).append(rank)
+
+        def decided_in(ranks: list[int]) -> str:
+            return "setup" if any(kinds[r].phase == "setup" for r in ranks) else "call"
+
         skipped = by.get("skipped", [])
         ran = [r for r in kinds if r not in skipped]
         if skipped and ran:
-            phase = "setup" if any(kinds[r].phase == "setup" for r in skipped) else "call"
+            phase = decided_in(skipped)
             reasons: dict[str, list[int]] = {}
             for r in skipped:
                 reasons.setdefault(kinds[r].reason, []).append(r)
@@ -340,29 +305,24 @@ class Judge:
             )
             return {phase: PhaseVerdict(phase, "failed", present[phase], message=message)}
         if skipped:
-            phase = "setup" if any(kinds[r].phase == "setup" for r in skipped) else "call"
+            phase = decided_in(skipped)
             lowest = min(r for r in skipped if kinds[r].phase == phase)
             return {phase: PhaseVerdict(phase, "skipped", present[phase], skip_reason=kinds[lowest].reason)}
         if by.get("xfailed"):
-            phase = "setup" if any(kinds[r].phase == "setup" for r in by["xfailed"]) else "call"
+            phase = decided_in(by["xfailed"])
             rank = first([r for r in by["xfailed"] if kinds[r].phase == phase])
             report = kinds[rank].report or {}
             return {phase: PhaseVerdict(phase, "skipped", present[phase], wasxfail=str(report.get("wasxfail", "")))}
         if len(by.get("xpass_strict", [])) == len(kinds):  # pytest's own failure, from the lowest rank
             rank = min(kinds)
             report = kinds[rank].report or {}
-            issue = RankIssue(
-                rank,
-                "failed",
-                self.facts.test(rank).stamps.get("call", 0.0),
-                f"rank {rank}: {crash_message(report)}",
-                report,
-            )
+            at = self.facts.test(rank).stamps.get("call", 0.0)
+            issue = RankIssue(rank, "failed", at, f"rank {rank}: {crash_message(report)}", report)
             return {"call": PhaseVerdict("call", "failed", present["call"], [issue])}
         if by.get("xpassed") or by.get("xpass_strict"):
             rank = min(by.get("xpassed", []) or by["xpass_strict"])
             report = kinds[rank].report or {}
-            reason = str(report.get("wasxfail", "")) or _longrepr_text(report)[len(STRICT_XPASS) :].strip()
+            reason = str(report.get("wasxfail", "")) or longrepr_text(report)[len(STRICT_XPASS) :].strip()
             return {"call": PhaseVerdict("call", "passed", present["call"], wasxfail=reason)}
         return {}
 
@@ -392,9 +352,8 @@ class Judge:
         test = self.facts.test(rank)
         died = self.died_in.get(rank)
         for phase in PHASES:
-            for report in test.all_reports(phase):
-                if report.get("outcome") == "failed" and not is_strict_xpass(report):
-                    return "failed" if phase == "call" else "error"
+            if any(fails(report) for report in test.all_reports(phase)):
+                return "failed" if phase == "call" else "error"
             if died == phase:
                 return self._died_cell(rank)
         end = self.end_issue.get(rank)
@@ -405,7 +364,8 @@ class Judge:
         kind = kinds.get(rank)
         if kind is None:
             return "incomplete"
-        return _WORDS[kind.word]  # stopped after its last report by a failure elsewhere: excused
+        # stopped after its last report by a failure elsewhere: excused
+        return "xpassed(strict)" if kind.word == "xpass_strict" else kind.word
 
     def _exit_cell(self, rank: int) -> str:
         log = self.facts.logs.get(rank) or RankLog(rank)
@@ -438,15 +398,6 @@ class Judge:
         return f"crashed (exit {code})"
 
 
-_WORDS = {
-    "skipped": "skipped",
-    "xfailed": "xfailed",
-    "xpassed": "xpassed",
-    "xpass_strict": "xpassed(strict)",
-    "passed": "passed",
-}
-
-
 def invariant_breach(verdict: TestVerdict, facts: RankFacts) -> str:
     """Why ``verdict`` breaks the invariant ("" when it holds), read from the record's facts alone
     (not the rule's state): a passing outcome needs every reached rank's due phases reported,
@@ -465,7 +416,7 @@ def invariant_breach(verdict: TestVerdict, facts: RankFacts) -> str:
         for phase in PHASES:
             if facts.due(rank, phase) and phase not in test.reports:
                 return f"without rank {rank}'s {phase} report"
-            if any(r.get("outcome") == "failed" and not is_strict_xpass(r) for r in test.all_reports(phase)):
+            if any(fails(r) for r in test.all_reports(phase)):
                 return f"although rank {rank} failed its {phase}"
         if test.timeout is not None:
             return f"although rank {rank} ran out of time"
