@@ -281,8 +281,9 @@ def rewriting_hook() -> Callable[[], None] | None:
         from _pytest.config import _iter_rewritable_modules, get_config
 
         config = get_config([])
-        if not hasattr(config, "_inicfg"):  # (pytest 9 reads ini values from it; none are set here)
-            config._inicfg = {}
+        for attr in ("inicfg", "_inicfg"):  # (where pytest 8 and 9 read ini values; none are set here)
+            if not hasattr(config, attr):
+                setattr(config, attr, {})
         hook = install_importhook(config)
         files = (
             str(file)

@@ -502,8 +502,9 @@ class WorldServer:
 
     def _teardown_for(self, item: pytest.Item, teardown: Any) -> None:
         """Run ``teardown``; a failure is a late teardown report of ``item`` (whose records are open)."""
-        from _pytest.runner import CallInfo, get_reraise_exceptions
+        from _pytest import runner
 
-        call = CallInfo.from_call(teardown, when="teardown", reraise=get_reraise_exceptions(item.config))
+        reraise = getattr(runner, "get_reraise_exceptions", lambda config: (pytest.exit.Exception, KeyboardInterrupt))
+        call = runner.CallInfo.from_call(teardown, when="teardown", reraise=reraise(item.config))
         if call.excinfo is not None:
             self.rank_plugin.write_late(item.ihook.pytest_runtest_makereport(item=item, call=call))
