@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -69,6 +70,8 @@ def test_xdist_eight_marked_tests_no_port_collision(pytester, tracked, attempt):
 
 
 def test_dash_s_shows_rank_output_live(pytester, tracked):
+    """What a rank's test writes, labelled - and none of the rank's own session chrome (its header,
+    progress and summary): the controller shows those once, as for a plain test."""
     pytester.makepyfile(
         test_s="""
         import pytest
@@ -76,11 +79,18 @@ def test_dash_s_shows_rank_output_live(pytester, tracked):
         @pytest.mark.msrun(worker_num=2)
         def test_prints(rank):
             print(f"live line from rank {rank}")
+
+        @pytest.mark.msrun(worker_num=2)
+        def test_fails(rank):
+            assert rank == 0
     """
     )
-    result = pytester.runpytest_subprocess("-s")
-    result.assert_outcomes(passed=1)
+    result = pytester.runpytest_subprocess("-s", "-p", "no:randomly")
+    result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines_random(["*[[]rank 0[]]*live line from rank 0*", "*[[]rank 1[]]*live line from rank 1*"])
+    chrome = re.compile(r"\[rank \d+\] .*(test session starts|rootdir:|collected \d|FAILURES|test summary| in \d)")
+    assert not [line for line in result.stdout.lines if chrome.search(line)], result.stdout.str()
+    assert sum("test session starts" in line for line in result.stdout.lines) == 1
 
 
 def test_inprocess_mode_runs_in_this_process(pytester, tracked):

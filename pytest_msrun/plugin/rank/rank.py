@@ -146,6 +146,8 @@ class RankPlugin:
     # ---------------------------------------------------------------- session
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         self.session = session
+        if self.controlled and getattr(self.config.option, "capture", "fd") == "no":
+            self._quiet_terminal()
         self._write_start()
         capman, log = self.config.pluginmanager.getplugin("capturemanager"), self.log or log_file()
         if self.controlled and self.writer is not None and capman is not None and log:
@@ -155,6 +157,27 @@ class RankPlugin:
         cache = getattr(session.config, "cache", None)
         if cache is not None and self.writer is not None and not self.controlled:
             self._hold_cache(cache)
+
+    def _quiet_terminal(self) -> None:
+        """Under ``-s`` the controller shows what a rank's tests write as they write it, labelled
+        with the rank: the rank's own session header, progress and summary are the controller's
+        to show, once - its terminal reporter writes nowhere. An internal error still reaches the
+        rank's stderr (pytest writes it there when no reporter takes it)."""
+        reporter = self.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is None:
+            return
+        from _pytest._io import TerminalWriter
+
+        sink = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - as long as the session
+        reporter._tw = TerminalWriter(sink)
+        self.config.add_cleanup(sink.close)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_internalerror(self, excrepr: Any) -> None:
+        if self.controlled and getattr(self.config.option, "capture", "fd") == "no":
+            for line in str(excrepr).split("\n"):
+                sys.stderr.write(f"INTERNALERROR> {line}\n")
+            sys.stderr.flush()
 
     def _hold_cache(self, cache: Any) -> None:
         """In a suite, ranks select ``--lf``/``--ff``/``--sw`` tests from the cache as the job found
