@@ -93,6 +93,39 @@ def test_dash_s_shows_rank_output_live(pytester, tracked):
     assert sum("test session starts" in line for line in result.stdout.lines) == 1
 
 
+@pytest.mark.parametrize("style", ["line", "no"])
+def test_terse_tb_styles_show_a_marked_failure_as_briefly_as_a_plain_one(pytester, tracked, style):
+    """``--tb=line`` shows a failure's own lines and its one line; ``--tb=no`` nothing: a marked test
+    failing on one rank shows as many lines as the same failure in a plain test (no headline, no
+    logs or reproduce sections)."""
+    pytester.makepyfile(
+        test_tb="""
+        import pytest
+
+        @pytest.mark.msrun(worker_num=2)
+        def test_marked(rank):
+            assert [1, 2, rank] == [1, 2, 0]
+
+        def test_plain():
+            rank = 1
+            assert [1, 2, rank] == [1, 2, 0]
+    """
+    )
+    result = pytester.runpytest_subprocess(f"--tb={style}", "-p", "no:randomly")
+    result.assert_outcomes(failed=2)
+    lines = result.stdout.lines
+    end = next(i for i, line in enumerate(lines) if "short test summary" in line)
+    failures = [i for i, line in enumerate(lines) if "= FAILURES =" in line]
+    if style == "no":
+        assert not failures
+        return
+    shown = lines[failures[0] + 1 : end]
+    marked_end = next(i for i, line in enumerate(shown) if "[rank 1] assert [1, 2, 1] == [1, 2, 0]" in line)
+    marked, plain = shown[: marked_end + 1], shown[marked_end + 1 :]
+    assert plain[-1].endswith("assert [1, 2, 1] == [1, 2, 0]"), shown
+    assert len(marked) == len(plain), "\n".join(shown)
+
+
 def test_inprocess_mode_runs_in_this_process(pytester, tracked):
     pytester.makepyfile(
         test_in="""

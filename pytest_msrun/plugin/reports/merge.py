@@ -42,7 +42,8 @@ class MergedLongrepr(TerminalRepr):
         self.reprcrash = reprcrash
 
     def toterminal(self, tw: Any) -> None:
-        tw.line(self.headline, red=True, bold=True)
+        if self.headline:
+            tw.line(self.headline, red=True, bold=True)
         if self.root is not None:
             if hasattr(self.root, "toterminal"):
                 self.root.toterminal(tw)
@@ -384,6 +385,8 @@ class Merger:
             logs += f"\n(every rank: {self.log_dir}/worker_<rank>.log)"
         sections.append(("msrun logs", f"{logs}\nmsrun: {', '.join(self.run.msrun_logs)}"))
         sections.append(("reproduce", self.reproduce))
+        if getattr(self.config.option, "tbstyle", "auto") == "line":  # pytest's: the failure's lines, its one line
+            headline, sections = "", []
         longrepr = MergedLongrepr(headline, root, sections, crash)
         failing = sorted({i.rank for i in issues}) or sorted(phase.stopped)
         return self._make(phase.phase, "failed", longrepr, present, window, died=died, failing=failing)
