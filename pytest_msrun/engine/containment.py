@@ -135,23 +135,21 @@ class JobCgroup:
     def remove(self, timeout: float = 5.0) -> bool:
         """Remove the (emptied) cgroup and any empty cgroups below it (nested jobs whose own
         watchdog was killed); False if it still had members after ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def gone() -> bool:
             for root, _dirs, _files in os.walk(self.path, topdown=False):
                 try:
                     os.rmdir(root)
                 except OSError:
                     pass
-            if not os.path.isdir(self.path):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.005)
+            return not os.path.isdir(self.path)
 
-    def watchdog_lines(self) -> list[str]:
+        return wait_until(gone, timeout, 0.005)
+
+    def watchdog_line(self) -> str:
         """What the watchdog needs to kill this job and remove the cgroup (see Watchdog)."""
         kill = "kill" if self.kind == "v2" and os.path.exists(os.path.join(self.path, "cgroup.kill")) else "freeze"
-        return [f"cgroup {self.kind} {kill} {self.path}"]
+        return f"cgroup {self.kind} {kill} {self.path}"
 
 
 def create(
@@ -327,7 +325,6 @@ class Watchdog:
     def __init__(self) -> None:
         self.pid: int | None = None
         self.pipe: int | None = None  # the write end, in this process
-        self.groups: list[int] = []
 
     def start(self) -> None:
         read_end, write_end = os.pipe()
@@ -344,7 +341,7 @@ class Watchdog:
             os.close(read_end)
             os.close(null)
 
-    def _tell(self, line: str) -> None:
+    def tell(self, line: str) -> None:
         if self.pipe is not None:
             try:
                 os.write(self.pipe, f"{line}\n".encode())
@@ -352,18 +349,14 @@ class Watchdog:
                 pass
 
     def guard(self, pgid: int) -> None:
-        self.groups.append(pgid)
-        self._tell(str(pgid))
+        self.tell(str(pgid))
 
     def job(self, job_id: str) -> None:
         """Processes whose environment carries ``MSRUN_JOB_ID=job_id`` belong to the job."""
-        self._tell(f"job {job_id}")
+        self.tell(f"job {job_id}")
 
-    def cgroup(self, lines: list[str]) -> None:
-        for line in lines:
-            self._tell(line)
-
-    def _close(self) -> None:
+    def let_go(self) -> None:
+        """Close this process's end of the pipe without a word (another process holds it too)."""
         if self.pipe is not None:
             try:
                 os.close(self.pipe)
@@ -371,15 +364,11 @@ class Watchdog:
                 pass
             self.pipe = None
 
-    def let_go(self) -> None:
-        """Close this process's end of the pipe without a word (another process holds it too)."""
-        self._close()
-
     def stand_down(self) -> None:
         """The launcher cleaned up itself: the watchdog kills nothing, removes the empty cgroup
         once the launcher is gone, and exits (it is not waited for: that happens after we exit)."""
-        self._tell("done")
-        self._close()
+        self.tell("done")
+        self.let_go()
 
 
 class JobGuard:
@@ -391,7 +380,9 @@ class JobGuard:
         self.watchdog = Watchdog()
         self.watchdog.start()
         self.watchdog.job(job_id)
-        self.entering: Entering | None = Entering(job_id, env, made=self._made)
+        # made: told on the entering thread, before msrun moves in, so that msrun dying at any point
+        # from then on (SIGKILL while it plans) leaves no cgroup behind
+        self.entering: Entering | None = Entering(job_id, env, lambda cg: self.watchdog.tell(cg.watchdog_line()))
         self.cgroup: JobCgroup | None = None
         self.handed_off = False  # another process (the detached supervisor) owns the job now
         self.spare: set[int] = set()  # not part of the job although in its cgroup (the launcher)
@@ -409,11 +400,6 @@ class JobGuard:
             timeline.mark("in the job's cgroup" if self.cgroup is not None else "no cgroup")
             self.entering = None
         return self.cgroup
-
-    def _made(self, cgroup: JobCgroup) -> None:
-        """On the entering thread: the watchdog knows the cgroup before msrun moves in, so that
-        msrun dying at any point from then on (SIGKILL while it plans) leaves no cgroup behind."""
-        self.watchdog.cgroup(cgroup.watchdog_lines())
 
     def describe(self) -> str:
         if self.cgroup is not None:

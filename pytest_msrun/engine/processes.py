@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 
 from pytest_msrun.fileio import make_dirs, open_output_fd
 from pytest_msrun.pathsearch import which
-from pytest_msrun.proc import wait_readable
+from pytest_msrun.proc import descendants, wait_readable
 from pytest_msrun.record import record
 from pytest_msrun.waiting import wait_until
 
@@ -187,23 +187,15 @@ def fork_call(
     ``cpus`` and ``mems`` (``MPOL_BIND``) are this thread's around the fork, so the child has them
     from its first instruction (as ``taskset``'s and ``numactl``'s would, before anyone looks)."""
     saved = os.sched_getaffinity(0) if cpus is not None else None
-    blocked = block_signals_for_fork()
-    try:
+
+    def place_and_fork() -> int:
         if cpus is not None:
             os.sched_setaffinity(0, cpus)
         if mems:
             set_memory_policy(mems)
-        pid = os.fork()
-    except BaseException:
-        _restore_placement(saved, bool(mems))
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        raise
-    if pid:
-        _restore_placement(saved, bool(mems))
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        return pid
-    code = 1
-    try:
+        return os.fork()
+
+    def run() -> int:
         become_fresh_child(env, stdin_fd=stdin_fd, stdout_fd=output_fd, stderr_fd=output_fd, keep_fds=keep_fds)
         # what ps and top show: the program a command stands for, else msrun's part
         comm = os.path.basename(args[0]) if args else f"msrun-{call}"
@@ -213,7 +205,29 @@ def fork_call(
 
         target = resolve(call)
         result = target(dict(env)) if args is None else target(dict(env), list(args))
-        code = result if isinstance(result, int) else 0
+        return result if isinstance(result, int) else 0
+
+    return forked(run, place_and_fork, lambda: _restore_placement(saved, bool(mems)))
+
+
+def forked(body: Callable[[], int], fork: Callable[[], int], undo: Callable[[], None] = lambda: None) -> int:
+    """Run ``body`` in a child that ``fork`` makes, with every signal blocked across the fork (see
+    :func:`fork_call`); returns its pid here, once ``undo`` ran. In the child ``body()``'s result is
+    the exit status (a ``SystemExit``'s as the interpreter computes it; another exception is
+    printed, and gives 1), after the standard streams are flushed."""
+    blocked = block_signals_for_fork()
+    pid = -1
+    try:
+        pid = fork()
+    finally:
+        if pid:  # here: forked, or the fork failed
+            undo()
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    if pid:
+        return pid
+    code = 1
+    try:
+        code = body()
     except SystemExit as exc:
         code = exit_code_of(exc)
     except BaseException:
@@ -504,41 +518,10 @@ def signal_group(pid: int, sig: int) -> bool:
         return False
 
 
-def children_of(pid: int) -> list[int]:
-    """Direct children of ``pid`` from ``/proc`` (all threads)."""
-    out: list[int] = []
-    task_dir = f"/proc/{pid}/task"
-    try:
-        tids = os.listdir(task_dir)
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"{task_dir}/{tid}/children") as fh:
-                out.extend(int(x) for x in fh.read().split())
-        except OSError:
-            continue
-    return out
-
-
-def descendants_of(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (breadth first)."""
-    seen: list[int] = []
-    frontier = children_of(pid)
-    while frontier:
-        nxt: list[int] = []
-        for p in frontier:
-            if p not in seen:
-                seen.append(p)
-                nxt.extend(children_of(p))
-        frontier = nxt
-    return seen
-
-
 def reap_orphans(exclude: Iterable[int] = ()) -> None:
     """Reap zombies re-parented to this (subreaper) process, except pids still owned elsewhere."""
     skip = set(exclude)
-    for pid in children_of(os.getpid()):
+    for pid in descendants(os.getpid())[1:]:  # (only its children can be reaped)
         if pid in skip:
             continue
         with _suppress(ChildProcessError, OSError):
@@ -549,9 +532,10 @@ def sweep_descendants(exclude: Iterable[int] = ()) -> list[int]:
     """SIGKILL every descendant of this process not in ``exclude``; returns the pids hit."""
     skip = set(exclude)
     hit: list[int] = []
-    for pid in descendants_of(os.getpid()):
+    for pid in descendants(os.getpid())[1:]:
         if pid in skip:
             continue
+        skip.add(pid)
         try:
             os.kill(pid, signal.SIGKILL)
             hit.append(pid)
@@ -631,7 +615,7 @@ class ProcessGroup:
 
             def swept() -> bool:
                 reap_orphans(exclude=exclude)
-                return descendants_of(os.getpid()) == exclude
+                return descendants(os.getpid())[1:] == exclude
 
             wait_until(swept, 2.0, 0.005)
         reap_orphans(exclude=exclude)

@@ -344,21 +344,11 @@ def _start_msrun(request: dict, fds: list[int], parent: int) -> int:
     """Fork msrun for ``request`` (``call``: msrun's entry point as ``module:function``, called
     with ``argv``; its environment, working directory; ``fds``: its stdin, stdout and stderr) as a
     child of ``parent``; returns its pid."""
-    from pytest_msrun.engine.processes import become_fresh_child, block_signals_for_fork, die_with_parent
-
-    blocked = block_signals_for_fork()
     import signal
 
-    try:
-        pid = clone_parent()
-    except BaseException:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        raise
-    if pid:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        return pid
-    code = 1
-    try:
+    from pytest_msrun.engine.processes import become_fresh_child, die_with_parent, forked
+
+    def run() -> int:
         die_with_parent(signal.SIGTERM)  # msrun tears its job down on SIGTERM, as spawned
         if os.getppid() != parent:  # the requester is gone already
             os._exit(128 + signal.SIGTERM)
@@ -370,23 +360,9 @@ def _start_msrun(request: dict, fds: list[int], parent: int) -> int:
         main = resolve(str(request["call"]))  # a registered target only; its module imported
         entry = sys.modules[main.__module__]
         sys.argv = [str(request.get("argv0") or getattr(entry, "__file__", main.__module__)), *args]
-        code = main(args)
-    except SystemExit as exc:
-        from pytest_msrun.engine.processes import exit_code_of
+        return main(args)
 
-        code = exit_code_of(exc)
-    except BaseException:
-        import traceback
-
-        try:
-            traceback.print_exc()
-        except Exception:
-            pass
-    finally:
-        from pytest_msrun.engine.processes import flush_std_streams
-
-        flush_std_streams()
-        os._exit(code)
+    return forked(run, clone_parent)
 
 
 def _await_session(sock: object, hello: dict) -> bool:
