@@ -61,12 +61,17 @@ def log(level: str, message: str) -> None:
     now = time.time()
     micros = int(now * 1_000_000) % 1_000_000
     stamp = time.strftime("%Y-%m-%d-%H:%M:%S.", time.localtime(now)) + f"{micros // 1000:03d}.{micros % 1000:03d}"
-    line = f"[{level}] ME({os.getpid()}:{_thread.get_ident() % 1000000},MainProcess):{stamp} [msrun] {message}\n"
+    _write(f"[{level}] ME({os.getpid()}:{_thread.get_ident() % 1000000},MainProcess):{stamp} [msrun] {message}\n")
+
+
+def _write(text: str, stdout: bool = False) -> None:
+    """``text`` on stderr (or stdout), flushed, once the live status line is cleared."""
     with _lock:
         try:
             _clear_status()
-            sys.stderr.write(line)
-            sys.stderr.flush()
+            stream = sys.stdout if stdout else sys.stderr
+            stream.write(text)
+            stream.flush()
         except (OSError, ValueError):
             pass
 
@@ -85,23 +90,11 @@ def error(message: str) -> None:
 
 def out(line: str) -> None:
     """A stdout line, flushed (msrun's ``print``)."""
-    with _lock:
-        try:
-            _clear_status()
-            sys.stdout.write(line + "\n")
-            sys.stdout.flush()
-        except (OSError, ValueError):
-            pass
+    _write(line + "\n", stdout=True)
 
 
 def err_block(text: str) -> None:
-    with _lock:
-        try:
-            _clear_status()
-            sys.stderr.write(text if text.endswith("\n") else text + "\n")
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
+    _write(text if text.endswith("\n") else text + "\n")
 
 
 def command_text(argv: list[str]) -> str:

@@ -111,24 +111,11 @@ class ProcessSpec:
         return f"rank {self.rank}" if self.rank is not None else f"local worker {self.local_index}"
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "role": str(self.role),
-            "local_index": self.local_index,
-            "rank": self.rank,
-            "argv": list(self.argv),
-            "exported": {k: v for k, v in self.exported.items() if k not in childenv.INTERNAL_VARS},
-            "log_path": self.log_path,
-            "tail": self.tail,
-            "cpus": self.cpus,
-            "mems": self.mems,
-            "bind_prefix": list(self.bind_prefix),
-            "in_child_cpus": self.in_child_cpus,
-            "device": self.device,
-            "bind_how": self.bind_how,
-            "error_file": self.error_file,
-            "command": self.command,
-        }
+        out: dict[str, Any] = {k: getattr(self, k) for k in fields(self) if k != "env"}  # in their order
+        out.update(role=str(self.role), argv=list(self.argv), bind_prefix=list(self.bind_prefix))
+        out["exported"] = {k: v for k, v in self.exported.items() if k not in childenv.INTERNAL_VARS}
+        out["command"] = self.command
+        return out
 
 
 @record(frozen=True, eq=False)

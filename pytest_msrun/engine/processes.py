@@ -433,11 +433,6 @@ class Child:
         return -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
 
 
-def exit_status(returncode: int) -> int:
-    """Shell-style status: the code, or 128+N for a death by signal N."""
-    return 128 - returncode if returncode < 0 else returncode
-
-
 def describe_returncode(returncode: int) -> str:
     if returncode < 0:
         try:

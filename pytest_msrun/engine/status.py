@@ -87,15 +87,9 @@ class JobStatus:
             if isinstance(p, dict)
         ]
         extra = {k: v for k, v in data.items() if k not in known and k not in ("processes", "updated")}
-        base: dict[str, Any] = {k: data.get(k) for k in known if k in data}
-        base.setdefault("job_id", "")
-        base.setdefault("state", "unknown")
-        base.setdefault("exit_code", None)
-        base.setdefault("supervisor_pid", 0)
-        base.setdefault("host", "")
-        base.setdefault("join", False)
-        base.setdefault("started", 0.0)
-        base.setdefault("node_index", 0)
+        base: dict[str, Any] = dict(job_id="", state="unknown", exit_code=None, supervisor_pid=0, host="", join=False)
+        base.update(started=0.0, node_index=0)
+        base.update({k: data.get(k) for k in known if k in data})
         base["stop_reason"] = base.get("stop_reason") or ""
         return cls(processes=procs, extra=extra, **base)
 
