@@ -332,7 +332,6 @@ class Agent:
                 return None
         self.node.loop.attach(link)
         timeline.mark("registered with the control plane")
-        link.flush_queued()
         for msg, defer in self.unsaid:  # a worker that ended before this node registered
             self._tell(msg, defer)
         self.unsaid = []
@@ -433,7 +432,7 @@ class Agent:
     def _tell(self, msg: dict[str, Any], defer: bool) -> None:
         """Say ``msg`` to the control plane (``defer``: once this node's processes are signalled).
         Before this node registered - its workers start first - it is said at registration."""
-        if self.node.link is not None:
+        if self.node.link is not None and self.node.link.joined:
             (self.node.link.defer if defer else self.node.link.send)(msg)
         elif self.node.plan is not None and self.node.plan.scheduler_mode.has_control_plane:
             self.unsaid.append((msg, defer))
@@ -465,8 +464,6 @@ class Agent:
             console.warning(f"Control plane: {text}")
             if self.node.trace is not None:
                 self.node.trace.notice(text)
-
-    # ------------------------------------------------------------------ teardown
 
 
 def _scheduler_ended(returncode: int) -> str:

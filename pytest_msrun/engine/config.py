@@ -122,7 +122,16 @@ class LaunchConfig:
 
     def tail_ranks(self) -> list[int] | None:
         """Ranks whose logs are tailed; ``None`` = every local worker."""
-        return parse_tail_list(self.tail_worker_log)
+        text = self.tail_worker_log.strip()
+        if text in ("-1", ""):
+            return None
+        out: list[int] = []
+        for item in text.split(","):
+            item = item.strip()
+            if not item.lstrip("-").isdigit():
+                raise ValueError(f"{item!r} is not a rank number; use -1 (all) or a comma list such as 0,3")
+            out.append(int(item))
+        return out
 
 
 def parse_join(value: str) -> bool:
@@ -133,19 +142,6 @@ def parse_join(value: str) -> bool:
     if low in ("false", "0", "no", "off"):
         return False
     raise ValueError(f"invalid value {value!r}: use True or False")
-
-
-def parse_tail_list(value: str) -> list[int] | None:
-    text = value.strip()
-    if text in ("-1", ""):
-        return None
-    out: list[int] = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item.lstrip("-").isdigit():
-            raise ValueError(f"{item!r} is not a rank number; use -1 (all) or a comma list such as 0,3")
-        out.append(int(item))
-    return out
 
 
 TRACE_ENV = "MSRUN_TRACE"

@@ -175,12 +175,10 @@ def job_token(
         return JobToken(derive(secret, *identity), f"this user's secret {secret_path(env)}")
     if os.path.exists(secret_path(env)):  # there, but unusable: fail closed
         raise TokenError(f"the msrun secret {secret_path(env)}: {problem}")
-    return JobToken("", "none", _unauthenticated(problem, master_ip, master_port))
-
-
-def _unauthenticated(problem: str, master_ip: str, master_port: int) -> str:
-    return (
+    return JobToken(
+        "",
+        "none",
         f"this job runs WITHOUT authentication ({problem}): any process that can reach "
         f"{master_ip}:{master_port} can join it or abort it. Set {TOKEN_ENV} to the same secret on every "
-        f"node, or {TOKEN_FILE_ENV} to a file only you can read."
+        f"node, or {TOKEN_FILE_ENV} to a file only you can read.",
     )

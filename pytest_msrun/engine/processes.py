@@ -132,7 +132,6 @@ def spawn_pid(
     *,
     stdin_fd: int | None = None,
     output_fd: int | None = None,
-    new_session: bool = True,
     cpus: list[int] | None = None,
 ) -> int:
     """Start ``argv`` with ``posix_spawn``; returns its pid.
@@ -153,7 +152,7 @@ def spawn_pid(
         os.sched_setaffinity(0, cpus)
     try:
         return os.posix_spawn(
-            path, argv, env, file_actions=actions, setsid=new_session, setsigdef=_DEFAULT_IN_CHILD, setsigmask=()
+            path, argv, env, file_actions=actions, setsid=True, setsigdef=_DEFAULT_IN_CHILD, setsigmask=()
         )
     finally:
         if saved is not None:

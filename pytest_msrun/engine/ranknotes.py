@@ -16,7 +16,7 @@ Both are opt-in and neutral - msrun knows nothing of pytest; a suite's ranks use
 
 Files: ``<log_dir>/msrun_ranks/rank<N>.settled`` and ``rank<N>.deadline`` (JSON), written whole
 (``os.replace``). One ``stat`` of that directory per look tells msrun whether anything changed.
-Standard library only.
+Standard library only, but for the package's own records.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Mapping
+
+from pytest_msrun.record import record
 
 NOTES_DIR = "msrun_ranks"
 TIMEOUT_EXIT = 124  # timeout(1)'s status: a rank that ran out of time
@@ -107,17 +109,17 @@ def settled_status(log_dir: str, rank: int, pid: int, code: int) -> str | None:
     return str(note.get("why") or "its own result")
 
 
+@record(eq=False)
 class Late:
     """A rank found past its deadline."""
 
-    def __init__(self, rank: int, pid: int, due: float, seconds: float, what: str, stack_signal: int) -> None:
-        self.rank = rank
-        self.pid = pid
-        self.due = due
-        self.seconds = seconds
-        self.what = what
-        self.stack_signal = stack_signal
-        self.stopped = False  # msrun found the process stopped (SIGSTOP, SIGTSTP, a tracer)
+    rank: int
+    pid: int
+    due: float
+    seconds: float
+    what: str
+    stack_signal: int
+    stopped: bool = False  # msrun found the process stopped (SIGSTOP, SIGTSTP, a tracer)
 
     def describe(self) -> str:
         why = "it was stopped (SIGSTOP, SIGTSTP or a tracer)" if self.stopped else "and could not end itself"

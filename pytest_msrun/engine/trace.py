@@ -100,14 +100,11 @@ class TraceObserver:
             self.recorder.close()
             self.recorder = None
         self.outbox = tracelog.read_spool(self.spool, skip=(tracelog.RANKS_FILE,)) + self.outbox
-        self._forget(os.path.join(self.spool, "msrun.jsonl"))
-        self.ship()
-
-    def _forget(self, path: str) -> None:
         try:
-            os.unlink(path)
+            os.unlink(os.path.join(self.spool, "msrun.jsonl"))
         except OSError:
             pass
+        self.ship()
 
     def add(self, ev: dict[str, Any]) -> None:
         if self.writer:
