@@ -24,10 +24,6 @@ if TYPE_CHECKING:
 UNSET = object()  # a flag's value before defaults are applied: tells given flags from defaults
 
 
-def _text(value: str) -> str:
-    return value
-
-
 def _bind(flag: str) -> Callable[[str], BindSpec]:
     def parse(value: str) -> BindSpec:
         return parse_bind_value(value, flag)
@@ -49,24 +45,24 @@ def _one_of(choices: Sequence[object], convert: Callable[[str], object]) -> Call
 CONVERTERS: dict[str, Callable[[str], object]] = {
     "worker_num": int,
     "local_worker_num": int,
-    "master_addr": _text,
+    "master_addr": str,
     "master_port": int,
     "node_rank": int,
-    "log_dir": _text,
+    "log_dir": str,
     "join": parse_join,
     "cluster_time_out": int,
     "bind_core": _bind("bind_core"),
     "bind_numa": _bind("bind_numa"),
     "sim_level": _one_of(SIM_LEVELS, int),
     "sim_rank_id": int,
-    "rank_table_file": _text,
-    "worker_log_name": _text,
-    "tail_worker_log": _text,
-    "sim_select": _text,
+    "rank_table_file": str,
+    "worker_log_name": str,
+    "tail_worker_log": str,
+    "sim_select": str,
     "sim_concurrency": int,
-    "scheduler": _one_of(SCHEDULER_MODES, _text),
+    "scheduler": _one_of(SCHEDULER_MODES, str),
     "dist_port": int,
-    "trace": _text,
+    "trace": str,
 }
 
 

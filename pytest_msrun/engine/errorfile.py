@@ -95,14 +95,10 @@ def read_error(path: str) -> RankError | None:
         return None
     if not isinstance(data, dict):
         return None
-    text = {k: data.get(k) for k in ("type", "message", "traceback")}
+    text: dict[str, Any] = {k: data.get(k) for k in ("type", "message", "traceback")}
     if not all(isinstance(v, str) for v in text.values()):
         return None
     when, pid = data.get("time"), data.get("pid")
     return RankError(
-        type=str(text["type"]),
-        message=str(text["message"]),
-        traceback=str(text["traceback"]),
-        time=float(when) if isinstance(when, (int, float)) else 0.0,
-        pid=pid if isinstance(pid, int) else 0,
+        **text, time=float(when) if isinstance(when, (int, float)) else 0.0, pid=pid if isinstance(pid, int) else 0
     )

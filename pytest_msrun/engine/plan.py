@@ -208,10 +208,6 @@ def _join(log_dir: str, name: str) -> str:
     return f"{log_dir.rstrip('/')}/{name}" if log_dir else name
 
 
-def mode_of(cfg: LaunchConfig, facts: NodeFacts) -> SchedulerMode:
-    return SchedulerMode.NONE if cfg.dry_run else SchedulerMode(facts.scheduler_mode)
-
-
 def rank_layout(cfg: LaunchConfig, mode: SchedulerMode, assignment: RankAssignment | None = None) -> Layout:
     """Where this node's workers sit: known now (one node, --node_rank, a dry run, an assignment),
     to be assigned by the control plane before they start, or left to MindSpore."""
@@ -289,17 +285,19 @@ def job_context(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, layout
     return JobContext(base, common, binding, log_base, None if tail is None else tuple(tail))
 
 
-def _placed(placement: Placement | None) -> dict[str, Any]:
-    if placement is None:
-        return {}
-    return {
-        "cpus": placement.cpus,
-        "mems": placement.mems,
-        "bind_prefix": list(placement.prefix),
-        "in_child_cpus": placement.in_child_cpus,
-        "device": placement.device,
-        "bind_how": placement.how,
-    }
+def _spec(
+    ctx: JobContext, placement: Placement | None, exported: dict[str, str], extra: dict[str, str], **fields: Any
+) -> ProcessSpec:
+    """One process: ``exported`` (what msrun shows it exports) gets its placement's variables and
+    its error file (``extra``'s, which its environment alone gets too) added."""
+    error_file = extra.get(errorfile.ERROR_FILE_VAR, "")
+    if placement is not None:
+        exported.update(placement.env)
+        fields.update(cpus=placement.cpus, mems=placement.mems, bind_prefix=list(placement.prefix))
+        fields.update(in_child_cpus=placement.in_child_cpus, device=placement.device, bind_how=placement.how)
+    if error_file:
+        exported[errorfile.ERROR_FILE_VAR] = error_file
+    return ProcessSpec(env={**ctx.base_env, **exported, **extra}, exported=exported, error_file=error_file, **fields)
 
 
 def scheduler_spec(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, ctx: JobContext) -> ProcessSpec:
@@ -317,28 +315,15 @@ def scheduler_spec(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, ctx
     else:  # the task itself: its exceptions are recorded like a worker's
         argv = list(facts.task_argv)
         extra = errorfile.hook_env(facts.package_root, ctx.base_env, errorfile.error_file_for(log_path))
-    placement = ctx.binding.scheduler if ctx.binding is not None else None
     exported = {
         **ctx.common,
         **childenv.cluster_vars("MS_SCHED", facts.master_ip, facts.master_port, cfg.cluster_time_out),
         "RANK_ID": "0",
         childenv.PLUGIN_ROLE_VAR: "scheduler",
-        **(placement.env if placement is not None else {}),
     }
-    if errorfile.ERROR_FILE_VAR in extra:
-        exported[errorfile.ERROR_FILE_VAR] = extra[errorfile.ERROR_FILE_VAR]
-    return ProcessSpec(
-        name="scheduler",
-        role=Role.SCHEDULER,
-        local_index=-1,
-        rank=None,
-        argv=argv,
-        env={**ctx.base_env, **exported, **extra},
-        exported=exported,
-        log_path=log_path,
-        error_file=extra.get(errorfile.ERROR_FILE_VAR, ""),
-        **_placed(placement),
-    )
+    placement = ctx.binding.scheduler if ctx.binding is not None else None
+    what = dict(name="scheduler", role=Role.SCHEDULER, local_index=-1, rank=None, argv=argv, log_path=log_path)
+    return _spec(ctx, placement, exported, extra, **what)
 
 
 def worker_spec(cfg: LaunchConfig, facts: NodeFacts, layout: Layout, ctx: JobContext, i: int) -> ProcessSpec:
@@ -363,26 +348,20 @@ def worker_spec(cfg: LaunchConfig, facts: NodeFacts, layout: Layout, ctx: JobCon
             )
         )
     exported[childenv.PLUGIN_ROLE_VAR] = "worker"
-    placement = ctx.binding.workers[i] if ctx.binding is not None else None
-    if placement is not None:
-        exported.update(placement.env)
     suffix = 0 if layout.single_rank is not None else (i if rank is None else rank)
     log_path = _join(cfg.log_dir, f"{ctx.log_base}_{suffix}.log")
-    hook = errorfile.hook_env(facts.package_root, ctx.base_env, errorfile.error_file_for(log_path))
-    if hook:
-        exported[errorfile.ERROR_FILE_VAR] = hook[errorfile.ERROR_FILE_VAR]
-    return ProcessSpec(
+    return _spec(
+        ctx,
+        ctx.binding.workers[i] if ctx.binding is not None else None,
+        exported,
+        errorfile.hook_env(facts.package_root, ctx.base_env, errorfile.error_file_for(log_path)),
         name=f"worker_{suffix}",
         role=Role.WORKER,
         local_index=i,
         rank=rank,
         argv=list(facts.task_argv),
-        env={**ctx.base_env, **exported, **hook},
-        exported=exported,
         log_path=log_path,
         tail=cfg.join and (ctx.tail is None or (rank is not None and rank in ctx.tail)),
-        error_file=hook.get(errorfile.ERROR_FILE_VAR, ""),
-        **_placed(placement),
     )
 
 
@@ -424,7 +403,7 @@ def build_plan(cfg: LaunchConfig, facts: NodeFacts, *, hosts_scheduler: bool | N
     another agent on this host already holds the scheduler port). Multi-node jobs with a control
     plane have pending ranks until :func:`assign`.
     """
-    mode = mode_of(cfg, facts)
+    mode = SchedulerMode.NONE if cfg.dry_run else SchedulerMode(facts.scheduler_mode)
     layout = rank_layout(cfg, mode)
     ctx = job_context(cfg, facts, mode, layout)
     hosts = (facts.address_is_local if hosts_scheduler is None else hosts_scheduler) and not cfg.dry_run

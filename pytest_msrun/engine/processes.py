@@ -308,7 +308,6 @@ def become_fresh_child(
     stdout_fd: int | None,
     stderr_fd: int | None,
     keep_fds: tuple[int, ...] = (),
-    unbuffered: bool = False,
 ) -> None:
     """In a forked child whose signals are blocked (:func:`block_signals_for_fork`): a session
     of its own, signals as a fresh interpreter has them and unblocked, fds 0-2 as given with fresh
@@ -337,9 +336,7 @@ def become_fresh_child(
     # fresh streams on fds 0-2: this process's may be anything (pytest's capture, say)
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
     for name, fd in (("stdout", 1), ("stderr", 2)):
-        raw = io.FileIO(fd, "w", closefd=False)
-        # write_through: PYTHONUNBUFFERED's streams (every write reaches the fd at once)
-        stream = io.TextIOWrapper(raw, encoding="utf-8", line_buffering=True, write_through=unbuffered)
+        stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", line_buffering=True)
         setattr(sys, name, stream)
     low = 3
     for fd in sorted(keep_fds):

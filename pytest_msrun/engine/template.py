@@ -372,12 +372,7 @@ def _await_session(sock: object, hello: dict) -> bool:
     import socket
 
     assert isinstance(sock, socket.socket)
-    while True:
-        try:
-            data, fds, _, _ = socket.recv_fds(sock, REQUEST_LIMIT, 1)
-            break
-        except InterruptedError:
-            continue
+    data, fds, _, _ = socket.recv_fds(sock, REQUEST_LIMIT, 1)
     for fd in fds:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
@@ -421,11 +416,8 @@ def serve(sock: object, parent: int, early: dict | None = None) -> int:
     how = "forked from the session's process" if hello.get("early") else "started"
     print(f"fork server {os.getpid()}: {how}; {len(sys.modules)} modules imported", flush=True)
     sock.send(json.dumps({"ready": True, "why": why, "failed": failed}).encode())
-    while True:
-        try:
-            data, fds, _, _ = socket.recv_fds(sock, REQUEST_LIMIT, 3)
-        except InterruptedError:
-            continue
+    while True:  # (a signal does not interrupt a wait here: PEP 475)
+        data, fds, _, _ = socket.recv_fds(sock, REQUEST_LIMIT, 3)
         if not data:
             return 0
         try:

@@ -154,14 +154,9 @@ class TraceObserver:
                 self.mark(f"started {spec.label} (pid {child.pid})")
         elif event is JobEvent.PROCESS_EXITED:
             child = payload
+            rank = child.tag.rank if child.tag.role == Role.WORKER else None
             self._exited(
-                child.tag.rank if child.tag.role == Role.WORKER else None,
-                child.tag.label,
-                child.pid,
-                child.started,
-                child.ended,
-                child.returncode,
-                child.terminated_by_us,
+                rank, child.tag.label, child.pid, child.started, child.ended, child.returncode, child.terminated_by_us
             )
         elif event is JobEvent.SPAWNED:
             self.add(tracelog.span("launch", tracelog.MSRUN_PID, self.node, self.started, time.time()))
