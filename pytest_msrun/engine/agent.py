@@ -27,20 +27,8 @@ from pytest_msrun.engine.kinds import Role
 from pytest_msrun.engine.link import ControlLink
 from pytest_msrun.engine.loop import Event, EventKind
 from pytest_msrun.engine.noderun import NodeRun
-from pytest_msrun.engine.observers import (
-    ConsoleObserver,
-    JobEvent,
-    JobResult,
-    ReporterObserver,
-    StatusObserver,
-)
-from pytest_msrun.engine.plan import (
-    LaunchPlan,
-    NodeFacts,
-    RankAssignment,
-    assign,
-    build_plan,
-)
+from pytest_msrun.engine.observers import ConsoleObserver, JobEvent, JobResult, ReporterObserver, StatusObserver
+from pytest_msrun.engine.plan import LaunchPlan, NodeFacts, RankAssignment, assign, build_plan
 from pytest_msrun.engine.policy import EXIT_LAUNCH_ERROR, Ending
 from pytest_msrun.engine.ports import LaunchError, claim
 from pytest_msrun.engine.processes import Child

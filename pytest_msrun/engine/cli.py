@@ -10,13 +10,7 @@ import pytest_msrun
 from pytest_msrun.binding.flags import BindingError
 from pytest_msrun.engine import console, timeline
 from pytest_msrun.engine.argv import DEFAULTS, UNSET, Arguments, parse_plain
-from pytest_msrun.engine.config import (
-    ConfigError,
-    LaunchConfig,
-    check_environment,
-    trace_path,
-    validate,
-)
+from pytest_msrun.engine.config import ConfigError, LaunchConfig, check_environment, trace_path, validate
 from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.jobtoken import TokenError, job_token
 from pytest_msrun.engine.kinds import SchedulerMode

@@ -284,12 +284,13 @@ def validate(cfg: LaunchConfig) -> list[str]:
         problem = log_dir_problem(cfg.log_dir)
         if problem:
             raise ConfigError("log_dir", problem)
-        _refuse_unsafe(f"--log_dir={cfg.log_dir}", unsafe_output_dir(cfg.log_dir))
-        _refuse_unsafe(f"--log_dir={cfg.log_dir}", planted(cfg.log_dir, _log_names(cfg)))
-    else:
-        cwd = os.getcwd()
-        _refuse_unsafe(f"the log directory (no --log_dir: the current directory {cwd})", unsafe_output_dir(cwd))
-        _refuse_unsafe(f"the log directory (no --log_dir: the current directory {cwd})", planted(cwd, _log_names(cfg)))
+    directory = cfg.log_dir or os.getcwd()
+    where = (
+        f"--log_dir={directory}"
+        if cfg.log_dir
+        else f"the log directory (no --log_dir: the current directory {directory})"
+    )
+    _refuse_unsafe(where, unsafe_output_dir(directory) or planted(directory, _log_names(cfg)))
     if cfg.task_script.endswith(".py") and not cfg.print_plan and not os.path.isfile(cfg.task_script):
         raise ConfigError("", f"task_script {cfg.task_script!r} not found (cwd {os.getcwd()})")
     if cfg.bind_core.kind == "unified":

@@ -126,39 +126,6 @@ def resolve(program: str, env: Mapping[str, str]) -> str:
     return found
 
 
-def spawn_pid(
-    argv: list[str],
-    env: Mapping[str, str],
-    *,
-    stdin_fd: int | None = None,
-    output_fd: int | None = None,
-    cpus: list[int] | None = None,
-) -> int:
-    """Start ``argv`` with ``posix_spawn``; returns its pid.
-
-    ``stdin_fd``/``output_fd``: what the child gets as fd 0 / fds 1 and 2 (None: this process's).
-    Only inheritable descriptors reach the child (Python opens everything close-on-exec).
-    ``cpus``: the CPUs the child may run on, inherited from this thread's affinity at spawn.
-    """
-    actions: list[tuple[Any, ...]] = []
-    if stdin_fd is not None:
-        actions.append((os.POSIX_SPAWN_DUP2, stdin_fd, 0))
-    if output_fd is not None:
-        actions += [(os.POSIX_SPAWN_DUP2, output_fd, 1), (os.POSIX_SPAWN_DUP2, output_fd, 2)]
-    path = resolve(argv[0], env)
-    saved = None
-    if cpus is not None:  # binding without taskset: the child starts with this thread's affinity
-        saved = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, cpus)
-    try:
-        return os.posix_spawn(
-            path, argv, env, file_actions=actions, setsid=True, setsigdef=_DEFAULT_IN_CHILD, setsigmask=()
-        )
-    finally:
-        if saved is not None:
-            os.sched_setaffinity(0, saved)
-
-
 def fork_call(
     call: str,
     env: Mapping[str, str],
@@ -440,7 +407,9 @@ def describe_returncode(returncode: int) -> str:
 
 
 def spawn(launch: Launch, tag: Any = None) -> Child:
-    """Start ``launch`` with its log file as stdout+stderr (truncated, as msrun does)."""
+    """Start ``launch`` with its log file as stdout+stderr (truncated, as msrun does): in a fork
+    (``call``), or with ``posix_spawn``, which passes only inheritable descriptors (Python opens
+    everything close-on-exec) and starts the child with this thread's affinity (``in_child_cpus``)."""
     log_dir = os.path.dirname(launch.log_path)
     if log_dir:
         make_dirs(log_dir)
@@ -448,6 +417,7 @@ def spawn(launch: Launch, tag: Any = None) -> Child:
     null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) if launch.stdin_devnull else None
     for fd in launch.pass_fds:
         os.set_inheritable(fd, True)
+    cpus, saved = launch.in_child_cpus, None
     try:
         if launch.call:
             pid = fork_call(
@@ -456,13 +426,23 @@ def spawn(launch: Launch, tag: Any = None) -> Child:
                 stdin_fd=null,
                 output_fd=log,
                 keep_fds=launch.pass_fds,
-                cpus=launch.in_child_cpus,
+                cpus=cpus,
                 mems=launch.in_child_mems,
                 args=launch.call_args,
             )
         else:
-            pid = spawn_pid(launch.argv, launch.env, stdin_fd=null, output_fd=log, cpus=launch.in_child_cpus)
+            argv, env = launch.argv, launch.env
+            actions = [(os.POSIX_SPAWN_DUP2, fd, n) for fd, n in ((null, 0), (log, 1), (log, 2)) if fd is not None]
+            path = resolve(argv[0], env)
+            if cpus is not None:  # binding without taskset: the child starts with this thread's affinity
+                saved = os.sched_getaffinity(0)
+                os.sched_setaffinity(0, cpus)
+            pid = os.posix_spawn(
+                path, argv, env, file_actions=actions, setsid=True, setsigdef=_DEFAULT_IN_CHILD, setsigmask=()
+            )
     finally:
+        if saved is not None:
+            os.sched_setaffinity(0, saved)
         for fd in launch.pass_fds:
             with _suppress(OSError):
                 os.set_inheritable(fd, False)
