@@ -247,19 +247,7 @@ def job_context(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, layout
     rank_size = str(cfg.worker_num)
     if cfg.sim_from_env and facts.base_env.get("RANK_SIZE"):
         rank_size = facts.base_env["RANK_SIZE"]
-    bind_file = cfg.bind_numa.file if cfg.bind_numa.kind == "unified" else ""
-    common = childenv.common_vars(
-        worker_num=cfg.worker_num,
-        rank_size=rank_size,
-        job_id=facts.job_id,
-        job_token=facts.job_token if mode.has_control_plane else "",
-        scheduler_mode=str(mode),
-        log_dir=cfg.log_dir,
-        rank_table_file=cfg.rank_table_file,
-        sim_level=cfg.sim_level if cfg.dry_run else -1,
-        bind_file=bind_file,
-        bind_file_hash=cfg.bind_numa.file_hash if bind_file else "",
-    )
+    common = childenv.common_vars(cfg, facts, mode, rank_size)
     base = childenv.inherited(facts.base_env, keep=("MS_SIMULATION_LEVEL",) if cfg.sim_from_env else ())
     if not cfg.dry_run:
         base.pop("MS_SIMULATION_LEVEL", None)
