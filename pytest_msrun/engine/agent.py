@@ -379,11 +379,9 @@ class Agent:
         late.stopped = stopped(child.pid)
 
         if late.stack_signal:
-            try:
+            with processes.suppress(OSError):
                 os.kill(child.pid, late.stack_signal)  # the rank alone: its own children may not catch it
                 time.sleep(ranknotes.STACK_WAIT)
-            except OSError:
-                pass
         return self.node.policy.past_deadline(child.tag.label, late, child.tag.log_path)
 
     def _on_event(self, event: Event, scheduler: Child | None) -> Ending | None:

@@ -85,12 +85,10 @@ def read_error(path: str) -> RankError | None:
             raw = fh.read(MAX_RECORD_BYTES + 1)
     except OSError:
         return None
-    if len(raw) > MAX_RECORD_BYTES:
-        return None
     import json  # not on msrun's start path
 
     try:
-        data = json.loads(raw.decode("utf-8", errors="replace"))
+        data = json.loads(raw.decode("utf-8", errors="replace")) if len(raw) <= MAX_RECORD_BYTES else None
     except ValueError:
         return None
     if not isinstance(data, dict):

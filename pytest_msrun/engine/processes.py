@@ -41,7 +41,7 @@ _DEFAULT_IN_CHILD = (signal.SIGPIPE, signal.SIGXFSZ)
 _prctl_call: Any = None  # calls libc's prctl(2) with five integers; loaded once
 
 
-class _suppress:
+class suppress:
     """``contextlib.suppress``, without importing :mod:`contextlib` on msrun's start path."""
 
     def __init__(self, *exceptions: type[BaseException]) -> None:
@@ -165,7 +165,7 @@ def fork_call(
         become_fresh_child(env, stdin_fd=stdin_fd, stdout_fd=output_fd, stderr_fd=output_fd, keep_fds=keep_fds)
         # what ps and top show: the program a command stands for, else msrun's part
         comm = os.path.basename(args[0]) if args else f"msrun-{call}"
-        with _suppress(OSError), open("/proc/self/comm", "w") as fh:
+        with suppress(OSError), open("/proc/self/comm", "w") as fh:
             fh.write(comm[:15])
         from pytest_msrun.targets import resolve
 
@@ -199,7 +199,7 @@ def forked(body: Callable[[], int], fork: Callable[[], int], undo: Callable[[], 
     except BaseException:
         import traceback
 
-        with _suppress(Exception):
+        with suppress(Exception):
             traceback.print_exc()
     finally:
         flush_std_streams()
@@ -245,7 +245,7 @@ def _restore_placement(cpus: set[int] | None, mems: bool) -> None:
 def flush_std_streams() -> None:
     """Write out what ``sys.stdout`` and ``sys.stderr`` buffer (a closed or broken stream is skipped)."""
     for stream in (sys.stdout, sys.stderr):
-        with _suppress(Exception):
+        with suppress(Exception):
             stream.flush()
 
 
@@ -263,7 +263,7 @@ def exit_code_of(exc: SystemExit) -> int:
         return 0
     if isinstance(exc.code, int):
         return exc.code & 0xFF
-    with _suppress(Exception):
+    with suppress(Exception):
         print(exc.code, file=sys.stderr)
     return 1
 
@@ -284,11 +284,11 @@ def become_fresh_child(
 
     gc.freeze()  # the parent's objects: never walked here (nor copied by collections)
     gc.enable()  # as a fresh interpreter has it (msrun holds it off while it starts)
-    with _suppress(ValueError, OSError):
+    with suppress(ValueError, OSError):
         signal.set_wakeup_fd(-1)
     for sig in signal.valid_signals():
         if sig not in (signal.SIGKILL, signal.SIGSTOP):
-            with _suppress(OSError, ValueError):
+            with suppress(OSError, ValueError):
                 signal.signal(sig, signal.SIG_DFL)
     # as a fresh interpreter has them: KeyboardInterrupt, and EPIPE / EFBIG rather than death
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -375,7 +375,7 @@ class Child:
         self.returncode = os.waitstatus_to_exitcode(status)
         self.ended = time.time()
         if self.pidfd is not None:
-            with _suppress(OSError):
+            with suppress(OSError):
                 os.close(self.pidfd)
         return True
 
@@ -385,7 +385,7 @@ class Child:
         if self.returncode is not None:
             return self.returncode
         if timeout > 0 and self.pidfd is not None:
-            with _suppress(OSError, ValueError):
+            with suppress(OSError, ValueError):
                 wait_readable(self.pidfd, timeout)
         try:
             info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -444,7 +444,7 @@ def spawn(launch: Launch, tag: Any = None) -> Child:
         if saved is not None:
             os.sched_setaffinity(0, saved)
         for fd in launch.pass_fds:
-            with _suppress(OSError):
+            with suppress(OSError):
                 os.set_inheritable(fd, False)
         os.close(log)
         if null is not None:
@@ -467,7 +467,7 @@ def close_inherited_descriptors() -> None:
     for name in names:
         fd = int(name)
         if fd > 2:
-            with _suppress(OSError):
+            with suppress(OSError):
                 if os.get_inheritable(fd):
                     os.set_inheritable(fd, False)
 
@@ -495,7 +495,7 @@ def reap_orphans(exclude: Iterable[int] = ()) -> None:
     for pid in descendants(os.getpid())[1:]:  # (only its children can be reaped)
         if pid in skip:
             continue
-        with _suppress(ChildProcessError, OSError):
+        with suppress(ChildProcessError, OSError):
             os.waitpid(pid, os.WNOHANG)
 
 

@@ -171,13 +171,6 @@ class DeadlineWatch:
             return None
         due, rank = min(overdue)
         note = self.deadlines.pop(rank)
-        seconds = note.get("seconds")
-        signal = note.get("signal")
-        return Late(
-            rank,
-            self.pids[rank],
-            due,
-            float(seconds) if isinstance(seconds, (int, float)) else 0.0,
-            str(note.get("what") or "its work"),
-            signal if isinstance(signal, int) else 0,
-        )
+        seconds, signal, what = note.get("seconds"), note.get("signal"), str(note.get("what") or "its work")
+        seconds = float(seconds) if isinstance(seconds, (int, float)) else 0.0
+        return Late(rank, self.pids[rank], due, seconds, what, signal if isinstance(signal, int) else 0)

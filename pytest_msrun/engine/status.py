@@ -74,8 +74,7 @@ class JobStatus:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        extra = data.pop("extra")
-        data.update(extra)
+        data.update(data.pop("extra"))
         return data
 
     @classmethod

@@ -7,7 +7,6 @@ One thread polls every tailed file from offset 0, so no line is skipped at the s
 from __future__ import annotations
 
 import _thread  # not threading: its import is a cost on every msrun start
-import os
 import sys
 
 from pytest_msrun.engine import console
@@ -117,15 +116,3 @@ class LogTailer:
 
 def prefix_for(rank: int | None, local_index: int) -> str:
     return f"[rank {rank}] " if rank is not None else f"[local {local_index}] "
-
-
-def tail_size(path: str, max_bytes: int = 64 * 1024) -> bytes:
-    """The last ``max_bytes`` of a file (empty if unreadable)."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - max_bytes))
-            return fh.read()
-    except OSError:
-        return b""

@@ -23,6 +23,7 @@ import os
 import sys
 from collections.abc import Mapping
 
+from pytest_msrun.engine.processes import suppress
 from pytest_msrun.targets import resolve
 
 FD_ENV = "MSRUN_TEMPLATE_FD"  # the template's end of its socketpair (a descriptor number)
@@ -141,10 +142,8 @@ def _take_stamp() -> dict[str, int]:
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None) if "." not in name else None
         if isinstance(path, str):
-            try:
+            with suppress(OSError):
                 out[path] = os.stat(path).st_mtime_ns
-            except OSError:
-                pass
     return out
 
 
@@ -227,10 +226,8 @@ def run_module(env: dict[str, str], argv: list[str]) -> int:
         code = exit_code_of(exc)
     except BaseException:
         code = 1
-        try:
+        with suppress(Exception):
             sys.excepthook(*sys.exc_info())
-        except Exception:
-            pass
     return _finalize(code)
 
 
@@ -239,10 +236,8 @@ def _finalize(code: int) -> int:
     run ``atexit`` handlers (``fork_call``, which runs this, flushes the standard streams after)."""
     threading = sys.modules.get("threading")
     if threading is not None:
-        try:
+        with suppress(BaseException):
             threading._shutdown()
-        except BaseException:
-            pass
     import atexit
 
     atexit._run_exitfuncs()
@@ -256,10 +251,8 @@ def _run_rank_hook(hook: str) -> None:
 
     steps = runpy.run_path(os.path.join(hook, "sitecustomize.py"), run_name="msrun_rankhook")
     for name in ("_install", "_trace_start", "_leave"):
-        try:
+        with suppress(Exception):
             steps[name]()
-        except Exception:
-            pass
 
 
 # ------------------------------------------------------------------------------------ the template
@@ -433,10 +426,8 @@ def serve(sock: object, parent: int, early: dict | None = None) -> int:
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         finally:
             for fd in fds:
-                try:
+                with suppress(OSError):
                     os.close(fd)
-                except OSError:
-                    pass
         sock.send(json.dumps(reply).encode())
 
 
