@@ -489,32 +489,6 @@ def signal_group(pid: int, sig: int) -> bool:
         return False
 
 
-def reap_orphans(exclude: Iterable[int] = ()) -> None:
-    """Reap zombies re-parented to this (subreaper) process, except pids still owned elsewhere."""
-    skip = set(exclude)
-    for pid in descendants(os.getpid())[1:]:  # (only its children can be reaped)
-        if pid in skip:
-            continue
-        with suppress(ChildProcessError, OSError):
-            os.waitpid(pid, os.WNOHANG)
-
-
-def sweep_descendants(exclude: Iterable[int] = ()) -> list[int]:
-    """SIGKILL every descendant of this process not in ``exclude``; returns the pids hit."""
-    skip = set(exclude)
-    hit: list[int] = []
-    for pid in descendants(os.getpid())[1:]:
-        if pid in skip:
-            continue
-        skip.add(pid)
-        try:
-            os.kill(pid, signal.SIGKILL)
-            hit.append(pid)
-        except (ProcessLookupError, PermissionError):
-            pass
-    return hit
-
-
 class ProcessGroup:
     """Every process of this node's job: started inside the job's cgroup and under the watchdog,
     watched by the event loop, stopped along one path (SIGTERM to each process group, a bounded
@@ -538,15 +512,6 @@ class ProcessGroup:
 
     def alive(self) -> list[Child]:
         return [c for c in self.children if c.alive]
-
-    def put_first(self, child: Child) -> None:
-        """List ``child`` first (the scheduler, started after workers that started first)."""
-        self.children.remove(child)
-        self.children.insert(0, child)
-
-    def forget(self, child: Child) -> None:
-        """Drop a finished child (a dry run keeps only what runs in memory)."""
-        self.children.remove(child)
 
     def terminate(self, children: Iterable[Child]) -> None:
         """SIGTERM to each of ``children`` still running - once: a second SIGTERM would run its
@@ -580,14 +545,23 @@ class ProcessGroup:
         for child in self.children:
             child.signal(signal.SIGKILL)
         exclude = [p for p in (self.guard.watchdog.pid,) if p]
-        hit = sweep_descendants(exclude=exclude)
+        skip, hit = set(exclude), []
+        for pid in descendants(os.getpid())[1:]:  # re-parented to this subreaper, or below
+            if pid not in skip:
+                skip.add(pid)
+                with suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+                    hit.append(pid)
         hit += [p for p in self.guard.kill_members() if p not in hit]
+
+        def swept() -> bool:  # zombies reaped (only this process's children can be) and none left
+            for pid in descendants(os.getpid())[1:]:
+                if pid not in exclude:
+                    with suppress(ChildProcessError, OSError):
+                        os.waitpid(pid, os.WNOHANG)
+            return descendants(os.getpid())[1:] == exclude
+
         if hit:
-
-            def swept() -> bool:
-                reap_orphans(exclude=exclude)
-                return descendants(os.getpid())[1:] == exclude
-
             wait_until(swept, 2.0, 0.005)
-        reap_orphans(exclude=exclude)
+        swept()
         return hit

@@ -214,8 +214,9 @@ class Starter:
         self.node.first = None
         first.let_go()
         scheduler = self.scheduler_child
-        if scheduler is not None:  # listed (status, summary) in msrun's order too
-            self.node.group.put_first(scheduler)
+        if scheduler is not None:  # listed (status, summary) first, in msrun's order too
+            self.node.group.children.remove(scheduler)
+            self.node.group.children.insert(0, scheduler)
         for child in first.children:
             self.emit(JobEvent.PROCESS_STARTED, child)
 
