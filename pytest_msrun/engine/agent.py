@@ -189,7 +189,10 @@ class Agent:
             elif stage is Stage.STARTING:
                 if not self.starter.start_slice(todo):
                     self.starter.spawned(plan)
-                    self._next_after_start(plan)
+                    if plan.scheduler_mode.has_control_plane and self.node.link is None:
+                        self.stage = Stage.REGISTERING
+                    else:
+                        self._supervising()
             else:
                 outcome = self._supervision_step()
                 if outcome is None:
@@ -262,12 +265,6 @@ class Agent:
 
         collect_from_now()
         return DryRunSupervisor(self, plan).run()
-
-    def _next_after_start(self, plan: LaunchPlan) -> None:
-        if plan.scheduler_mode.has_control_plane and self.node.link is None:
-            self.stage = Stage.REGISTERING
-        else:
-            self._supervising()
 
     def _supervising(self) -> None:
         self.stage = Stage.SUPERVISING
