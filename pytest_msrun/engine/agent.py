@@ -19,7 +19,7 @@ from enum import Enum
 
 from pytest_msrun.control import wire
 from pytest_msrun.control.clock import env_seconds
-from pytest_msrun.engine import console, errorfile, processes, timeline
+from pytest_msrun.engine import console, errorfile, processes, suppress, timeline
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.ending import JobEnding
@@ -376,7 +376,7 @@ class Agent:
         late.stopped = stopped(child.pid)
 
         if late.stack_signal:
-            with processes.suppress(OSError):
+            with suppress(OSError):
                 os.kill(child.pid, late.stack_signal)  # the rank alone: its own children may not catch it
                 time.sleep(ranknotes.STACK_WAIT)
         return self.node.policy.past_deadline(child.tag.label, late, child.tag.log_path)

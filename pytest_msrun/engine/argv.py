@@ -24,13 +24,6 @@ if TYPE_CHECKING:
 UNSET = object()  # a flag's value before defaults are applied: tells given flags from defaults
 
 
-def _bind(flag: str) -> Callable[[str], BindSpec]:
-    def parse(value: str) -> BindSpec:
-        return parse_bind_value(value, flag)
-
-    return parse
-
-
 def _one_of(choices: Sequence[object], convert: Callable[[str], object]) -> Callable[[str], object]:
     def parse(value: str) -> object:
         result = convert(value)
@@ -51,8 +44,8 @@ CONVERTERS: dict[str, Callable[[str], object]] = {
     "log_dir": str,
     "join": parse_join,
     "cluster_time_out": int,
-    "bind_core": _bind("bind_core"),
-    "bind_numa": _bind("bind_numa"),
+    "bind_core": lambda value: parse_bind_value(value, "bind_core"),
+    "bind_numa": lambda value: parse_bind_value(value, "bind_numa"),
     "sim_level": _one_of(SIM_LEVELS, int),
     "sim_rank_id": int,
     "rank_table_file": str,

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import time
 
-from pytest_msrun.engine import timeline
+from pytest_msrun.engine import suppress, timeline
 from pytest_msrun.record import record
 from pytest_msrun.waiting import wait_until
 
@@ -41,35 +41,29 @@ CGROUP_ENV = "MSRUN_CGROUP"
 def _mounts() -> dict[str, str]:
     """fstype/option -> mount point: ``cgroup2`` and the v1 ``freezer`` hierarchy."""
     out: dict[str, str] = {}
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8") as fh:
-            for line in fh:
-                fields = line.split()
-                if " - " not in line:
-                    continue
-                post = line.split(" - ", 1)[1].split()
-                fstype = post[0]
-                mount = fields[4]
-                if fstype == "cgroup2":
-                    out.setdefault("cgroup2", mount)
-                elif fstype == "cgroup" and len(post) > 2 and "freezer" in post[2].split(","):
-                    out.setdefault("freezer", mount)
-    except OSError:
-        pass
+    with suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8") as fh:
+        for line in fh:
+            fields = line.split()
+            if " - " not in line:
+                continue
+            post = line.split(" - ", 1)[1].split()
+            fstype = post[0]
+            mount = fields[4]
+            if fstype == "cgroup2":
+                out.setdefault("cgroup2", mount)
+            elif fstype == "cgroup" and len(post) > 2 and "freezer" in post[2].split(","):
+                out.setdefault("freezer", mount)
     return out
 
 
 def _own_paths() -> dict[str, str]:
     """Hierarchy (``""`` for v2, else the v1 controllers) -> this process's cgroup path."""
     out: dict[str, str] = {}
-    try:
-        with open("/proc/self/cgroup", encoding="utf-8") as fh:
-            for line in fh:
-                parts = line.rstrip("\n").split(":", 2)
-                if len(parts) == 3:
-                    out[parts[1]] = parts[2]
-    except OSError:
-        pass
+    with suppress(OSError), open("/proc/self/cgroup", encoding="utf-8") as fh:
+        for line in fh:
+            parts = line.rstrip("\n").split(":", 2)
+            if len(parts) == 3:
+                out[parts[1]] = parts[2]
     return out
 
 
@@ -110,10 +104,8 @@ class JobCgroup:
 
     def leave(self) -> None:
         """Move this process back to where it came from (it is not part of the job)."""
-        try:
+        with suppress(OSError):
             _write(os.path.join(self.home, "cgroup.procs"), "0")
-        except OSError:
-            pass
 
     def kill_others(self, spare: set[int] | None = None, rounds: int = 200) -> list[int]:
         """SIGKILL every member but this process (and ``spare``) until none is left; the pids hit."""
@@ -124,11 +116,9 @@ class JobCgroup:
             if not others:
                 break
             for pid in others:
-                try:
+                with suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, 9)  # SIGKILL (the signal module is not loaded this early)
                     hit.append(pid)
-                except (ProcessLookupError, PermissionError):
-                    pass
             time.sleep(0.001)
         return hit
 
@@ -138,10 +128,8 @@ class JobCgroup:
 
         def gone() -> bool:
             for root, _dirs, _files in os.walk(self.path, topdown=False):
-                try:
+                with suppress(OSError):
                     os.rmdir(root)
-                except OSError:
-                    pass
             return not os.path.isdir(self.path)
 
         return wait_until(gone, timeout, 0.005)
@@ -343,10 +331,8 @@ class Watchdog:
 
     def tell(self, line: str) -> None:
         if self.pipe is not None:
-            try:
+            with suppress(OSError):
                 os.write(self.pipe, f"{line}\n".encode())
-            except OSError:
-                pass
 
     def guard(self, pgid: int) -> None:
         self.tell(str(pgid))
@@ -358,10 +344,8 @@ class Watchdog:
     def let_go(self) -> None:
         """Close this process's end of the pipe without a word (another process holds it too)."""
         if self.pipe is not None:
-            try:
+            with suppress(OSError):
                 os.close(self.pipe)
-            except OSError:
-                pass
             self.pipe = None
 
     def stand_down(self) -> None:

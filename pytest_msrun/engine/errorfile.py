@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from pytest_msrun.engine import suppress
 from pytest_msrun.record import asdict, record
 
 TYPE_CHECKING = False
@@ -70,10 +71,8 @@ def hook_env(package_root: str, base_env: Mapping[str, str], error_file: str) ->
 
 def clear(path: str) -> None:
     """Remove a previous run's record, so a rank is never blamed for an old exception."""
-    try:
+    with suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass
 
 
 def read_error(path: str) -> RankError | None:

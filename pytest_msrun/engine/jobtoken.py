@@ -31,6 +31,7 @@ import stat
 from collections.abc import Mapping
 
 from pytest_msrun.control.wire import strengthen, weakness
+from pytest_msrun.engine import suppress
 from pytest_msrun.fileio import describe_kind
 from pytest_msrun.fileio import unsafe_directory as _unsafe_directory
 from pytest_msrun.record import record
@@ -140,10 +141,8 @@ def user_secret(env: Mapping[str, str]) -> tuple[str, str]:
         except OSError as exc:
             return "", f"cannot create {path}: {exc.strerror or exc}"
         finally:
-            try:
+            with suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
     return _read_secret(path)
 
 

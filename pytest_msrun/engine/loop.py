@@ -15,8 +15,8 @@ import signal
 from enum import Enum
 
 from pytest_msrun.control import wire
-from pytest_msrun.engine import heldsignals
-from pytest_msrun.engine.processes import Child, suppress
+from pytest_msrun.engine import heldsignals, suppress
+from pytest_msrun.engine.processes import Child
 from pytest_msrun.record import field, record
 
 TYPE_CHECKING = False

@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 
+from pytest_msrun.engine import suppress
 from pytest_msrun.fileio import make_dirs, open_output_fd
 from pytest_msrun.pathsearch import which
 from pytest_msrun.proc import descendants, wait_readable
@@ -39,19 +40,6 @@ PR_SET_CHILD_SUBREAPER = 36
 _DEFAULT_IN_CHILD = (signal.SIGPIPE, signal.SIGXFSZ)
 
 _prctl_call: Any = None  # calls libc's prctl(2) with five integers; loaded once
-
-
-class suppress:
-    """``contextlib.suppress``, without importing :mod:`contextlib` on msrun's start path."""
-
-    def __init__(self, *exceptions: type[BaseException]) -> None:
-        self.exceptions = exceptions
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, etype: type[BaseException] | None, value: object, tb: object) -> bool:
-        return etype is not None and issubclass(etype, self.exceptions)
 
 
 def _load_prctl() -> Any:

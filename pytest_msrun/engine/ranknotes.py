@@ -25,6 +25,7 @@ import os
 import time
 from collections.abc import Iterable, Mapping
 
+from pytest_msrun.engine import suppress
 from pytest_msrun.record import record
 
 NOTES_DIR = "msrun_ranks"
@@ -47,11 +48,9 @@ def _write(path: str, data: dict[str, object]) -> None:
 
     from pytest_msrun.fileio import private_dir, write_whole
 
-    try:
+    with suppress(OSError):
         private_dir(os.path.dirname(path))
         write_whole(path, json.dumps(data))
-    except OSError:
-        pass
 
 
 def _read(path: str) -> dict[str, object] | None:
@@ -94,10 +93,8 @@ def set_deadline(seconds: float, what: str, stack_signal: int = 0, env: Mapping[
 def clear_deadline(env: Mapping[str, str] = os.environ) -> None:
     where = _where(env)
     if where is not None:
-        try:
+        with suppress(OSError):
             os.unlink(_path(*where, "deadline"))
-        except OSError:
-            pass
 
 
 # ---------------------------------------------------------------- msrun's side

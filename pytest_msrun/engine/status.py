@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 
+from pytest_msrun.engine import suppress
 from pytest_msrun.fileio import write_whole
 from pytest_msrun.record import asdict, field, fields, record
 
@@ -110,10 +111,8 @@ def encode_status(doc: dict[str, Any]) -> str:
 
 
 def write_status(log_dir: str, status: JobStatus, name: str = STATUS_FILE) -> None:
-    try:
+    with suppress(OSError):
         write_whole(status_path(log_dir, name), encode_status({**status.to_json(), "updated": time.time()}))
-    except OSError:
-        pass
 
 
 def read_status(log_dir: str, name: str = STATUS_FILE) -> JobStatus | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import _thread  # not threading: its import is a cost on every msrun start
 import sys
 
-from pytest_msrun.engine import console
+from pytest_msrun.engine import console, suppress
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -59,13 +59,11 @@ class LogTailer:
 
     def _emit(self, chunks: list[bytes]) -> None:
         if chunks:
-            try:
+            with suppress(OSError, ValueError):
                 console.clear_status()
                 sys.stdout.flush()
                 self.out.write(b"".join(chunks))
                 self.out.flush()
-            except (OSError, ValueError):
-                pass
 
     def _pump(self, final: bool) -> None:
         with self.lock:

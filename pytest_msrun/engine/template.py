@@ -23,7 +23,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from pytest_msrun.engine.processes import suppress
+from pytest_msrun.engine import suppress
 from pytest_msrun.targets import resolve
 
 FD_ENV = "MSRUN_TEMPLATE_FD"  # the template's end of its socketpair (a descriptor number)

@@ -19,7 +19,7 @@ import signal
 import time
 
 from pytest_msrun.control import tracelog
-from pytest_msrun.engine import console
+from pytest_msrun.engine import console, suppress
 from pytest_msrun.engine.kinds import JobState, Role
 from pytest_msrun.engine.observers import JobEvent, JobResult
 from pytest_msrun.fileio import private_dir
@@ -100,10 +100,8 @@ class TraceObserver:
             self.recorder.close()
             self.recorder = None
         self.outbox = tracelog.read_spool(self.spool, skip=(tracelog.RANKS_FILE,)) + self.outbox
-        try:
+        with suppress(OSError):
             os.unlink(os.path.join(self.spool, "msrun.jsonl"))
-        except OSError:
-            pass
         self.ship()
 
     def add(self, ev: dict[str, Any]) -> None:
