@@ -19,7 +19,7 @@ from enum import Enum
 
 from pytest_msrun.control import wire
 from pytest_msrun.control.clock import env_seconds
-from pytest_msrun.engine import console, errorfile, processes, timeline
+from pytest_msrun.engine import console, errorfile, processes, suppress, timeline
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.ending import JobEnding
@@ -27,20 +27,8 @@ from pytest_msrun.engine.kinds import Role
 from pytest_msrun.engine.link import ControlLink
 from pytest_msrun.engine.loop import Event, EventKind
 from pytest_msrun.engine.noderun import NodeRun
-from pytest_msrun.engine.observers import (
-    ConsoleObserver,
-    JobEvent,
-    JobResult,
-    ReporterObserver,
-    StatusObserver,
-)
-from pytest_msrun.engine.plan import (
-    LaunchPlan,
-    NodeFacts,
-    RankAssignment,
-    assign,
-    build_plan,
-)
+from pytest_msrun.engine.observers import ConsoleObserver, JobEvent, JobResult, ReporterObserver, StatusObserver
+from pytest_msrun.engine.plan import LaunchPlan, NodeFacts, RankAssignment, assign, build_plan
 from pytest_msrun.engine.policy import EXIT_LAUNCH_ERROR, Ending
 from pytest_msrun.engine.ports import LaunchError, claim
 from pytest_msrun.engine.processes import Child
@@ -201,7 +189,10 @@ class Agent:
             elif stage is Stage.STARTING:
                 if not self.starter.start_slice(todo):
                     self.starter.spawned(plan)
-                    self._next_after_start(plan)
+                    if plan.scheduler_mode.has_control_plane and self.node.link is None:
+                        self.stage = Stage.REGISTERING
+                    else:
+                        self._supervising()
             else:
                 outcome = self._supervision_step()
                 if outcome is None:
@@ -275,12 +266,6 @@ class Agent:
         collect_from_now()
         return DryRunSupervisor(self, plan).run()
 
-    def _next_after_start(self, plan: LaunchPlan) -> None:
-        if plan.scheduler_mode.has_control_plane and self.node.link is None:
-            self.stage = Stage.REGISTERING
-        else:
-            self._supervising()
-
     def _supervising(self) -> None:
         self.stage = Stage.SUPERVISING
         if self.node.several_nodes:
@@ -332,7 +317,6 @@ class Agent:
                 return None
         self.node.loop.attach(link)
         timeline.mark("registered with the control plane")
-        link.flush_queued()
         for msg, defer in self.unsaid:  # a worker that ended before this node registered
             self._tell(msg, defer)
         self.unsaid = []
@@ -392,11 +376,9 @@ class Agent:
         late.stopped = stopped(child.pid)
 
         if late.stack_signal:
-            try:
+            with suppress(OSError):
                 os.kill(child.pid, late.stack_signal)  # the rank alone: its own children may not catch it
                 time.sleep(ranknotes.STACK_WAIT)
-            except OSError:
-                pass
         return self.node.policy.past_deadline(child.tag.label, late, child.tag.log_path)
 
     def _on_event(self, event: Event, scheduler: Child | None) -> Ending | None:
@@ -433,7 +415,7 @@ class Agent:
     def _tell(self, msg: dict[str, Any], defer: bool) -> None:
         """Say ``msg`` to the control plane (``defer``: once this node's processes are signalled).
         Before this node registered - its workers start first - it is said at registration."""
-        if self.node.link is not None:
+        if self.node.link is not None and self.node.link.joined:
             (self.node.link.defer if defer else self.node.link.send)(msg)
         elif self.node.plan is not None and self.node.plan.scheduler_mode.has_control_plane:
             self.unsaid.append((msg, defer))
@@ -465,8 +447,6 @@ class Agent:
             console.warning(f"Control plane: {text}")
             if self.node.trace is not None:
                 self.node.trace.notice(text)
-
-    # ------------------------------------------------------------------ teardown
 
 
 def _scheduler_ended(returncode: int) -> str:

@@ -15,48 +15,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from pytest_msrun.binding.flags import BindSpec, parse_bind_value
-from pytest_msrun.engine.config import SCHEDULER_MODES, SIM_LEVELS, parse_join
+from pytest_msrun.engine.config import SCHEDULER_MODES, SIM_LEVELS, LaunchConfig, parse_join
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
 UNSET = object()  # a flag's value before defaults are applied: tells given flags from defaults
-
-# msrun's defaults (and this launcher's extensions'), applied after parsing.
-DEFAULTS: dict[str, object] = {
-    "worker_num": 8,
-    "local_worker_num": 8,
-    "master_addr": "127.0.0.1",
-    "master_port": 8118,
-    "node_rank": -1,
-    "log_dir": "",
-    "join": False,
-    "cluster_time_out": 600,
-    "bind_core": BindSpec(),
-    "bind_numa": BindSpec(),
-    "sim_level": None,
-    "sim_rank_id": -1,
-    "rank_table_file": "",
-    "worker_log_name": "",
-    "tail_worker_log": "-1",
-    "sim_select": "",
-    "sim_concurrency": 0,
-    "scheduler": "auto",
-    "dist_port": -1,
-    "trace": "",
-}
-
-
-def _text(value: str) -> str:
-    return value
-
-
-def _bind(flag: str) -> Callable[[str], BindSpec]:
-    def parse(value: str) -> BindSpec:
-        return parse_bind_value(value, flag)
-
-    return parse
 
 
 def _one_of(choices: Sequence[object], convert: Callable[[str], object]) -> Callable[[str], object]:
@@ -73,26 +38,31 @@ def _one_of(choices: Sequence[object], convert: Callable[[str], object]) -> Call
 CONVERTERS: dict[str, Callable[[str], object]] = {
     "worker_num": int,
     "local_worker_num": int,
-    "master_addr": _text,
+    "master_addr": str,
     "master_port": int,
     "node_rank": int,
-    "log_dir": _text,
+    "log_dir": str,
     "join": parse_join,
     "cluster_time_out": int,
-    "bind_core": _bind("bind_core"),
-    "bind_numa": _bind("bind_numa"),
+    "bind_core": lambda value: parse_bind_value(value, "bind_core"),
+    "bind_numa": lambda value: parse_bind_value(value, "bind_numa"),
     "sim_level": _one_of(SIM_LEVELS, int),
     "sim_rank_id": int,
-    "rank_table_file": _text,
-    "worker_log_name": _text,
-    "tail_worker_log": _text,
-    "sim_select": _text,
+    "rank_table_file": str,
+    "worker_log_name": str,
+    "tail_worker_log": str,
+    "sim_select": str,
     "sim_concurrency": int,
-    "scheduler": _one_of(SCHEDULER_MODES, _text),
+    "scheduler": _one_of(SCHEDULER_MODES, str),
     "dist_port": int,
-    "trace": _text,
+    "trace": str,
 }
 
+
+# msrun's defaults (and this launcher's extensions'), applied after parsing: LaunchConfig's, but
+# --sim_level's None (MS_SIMULATION_LEVEL may stand for a flag not given).
+_CONFIG = LaunchConfig()
+DEFAULTS: dict[str, object] = {**{name: getattr(_CONFIG, name) for name in CONVERTERS}, "sim_level": None}
 
 # Every option string of msrun's argparse parser.
 OPTION_STRINGS = ("-h", "--help", "--print_plan", *(f"--{name}" for name in CONVERTERS))

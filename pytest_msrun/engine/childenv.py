@@ -9,6 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from pytest_msrun.engine.config import LaunchConfig
+    from pytest_msrun.engine.kinds import SchedulerMode
+    from pytest_msrun.engine.plan import NodeFacts
+
 # The torch-style variables workers get beside msrun's (so torch.distributed env:// works).
 TORCH_STYLE_VARS = (
     "RANK",
@@ -77,37 +83,25 @@ def inherited(base: Mapping[str, str], keep: tuple[str, ...] = ()) -> dict[str, 
     return env
 
 
-def common_vars(
-    *,
-    worker_num: int,
-    rank_size: str,
-    job_id: str,
-    job_token: str,
-    scheduler_mode: str,
-    log_dir: str,
-    rank_table_file: str,
-    sim_level: int,
-    bind_file: str,
-    bind_file_hash: str,
-) -> dict[str, str]:
+def common_vars(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, rank_size: str) -> dict[str, str]:
     """Variables every child of the job gets."""
     out = {
         "RANK_SIZE": rank_size,
-        "MS_WORKER_NUM": str(worker_num),
+        "MS_WORKER_NUM": str(cfg.worker_num),
         "PYTHONUNBUFFERED": "1",
-        "MSRUN_JOB_ID": job_id,
-        "MSRUN_SCHEDULER": scheduler_mode,
-        "MSRUN_LOG_DIR": log_dir,
+        "MSRUN_JOB_ID": facts.job_id,
+        "MSRUN_SCHEDULER": str(mode),
+        "MSRUN_LOG_DIR": cfg.log_dir,
     }
-    if job_token:
-        out["MSRUN_JOB_TOKEN"] = job_token
-    if rank_table_file:
-        out["RANK_TABLE_FILE"] = rank_table_file
-    if sim_level >= 0:
-        out["MS_SIMULATION_LEVEL"] = str(sim_level)
-    if bind_file:
-        out["MSRUN_BIND_FILE"] = bind_file
-        out["MSRUN_BIND_FILE_HASH"] = bind_file_hash
+    if facts.job_token and mode.has_control_plane:
+        out["MSRUN_JOB_TOKEN"] = facts.job_token
+    if cfg.rank_table_file:
+        out["RANK_TABLE_FILE"] = cfg.rank_table_file
+    if cfg.sim_level >= 0:  # a dry run
+        out["MS_SIMULATION_LEVEL"] = str(cfg.sim_level)
+    if cfg.bind_numa.kind == "unified" and cfg.bind_numa.file:
+        out["MSRUN_BIND_FILE"] = cfg.bind_numa.file
+        out["MSRUN_BIND_FILE_HASH"] = cfg.bind_numa.file_hash
     return out
 
 

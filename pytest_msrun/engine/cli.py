@@ -10,13 +10,7 @@ import pytest_msrun
 from pytest_msrun.binding.flags import BindingError
 from pytest_msrun.engine import console, timeline
 from pytest_msrun.engine.argv import DEFAULTS, UNSET, Arguments, parse_plain
-from pytest_msrun.engine.config import (
-    ConfigError,
-    LaunchConfig,
-    check_environment,
-    trace_path,
-    validate,
-)
+from pytest_msrun.engine.config import ConfigError, LaunchConfig, check_environment, trace_path, validate
 from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.jobtoken import TokenError, job_token
 from pytest_msrun.engine.kinds import SchedulerMode
@@ -65,18 +59,12 @@ def usage_error(message: str) -> NoReturn:
     build_parser().error(message)
 
 
-def apply_defaults(ns: Namespace) -> frozenset[str]:
-    """Fill in the defaults of flags not given; return the names of those that were given."""
-    given = frozenset(name for name in DEFAULTS if getattr(ns, name, UNSET) is not UNSET)
-    for name, default in DEFAULTS.items():
-        if name not in given:
-            setattr(ns, name, default)
-    return given
-
-
 def config_from_args(ns: Namespace, env: dict[str, str]) -> tuple[LaunchConfig, list[str]]:
     notes: list[str] = []
-    given = apply_defaults(ns)
+    given = frozenset(name for name in DEFAULTS if getattr(ns, name, UNSET) is not UNSET)
+    for name, default in DEFAULTS.items():  # the defaults of flags not given
+        if name not in given:
+            setattr(ns, name, default)
     slurm = infer_from_slurm(ns, given, env)
     sim_level, sim_from_env = ns.sim_level, False
     if sim_level is None:
@@ -91,31 +79,14 @@ def config_from_args(ns: Namespace, env: dict[str, str]) -> tuple[LaunchConfig, 
             f"RANK_ID={env['RANK_ID']} in the environment is ignored for this dry run; "
             "use --sim_rank_id to dry-run a single rank."
         )
+    flags = {name: getattr(ns, name) for name in DEFAULTS}  # LaunchConfig's fields of the same names
+    flags.update(sim_level=sim_level, trace=trace_path(ns.trace, env))
     cfg = LaunchConfig(
+        **flags,
         task_script=ns.task_script,
         task_script_args=list(ns.task_script_args),
-        worker_num=ns.worker_num,
-        local_worker_num=ns.local_worker_num,
-        master_addr=ns.master_addr,
-        master_port=ns.master_port,
-        node_rank=ns.node_rank,
-        log_dir=ns.log_dir,
-        join=ns.join,
-        cluster_time_out=ns.cluster_time_out,
-        bind_core=ns.bind_core,
-        bind_numa=ns.bind_numa,
-        sim_level=sim_level,
-        sim_rank_id=ns.sim_rank_id,
         sim_from_env=sim_from_env,
-        sim_select=ns.sim_select,
-        sim_concurrency=ns.sim_concurrency,
-        rank_table_file=ns.rank_table_file,
-        worker_log_name=ns.worker_log_name,
-        tail_worker_log=ns.tail_worker_log,
-        scheduler=ns.scheduler,
         print_plan=ns.print_plan,
-        dist_port=ns.dist_port,
-        trace=trace_path(ns.trace, env),
         given=given,
         slurm=slurm,
     )

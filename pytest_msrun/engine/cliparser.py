@@ -63,54 +63,42 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_Formatter,
         description="Start a distributed job: one scheduler plus N workers per node (MindSpore msrun compatible).",
     )
-    p.add_argument("--worker_num", type=int, default=_UNSET, help="total number of workers (ranks) (default 8)")
-    p.add_argument("--local_worker_num", type=int, default=_UNSET, help="workers started on this node (default 8)")
-    p.add_argument(
-        "--master_addr", default=_UNSET, help="scheduler address: IPv4, [IPv6] or host name (default 127.0.0.1)"
-    )
-    p.add_argument(
-        "--master_port", type=int, default=_UNSET, help="scheduler port (default 8118; 0 = a free one, single node)"
-    )
-    p.add_argument("--node_rank", type=int, default=_UNSET, help="this node's index (default -1: assign automatically)")
-    p.add_argument("--log_dir", default=_UNSET, help="directory for scheduler.log and worker_<rank>.log (default: cwd)")
+    p.set_defaults(**dict.fromkeys(CONVERTERS, _UNSET))  # every flag's, before any is added
+    p.add_argument("--worker_num", type=int, help="total number of workers (ranks) (default 8)")
+    p.add_argument("--local_worker_num", type=int, help="workers started on this node (default 8)")
+    p.add_argument("--master_addr", help="scheduler address: IPv4, [IPv6] or host name (default 127.0.0.1)")
+    p.add_argument("--master_port", type=int, help="scheduler port (default 8118; 0 = a free one, single node)")
+    p.add_argument("--node_rank", type=int, help="this node's index (default -1: assign automatically)")
+    p.add_argument("--log_dir", help="directory for scheduler.log and worker_<rank>.log (default: cwd)")
     p.add_argument(
         "--join",
         type=_typed("join", ValueError),
-        default=_UNSET,
         metavar="{True,False}",
         help="wait for the job, tail logs and return its exit status (default False: detach)",
     )
     p.add_argument(
         "--cluster_time_out",
         type=int,
-        default=_UNSET,
         help="seconds to wait for every node (default 600; negative: forever)",
     )
-    p.add_argument(
-        "--bind_core", type=_typed("bind_core", BindFlagError), default=_UNSET, help="True, False or a JSON dict"
-    )
+    p.add_argument("--bind_core", type=_typed("bind_core", BindFlagError), help="True, False or a JSON dict")
     p.add_argument(
         "--bind_numa",
         type=_typed("bind_numa", BindFlagError),
-        default=_UNSET,
         help="True, False, a JSON dict or a JSON file",
     )
-    p.add_argument("--sim_level", type=int, default=_UNSET, choices=[0, 1, 2, 3], help="dry-run simulation level")
-    p.add_argument("--sim_rank_id", type=int, default=_UNSET, help="dry-run a single rank with this id")
-    p.add_argument("--rank_table_file", default=_UNSET, help="rank table file (exported as RANK_TABLE_FILE)")
-    p.add_argument("--worker_log_name", default=_UNSET, help="worker log prefix; {ip} and {hostname} are replaced")
-    p.add_argument("--tail_worker_log", default=_UNSET, help="ranks whose logs are shown with --join=True (-1 = all)")
+    p.add_argument("--sim_level", type=int, choices=[0, 1, 2, 3], help="dry-run simulation level")
+    p.add_argument("--sim_rank_id", type=int, help="dry-run a single rank with this id")
+    p.add_argument("--rank_table_file", help="rank table file (exported as RANK_TABLE_FILE)")
+    p.add_argument("--worker_log_name", help="worker log prefix; {ip} and {hostname} are replaced")
+    p.add_argument("--tail_worker_log", help="ranks whose logs are shown with --join=True (-1 = all)")
     p.add_argument(
         "--sim_select",
-        default=_UNSET,
         help="dry run: the simulated ranks to run (N, A-B, first:K, last:K, sample:K[:SEED]; default all)",
     )
-    p.add_argument(
-        "--sim_concurrency", type=int, default=_UNSET, help="dry run: simulated ranks running at once (0 = CPU count)"
-    )
+    p.add_argument("--sim_concurrency", type=int, help="dry run: simulated ranks running at once (0 = CPU count)")
     p.add_argument(
         "--scheduler",
-        default=_UNSET,
         choices=SCHEDULER_MODES,
         help="the scheduler process: the builtin control plane (auto: plus a MindSpore scheduler when a MindSpore "
         "worker connects; mindspore: from the start), or the task itself (task, as MindSpore's msrun)",
@@ -119,12 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dist_port",
         type=int,
-        default=_UNSET,
         help="port exported as MASTER_PORT for torch env:// (default master_port+1)",
     )
     p.add_argument(
         "--trace",
-        default=_UNSET,
         metavar="FILE",
         help="write the job's timeline to FILE in the Chrome trace format (Perfetto); also MSRUN_TRACE=FILE",
     )

@@ -122,7 +122,16 @@ class LaunchConfig:
 
     def tail_ranks(self) -> list[int] | None:
         """Ranks whose logs are tailed; ``None`` = every local worker."""
-        return parse_tail_list(self.tail_worker_log)
+        text = self.tail_worker_log.strip()
+        if text in ("-1", ""):
+            return None
+        out: list[int] = []
+        for item in text.split(","):
+            item = item.strip()
+            if not item.lstrip("-").isdigit():
+                raise ValueError(f"{item!r} is not a rank number; use -1 (all) or a comma list such as 0,3")
+            out.append(int(item))
+        return out
 
 
 def parse_join(value: str) -> bool:
@@ -133,19 +142,6 @@ def parse_join(value: str) -> bool:
     if low in ("false", "0", "no", "off"):
         return False
     raise ValueError(f"invalid value {value!r}: use True or False")
-
-
-def parse_tail_list(value: str) -> list[int] | None:
-    text = value.strip()
-    if text in ("-1", ""):
-        return None
-    out: list[int] = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item.lstrip("-").isdigit():
-            raise ValueError(f"{item!r} is not a rank number; use -1 (all) or a comma list such as 0,3")
-        out.append(int(item))
-    return out
 
 
 TRACE_ENV = "MSRUN_TRACE"
@@ -288,12 +284,13 @@ def validate(cfg: LaunchConfig) -> list[str]:
         problem = log_dir_problem(cfg.log_dir)
         if problem:
             raise ConfigError("log_dir", problem)
-        _refuse_unsafe(f"--log_dir={cfg.log_dir}", unsafe_output_dir(cfg.log_dir))
-        _refuse_unsafe(f"--log_dir={cfg.log_dir}", planted(cfg.log_dir, _log_names(cfg)))
-    else:
-        cwd = os.getcwd()
-        _refuse_unsafe(f"the log directory (no --log_dir: the current directory {cwd})", unsafe_output_dir(cwd))
-        _refuse_unsafe(f"the log directory (no --log_dir: the current directory {cwd})", planted(cwd, _log_names(cfg)))
+    directory = cfg.log_dir or os.getcwd()
+    where = (
+        f"--log_dir={directory}"
+        if cfg.log_dir
+        else f"the log directory (no --log_dir: the current directory {directory})"
+    )
+    _refuse_unsafe(where, unsafe_output_dir(directory) or planted(directory, _log_names(cfg)))
     if cfg.task_script.endswith(".py") and not cfg.print_plan and not os.path.isfile(cfg.task_script):
         raise ConfigError("", f"task_script {cfg.task_script!r} not found (cwd {os.getcwd()})")
     if cfg.bind_core.kind == "unified":

@@ -12,6 +12,8 @@ import sys
 import time
 from collections.abc import Callable
 
+from pytest_msrun.engine import suppress
+
 LEVELS = {"DEBUG": 0, "INFO": 1, "WARNING": 2, "ERROR": 3}
 _lock = _thread.allocate_lock()
 # A live status line on stderr (pytest_msrun.engine.progress): what clears it before another line.
@@ -29,23 +31,18 @@ def _clear_status() -> None:
 def clear_status() -> None:
     """Take the live status line away (before output written elsewhere: tailed logs)."""
     if _status_clearer:
-        with _lock:
-            try:
-                _clear_status()
-                sys.stderr.flush()
-            except (OSError, ValueError):
-                pass
+        with _lock, suppress(OSError, ValueError):
+            _clear_status()
+            sys.stderr.flush()
 
 
 def status(text: str, clearer: Callable[[], str] | None) -> None:
     """Write the live status line ``text`` (no newline); ``clearer`` says how to take it away."""
     with _lock:
         _status_clearer[:] = [clearer] if clearer is not None else []
-        try:
+        with suppress(OSError, ValueError):
             sys.stderr.write(text)
             sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
 
 
 def threshold() -> int:
@@ -61,14 +58,16 @@ def log(level: str, message: str) -> None:
     now = time.time()
     micros = int(now * 1_000_000) % 1_000_000
     stamp = time.strftime("%Y-%m-%d-%H:%M:%S.", time.localtime(now)) + f"{micros // 1000:03d}.{micros % 1000:03d}"
-    line = f"[{level}] ME({os.getpid()}:{_thread.get_ident() % 1000000},MainProcess):{stamp} [msrun] {message}\n"
-    with _lock:
-        try:
-            _clear_status()
-            sys.stderr.write(line)
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
+    _write(f"[{level}] ME({os.getpid()}:{_thread.get_ident() % 1000000},MainProcess):{stamp} [msrun] {message}\n")
+
+
+def _write(text: str, stdout: bool = False) -> None:
+    """``text`` on stderr (or stdout), flushed, once the live status line is cleared."""
+    with _lock, suppress(OSError, ValueError):
+        _clear_status()
+        stream = sys.stdout if stdout else sys.stderr
+        stream.write(text)
+        stream.flush()
 
 
 def info(message: str) -> None:
@@ -85,23 +84,11 @@ def error(message: str) -> None:
 
 def out(line: str) -> None:
     """A stdout line, flushed (msrun's ``print``)."""
-    with _lock:
-        try:
-            _clear_status()
-            sys.stdout.write(line + "\n")
-            sys.stdout.flush()
-        except (OSError, ValueError):
-            pass
+    _write(line + "\n", stdout=True)
 
 
 def err_block(text: str) -> None:
-    with _lock:
-        try:
-            _clear_status()
-            sys.stderr.write(text if text.endswith("\n") else text + "\n")
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
+    _write(text if text.endswith("\n") else text + "\n")
 
 
 def command_text(argv: list[str]) -> str:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import os
 import time
 
-from pytest_msrun.engine import timeline
+from pytest_msrun.engine import suppress, timeline
 from pytest_msrun.record import record
 from pytest_msrun.waiting import wait_until
 
@@ -41,35 +41,29 @@ CGROUP_ENV = "MSRUN_CGROUP"
 def _mounts() -> dict[str, str]:
     """fstype/option -> mount point: ``cgroup2`` and the v1 ``freezer`` hierarchy."""
     out: dict[str, str] = {}
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8") as fh:
-            for line in fh:
-                fields = line.split()
-                if " - " not in line:
-                    continue
-                post = line.split(" - ", 1)[1].split()
-                fstype = post[0]
-                mount = fields[4]
-                if fstype == "cgroup2":
-                    out.setdefault("cgroup2", mount)
-                elif fstype == "cgroup" and len(post) > 2 and "freezer" in post[2].split(","):
-                    out.setdefault("freezer", mount)
-    except OSError:
-        pass
+    with suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8") as fh:
+        for line in fh:
+            fields = line.split()
+            if " - " not in line:
+                continue
+            post = line.split(" - ", 1)[1].split()
+            fstype = post[0]
+            mount = fields[4]
+            if fstype == "cgroup2":
+                out.setdefault("cgroup2", mount)
+            elif fstype == "cgroup" and len(post) > 2 and "freezer" in post[2].split(","):
+                out.setdefault("freezer", mount)
     return out
 
 
 def _own_paths() -> dict[str, str]:
     """Hierarchy (``""`` for v2, else the v1 controllers) -> this process's cgroup path."""
     out: dict[str, str] = {}
-    try:
-        with open("/proc/self/cgroup", encoding="utf-8") as fh:
-            for line in fh:
-                parts = line.rstrip("\n").split(":", 2)
-                if len(parts) == 3:
-                    out[parts[1]] = parts[2]
-    except OSError:
-        pass
+    with suppress(OSError), open("/proc/self/cgroup", encoding="utf-8") as fh:
+        for line in fh:
+            parts = line.rstrip("\n").split(":", 2)
+            if len(parts) == 3:
+                out[parts[1]] = parts[2]
     return out
 
 
@@ -110,10 +104,8 @@ class JobCgroup:
 
     def leave(self) -> None:
         """Move this process back to where it came from (it is not part of the job)."""
-        try:
+        with suppress(OSError):
             _write(os.path.join(self.home, "cgroup.procs"), "0")
-        except OSError:
-            pass
 
     def kill_others(self, spare: set[int] | None = None, rounds: int = 200) -> list[int]:
         """SIGKILL every member but this process (and ``spare``) until none is left; the pids hit."""
@@ -124,34 +116,28 @@ class JobCgroup:
             if not others:
                 break
             for pid in others:
-                try:
+                with suppress(ProcessLookupError, PermissionError):
                     os.kill(pid, 9)  # SIGKILL (the signal module is not loaded this early)
                     hit.append(pid)
-                except (ProcessLookupError, PermissionError):
-                    pass
             time.sleep(0.001)
         return hit
 
     def remove(self, timeout: float = 5.0) -> bool:
         """Remove the (emptied) cgroup and any empty cgroups below it (nested jobs whose own
         watchdog was killed); False if it still had members after ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while True:
-            for root, _dirs, _files in os.walk(self.path, topdown=False):
-                try:
-                    os.rmdir(root)
-                except OSError:
-                    pass
-            if not os.path.isdir(self.path):
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.005)
 
-    def watchdog_lines(self) -> list[str]:
+        def gone() -> bool:
+            for root, _dirs, _files in os.walk(self.path, topdown=False):
+                with suppress(OSError):
+                    os.rmdir(root)
+            return not os.path.isdir(self.path)
+
+        return wait_until(gone, timeout, 0.005)
+
+    def watchdog_line(self) -> str:
         """What the watchdog needs to kill this job and remove the cgroup (see Watchdog)."""
         kill = "kill" if self.kind == "v2" and os.path.exists(os.path.join(self.path, "cgroup.kill")) else "freeze"
-        return [f"cgroup {self.kind} {kill} {self.path}"]
+        return f"cgroup {self.kind} {kill} {self.path}"
 
 
 def create(
@@ -327,7 +313,6 @@ class Watchdog:
     def __init__(self) -> None:
         self.pid: int | None = None
         self.pipe: int | None = None  # the write end, in this process
-        self.groups: list[int] = []
 
     def start(self) -> None:
         read_end, write_end = os.pipe()
@@ -344,42 +329,30 @@ class Watchdog:
             os.close(read_end)
             os.close(null)
 
-    def _tell(self, line: str) -> None:
+    def tell(self, line: str) -> None:
         if self.pipe is not None:
-            try:
+            with suppress(OSError):
                 os.write(self.pipe, f"{line}\n".encode())
-            except OSError:
-                pass
 
     def guard(self, pgid: int) -> None:
-        self.groups.append(pgid)
-        self._tell(str(pgid))
+        self.tell(str(pgid))
 
     def job(self, job_id: str) -> None:
         """Processes whose environment carries ``MSRUN_JOB_ID=job_id`` belong to the job."""
-        self._tell(f"job {job_id}")
-
-    def cgroup(self, lines: list[str]) -> None:
-        for line in lines:
-            self._tell(line)
-
-    def _close(self) -> None:
-        if self.pipe is not None:
-            try:
-                os.close(self.pipe)
-            except OSError:
-                pass
-            self.pipe = None
+        self.tell(f"job {job_id}")
 
     def let_go(self) -> None:
         """Close this process's end of the pipe without a word (another process holds it too)."""
-        self._close()
+        if self.pipe is not None:
+            with suppress(OSError):
+                os.close(self.pipe)
+            self.pipe = None
 
     def stand_down(self) -> None:
         """The launcher cleaned up itself: the watchdog kills nothing, removes the empty cgroup
         once the launcher is gone, and exits (it is not waited for: that happens after we exit)."""
-        self._tell("done")
-        self._close()
+        self.tell("done")
+        self.let_go()
 
 
 class JobGuard:
@@ -391,7 +364,9 @@ class JobGuard:
         self.watchdog = Watchdog()
         self.watchdog.start()
         self.watchdog.job(job_id)
-        self.entering: Entering | None = Entering(job_id, env, made=self._made)
+        # made: told on the entering thread, before msrun moves in, so that msrun dying at any point
+        # from then on (SIGKILL while it plans) leaves no cgroup behind
+        self.entering: Entering | None = Entering(job_id, env, lambda cg: self.watchdog.tell(cg.watchdog_line()))
         self.cgroup: JobCgroup | None = None
         self.handed_off = False  # another process (the detached supervisor) owns the job now
         self.spare: set[int] = set()  # not part of the job although in its cgroup (the launcher)
@@ -409,11 +384,6 @@ class JobGuard:
             timeline.mark("in the job's cgroup" if self.cgroup is not None else "no cgroup")
             self.entering = None
         return self.cgroup
-
-    def _made(self, cgroup: JobCgroup) -> None:
-        """On the entering thread: the watchdog knows the cgroup before msrun moves in, so that
-        msrun dying at any point from then on (SIGKILL while it plans) leaves no cgroup behind."""
-        self.watchdog.cgroup(cgroup.watchdog_lines())
 
     def describe(self) -> str:
         if self.cgroup is not None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-from pytest_msrun.engine import heldsignals
+from pytest_msrun.engine import heldsignals, suppress
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.plan import NodeFacts
@@ -61,11 +61,9 @@ def _supervise(cfg: LaunchConfig, facts: NodeFacts, write_fd: int, guard: JobGua
     def console_done(code: int) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
-        try:
+        with suppress(OSError):
             os.write(write_fd, f"{code}\n".encode())
             os.close(write_fd)
-        except OSError:
-            pass
         # A job that did not start (a launch error: nothing to supervise) leaves no log behind.
         log_path = os.path.join(cfg.log_dir or ".", SUPERVISOR_LOG) if code == 0 else os.devnull
         try:

@@ -81,14 +81,9 @@ def holdable(argv: list[str], env: Mapping[str, str]) -> bool:
         return False
     if _python_binary(path):
         return runs_hook_first(argv[1:])
-    try:
-        with open(path, "rb") as fh:
-            first = fh.readline(512)
-    except OSError:
-        return False
-    if not first.startswith(b"#!"):
-        return False
-    words = first[2:].decode(errors="replace").split()
+    from pytest_msrun.engine.taskcmd import shebang
+
+    words = shebang(path)
     if len(words) >= 2 and os.path.basename(words[0]) == "env" and os.sep in words[0]:
         interpreter = which(words[1], path=env.get("PATH", os.defpath)) if not words[1].startswith("-") else None
         words = words[1:]

@@ -10,10 +10,7 @@ from collections.abc import Callable
 from pytest_msrun.engine import console, timeline
 from pytest_msrun.engine.kinds import JobState, Role
 from pytest_msrun.engine.noderun import NodeRun
-from pytest_msrun.engine.observers import (
-    JobEvent,
-    JobResult,
-)
+from pytest_msrun.engine.observers import JobEvent, JobResult
 from pytest_msrun.engine.policy import EXIT_LAUNCH_ERROR, Ending
 from pytest_msrun.engine.status import JobStatus, ProcessStatus
 

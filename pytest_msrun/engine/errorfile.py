@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from pytest_msrun.engine import suppress
 from pytest_msrun.record import asdict, record
 
 TYPE_CHECKING = False
@@ -70,10 +71,8 @@ def hook_env(package_root: str, base_env: Mapping[str, str], error_file: str) ->
 
 def clear(path: str) -> None:
     """Remove a previous run's record, so a rank is never blamed for an old exception."""
-    try:
+    with suppress(OSError):
         os.unlink(path)
-    except OSError:
-        pass
 
 
 def read_error(path: str) -> RankError | None:
@@ -85,24 +84,18 @@ def read_error(path: str) -> RankError | None:
             raw = fh.read(MAX_RECORD_BYTES + 1)
     except OSError:
         return None
-    if len(raw) > MAX_RECORD_BYTES:
-        return None
     import json  # not on msrun's start path
 
     try:
-        data = json.loads(raw.decode("utf-8", errors="replace"))
+        data = json.loads(raw.decode("utf-8", errors="replace")) if len(raw) <= MAX_RECORD_BYTES else None
     except ValueError:
         return None
     if not isinstance(data, dict):
         return None
-    text = {k: data.get(k) for k in ("type", "message", "traceback")}
+    text: dict[str, Any] = {k: data.get(k) for k in ("type", "message", "traceback")}
     if not all(isinstance(v, str) for v in text.values()):
         return None
     when, pid = data.get("time"), data.get("pid")
     return RankError(
-        type=str(text["type"]),
-        message=str(text["message"]),
-        traceback=str(text["traceback"]),
-        time=float(when) if isinstance(when, (int, float)) else 0.0,
-        pid=pid if isinstance(pid, int) else 0,
+        **text, time=float(when) if isinstance(when, (int, float)) else 0.0, pid=pid if isinstance(pid, int) else 0
     )

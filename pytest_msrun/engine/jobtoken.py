@@ -31,6 +31,7 @@ import stat
 from collections.abc import Mapping
 
 from pytest_msrun.control.wire import strengthen, weakness
+from pytest_msrun.engine import suppress
 from pytest_msrun.fileio import describe_kind
 from pytest_msrun.fileio import unsafe_directory as _unsafe_directory
 from pytest_msrun.record import record
@@ -140,10 +141,8 @@ def user_secret(env: Mapping[str, str]) -> tuple[str, str]:
         except OSError as exc:
             return "", f"cannot create {path}: {exc.strerror or exc}"
         finally:
-            try:
+            with suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
     return _read_secret(path)
 
 
@@ -175,12 +174,10 @@ def job_token(
         return JobToken(derive(secret, *identity), f"this user's secret {secret_path(env)}")
     if os.path.exists(secret_path(env)):  # there, but unusable: fail closed
         raise TokenError(f"the msrun secret {secret_path(env)}: {problem}")
-    return JobToken("", "none", _unauthenticated(problem, master_ip, master_port))
-
-
-def _unauthenticated(problem: str, master_ip: str, master_port: int) -> str:
-    return (
+    return JobToken(
+        "",
+        "none",
         f"this job runs WITHOUT authentication ({problem}): any process that can reach "
         f"{master_ip}:{master_port} can join it or abort it. Set {TOKEN_ENV} to the same secret on every "
-        f"node, or {TOKEN_FILE_ENV} to a file only you can read."
+        f"node, or {TOKEN_FILE_ENV} to a file only you can read.",
     )

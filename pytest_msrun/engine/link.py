@@ -43,7 +43,6 @@ class ControlLink:
         self.scheduler_pid = 0  # from its welcome, when it runs on this host
         self.next_hb = 0.0
         self.deferred: list[dict[str, Any]] = []
-        self.queued: list[dict[str, Any]] = []  # sent before this node registered
         self.joined = False
         self.done_sent_at = 0.0
         self.done_acked = False
@@ -95,12 +94,6 @@ class ControlLink:
         self.last_seen = self.clock.tick()
         self.joined = True
 
-    def flush_queued(self) -> None:
-        """Send what was said before this node registered (workers may start first)."""
-        queued, self.queued = self.queued, []
-        for msg in queued:
-            self.send(msg)
-
     def buffered(self) -> bool:
         """Whether messages were read from the socket but not yet returned by :meth:`read`."""
         return self.channel is not None and bool(self.channel.pending)
@@ -122,8 +115,6 @@ class ControlLink:
 
     def send(self, msg: dict[str, Any]) -> None:
         if self.channel is None:
-            if not self.joined:
-                self.queued.append(msg)
             return
         try:
             self.channel.send(msg)

@@ -15,7 +15,7 @@ import signal
 from enum import Enum
 
 from pytest_msrun.control import wire
-from pytest_msrun.engine import heldsignals
+from pytest_msrun.engine import heldsignals, suppress
 from pytest_msrun.engine.processes import Child
 from pytest_msrun.record import field, record
 
@@ -78,19 +78,13 @@ class EventLoop:
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._old_handlers.items():
-            try:
+            with suppress(ValueError, TypeError):
                 signal.signal(sig, handler)
-            except (ValueError, TypeError):
-                pass
-        try:
+        with suppress(ValueError):
             signal.set_wakeup_fd(self._old_wakeup)
-        except ValueError:
-            pass
         for fd in (self._wake_r, self._wake_w):
-            try:
+            with suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self.epoll.close()
 
     def _register(self, fd: int, source: Any) -> None:
@@ -99,10 +93,8 @@ class EventLoop:
 
     def _unregister(self, fd: int) -> None:
         if self.sources.pop(fd, None) is not None:
-            try:
+            with suppress(ValueError, OSError):  # closed meanwhile
                 self.epoll.unregister(fd)
-            except (ValueError, OSError):  # closed meanwhile
-                pass
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if signum != signal.SIGCHLD and self.signal_received is None:
@@ -141,11 +133,9 @@ class EventLoop:
             events.extend(self._read_link())
         for fd, source in ready:
             if source == "signal":
-                try:
+                with suppress(OSError):
                     while os.read(self._wake_r, 512):
                         pass
-                except OSError:
-                    pass
                 exited = [c for c in self.children if c.alive and c.reap()]
                 events.extend(Event(EventKind.EXITED, child=c) for c in exited)
             elif source == "link":

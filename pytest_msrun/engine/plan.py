@@ -111,24 +111,11 @@ class ProcessSpec:
         return f"rank {self.rank}" if self.rank is not None else f"local worker {self.local_index}"
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "role": str(self.role),
-            "local_index": self.local_index,
-            "rank": self.rank,
-            "argv": list(self.argv),
-            "exported": {k: v for k, v in self.exported.items() if k not in childenv.INTERNAL_VARS},
-            "log_path": self.log_path,
-            "tail": self.tail,
-            "cpus": self.cpus,
-            "mems": self.mems,
-            "bind_prefix": list(self.bind_prefix),
-            "in_child_cpus": self.in_child_cpus,
-            "device": self.device,
-            "bind_how": self.bind_how,
-            "error_file": self.error_file,
-            "command": self.command,
-        }
+        out: dict[str, Any] = {k: getattr(self, k) for k in fields(self) if k != "env"}  # in their order
+        out.update(role=str(self.role), argv=list(self.argv), bind_prefix=list(self.bind_prefix))
+        out["exported"] = {k: v for k, v in self.exported.items() if k not in childenv.INTERNAL_VARS}
+        out["command"] = self.command
+        return out
 
 
 @record(frozen=True, eq=False)
@@ -221,10 +208,6 @@ def _join(log_dir: str, name: str) -> str:
     return f"{log_dir.rstrip('/')}/{name}" if log_dir else name
 
 
-def mode_of(cfg: LaunchConfig, facts: NodeFacts) -> SchedulerMode:
-    return SchedulerMode.NONE if cfg.dry_run else SchedulerMode(facts.scheduler_mode)
-
-
 def rank_layout(cfg: LaunchConfig, mode: SchedulerMode, assignment: RankAssignment | None = None) -> Layout:
     """Where this node's workers sit: known now (one node, --node_rank, a dry run, an assignment),
     to be assigned by the control plane before they start, or left to MindSpore."""
@@ -264,19 +247,7 @@ def job_context(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, layout
     rank_size = str(cfg.worker_num)
     if cfg.sim_from_env and facts.base_env.get("RANK_SIZE"):
         rank_size = facts.base_env["RANK_SIZE"]
-    bind_file = cfg.bind_numa.file if cfg.bind_numa.kind == "unified" else ""
-    common = childenv.common_vars(
-        worker_num=cfg.worker_num,
-        rank_size=rank_size,
-        job_id=facts.job_id,
-        job_token=facts.job_token if mode.has_control_plane else "",
-        scheduler_mode=str(mode),
-        log_dir=cfg.log_dir,
-        rank_table_file=cfg.rank_table_file,
-        sim_level=cfg.sim_level if cfg.dry_run else -1,
-        bind_file=bind_file,
-        bind_file_hash=cfg.bind_numa.file_hash if bind_file else "",
-    )
+    common = childenv.common_vars(cfg, facts, mode, rank_size)
     base = childenv.inherited(facts.base_env, keep=("MS_SIMULATION_LEVEL",) if cfg.sim_from_env else ())
     if not cfg.dry_run:
         base.pop("MS_SIMULATION_LEVEL", None)
@@ -302,17 +273,19 @@ def job_context(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, layout
     return JobContext(base, common, binding, log_base, None if tail is None else tuple(tail))
 
 
-def _placed(placement: Placement | None) -> dict[str, Any]:
-    if placement is None:
-        return {}
-    return {
-        "cpus": placement.cpus,
-        "mems": placement.mems,
-        "bind_prefix": list(placement.prefix),
-        "in_child_cpus": placement.in_child_cpus,
-        "device": placement.device,
-        "bind_how": placement.how,
-    }
+def _spec(
+    ctx: JobContext, placement: Placement | None, exported: dict[str, str], extra: dict[str, str], **fields: Any
+) -> ProcessSpec:
+    """One process: ``exported`` (what msrun shows it exports) gets its placement's variables and
+    its error file (``extra``'s, which its environment alone gets too) added."""
+    error_file = extra.get(errorfile.ERROR_FILE_VAR, "")
+    if placement is not None:
+        exported.update(placement.env)
+        fields.update(cpus=placement.cpus, mems=placement.mems, bind_prefix=list(placement.prefix))
+        fields.update(in_child_cpus=placement.in_child_cpus, device=placement.device, bind_how=placement.how)
+    if error_file:
+        exported[errorfile.ERROR_FILE_VAR] = error_file
+    return ProcessSpec(env={**ctx.base_env, **exported, **extra}, exported=exported, error_file=error_file, **fields)
 
 
 def scheduler_spec(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, ctx: JobContext) -> ProcessSpec:
@@ -330,28 +303,15 @@ def scheduler_spec(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, ctx
     else:  # the task itself: its exceptions are recorded like a worker's
         argv = list(facts.task_argv)
         extra = errorfile.hook_env(facts.package_root, ctx.base_env, errorfile.error_file_for(log_path))
-    placement = ctx.binding.scheduler if ctx.binding is not None else None
     exported = {
         **ctx.common,
         **childenv.cluster_vars("MS_SCHED", facts.master_ip, facts.master_port, cfg.cluster_time_out),
         "RANK_ID": "0",
         childenv.PLUGIN_ROLE_VAR: "scheduler",
-        **(placement.env if placement is not None else {}),
     }
-    if errorfile.ERROR_FILE_VAR in extra:
-        exported[errorfile.ERROR_FILE_VAR] = extra[errorfile.ERROR_FILE_VAR]
-    return ProcessSpec(
-        name="scheduler",
-        role=Role.SCHEDULER,
-        local_index=-1,
-        rank=None,
-        argv=argv,
-        env={**ctx.base_env, **exported, **extra},
-        exported=exported,
-        log_path=log_path,
-        error_file=extra.get(errorfile.ERROR_FILE_VAR, ""),
-        **_placed(placement),
-    )
+    placement = ctx.binding.scheduler if ctx.binding is not None else None
+    what = dict(name="scheduler", role=Role.SCHEDULER, local_index=-1, rank=None, argv=argv, log_path=log_path)
+    return _spec(ctx, placement, exported, extra, **what)
 
 
 def worker_spec(cfg: LaunchConfig, facts: NodeFacts, layout: Layout, ctx: JobContext, i: int) -> ProcessSpec:
@@ -376,26 +336,20 @@ def worker_spec(cfg: LaunchConfig, facts: NodeFacts, layout: Layout, ctx: JobCon
             )
         )
     exported[childenv.PLUGIN_ROLE_VAR] = "worker"
-    placement = ctx.binding.workers[i] if ctx.binding is not None else None
-    if placement is not None:
-        exported.update(placement.env)
     suffix = 0 if layout.single_rank is not None else (i if rank is None else rank)
     log_path = _join(cfg.log_dir, f"{ctx.log_base}_{suffix}.log")
-    hook = errorfile.hook_env(facts.package_root, ctx.base_env, errorfile.error_file_for(log_path))
-    if hook:
-        exported[errorfile.ERROR_FILE_VAR] = hook[errorfile.ERROR_FILE_VAR]
-    return ProcessSpec(
+    return _spec(
+        ctx,
+        ctx.binding.workers[i] if ctx.binding is not None else None,
+        exported,
+        errorfile.hook_env(facts.package_root, ctx.base_env, errorfile.error_file_for(log_path)),
         name=f"worker_{suffix}",
         role=Role.WORKER,
         local_index=i,
         rank=rank,
         argv=list(facts.task_argv),
-        env={**ctx.base_env, **exported, **hook},
-        exported=exported,
         log_path=log_path,
         tail=cfg.join and (ctx.tail is None or (rank is not None and rank in ctx.tail)),
-        error_file=hook.get(errorfile.ERROR_FILE_VAR, ""),
-        **_placed(placement),
     )
 
 
@@ -437,7 +391,7 @@ def build_plan(cfg: LaunchConfig, facts: NodeFacts, *, hosts_scheduler: bool | N
     another agent on this host already holds the scheduler port). Multi-node jobs with a control
     plane have pending ranks until :func:`assign`.
     """
-    mode = mode_of(cfg, facts)
+    mode = SchedulerMode.NONE if cfg.dry_run else SchedulerMode(facts.scheduler_mode)
     layout = rank_layout(cfg, mode)
     ctx = job_context(cfg, facts, mode, layout)
     hosts = (facts.address_is_local if hosts_scheduler is None else hosts_scheduler) and not cfg.dry_run

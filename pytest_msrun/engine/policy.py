@@ -68,13 +68,11 @@ class Policy:
         rc = child.returncode
         if rc in (0, None):
             return None
+        failure = failure_of(label, rc, child.ended or time.time(), log, child.pid, self.host)
         if settled and is_worker:
-            failure = failure_of(label, rc, child.ended or time.time(), log, child.pid, self.host)
             self.settled[child.pid] = replace(failure, description=f"{failure.description} ({settled})")
             return None
         if is_worker or self.remote_code is None:  # a scheduler ending an abort it sent explains nothing
-            assert rc is not None
-            failure = failure_of(label, rc, child.ended or time.time(), log, child.pid, self.host)
             self.failures.append(replace(failure, error=error))
         return self.first_failure()
 

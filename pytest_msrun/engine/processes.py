@@ -19,9 +19,10 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 
+from pytest_msrun.engine import suppress
 from pytest_msrun.fileio import make_dirs, open_output_fd
 from pytest_msrun.pathsearch import which
-from pytest_msrun.proc import wait_readable
+from pytest_msrun.proc import descendants, wait_readable
 from pytest_msrun.record import record
 from pytest_msrun.waiting import wait_until
 
@@ -39,19 +40,6 @@ PR_SET_CHILD_SUBREAPER = 36
 _DEFAULT_IN_CHILD = (signal.SIGPIPE, signal.SIGXFSZ)
 
 _prctl_call: Any = None  # calls libc's prctl(2) with five integers; loaded once
-
-
-class _suppress:
-    """``contextlib.suppress``, without importing :mod:`contextlib` on msrun's start path."""
-
-    def __init__(self, *exceptions: type[BaseException]) -> None:
-        self.exceptions = exceptions
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, etype: type[BaseException] | None, value: object, tb: object) -> bool:
-        return etype is not None and issubclass(etype, self.exceptions)
 
 
 def _load_prctl() -> Any:
@@ -126,40 +114,6 @@ def resolve(program: str, env: Mapping[str, str]) -> str:
     return found
 
 
-def spawn_pid(
-    argv: list[str],
-    env: Mapping[str, str],
-    *,
-    stdin_fd: int | None = None,
-    output_fd: int | None = None,
-    new_session: bool = True,
-    cpus: list[int] | None = None,
-) -> int:
-    """Start ``argv`` with ``posix_spawn``; returns its pid.
-
-    ``stdin_fd``/``output_fd``: what the child gets as fd 0 / fds 1 and 2 (None: this process's).
-    Only inheritable descriptors reach the child (Python opens everything close-on-exec).
-    ``cpus``: the CPUs the child may run on, inherited from this thread's affinity at spawn.
-    """
-    actions: list[tuple[Any, ...]] = []
-    if stdin_fd is not None:
-        actions.append((os.POSIX_SPAWN_DUP2, stdin_fd, 0))
-    if output_fd is not None:
-        actions += [(os.POSIX_SPAWN_DUP2, output_fd, 1), (os.POSIX_SPAWN_DUP2, output_fd, 2)]
-    path = resolve(argv[0], env)
-    saved = None
-    if cpus is not None:  # binding without taskset: the child starts with this thread's affinity
-        saved = os.sched_getaffinity(0)
-        os.sched_setaffinity(0, cpus)
-    try:
-        return os.posix_spawn(
-            path, argv, env, file_actions=actions, setsid=new_session, setsigdef=_DEFAULT_IN_CHILD, setsigmask=()
-        )
-    finally:
-        if saved is not None:
-            os.sched_setaffinity(0, saved)
-
-
 def fork_call(
     call: str,
     env: Mapping[str, str],
@@ -187,39 +141,53 @@ def fork_call(
     ``cpus`` and ``mems`` (``MPOL_BIND``) are this thread's around the fork, so the child has them
     from its first instruction (as ``taskset``'s and ``numactl``'s would, before anyone looks)."""
     saved = os.sched_getaffinity(0) if cpus is not None else None
-    blocked = block_signals_for_fork()
-    try:
+
+    def place_and_fork() -> int:
         if cpus is not None:
             os.sched_setaffinity(0, cpus)
         if mems:
             set_memory_policy(mems)
-        pid = os.fork()
-    except BaseException:
-        _restore_placement(saved, bool(mems))
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        raise
-    if pid:
-        _restore_placement(saved, bool(mems))
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        return pid
-    code = 1
-    try:
+        return os.fork()
+
+    def run() -> int:
         become_fresh_child(env, stdin_fd=stdin_fd, stdout_fd=output_fd, stderr_fd=output_fd, keep_fds=keep_fds)
         # what ps and top show: the program a command stands for, else msrun's part
         comm = os.path.basename(args[0]) if args else f"msrun-{call}"
-        with _suppress(OSError), open("/proc/self/comm", "w") as fh:
+        with suppress(OSError), open("/proc/self/comm", "w") as fh:
             fh.write(comm[:15])
         from pytest_msrun.targets import resolve
 
         target = resolve(call)
         result = target(dict(env)) if args is None else target(dict(env), list(args))
-        code = result if isinstance(result, int) else 0
+        return result if isinstance(result, int) else 0
+
+    return forked(run, place_and_fork, lambda: _restore_placement(saved, bool(mems)))
+
+
+def forked(body: Callable[[], int], fork: Callable[[], int], undo: Callable[[], None] = lambda: None) -> int:
+    """Run ``body`` in a child that ``fork`` makes, with every signal blocked across the fork (see
+    :func:`fork_call`); returns its pid here, once ``undo`` ran. In the child ``body()``'s result is
+    the exit status (a ``SystemExit``'s as the interpreter computes it; another exception is
+    printed, and gives 1), after the standard streams are flushed."""
+    blocked = block_signals_for_fork()
+    pid = -1
+    try:
+        pid = fork()
+    finally:
+        if pid:  # here: forked, or the fork failed
+            undo()
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    if pid:
+        return pid
+    code = 1
+    try:
+        code = body()
     except SystemExit as exc:
         code = exit_code_of(exc)
     except BaseException:
         import traceback
 
-        with _suppress(Exception):
+        with suppress(Exception):
             traceback.print_exc()
     finally:
         flush_std_streams()
@@ -265,7 +233,7 @@ def _restore_placement(cpus: set[int] | None, mems: bool) -> None:
 def flush_std_streams() -> None:
     """Write out what ``sys.stdout`` and ``sys.stderr`` buffer (a closed or broken stream is skipped)."""
     for stream in (sys.stdout, sys.stderr):
-        with _suppress(Exception):
+        with suppress(Exception):
             stream.flush()
 
 
@@ -283,7 +251,7 @@ def exit_code_of(exc: SystemExit) -> int:
         return 0
     if isinstance(exc.code, int):
         return exc.code & 0xFF
-    with _suppress(Exception):
+    with suppress(Exception):
         print(exc.code, file=sys.stderr)
     return 1
 
@@ -295,7 +263,6 @@ def become_fresh_child(
     stdout_fd: int | None,
     stderr_fd: int | None,
     keep_fds: tuple[int, ...] = (),
-    unbuffered: bool = False,
 ) -> None:
     """In a forked child whose signals are blocked (:func:`block_signals_for_fork`): a session
     of its own, signals as a fresh interpreter has them and unblocked, fds 0-2 as given with fresh
@@ -305,11 +272,11 @@ def become_fresh_child(
 
     gc.freeze()  # the parent's objects: never walked here (nor copied by collections)
     gc.enable()  # as a fresh interpreter has it (msrun holds it off while it starts)
-    with _suppress(ValueError, OSError):
+    with suppress(ValueError, OSError):
         signal.set_wakeup_fd(-1)
     for sig in signal.valid_signals():
         if sig not in (signal.SIGKILL, signal.SIGSTOP):
-            with _suppress(OSError, ValueError):
+            with suppress(OSError, ValueError):
                 signal.signal(sig, signal.SIG_DFL)
     # as a fresh interpreter has them: KeyboardInterrupt, and EPIPE / EFBIG rather than death
     signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -324,9 +291,7 @@ def become_fresh_child(
     # fresh streams on fds 0-2: this process's may be anything (pytest's capture, say)
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
     for name, fd in (("stdout", 1), ("stderr", 2)):
-        raw = io.FileIO(fd, "w", closefd=False)
-        # write_through: PYTHONUNBUFFERED's streams (every write reaches the fd at once)
-        stream = io.TextIOWrapper(raw, encoding="utf-8", line_buffering=True, write_through=unbuffered)
+        stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), encoding="utf-8", line_buffering=True)
         setattr(sys, name, stream)
     low = 3
     for fd in sorted(keep_fds):
@@ -398,7 +363,7 @@ class Child:
         self.returncode = os.waitstatus_to_exitcode(status)
         self.ended = time.time()
         if self.pidfd is not None:
-            with _suppress(OSError):
+            with suppress(OSError):
                 os.close(self.pidfd)
         return True
 
@@ -408,7 +373,7 @@ class Child:
         if self.returncode is not None:
             return self.returncode
         if timeout > 0 and self.pidfd is not None:
-            with _suppress(OSError, ValueError):
+            with suppress(OSError, ValueError):
                 wait_readable(self.pidfd, timeout)
         try:
             info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -417,11 +382,6 @@ class Child:
         if info is None or info.si_pid == 0:
             return None
         return -info.si_status if info.si_code in (os.CLD_KILLED, os.CLD_DUMPED) else info.si_status
-
-
-def exit_status(returncode: int) -> int:
-    """Shell-style status: the code, or 128+N for a death by signal N."""
-    return 128 - returncode if returncode < 0 else returncode
 
 
 def describe_returncode(returncode: int) -> str:
@@ -435,7 +395,9 @@ def describe_returncode(returncode: int) -> str:
 
 
 def spawn(launch: Launch, tag: Any = None) -> Child:
-    """Start ``launch`` with its log file as stdout+stderr (truncated, as msrun does)."""
+    """Start ``launch`` with its log file as stdout+stderr (truncated, as msrun does): in a fork
+    (``call``), or with ``posix_spawn``, which passes only inheritable descriptors (Python opens
+    everything close-on-exec) and starts the child with this thread's affinity (``in_child_cpus``)."""
     log_dir = os.path.dirname(launch.log_path)
     if log_dir:
         make_dirs(log_dir)
@@ -443,6 +405,7 @@ def spawn(launch: Launch, tag: Any = None) -> Child:
     null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) if launch.stdin_devnull else None
     for fd in launch.pass_fds:
         os.set_inheritable(fd, True)
+    cpus, saved = launch.in_child_cpus, None
     try:
         if launch.call:
             pid = fork_call(
@@ -451,15 +414,25 @@ def spawn(launch: Launch, tag: Any = None) -> Child:
                 stdin_fd=null,
                 output_fd=log,
                 keep_fds=launch.pass_fds,
-                cpus=launch.in_child_cpus,
+                cpus=cpus,
                 mems=launch.in_child_mems,
                 args=launch.call_args,
             )
         else:
-            pid = spawn_pid(launch.argv, launch.env, stdin_fd=null, output_fd=log, cpus=launch.in_child_cpus)
+            argv, env = launch.argv, launch.env
+            actions = [(os.POSIX_SPAWN_DUP2, fd, n) for fd, n in ((null, 0), (log, 1), (log, 2)) if fd is not None]
+            path = resolve(argv[0], env)
+            if cpus is not None:  # binding without taskset: the child starts with this thread's affinity
+                saved = os.sched_getaffinity(0)
+                os.sched_setaffinity(0, cpus)
+            pid = os.posix_spawn(
+                path, argv, env, file_actions=actions, setsid=True, setsigdef=_DEFAULT_IN_CHILD, setsigmask=()
+            )
     finally:
+        if saved is not None:
+            os.sched_setaffinity(0, saved)
         for fd in launch.pass_fds:
-            with _suppress(OSError):
+            with suppress(OSError):
                 os.set_inheritable(fd, False)
         os.close(log)
         if null is not None:
@@ -482,7 +455,7 @@ def close_inherited_descriptors() -> None:
     for name in names:
         fd = int(name)
         if fd > 2:
-            with _suppress(OSError):
+            with suppress(OSError):
                 if os.get_inheritable(fd):
                     os.set_inheritable(fd, False)
 
@@ -502,62 +475,6 @@ def signal_group(pid: int, sig: int) -> bool:
         return True
     except (ProcessLookupError, PermissionError):
         return False
-
-
-def children_of(pid: int) -> list[int]:
-    """Direct children of ``pid`` from ``/proc`` (all threads)."""
-    out: list[int] = []
-    task_dir = f"/proc/{pid}/task"
-    try:
-        tids = os.listdir(task_dir)
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"{task_dir}/{tid}/children") as fh:
-                out.extend(int(x) for x in fh.read().split())
-        except OSError:
-            continue
-    return out
-
-
-def descendants_of(pid: int) -> list[int]:
-    """Every live descendant of ``pid`` (breadth first)."""
-    seen: list[int] = []
-    frontier = children_of(pid)
-    while frontier:
-        nxt: list[int] = []
-        for p in frontier:
-            if p not in seen:
-                seen.append(p)
-                nxt.extend(children_of(p))
-        frontier = nxt
-    return seen
-
-
-def reap_orphans(exclude: Iterable[int] = ()) -> None:
-    """Reap zombies re-parented to this (subreaper) process, except pids still owned elsewhere."""
-    skip = set(exclude)
-    for pid in children_of(os.getpid()):
-        if pid in skip:
-            continue
-        with _suppress(ChildProcessError, OSError):
-            os.waitpid(pid, os.WNOHANG)
-
-
-def sweep_descendants(exclude: Iterable[int] = ()) -> list[int]:
-    """SIGKILL every descendant of this process not in ``exclude``; returns the pids hit."""
-    skip = set(exclude)
-    hit: list[int] = []
-    for pid in descendants_of(os.getpid()):
-        if pid in skip:
-            continue
-        try:
-            os.kill(pid, signal.SIGKILL)
-            hit.append(pid)
-        except (ProcessLookupError, PermissionError):
-            pass
-    return hit
 
 
 class ProcessGroup:
@@ -583,15 +500,6 @@ class ProcessGroup:
 
     def alive(self) -> list[Child]:
         return [c for c in self.children if c.alive]
-
-    def put_first(self, child: Child) -> None:
-        """List ``child`` first (the scheduler, started after workers that started first)."""
-        self.children.remove(child)
-        self.children.insert(0, child)
-
-    def forget(self, child: Child) -> None:
-        """Drop a finished child (a dry run keeps only what runs in memory)."""
-        self.children.remove(child)
 
     def terminate(self, children: Iterable[Child]) -> None:
         """SIGTERM to each of ``children`` still running - once: a second SIGTERM would run its
@@ -625,14 +533,23 @@ class ProcessGroup:
         for child in self.children:
             child.signal(signal.SIGKILL)
         exclude = [p for p in (self.guard.watchdog.pid,) if p]
-        hit = sweep_descendants(exclude=exclude)
+        skip, hit = set(exclude), []
+        for pid in descendants(os.getpid())[1:]:  # re-parented to this subreaper, or below
+            if pid not in skip:
+                skip.add(pid)
+                with suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+                    hit.append(pid)
         hit += [p for p in self.guard.kill_members() if p not in hit]
+
+        def swept() -> bool:  # zombies reaped (only this process's children can be) and none left
+            for pid in descendants(os.getpid())[1:]:
+                if pid not in exclude:
+                    with suppress(ChildProcessError, OSError):
+                        os.waitpid(pid, os.WNOHANG)
+            return descendants(os.getpid())[1:] == exclude
+
         if hit:
-
-            def swept() -> bool:
-                reap_orphans(exclude=exclude)
-                return descendants_of(os.getpid()) == exclude
-
             wait_until(swept, 2.0, 0.005)
-        reap_orphans(exclude=exclude)
+        swept()
         return hit

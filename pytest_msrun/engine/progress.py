@@ -43,11 +43,11 @@ class StatusLine:
         self.shown = ""
         self.drawn_at = 0.0
 
-    def show(self, text: str, now: bool = False) -> None:
+    def show(self, text: str) -> None:
         if not self.enabled or text == self.shown:
             return
         at = time.monotonic()
-        if not now and at - self.drawn_at < MIN_INTERVAL:
+        if at - self.drawn_at < MIN_INTERVAL:
             return
         self.drawn_at = at
         self.shown = text

@@ -16,7 +16,7 @@ Both are opt-in and neutral - msrun knows nothing of pytest; a suite's ranks use
 
 Files: ``<log_dir>/msrun_ranks/rank<N>.settled`` and ``rank<N>.deadline`` (JSON), written whole
 (``os.replace``). One ``stat`` of that directory per look tells msrun whether anything changed.
-Standard library only.
+Standard library only, but for the package's own records.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Mapping
+
+from pytest_msrun.engine import suppress
+from pytest_msrun.record import record
 
 NOTES_DIR = "msrun_ranks"
 TIMEOUT_EXIT = 124  # timeout(1)'s status: a rank that ran out of time
@@ -45,11 +48,9 @@ def _write(path: str, data: dict[str, object]) -> None:
 
     from pytest_msrun.fileio import private_dir, write_whole
 
-    try:
+    with suppress(OSError):
         private_dir(os.path.dirname(path))
         write_whole(path, json.dumps(data))
-    except OSError:
-        pass
 
 
 def _read(path: str) -> dict[str, object] | None:
@@ -92,10 +93,8 @@ def set_deadline(seconds: float, what: str, stack_signal: int = 0, env: Mapping[
 def clear_deadline(env: Mapping[str, str] = os.environ) -> None:
     where = _where(env)
     if where is not None:
-        try:
+        with suppress(OSError):
             os.unlink(_path(*where, "deadline"))
-        except OSError:
-            pass
 
 
 # ---------------------------------------------------------------- msrun's side
@@ -107,17 +106,17 @@ def settled_status(log_dir: str, rank: int, pid: int, code: int) -> str | None:
     return str(note.get("why") or "its own result")
 
 
+@record(eq=False)
 class Late:
     """A rank found past its deadline."""
 
-    def __init__(self, rank: int, pid: int, due: float, seconds: float, what: str, stack_signal: int) -> None:
-        self.rank = rank
-        self.pid = pid
-        self.due = due
-        self.seconds = seconds
-        self.what = what
-        self.stack_signal = stack_signal
-        self.stopped = False  # msrun found the process stopped (SIGSTOP, SIGTSTP, a tracer)
+    rank: int
+    pid: int
+    due: float
+    seconds: float
+    what: str
+    stack_signal: int
+    stopped: bool = False  # msrun found the process stopped (SIGSTOP, SIGTSTP, a tracer)
 
     def describe(self) -> str:
         why = "it was stopped (SIGSTOP, SIGTSTP or a tracer)" if self.stopped else "and could not end itself"
@@ -169,13 +168,6 @@ class DeadlineWatch:
             return None
         due, rank = min(overdue)
         note = self.deadlines.pop(rank)
-        seconds = note.get("seconds")
-        signal = note.get("signal")
-        return Late(
-            rank,
-            self.pids[rank],
-            due,
-            float(seconds) if isinstance(seconds, (int, float)) else 0.0,
-            str(note.get("what") or "its work"),
-            signal if isinstance(signal, int) else 0,
-        )
+        seconds, signal, what = note.get("seconds"), note.get("signal"), str(note.get("what") or "its work")
+        seconds = float(seconds) if isinstance(seconds, (int, float)) else 0.0
+        return Late(rank, self.pids[rank], due, seconds, what, signal if isinstance(signal, int) else 0)

@@ -111,7 +111,6 @@ class SlurmStep:
     node_id: int
     nodes: list[str]  # the step's hosts, in node-id order
     tasks: list[int]  # tasks on each node of the step
-    node_name: str
 
     @property
     def num_nodes(self) -> int:
@@ -152,7 +151,6 @@ def slurm_step(env: Mapping[str, str]) -> SlurmStep | None:
         node_id=node_id,
         nodes=nodes,
         tasks=tasks,
-        node_name=env.get("SLURMD_NODENAME", ""),
     )
 
 

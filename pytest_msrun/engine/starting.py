@@ -15,16 +15,8 @@ from pytest_msrun.control import wire
 from pytest_msrun.engine import console, errorfile, timeline
 from pytest_msrun.engine.kinds import Role
 from pytest_msrun.engine.noderun import NodeRun
-from pytest_msrun.engine.observers import (
-    BindingsObserver,
-    JobEvent,
-)
-from pytest_msrun.engine.plan import (
-    SCHEDULER_MODULE,
-    LaunchPlan,
-    ProcessSpec,
-    build_plan,
-)
+from pytest_msrun.engine.observers import BindingsObserver, JobEvent
+from pytest_msrun.engine.plan import SCHEDULER_MODULE, LaunchPlan, ProcessSpec, build_plan
 from pytest_msrun.engine.ports import EXIT_USAGE, LaunchError, claim_again
 from pytest_msrun.engine.processes import Child, Launch
 from pytest_msrun.engine.tail import LogTailer, prefix_for
@@ -222,8 +214,9 @@ class Starter:
         self.node.first = None
         first.let_go()
         scheduler = self.scheduler_child
-        if scheduler is not None:  # listed (status, summary) in msrun's order too
-            self.node.group.put_first(scheduler)
+        if scheduler is not None:  # listed (status, summary) first, in msrun's order too
+            self.node.group.children.remove(scheduler)
+            self.node.group.children.insert(0, scheduler)
         for child in first.children:
             self.emit(JobEvent.PROCESS_STARTED, child)
 

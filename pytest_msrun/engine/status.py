@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 
+from pytest_msrun.engine import suppress
 from pytest_msrun.fileio import write_whole
 from pytest_msrun.record import asdict, field, fields, record
 
@@ -74,8 +75,7 @@ class JobStatus:
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        extra = data.pop("extra")
-        data.update(extra)
+        data.update(data.pop("extra"))
         return data
 
     @classmethod
@@ -87,15 +87,9 @@ class JobStatus:
             if isinstance(p, dict)
         ]
         extra = {k: v for k, v in data.items() if k not in known and k not in ("processes", "updated")}
-        base: dict[str, Any] = {k: data.get(k) for k in known if k in data}
-        base.setdefault("job_id", "")
-        base.setdefault("state", "unknown")
-        base.setdefault("exit_code", None)
-        base.setdefault("supervisor_pid", 0)
-        base.setdefault("host", "")
-        base.setdefault("join", False)
-        base.setdefault("started", 0.0)
-        base.setdefault("node_index", 0)
+        base: dict[str, Any] = dict(job_id="", state="unknown", exit_code=None, supervisor_pid=0, host="", join=False)
+        base.update(started=0.0, node_index=0)
+        base.update({k: data.get(k) for k in known if k in data})
         base["stop_reason"] = base.get("stop_reason") or ""
         return cls(processes=procs, extra=extra, **base)
 
@@ -117,10 +111,8 @@ def encode_status(doc: dict[str, Any]) -> str:
 
 
 def write_status(log_dir: str, status: JobStatus, name: str = STATUS_FILE) -> None:
-    try:
+    with suppress(OSError):
         write_whole(status_path(log_dir, name), encode_status({**status.to_json(), "updated": time.time()}))
-    except OSError:
-        pass
 
 
 def read_status(log_dir: str, name: str = STATUS_FILE) -> JobStatus | None:

@@ -7,7 +7,6 @@ import time
 
 from pytest_msrun.engine.errorfile import RankError
 from pytest_msrun.engine.processes import describe_returncode
-from pytest_msrun.engine.tail import tail_size
 from pytest_msrun.record import asdict, record
 
 TYPE_CHECKING = False
@@ -47,22 +46,25 @@ def failure_of(label: str, returncode: int, at: float, log_path: str, pid: int, 
 
 def log_text(path: str, max_bytes: int = 64 * 1024) -> str:
     """The last ``max_bytes`` of a log, decoded leniently ("" if unreadable)."""
-    return tail_size(path, max_bytes).decode("utf-8", errors="replace")
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(max(0, fh.seek(0, os.SEEK_END) - max_bytes))
+            return fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
 
 
 def extract_traceback(text: str) -> str:
     """The last Python traceback (or fatal-error dump) in ``text``, or ``""``."""
-    lines = text.splitlines()
-    start = None
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("Traceback (most recent call last):") or "Fatal Python error:" in lines[i]:
-            start = i
-            break
-    if start is None:
+    lines, fatal = text.splitlines(), "Fatal Python error:"
+    starts = [
+        i for i, line in enumerate(lines) if line.startswith("Traceback (most recent call last):") or fatal in line
+    ]
+    if not starts:
         return ""
-    if "Fatal Python error:" in lines[start]:  # faulthandler's dump, maybe after unterminated output
-        first = lines[start][lines[start].index("Fatal Python error:") :]
-        return "\n".join([first, *lines[start + 1 : start + 40]])
+    start = starts[-1]
+    if fatal in lines[start]:  # faulthandler's dump, maybe after unterminated output
+        return "\n".join([lines[start][lines[start].index(fatal) :], *lines[start + 1 : start + 40]])
     out = [lines[start]]
     for line in lines[start + 1 :]:
         out.append(line)

@@ -7,10 +7,9 @@ One thread polls every tailed file from offset 0, so no line is skipped at the s
 from __future__ import annotations
 
 import _thread  # not threading: its import is a cost on every msrun start
-import os
 import sys
 
-from pytest_msrun.engine import console
+from pytest_msrun.engine import console, suppress
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -60,13 +59,11 @@ class LogTailer:
 
     def _emit(self, chunks: list[bytes]) -> None:
         if chunks:
-            try:
+            with suppress(OSError, ValueError):
                 console.clear_status()
                 sys.stdout.flush()
                 self.out.write(b"".join(chunks))
                 self.out.flush()
-            except (OSError, ValueError):
-                pass
 
     def _pump(self, final: bool) -> None:
         with self.lock:
@@ -117,15 +114,3 @@ class LogTailer:
 
 def prefix_for(rank: int | None, local_index: int) -> str:
     return f"[rank {rank}] " if rank is not None else f"[local {local_index}] "
-
-
-def tail_size(path: str, max_bytes: int = 64 * 1024) -> bytes:
-    """The last ``max_bytes`` of a file (empty if unreadable)."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(0, os.SEEK_END)
-            size = fh.tell()
-            fh.seek(max(0, size - max_bytes))
-            return fh.read()
-    except OSError:
-        return b""

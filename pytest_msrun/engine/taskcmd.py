@@ -25,7 +25,7 @@ def task_argv(script: str, args: list[str], python: str = sys.executable, *, mus
         if os.access(script, os.X_OK):
             _check_interpreter(script)
             return [script if os.sep in script else os.path.join(".", script), *args]
-        interpreter = _shebang(script)
+        interpreter = shebang(script)
         if interpreter and not os.path.basename(interpreter[0]).startswith("python"):
             shown = " ".join(interpreter)
             raise ConfigError(
@@ -43,7 +43,7 @@ def task_argv(script: str, args: list[str], python: str = sys.executable, *, mus
     raise ConfigError("", f"task_script {script!r} is neither a file nor a command on PATH")
 
 
-def _shebang(path: str) -> list[str]:
+def shebang(path: str) -> list[str]:
     """The words of a file's ``#!`` line ([] when it has none)."""
     try:  # without blocking: a FIFO put where the script was must not hold msrun
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
@@ -63,7 +63,7 @@ def _shebang(path: str) -> list[str]:
 def _check_interpreter(script: str) -> None:
     """An executable script's ``#!`` interpreter must be there: else every worker's start fails
     (the kernel answers ``ENOENT`` for the script itself) - refused before anything starts."""
-    words = _shebang(script)
+    words = shebang(script)
     if not words:
         return
     if os.path.basename(words[0]) == "env" and len(words) > 1 and not words[1].startswith("-"):
@@ -83,7 +83,7 @@ def _check_interpreter(script: str) -> None:
 
 
 def _shebang_python(path: str) -> str | None:
-    words = _shebang(path)
+    words = shebang(path)
     if not words:
         return None
     if os.path.basename(words[0]) == "env" and len(words) > 1:

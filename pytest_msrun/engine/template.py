@@ -23,6 +23,7 @@ import os
 import sys
 from collections.abc import Mapping
 
+from pytest_msrun.engine import suppress
 from pytest_msrun.targets import resolve
 
 FD_ENV = "MSRUN_TEMPLATE_FD"  # the template's end of its socketpair (a descriptor number)
@@ -141,10 +142,8 @@ def _take_stamp() -> dict[str, int]:
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None) if "." not in name else None
         if isinstance(path, str):
-            try:
+            with suppress(OSError):
                 out[path] = os.stat(path).st_mtime_ns
-            except OSError:
-                pass
     return out
 
 
@@ -227,10 +226,8 @@ def run_module(env: dict[str, str], argv: list[str]) -> int:
         code = exit_code_of(exc)
     except BaseException:
         code = 1
-        try:
+        with suppress(Exception):
             sys.excepthook(*sys.exc_info())
-        except Exception:
-            pass
     return _finalize(code)
 
 
@@ -239,10 +236,8 @@ def _finalize(code: int) -> int:
     run ``atexit`` handlers (``fork_call``, which runs this, flushes the standard streams after)."""
     threading = sys.modules.get("threading")
     if threading is not None:
-        try:
+        with suppress(BaseException):
             threading._shutdown()
-        except BaseException:
-            pass
     import atexit
 
     atexit._run_exitfuncs()
@@ -256,10 +251,8 @@ def _run_rank_hook(hook: str) -> None:
 
     steps = runpy.run_path(os.path.join(hook, "sitecustomize.py"), run_name="msrun_rankhook")
     for name in ("_install", "_trace_start", "_leave"):
-        try:
+        with suppress(Exception):
             steps[name]()
-        except Exception:
-            pass
 
 
 # ------------------------------------------------------------------------------------ the template
@@ -344,21 +337,11 @@ def _start_msrun(request: dict, fds: list[int], parent: int) -> int:
     """Fork msrun for ``request`` (``call``: msrun's entry point as ``module:function``, called
     with ``argv``; its environment, working directory; ``fds``: its stdin, stdout and stderr) as a
     child of ``parent``; returns its pid."""
-    from pytest_msrun.engine.processes import become_fresh_child, block_signals_for_fork, die_with_parent
-
-    blocked = block_signals_for_fork()
     import signal
 
-    try:
-        pid = clone_parent()
-    except BaseException:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        raise
-    if pid:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        return pid
-    code = 1
-    try:
+    from pytest_msrun.engine.processes import become_fresh_child, die_with_parent, forked
+
+    def run() -> int:
         die_with_parent(signal.SIGTERM)  # msrun tears its job down on SIGTERM, as spawned
         if os.getppid() != parent:  # the requester is gone already
             os._exit(128 + signal.SIGTERM)
@@ -370,23 +353,9 @@ def _start_msrun(request: dict, fds: list[int], parent: int) -> int:
         main = resolve(str(request["call"]))  # a registered target only; its module imported
         entry = sys.modules[main.__module__]
         sys.argv = [str(request.get("argv0") or getattr(entry, "__file__", main.__module__)), *args]
-        code = main(args)
-    except SystemExit as exc:
-        from pytest_msrun.engine.processes import exit_code_of
+        return main(args)
 
-        code = exit_code_of(exc)
-    except BaseException:
-        import traceback
-
-        try:
-            traceback.print_exc()
-        except Exception:
-            pass
-    finally:
-        from pytest_msrun.engine.processes import flush_std_streams
-
-        flush_std_streams()
-        os._exit(code)
+    return forked(run, clone_parent)
 
 
 def _await_session(sock: object, hello: dict) -> bool:
@@ -396,12 +365,7 @@ def _await_session(sock: object, hello: dict) -> bool:
     import socket
 
     assert isinstance(sock, socket.socket)
-    while True:
-        try:
-            data, fds, _, _ = socket.recv_fds(sock, REQUEST_LIMIT, 1)
-            break
-        except InterruptedError:
-            continue
+    data, fds, _, _ = socket.recv_fds(sock, REQUEST_LIMIT, 1)
     for fd in fds:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
@@ -445,11 +409,8 @@ def serve(sock: object, parent: int, early: dict | None = None) -> int:
     how = "forked from the session's process" if hello.get("early") else "started"
     print(f"fork server {os.getpid()}: {how}; {len(sys.modules)} modules imported", flush=True)
     sock.send(json.dumps({"ready": True, "why": why, "failed": failed}).encode())
-    while True:
-        try:
-            data, fds, _, _ = socket.recv_fds(sock, REQUEST_LIMIT, 3)
-        except InterruptedError:
-            continue
+    while True:  # (a signal does not interrupt a wait here: PEP 475)
+        data, fds, _, _ = socket.recv_fds(sock, REQUEST_LIMIT, 3)
         if not data:
             return 0
         try:
@@ -465,10 +426,8 @@ def serve(sock: object, parent: int, early: dict | None = None) -> int:
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         finally:
             for fd in fds:
-                try:
+                with suppress(OSError):
                     os.close(fd)
-                except OSError:
-                    pass
         sock.send(json.dumps(reply).encode())
 
 

@@ -19,7 +19,7 @@ import signal
 import time
 
 from pytest_msrun.control import tracelog
-from pytest_msrun.engine import console
+from pytest_msrun.engine import console, suppress
 from pytest_msrun.engine.kinds import JobState, Role
 from pytest_msrun.engine.observers import JobEvent, JobResult
 from pytest_msrun.fileio import private_dir
@@ -100,14 +100,9 @@ class TraceObserver:
             self.recorder.close()
             self.recorder = None
         self.outbox = tracelog.read_spool(self.spool, skip=(tracelog.RANKS_FILE,)) + self.outbox
-        self._forget(os.path.join(self.spool, "msrun.jsonl"))
+        with suppress(OSError):
+            os.unlink(os.path.join(self.spool, "msrun.jsonl"))
         self.ship()
-
-    def _forget(self, path: str) -> None:
-        try:
-            os.unlink(path)
-        except OSError:
-            pass
 
     def add(self, ev: dict[str, Any]) -> None:
         if self.writer:
@@ -157,14 +152,9 @@ class TraceObserver:
                 self.mark(f"started {spec.label} (pid {child.pid})")
         elif event is JobEvent.PROCESS_EXITED:
             child = payload
+            rank = child.tag.rank if child.tag.role == Role.WORKER else None
             self._exited(
-                child.tag.rank if child.tag.role == Role.WORKER else None,
-                child.tag.label,
-                child.pid,
-                child.started,
-                child.ended,
-                child.returncode,
-                child.terminated_by_us,
+                rank, child.tag.label, child.pid, child.started, child.ended, child.returncode, child.terminated_by_us
             )
         elif event is JobEvent.SPAWNED:
             self.add(tracelog.span("launch", tracelog.MSRUN_PID, self.node, self.started, time.time()))
