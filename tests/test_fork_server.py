@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import sys
 import textwrap
 
@@ -158,6 +159,29 @@ def test_a_forked_rank_is_indistinguishable_from_a_spawned_one(pytester, monkeyp
         differ = {key: (mine[key], theirs.get(key)) for key in mine if mine[key] != theirs.get(key)}
         assert not differ, differ
         assert mine["session_leader"] and mine["stdout_is_log"]
+
+
+def test_a_forked_rank_ignores_what_a_spawned_one_inherits_ignored(pytester, monkeypatch, tracked):
+    """A session started with SIGINT and SIGQUIT ignored (``nohup``, ``&`` in a script, a CI runner):
+    ``exec`` keeps an ignored signal ignored, so a spawned rank has them ignored - and a forked
+    one, from either kind of template, the same."""
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGQUIT)}
+    try:
+        probes = {
+            (mode, how): _probe(pytester, monkeypatch, tracked, mode, "", how)
+            for mode in ("on", "off")
+            for how in TEMPLATES
+        }
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+    for name in ("rank0.json", "rank1.json"):
+        spawned = probes["off", "forked"][name]["me"]["handlers"]
+        assert spawned[str(int(signal.SIGQUIT))] == int(signal.SIG_IGN), spawned
+        for how in TEMPLATES:
+            forked = probes["on", how][name]
+            assert forked["forked"], "the fork server did not fork this rank"
+            assert forked["me"]["handlers"] == spawned, how
 
 
 def test_the_summary_says_why_ranks_start_as_new_processes(pytester, monkeypatch, tracked):

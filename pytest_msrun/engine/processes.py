@@ -265,8 +265,9 @@ def become_fresh_child(
     keep_fds: tuple[int, ...] = (),
 ) -> None:
     """In a forked child whose signals are blocked (:func:`block_signals_for_fork`): a session
-    of its own, signals as a fresh interpreter has them and unblocked, fds 0-2 as given with fresh
-    ``sys`` streams, every other descriptor closed but ``keep_fds``, ``os.environ`` = ``env``."""
+    of its own, signals as a fresh interpreter started by this process has them and unblocked,
+    fds 0-2 as given with fresh ``sys`` streams, every other descriptor closed but ``keep_fds``,
+    ``os.environ`` = ``env``."""
     os.setsid()
     import gc
 
@@ -274,12 +275,19 @@ def become_fresh_child(
     gc.enable()  # as a fresh interpreter has it (msrun holds it off while it starts)
     with suppress(ValueError, OSError):
         signal.set_wakeup_fd(-1)
+    # exec keeps what the parent ignores (nohup's SIGHUP, a background job's SIGINT and SIGQUIT) and
+    # resets what it handles: so does this fork, as a spawned child inherits them
+    ignored = set()
     for sig in signal.valid_signals():
         if sig not in (signal.SIGKILL, signal.SIGSTOP):
             with suppress(OSError, ValueError):
-                signal.signal(sig, signal.SIG_DFL)
-    # as a fresh interpreter has them: KeyboardInterrupt, and EPIPE / EFBIG rather than death
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+                if signal.getsignal(sig) == signal.SIG_IGN and sig not in _DEFAULT_IN_CHILD:
+                    ignored.add(sig)
+                else:
+                    signal.signal(sig, signal.SIG_DFL)
+    # as a fresh interpreter has them: KeyboardInterrupt (unless ignored), and EPIPE / EFBIG rather than death
+    if signal.SIGINT not in ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     for sig in _DEFAULT_IN_CHILD:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_SETMASK, ())
