@@ -122,10 +122,6 @@ class WarmAttempt:
     def world_dir(self) -> str:
         return str(self.world.job.job_dir)
 
-    @property
-    def missing(self) -> bool:
-        return self.called.missing
-
     def left_before(self) -> list[int]:
         """The ranks whose leaving ended the world before they began this test (the world was
         already dying when it was sent): not this test's failure. Judged from the ranks' own

@@ -22,6 +22,7 @@ import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pytest_msrun.control import wire
@@ -258,6 +259,13 @@ class DebugServer:
 
     def _say(self, line: str) -> None:
         _write_all(self.stdout, ("\n" + line + "\n").encode("utf-8", "replace"))
+
+
+def paused_clock(debug: DebugServer | NoDebug, held: float | None = None) -> Callable[[], float]:
+    """A monotonic clock that stands still while ranks are in the debugger (since ``held``, a value
+    of ``debug.held()``; default: now): the jobs' deadlines are read on it."""
+    start = debug.held() if held is None else held
+    return lambda: time.monotonic() - (debug.held() - start)
 
 
 def _forget(sel: selectors.BaseSelector, sock: socket.socket) -> None:

@@ -17,7 +17,7 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable
-from typing import IO, Any
+from typing import Any
 
 import pytest
 
@@ -45,12 +45,11 @@ REPLY_TIMEOUT = 30.0  # s a request waits for its pid (a fork: milliseconds)
 class ForkedProcess:
     """A child of this process that the fork server forked (``CLONE_PARENT``), with the part of
     :class:`subprocess.Popen` the plugin uses: ``poll``, ``wait``, ``send_signal``, ``terminate``,
-    ``kill``, ``pid``, ``returncode``, ``args``, ``stdout``."""
+    ``kill``, ``pid``, ``returncode``, ``args``."""
 
-    def __init__(self, pid: int, args: list[str], stdout: IO[bytes] | None = None) -> None:
+    def __init__(self, pid: int, args: list[str]) -> None:
         self.pid = pid
         self.args = args
-        self.stdout = stdout
         self.returncode: int | None = None
         try:
             self._pidfd: int | None = os.pidfd_open(pid)
@@ -201,9 +200,7 @@ class ForkServer:
         self._ready = True
         return True
 
-    def start_msrun(
-        self, cmd: list[str], env: dict[str, str], stdout: int, stderr: int, stdout_pipe: IO[bytes] | None = None
-    ) -> ForkedProcess | None:
+    def start_msrun(self, cmd: list[str], env: dict[str, str], stdout: int, stderr: int) -> ForkedProcess | None:
         """Fork ``cmd`` (``python -m pytest_msrun ...``) with ``env``, stdin from /dev/null and
         ``stdout``/``stderr`` as given: its process, or None (it is to be spawned; why is noted)."""
         if cmd[1:3] != ["-m", "pytest_msrun"] or os.path.realpath(cmd[0]) != os.path.realpath(sys.executable):
@@ -233,7 +230,7 @@ class ForkServer:
         if not isinstance(pid, int):
             self._fail(f"the fork server forks nothing more: {reply.get('error') or 'no pid'}")
             return None
-        return ForkedProcess(pid, cmd, stdout_pipe)
+        return ForkedProcess(pid, cmd)
 
     def close(self) -> None:
         """End the template (its forks are this process's children and live on)."""

@@ -34,7 +34,7 @@ from pytest_msrun.engine.processes import term_grace
 from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.engine.status import STATUS_FILE, node_status_file, read_status
 from pytest_msrun.fileio import private_dir
-from pytest_msrun.plugin.controller.debugserver import DebugServer, NoDebug
+from pytest_msrun.plugin.controller.debugserver import DebugServer, NoDebug, paused_clock
 from pytest_msrun.plugin.controller.forkserver import ForkServer
 from pytest_msrun.plugin.controller.msrunproc import Process, start_msrun
 from pytest_msrun.plugin.marker import MsrunSpec
@@ -87,6 +87,9 @@ class Launched:
 
     def exited(self) -> bool:
         return any(p.poll() is not None for p in self.procs)
+
+    def ended(self) -> bool:
+        return all(p.poll() is not None for p in self.procs)
 
 
 RANK_CLOCK = 86400  # seconds: the job's --cluster_time_out, far beyond any test's timeout
@@ -269,19 +272,19 @@ class TestJob:
         session ended - ``exit_timeout`` seconds more without every process gone (a hang at exit)."""
         started = time.time()
         launched = self.launch()
-        procs, logs, pumps = launched.procs, launched.logs, launched.pumps
+        procs = launched.procs
         timed_out = False
         hung: list[int] = []
         try:
-            deadline = time.monotonic() + timeout
+            clock = paused_clock(self.debug)  # time in the debugger does not count
+            deadline = clock() + timeout
             finished = FinishWatch(str(self.report_dir), self.expected_ranks())
             exit_deadline: float | None = None
-            held = self.debug.held()  # time in the debugger does not count
             while True:
                 alive = [p for p in procs if p.poll() is None]  # one look: a process may end any time
                 if not alive:
                     break
-                now = time.monotonic() - (self.debug.held() - held)
+                now = clock()
                 if now >= deadline:
                     timed_out = True
                     break
@@ -297,38 +300,33 @@ class TestJob:
         except BaseException:  # Ctrl+C or pytest.exit while waiting: leave nothing running
             self._stop(procs)
             raise
-        stacks: dict[int, str] = {}
-        state = None
-        running, cutoff = self.freeze(str(self.report_dir), self.expected_ranks()) if timed_out else (None, None)
+        facts = self.at_deadline(str(self.report_dir), self.expected_ranks()) if timed_out else {}
         if timed_out or hung:
-            if timed_out and self.has_control_plane():
-                state = query_state(self.master_host, self.ports[0], self.token)
-            stacks = self.collect_stacks()
+            facts = facts or {"stacks": self.collect_stacks()}
             self._stop(procs)
-        for pump in pumps:
+        for pump in launched.pumps:
             pump.join(timeout=5)
-        run = JobRun(
-            reproduce_lines=self.reproduce_lines(timeout),
-            exit_codes=[p.returncode for p in procs],
-            timed_out=timed_out,
+        facts.update(timed_out=timed_out, exit_hung=hung, exit_timeout=exit_timeout, ranks=self.rank_ends())
+        run = self.outcome(launched, timeout, started, self.reproduce_lines(timeout), **facts)
+        if not timed_out and not hung:
+            return dataclasses.replace(run, launch_error=self.launch_error(run.exit_codes, launched.logs))
+        if timed_out and not self.started():
+            return dataclasses.replace(run, launch_error=self.no_room(timeout, launched.logs))
+        return run
+
+    def outcome(self, launched: Launched, timeout: float, started: float, reproduce: list[str], **facts: Any) -> JobRun:
+        """The run of a test started at ``started`` in ``launched``, as far as it went (``facts``:
+        the rest of its :class:`JobRun`)."""
+        return JobRun(
+            reproduce_lines=reproduce,
+            exit_codes=[p.returncode for p in launched.procs],
             timeout=timeout,
             started=started,
             ended=time.time(),
-            stacks=stacks,
+            msrun_logs=list(launched.logs),
             stacks_dir=str(self.report_dir),
-            state=state,
-            msrun_logs=logs,
-            exit_hung=hung,
-            exit_timeout=exit_timeout,
-            cutoff=cutoff,
-            running=running,
-            ranks=self.rank_ends(),
+            **facts,
         )
-        if not timed_out and not hung:
-            return dataclasses.replace(run, launch_error=self.launch_error(run.exit_codes, logs))
-        if timed_out and not self.started():
-            return dataclasses.replace(run, launch_error=self.no_room(timeout, logs))
-        return run
 
     def started(self) -> bool:
         """Whether any msrun of the job started (wrote its status file)."""
@@ -387,12 +385,15 @@ class TestJob:
                 out[proc.rank] = RankEnd.of(proc, status.stop_reason, status.host)
         return out
 
-    def freeze(self, report_dir: str, ranks: list[int]) -> tuple[list[int], dict[int, int]]:
-        """The record at a test's deadline: the ranks still running, then where each rank's record
-        file in ``report_dir`` stands (in this order, a rank that reports and ends between the two looks counts as
-        running - never as having ended without the report it wrote)."""
+    def at_deadline(self, report_dir: str, ranks: list[int]) -> dict[str, Any]:
+        """Where every rank is at a test's deadline, as facts of its :class:`JobRun`: the ranks still
+        running, then where each rank's record file in ``report_dir`` stands (in this order, a rank
+        that reports and ends between the two looks counts as running - never as having ended
+        without the report it wrote), the control plane's view, every rank's stacks."""
         running = self.running_ranks()
-        return running, records.sizes(report_dir, ranks)
+        cutoff = records.sizes(report_dir, ranks)
+        state = query_state(self.master_host, self.ports[0], self.token) if self.has_control_plane() else None
+        return {"running": running, "cutoff": cutoff, "state": state, "stacks": self.collect_stacks()}
 
     def running_ranks(self) -> list[int]:
         """The ranks whose processes still run (msrun's status file is written at the job's start and

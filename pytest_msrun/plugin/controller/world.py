@@ -20,10 +20,10 @@ sessions). A world found dead before a test is sent is never used for it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import selectors
 import socket
-import subprocess
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +32,7 @@ from pytest_msrun.control import wire
 from pytest_msrun.control.door import Admitted, Door, Tally
 from pytest_msrun.netaddr import rank_listener
 from pytest_msrun.plugin import envscope, rankmemory
+from pytest_msrun.plugin.controller.debugserver import paused_clock
 from pytest_msrun.plugin.controller.job import JobRun, Launched, TestJob, TestPaths
 from pytest_msrun.plugin.links import FORK_ENV, WORLD_ENV, WORLD_TOKEN_ENV, Channel
 from pytest_msrun.plugin.marker import MsrunSpec
@@ -99,10 +100,6 @@ class Called:
     absent: frozenset[int] = frozenset()
     unforkable: str = ""
 
-    @property
-    def missing(self) -> bool:
-        return bool(self.absent)
-
 
 @dataclass(frozen=True)
 class TornDown:
@@ -135,21 +132,18 @@ def teardown(called: Called, next_id: str | None, exit_timeout: float) -> TornDo
     lingering = any(reply.get("lingering") for reply in replies.values())
     if timed_out:
         return TornDown(world.stop_on_timeout(test, set(replies)), leaks)
+    # a forking world's children end: one that ended as a fresh rank would not ended its template alike
+    forked = world.forking and not world.lost and not world.dead
+    hung = world.await_ends(exit_timeout, set(called.absent)) if forked else []
     if world.dead:  # a rank died in the teardown
         world.stop()
         return TornDown(world.job_run(test, False), leaks)
-    if world.forking and not world.lost:
-        hung = world.await_ends(exit_timeout, set(called.absent))
-        if world.dead:  # a child ended as a fresh rank would not: its template ended alike
-            world.stop()
-            return TornDown(world.job_run(test, False), leaks)
-        if hung:  # a child does not end (a thread the test left, an exit handler)
-            stacks = world.job.collect_stacks()
-            world.stop()
-            return TornDown(world.ended_run(test, hung, exit_timeout, stacks), leaks)
-    notes: tuple[str, ...] = ()
-    if not world.dead:  # a rank (a forking world's template) past --msrun-max-rss: a new world next
-        notes = _past_max(world, world.template_rss if world.forking else _resident(replies))
+    if hung:  # a child does not end (a thread the test left, an exit handler)
+        stacks = world.job.collect_stacks()
+        world.stop()
+        return TornDown(world.ended_run(test, hung, exit_timeout, stacks), leaks)
+    # a rank (a forking world's template) past --msrun-max-rss: a new world next
+    notes = _past_max(world, world.template_rss if world.forking else _resident(replies))
     if world.lost:
         world.retire("a rank left the world")
     if world.declared or len(groups) > 1:
@@ -242,16 +236,16 @@ class World:
         connect meanwhile are strangers at the door (:class:`~pytest_msrun.control.door.Door`),
         never the test's problem. Once every rank is in, the world listens no more."""
         self.claimed = self.claimed or time.time()
-        held = self.job.debug.held()  # a breakpoint() while the ranks collect
+        clock = paused_clock(self.job.debug)  # a breakpoint() while the ranks collect
         try:
             while len(self.channels) < len(self.ranks):
                 if self.launched.exited():
                     return "the world's msrun ended before every rank connected"
-                if time.monotonic() - (self.job.debug.held() - held) > deadline:
+                if clock() > deadline:
                     return "the world's ranks did not all connect in time"
                 for admitted in self.door.serve(0.05):
                     self._admit(admitted)
-            return self._env_read(deadline + (self.job.debug.held() - held))
+            return self._env_read(deadline + time.monotonic() - clock())
         finally:
             self.door.close()
 
@@ -375,12 +369,11 @@ class World:
             sel.register(channel.sock, selectors.EVENT_READ, rank)
         failed_at: float | None = None
         next_check: float | None = None  # set once a first rank answered
-        debug = self.job.debug
-        held = debug.held() if held is None else held
+        clock = paused_clock(self.job.debug, held)
         try:
             while len(replies) + len(self.lost & set(live)) < len(live):
                 # time a rank spends in the debugger counts for neither the deadline nor the grace
-                now = time.monotonic() - (debug.held() - held)
+                now = clock()
                 if now > deadline:
                     return replies, True
                 if failed_at is not None and now - failed_at > FAILURE_GRACE:
@@ -417,7 +410,7 @@ class World:
                         continue
                     replies[rank] = reply
                     if failure_grace and reply.get("failed") and failed_at is None:
-                        failed_at = time.monotonic() - (debug.held() - held)
+                        failed_at = clock()
                 if self.dead:
                     break
         finally:
@@ -452,17 +445,11 @@ class World:
         """The test ran out of time: where every rank is (control plane, stacks), then the world ends.
         ``waiting``: the ranks that had answered and waited for the controller (not stuck)."""
         self.dead = f"the test ran out of time ({test.timeout:g} s)"
-        running, cutoff = self.job.freeze(str(test.paths.report_dir), self.ranks)  # the record, frozen now
-        state = None
-        if self.job.has_control_plane():
-            from pytest_msrun.control.observer import query_state
-
-            state = query_state(self.job.master_host, self.job.ports[0], self.job.token)
-        stacks = self.job.collect_stacks()
+        facts = self.job.at_deadline(str(test.paths.report_dir), self.ranks)  # the record, frozen now
         self.stop()
         run = self.job_run(test, True)
         ranks = {r: dataclasses.replace(end, held=True) if r in waiting else end for r, end in run.ranks.items()}
-        return dataclasses.replace(run, ranks=ranks, stacks=stacks, state=state, cutoff=cutoff, running=running)
+        return dataclasses.replace(run, ranks=ranks, **facts)
 
     def reproduce_lines(self, test: WarmTest) -> list[str]:
         """The command lines that run ``test`` alone, as this world ran it."""
@@ -475,17 +462,8 @@ class World:
         for rank, end in ends.items():
             if live and end.returncode is None and rank not in self.lost:
                 ends[rank] = RankEnd(pid=end.pid, log=end.log, host=end.host, alive=True)
-        return JobRun(
-            reproduce_lines=self.reproduce_lines(test),
-            exit_codes=[p.returncode for p in self.launched.procs],
-            timed_out=timed_out,
-            timeout=test.timeout,
-            started=test.started,
-            ended=time.time(),
-            msrun_logs=list(self.launched.logs),
-            stacks_dir=str(self.job.report_dir),
-            ranks=ends,
-        )
+        reproduce = self.reproduce_lines(test)
+        return self.job.outcome(self.launched, test.timeout, test.started, reproduce, timed_out=timed_out, ranks=ends)
 
     def ended_run(self, test: WarmTest, hung: list[int], exit_timeout: float, stacks: dict[int, str]) -> JobRun:
         """The run to judge ``test`` by once the world ended with it: ``hung``, the ranks still
@@ -501,48 +479,33 @@ class World:
         """End the world after its last test: ``quit`` (fixtures torn down, sessions end), every
         process gone within ``exit_timeout`` s - else the ranks still running and their stacks
         (then msrun's own teardown)."""
-        for channel in self.channels.values():
-            try:
-                channel.send({"t": "quit"})
-            except OSError:
-                pass
-        deadline = time.monotonic() + exit_timeout
+        self._quit()
+        clock = paused_clock(self.job.debug)  # a fixture's breakpoint() at the world's end
+        deadline = clock() + exit_timeout
         hung: list[int] = []
         stacks: dict[int, str] = {}
-        debug, held = self.job.debug, self.job.debug.held()  # a fixture's breakpoint() at the world's end
-        for popen in self.launched.procs:
-            while popen.poll() is None:
-                left = deadline + (debug.held() - held) - time.monotonic()
-                if left <= 0:
-                    break
-                try:
-                    popen.wait(timeout=min(0.5, max(0.01, left)))
-                except subprocess.TimeoutExpired:
-                    pass
-            if popen.poll() is None:
-                hung = self.job.running_ranks()
-                stacks = self.job.collect_stacks()
-                break
+        wait_until(lambda: self.launched.ended() or clock() >= deadline, math.inf, 0.05)
+        if not self.launched.ended():
+            hung = self.job.running_ranks()
+            stacks = self.job.collect_stacks()
         self.dead = self.dead or self.retiring or "ended"
         self._close()
         return hung, stacks
 
     def stop(self) -> None:
         """End the world now: ``quit``, then msrun's own teardown (SIGTERM, its grace, SIGKILL)."""
+        self._quit()
+        if not self.dead:  # a world that does not end cleanly within 10 s is stopped below
+            wait_until(self.launched.ended, 10, 0.05)
+        self.dead = self.dead or "stopped"
+        self._close()
+
+    def _quit(self) -> None:
         for channel in self.channels.values():
             try:
                 channel.send({"t": "quit"})
             except OSError:
                 pass
-        if not self.dead:
-            deadline = time.monotonic() + 10
-            for popen in self.launched.procs:
-                try:
-                    popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:  # a world that does not end cleanly is stopped below
-                    break
-        self.dead = self.dead or "stopped"
-        self._close()
 
     def _close(self) -> None:
         self.job.stop(self.launched)

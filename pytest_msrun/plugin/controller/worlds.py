@@ -210,7 +210,7 @@ class WorldPool:
             timeout = self.jobs.test_timeout(item, spec)
             attempt = WarmAttempt(item.nodeid, world, paths, ranks, timeout, self.exit_timeout)
             self.last_item[key] = item
-            if attempt.missing:  # a rank did not collect it (it differs from this process's collection)
+            if attempt.called.absent:  # a rank did not collect it (it differs from this process's collection)
                 attempt.finish(None, self.exit_timeout)
                 self.after(item, key, None)
                 why = attempt.called.unforkable
