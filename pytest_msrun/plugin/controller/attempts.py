@@ -10,15 +10,13 @@ same merge turns it into reports. A fresh job runs whole in the first step; a wa
 
 from __future__ import annotations
 
-import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from pytest_msrun.fileio import private_dir, write_whole
-from pytest_msrun.plugin.controller.job import TestJob, TestPaths
+from pytest_msrun.plugin.controller.job import TestPaths
 from pytest_msrun.plugin.controller.world import Called, World, teardown
-from pytest_msrun.plugin.rule.outcomes import Refusal
-from pytest_msrun.plugin.rule.testrecord import JobRun, TestRecord
+from pytest_msrun.plugin.rule.testrecord import TestRecord
 
 
 class Attempt(Protocol):
@@ -48,48 +46,23 @@ class Attempt(Protocol):
         ...
 
 
-class RefusedAttempt:
-    """A test whose job never ran (a bad marker, a skip that applies here, no room, no devices): its
-    record holds the refusal, judged like any other."""
+@dataclass
+class WholeAttempt:
+    """A test run whole at once - a job of its own (``fresh``), its ranks' process ends included, or
+    a refusal whose job never ran (``refused``: a bad marker, a skip that applies here, no room, no
+    devices; its record holds the refusal, judged like any other)."""
 
-    mode = "refused"
+    mode: str
+    record: TestRecord
+    trace: str  # its job's trace file, or a refusal's own (its tests lane); "": none kept
     world_dir = ""
-
-    def __init__(self, nodeid: str, ranks: list[int], refusal: Refusal, note: str = "", trace: str = "") -> None:
-        self.trace = trace  # its own trace file, the refusal on its tests lane ("": none kept)
-        now = time.time()
-        run = JobRun([], [], False, 0.0, now, now, note=note)
-        self.record = TestRecord(nodeid, ranks, {}, run, "", refusal=refusal)
 
     @property
     def job_started(self) -> float:
         return self.record.run.started
 
     def finish(self, next_id: str | None, exit_timeout: float, leaks_fail: bool = False) -> TestRecord:
-        return self.record
-
-
-class FreshAttempt:
-    """A job of its own: it runs whole at once, its ranks' process ends included."""
-
-    mode = "fresh"
-    world_dir = ""
-
-    def __init__(self, nodeid: str, job: TestJob, timeout: float, exit_timeout: float, note: str = "") -> None:
-        self.job = job
-        run = replace(job.run(timeout, exit_timeout), note=note)
-        self.record = TestRecord.load(nodeid, job.expected_ranks(), job.paths, run)
-
-    @property
-    def trace(self) -> str:
-        return self.job.trace
-
-    @property
-    def job_started(self) -> float:
-        return self.record.run.started
-
-    def finish(self, next_id: str | None, exit_timeout: float, leaks_fail: bool = False) -> TestRecord:
-        return self.record  # its job is over: nothing left behind in a world
+        return self.record  # nothing left behind in a world
 
 
 class WarmAttempt:

@@ -28,7 +28,7 @@ from pytest_msrun.pathsearch import which
 from pytest_msrun.plugin import envscope, options, rankmemory
 from pytest_msrun.plugin.controller.debugserver import NO_TTY, DebugServer
 from pytest_msrun.plugin.controller.earlytemplate import EARLY
-from pytest_msrun.plugin.controller.forkserver import ForkServer, ForkServerHooks, preload_for
+from pytest_msrun.plugin.controller.forkserver import ForkServerHooks, session_fork_server
 from pytest_msrun.plugin.controller.jobs import PYTEST_TIMEOUT, Jobs
 from pytest_msrun.plugin.controller.keeping import default_ranks
 from pytest_msrun.plugin.controller.pool import ResourcePool, inventory
@@ -92,6 +92,14 @@ def _trace_dir(config: pytest.Config) -> str:
     return path
 
 
+def _setting(config: pytest.Config, name: str, default: Any, choices: tuple[str, ...] = ()) -> Any:
+    """``--msrun-NAME``, else the ini file's ``msrun_NAME``, else ``default``; one of ``choices`` where given."""
+    value = config.getoption(f"msrun_{name}") or config.getini(f"msrun_{name}") or default
+    if choices and value not in choices:
+        raise pytest.UsageError(f"msrun_{name} = {value!r} in the ini file: use {' or '.join(choices)}")
+    return value
+
+
 def _refuse_unsafe(flag: str, problem: str) -> None:
     """An output the user chose in a place someone else could replace it: a usage error, with the fix."""
     if problem:
@@ -108,21 +116,7 @@ def _pool() -> ResourcePool:
 
 def exit_timeout(config: pytest.Config) -> float:
     """Seconds the ranks may take to exit once every rank's pytest session ended."""
-    value = config.getoption("msrun_exit_timeout") or config.getini("msrun_exit_timeout") or DEFAULT_EXIT_TIMEOUT
-    return float(value)
-
-
-def _fork_server(config: pytest.Config) -> ForkServer:
-    """The session's fork server (started with the first marked test collected)."""
-
-    def log_path() -> str:
-        factory = config._tmp_path_factory  # type: ignore[attr-defined]
-        return str(factory.getbasetemp() / "msrun-fork-server.log")
-
-    def preload() -> tuple[list[str], list[str]]:  # what the ranks load
-        return preload_for(config, options.unused_rank_plugins(config))
-
-    return ForkServer(preload, log_path, config.stash.get(EARLY, None))
+    return float(_setting(config, "exit_timeout", DEFAULT_EXIT_TIMEOUT))
 
 
 def memory_bounds(config: pytest.Config) -> tuple[int, int]:
@@ -149,23 +143,16 @@ class Controller:
         self.timelines = self.html is not None or config.pluginmanager.hasplugin("html")
         self.timeout = default_timeout(config)
         self.exit_timeout = exit_timeout(config)
-        devices = config.getoption("msrun_devices") or config.getini("msrun_devices") or "auto"
         try:
-            self.inventory = inventory(devices)
+            self.inventory = inventory(_setting(config, "devices", "auto"))
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
         self.pool = _pool()
         cluster = allocation(os.environ) if which("srun") else None
-        self.leaks = config.getoption("msrun_leaks") or config.getini("msrun_leaks") or "warn"
-        prefetch = config.getoption("msrun_prefetch") or config.getini("msrun_prefetch") or "on"
-        if prefetch not in ("on", "off"):
-            raise pytest.UsageError(f"msrun_prefetch = {prefetch!r} in the ini file: use on or off")
-        forking = config.getoption("msrun_fork_server") or config.getini("msrun_fork_server") or "on"
-        if forking not in ("on", "off"):
-            raise pytest.UsageError(f"msrun_fork_server = {forking!r} in the ini file: use on or off")
-        scope = config.getoption("msrun_env_scope") or config.getini("msrun_env_scope") or "job"
-        if scope not in envscope.SCOPES:
-            raise pytest.UsageError(f"msrun_env_scope = {scope!r} in the ini file: use job or test")
+        self.leaks = _setting(config, "leaks", "warn")
+        prefetch = _setting(config, "prefetch", "on", ("on", "off"))
+        forking = _setting(config, "fork_server", "on", ("on", "off"))
+        scope = _setting(config, "env_scope", "job", envscope.SCOPES)
         self.xdist_worker = hasattr(config, "workerinput")  # xdist hands this process its items one by one
         # the ranks' breakpoint() and --pdb, on this terminal (said, and skipped, where there is none)
         from pytest_msrun.pytest_plugin import TERMINAL
@@ -175,7 +162,7 @@ class Controller:
         self.debug = DebugServer(post_mortem=usepdb, terminal=terminal, steps=cluster is not None)
         self.traces = TraceNotes()  # each test's spans and verdict, added to its job's trace at the job's end
         self.reporter = Reporter(config, self.style, self.leaks, self.timelines, self.traces)
-        self.forks = _fork_server(config) if forking == "on" else None
+        self.forks = (config.stash.get(EARLY, None) or session_fork_server(config)) if forking == "on" else None
         if self.forks is not None:  # its session hooks: when it starts, what it says, its end
             config.pluginmanager.register(ForkServerHooks(self.forks), "msrun-fork-server")
         self.jobs = Jobs(
@@ -187,21 +174,20 @@ class Controller:
             cluster=cluster,
             inventory=self.inventory,
             timeout=self.timeout,
+            exit_timeout=self.exit_timeout,
         )
         self.worlds = WorldPool(
             self.jobs,
             self.pool,
-            exit_timeout=self.exit_timeout,
-            mode=config.getoption("msrun_worlds") or config.getini("msrun_worlds") or "warm",
+            mode=_setting(config, "worlds", "warm"),
             env_per_test=scope == "test",  # tests differing only in env share a world
             # a world started ahead inside a Slurm allocation would hold a step's CPUs while idle
             prefetch=prefetch == "on" and cluster is None,
             xdist_worker=self.xdist_worker,
-            cluster=cluster,
             memory=memory_bounds(config),
             max_ranks=_max_ranks(config, self.xdist_worker),
         )
-        self.runner = Runner(self.jobs, self.worlds, self.pool, self.exit_timeout, leaks_fail=self.leaks == "error")
+        self.runner = Runner(self.jobs, self.worlds, leaks_fail=self.leaks == "error")
 
     # ---------------------------------------------------------------- the session
     @pytest.hookimpl(wrapper=True)
@@ -389,7 +375,7 @@ class Controller:
 
 def _max_ranks(config: pytest.Config, xdist_worker: bool) -> int:
     """``--msrun-max-ranks`` (ini ``msrun_max_ranks``): N, or auto - :func:`.keeping.default_ranks`."""
-    value = str(config.getoption("msrun_max_ranks") or config.getini("msrun_max_ranks") or "auto").strip()
+    value = str(_setting(config, "max_ranks", "auto")).strip()
     if value == "auto":
         workers = int(getattr(config, "workerinput", {}).get("workercount", 1)) if xdist_worker else 1
         return default_ranks(workers)

@@ -50,16 +50,6 @@ class Session:
         return f"breakpoint() in rank {rank} at {where}"
 
 
-class NoDebug:
-    """No debug server: deadlines run as they are."""
-
-    def held(self) -> float:
-        return 0.0
-
-    def env(self) -> dict[str, str]:
-        return {}
-
-
 class DebugServer:
     """A loopback server the ranks' pdb sessions come to; one thread relays them to the terminal."""
 
@@ -261,7 +251,7 @@ class DebugServer:
         _write_all(self.stdout, ("\n" + line + "\n").encode("utf-8", "replace"))
 
 
-def paused_clock(debug: DebugServer | NoDebug, held: float | None = None) -> Callable[[], float]:
+def paused_clock(debug: DebugServer, held: float | None = None) -> Callable[[], float]:
     """A monotonic clock that stands still while ranks are in the debugger (since ``held``, a value
     of ``debug.held()``; default: now): the jobs' deadlines are read on it."""
     start = debug.held() if held is None else held

@@ -24,13 +24,10 @@ import pytest
 from pytest_msrun.engine import template
 from pytest_msrun.engine.processes import with_parent_death_signal
 from pytest_msrun.fileio import open_output
+from pytest_msrun.plugin import options
 from pytest_msrun.plugin.marker import MARKER
 from pytest_msrun.proc import wait_readable
 from pytest_msrun.targets import module_of
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from pytest_msrun.plugin.controller.earlytemplate import EarlyTemplate
 
 READY_TIMEOUT = 120.0  # s the first request waits for the template's imports
 # what every rank imports as it starts (its debugger's hooks, its extras' and call phase's plugins)
@@ -68,18 +65,15 @@ class ForkedProcess:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.poll() is not None:
-            assert self.returncode is not None
-            return self.returncode
-        if timeout is None:
+        if self.poll() is None and timeout is None:
             _, status = os.waitpid(self.pid, 0)
             self.returncode = os.waitstatus_to_exitcode(status)
             self._close()
-            return self.returncode
-        if self._pidfd is not None:
-            wait_readable(self._pidfd, max(0.0, timeout))
-        if self.poll() is None:
-            raise subprocess.TimeoutExpired(self.args, timeout)
+        elif self.poll() is None:
+            if self._pidfd is not None:
+                wait_readable(self._pidfd, max(0.0, timeout or 0.0))
+            if self.poll() is None:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
         assert self.returncode is not None
         return self.returncode
 
@@ -109,11 +103,10 @@ class ForkServer:
         self,
         preload: Callable[[], tuple[list[str], list[str]]],
         log_path: Callable[[], str],
-        early: EarlyTemplate | None = None,
     ) -> None:
         self.preload = preload  # what the template imports (modules, plugins), asked when it starts
         self.log_path = log_path  # where its output goes, asked when it starts
-        self.early = early  # the template forked from this process at its start, if any
+        self._early = False  # a template forked from this process at its start, not yet begun
         self.refusals: list[str] = []  # why msruns or their workers started as new processes (once each)
         self._proc: subprocess.Popen | ForkedProcess | None = None
         self._sock: socket.socket | None = None
@@ -126,18 +119,19 @@ class ForkServer:
         if why not in self.refusals:
             self.refusals.append(why)
 
+    def adopt(self, proc: ForkedProcess, sock: socket.socket, origin: dict[str, str]) -> None:
+        """Take the template forked from this process at its start (:mod:`.earlytemplate`)."""
+        self._proc, self._sock, self.origin, self._early = proc, sock, origin, True
+
     def _start(self) -> None:
-        early, self.early = self.early, None
-        if early is not None and early.sock is not None:  # forked from this process at its start
+        if self._early and self._sock is not None:  # forked from this process at its start: its log now
+            self._early = False
             try:
                 with open_output(self.log_path(), binary=True) as log:
-                    socket.send_fds(early.sock, [b'{"session": true}'], [log.fileno()])
-            except OSError:  # it is gone: one is spawned instead
-                early.close()
-            else:
-                self._proc, self._sock, self.origin = early.proc, early.sock, early.origin
-                early.sock = None
+                    socket.send_fds(self._sock, [b'{"session": true}'], [log.fileno()])
                 return
+            except OSError:  # it is gone: one is spawned instead
+                self.close()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = template_env()
         self.origin = dict(env)
@@ -164,7 +158,7 @@ class ForkServer:
 
     def begin(self) -> None:
         """Start the template now (its imports overlap what this session does meanwhile)."""
-        if self._proc is None and not self._broken:
+        if (self._proc is None or self._early) and not self._broken:
             try:
                 self._start()
             except OSError as exc:
@@ -233,25 +227,18 @@ class ForkServer:
         return ForkedProcess(pid, cmd)
 
     def close(self) -> None:
-        """End the template (its forks are this process's children and live on)."""
-        if self.early is not None:
-            self.early.close()
+        """End the template: its socket closed (its end of file: it returns), then its process waited
+        for, killed after 5 s (its forks are this process's children and live on)."""
         sock, self._sock = self._sock, None
         proc, self._proc = self._proc, None
-        end_template(sock, proc)
-
-
-def end_template(sock: socket.socket | None, proc: subprocess.Popen | ForkedProcess | None) -> None:
-    """Close the template's socket (its end of file: it returns) and wait for it to end (killed
-    after 5 s)."""
-    if sock is not None:
-        sock.close()
-    if proc is not None:
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if sock is not None:
+            sock.close()
+        if proc is not None:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def template_env() -> dict[str, str]:
@@ -333,6 +320,19 @@ class ForkServerHooks:
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.forks.close()
+
+
+def session_fork_server(config: pytest.Config) -> ForkServer:
+    """The session's fork server (started with the first marked test collected)."""
+
+    def log_path() -> str:
+        factory = config._tmp_path_factory  # type: ignore[attr-defined]
+        return str(factory.getbasetemp() / "msrun-fork-server.log")
+
+    def preload() -> tuple[list[str], list[str]]:  # what the ranks load
+        return preload_for(config, options.unused_rank_plugins(config))
+
+    return ForkServer(preload, log_path)
 
 
 def preload_for(config: pytest.Config, skip: list[str]) -> tuple[list[str], list[str]]:

@@ -34,7 +34,7 @@ from pytest_msrun.engine.processes import term_grace
 from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.engine.status import STATUS_FILE, node_status_file, read_status
 from pytest_msrun.fileio import private_dir
-from pytest_msrun.plugin.controller.debugserver import DebugServer, NoDebug, paused_clock
+from pytest_msrun.plugin.controller.debugserver import DebugServer, paused_clock
 from pytest_msrun.plugin.controller.forkserver import ForkServer
 from pytest_msrun.plugin.controller.msrunproc import Process, start_msrun
 from pytest_msrun.plugin.marker import MsrunSpec
@@ -111,12 +111,12 @@ class TestJob:
         extra_env: dict[str, str],
         live_output: bool,
         cluster: Allocation | None = None,
-        debug: DebugServer | NoDebug | None = None,
+        debug: DebugServer,
         forks: ForkServer | None = None,
     ) -> None:
         self.nodeid = nodeid
         self.forks = forks  # the session's fork server (None: msrun is spawned)
-        self.debug = debug or NoDebug()
+        self.debug = debug
         self.nodeids = [nodeid]  # what each rank's pytest collects (a warm world: every test it may run)
         self.spec = spec
         # the marker's binding, read once (a --bind_numa file is read and hashed)

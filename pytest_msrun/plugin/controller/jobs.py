@@ -17,7 +17,7 @@ import pytest
 from pytest_msrun.engine.config import TRACE_ENV
 from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.plugin import covdata, options
-from pytest_msrun.plugin.controller.debugserver import DebugServer, NoDebug
+from pytest_msrun.plugin.controller.debugserver import DebugServer
 from pytest_msrun.plugin.controller.forkserver import ForkServer
 from pytest_msrun.plugin.controller.job import TestJob
 from pytest_msrun.plugin.controller.pool import DeviceInventory, DeviceShortage
@@ -63,17 +63,19 @@ class Jobs:
         cluster: Allocation | None,
         inventory: DeviceInventory,
         timeout: float,
-        debug: DebugServer | NoDebug | None = None,
-        forks: ForkServer | None = None,
+        exit_timeout: float,
+        debug: DebugServer,
+        forks: ForkServer | None,
     ) -> None:
         self.config = config
         self.forks = forks  # the session's fork server (None: every msrun is spawned)
-        self.debug = debug or NoDebug()  # the ranks' debugger (breakpoint(), --pdb)
+        self.debug = debug  # the ranks' debugger (breakpoint(), --pdb)
         self.args = args
         self.trace_dir = trace_dir
         self.cluster = cluster
         self.inventory = inventory
         self.default_timeout = timeout
+        self.exit_timeout = exit_timeout  # s the ranks may take to exit once their sessions ended
 
     def timeout(self, spec: MsrunSpec) -> float:
         return spec.timeout or self.default_timeout

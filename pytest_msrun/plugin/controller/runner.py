@@ -13,18 +13,20 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from pytest_msrun.fsinfo import describe_write_error
-from pytest_msrun.plugin.controller.attempts import Attempt, FreshAttempt, RefusedAttempt, TestRecord, WarmAttempt
+from pytest_msrun.plugin.controller.attempts import Attempt, TestRecord, WarmAttempt, WholeAttempt
 from pytest_msrun.plugin.controller.jobs import Jobs, static_skip
-from pytest_msrun.plugin.controller.pool import DeviceShortage, ResourcePool
+from pytest_msrun.plugin.controller.pool import DeviceShortage
 from pytest_msrun.plugin.controller.worlds import WorldPool
 from pytest_msrun.plugin.marker import MarkerError, MsrunSpec, spec_for
 from pytest_msrun.plugin.rule.outcomes import Refusal, TestVerdict
+from pytest_msrun.plugin.rule.testrecord import JobRun
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,13 +44,10 @@ class LateRecord:
 class Runner:
     """Hands out the attempts of one session's marked tests and keeps what worlds share between them."""
 
-    def __init__(
-        self, jobs: Jobs, worlds: WorldPool, pool: ResourcePool, exit_timeout: float, leaks_fail: bool
-    ) -> None:
+    def __init__(self, jobs: Jobs, worlds: WorldPool, leaks_fail: bool) -> None:
         self.jobs = jobs
         self.worlds = worlds
-        self.pool = pool
-        self.exit_timeout = exit_timeout
+        self.pool = worlds.resources
         self.leaks_fail = leaks_fail  # --msrun-leaks=error: an input of the rule, not a rewrite of its outcome
         # each world's last test and the teardown failures reported on it (a late judgement repeats none)
         self.reported: dict[tuple, tuple[Any, frozenset[tuple[int, str, str]]]] = {}
@@ -93,13 +92,18 @@ class Runner:
             return self._refused(item, ranks, Refusal(outcome, f"msrun: {exc}"), note)
         try:
             job = self.jobs.new(item, spec, lease.ports, lease.devices)
-            return FreshAttempt(item.nodeid, job, self.jobs.test_timeout(item, spec), self.exit_timeout, note)
+            run = dataclasses.replace(job.run(self.jobs.test_timeout(item, spec), self.jobs.exit_timeout), note=note)
+            return WholeAttempt("fresh", TestRecord.load(item.nodeid, job.expected_ranks(), job.paths, run), job.trace)
         finally:
             self.pool.release(lease)
 
-    def _refused(self, item: pytest.Item, ranks: list[int], refusal: Refusal, note: str = "") -> RefusedAttempt:
+    def _refused(self, item: pytest.Item, ranks: list[int], refusal: Refusal, note: str = "") -> WholeAttempt:
         tag = "refused-" + hashlib.sha1(item.nodeid.encode()).hexdigest()[:8]  # tests of one name in two files
-        return RefusedAttempt(item.nodeid, ranks, refusal, note, self.jobs.trace_of(item, tag))
+        now = time.time()
+        record = TestRecord(
+            item.nodeid, ranks, {}, JobRun([], [], False, 0.0, now, now, note=note), "", refusal=refusal
+        )
+        return WholeAttempt("refused", record, self.jobs.trace_of(item, tag))
 
     def _no_files(self, exc: OSError) -> str:
         """The test's directories or files could not be made (a full basetemp, a file someone put
@@ -120,7 +124,7 @@ class Runner:
         next_id = None
         if isinstance(attempt, WarmAttempt) and not again:
             next_id = self.worlds.world_next(item, nextitem, attempt.world.key)
-        return attempt.finish(next_id, self.exit_timeout, leaks_fail=self.leaks_fail)
+        return attempt.finish(next_id, self.jobs.exit_timeout, leaks_fail=self.leaks_fail)
 
     def done(self, attempt: Attempt, item: pytest.Item, final: TestVerdict) -> bool:
         """The attempt is reported (``final``); whether its job ended with it (its trace is complete)."""

@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 
 from pytest_msrun.control.door import Tally
-from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.plugin import envscope
 from pytest_msrun.plugin.controller.attempts import WarmAttempt
 from pytest_msrun.plugin.controller.job import JobRun, TestPaths
@@ -70,24 +69,20 @@ class WorldPool:
         jobs: Jobs,
         resources: ResourcePool,
         *,
-        exit_timeout: float,
         mode: str,
         env_per_test: bool,
         prefetch: bool,
         xdist_worker: bool,
-        cluster: Allocation | None,
         max_ranks: int,
         memory: tuple[int, int] = (0, 0),
     ) -> None:
         self.jobs = jobs
         self.memory = memory  # --msrun-leak-rss, --msrun-max-rss (bytes, 0: off)
         self.resources = resources
-        self.exit_timeout = exit_timeout
         self.warm = mode == "warm"  # --msrun-worlds=warm: tests share worlds (fresh: each in a forked child)
         self.env_per_test = env_per_test  # tests differing only in env share a world
         self.prefetch = prefetch  # worlds, warm or forking
         self.xdist_worker = xdist_worker  # xdist hands this process its items one by one
-        self.cluster = cluster
         self.live: dict[tuple, World] = {}
         self.strangers = Tally(time.monotonic())  # dropped at the worlds' doors, for the session's summary
         self.last_item: dict[tuple, pytest.Item] = {}  # each live world's last test
@@ -208,10 +203,10 @@ class WorldPool:
             paths.make()
             ranks = world.job.expected_ranks()
             timeout = self.jobs.test_timeout(item, spec)
-            attempt = WarmAttempt(item.nodeid, world, paths, ranks, timeout, self.exit_timeout)
+            attempt = WarmAttempt(item.nodeid, world, paths, ranks, timeout, self.jobs.exit_timeout)
             self.last_item[key] = item
             if attempt.called.absent:  # a rank did not collect it (it differs from this process's collection)
-                attempt.finish(None, self.exit_timeout)
+                attempt.finish(None, self.jobs.exit_timeout)
                 self.after(item, key, None)
                 why = attempt.called.unforkable
                 if why:  # so are the ranks of every world of its shape: its tests run as fresh jobs
@@ -245,7 +240,7 @@ class WorldPool:
                 return world, ""
             self.end_outside(key, why)  # never used for this test: its end is the last test's
         plan, start = self._ahead(item, nextitem)
-        if self.cluster is not None:  # an idle world's step holds CPUs of the allocation the new one may need
+        if self.jobs.cluster is not None:  # an idle world's step holds CPUs of the allocation the new one may need
             for other in list(self.live):
                 self.end_outside(other, "ended: inside a Slurm allocation, a new world's step needed its CPUs")
         for victim in victims(self._needs(), world_need(key), self.budget, lambda k: plan.starts.next_use(k, start)):
@@ -325,19 +320,20 @@ class WorldPool:
         if world is None:
             return
         if world.dead:
-            self.live.pop(key)
-            self.expecting.pop(key, None)
-            self.last_item.pop(key, None)
+            self._drop(key)
             self.resources.release(world.lease)
         else:
             self.expecting[key] = next_id
 
+    def _drop(self, key: tuple) -> tuple[World, pytest.Item | None]:
+        """Forget the live world of ``key``: it and its last test."""
+        self.expecting.pop(key, None)
+        return self.live.pop(key), self.last_item.pop(key, None)
+
     def end_outside(self, key: tuple, why: str) -> None:
         """End a world outside a test; whatever its end reveals (fixture finalizers that failed, a
         rank that died or does not exit) is a late teardown error of the last test it ran."""
-        world = self.live.pop(key)
-        self.expecting.pop(key, None)
-        item = self.last_item.pop(key, None)
+        world, item = self._drop(key)
         last = world.last
         try:
             if world.dead or last is None:
@@ -346,9 +342,9 @@ class WorldPool:
                 stacks: dict[int, str] = {}
             else:
                 world.retire(why)
-                hung, stacks = world.end(self.exit_timeout)
+                hung, stacks = world.end(self.jobs.exit_timeout)
         finally:
             self.resources.release(world.lease)
         if item is None or last is None:
             return
-        self.late.append(LateEnd(item, world, last, world.ended_run(last, hung, self.exit_timeout, stacks), why))
+        self.late.append(LateEnd(item, world, last, world.ended_run(last, hung, self.jobs.exit_timeout, stacks), why))
