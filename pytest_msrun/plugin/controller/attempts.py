@@ -79,21 +79,12 @@ class WarmAttempt:
         self.ranks = ranks
         self.called: Called = world.begin(paths, nodeid, timeout, exit_timeout)
         self.next_id: str | None = None  # the test its world kept fixtures for, once torn down
+        self.trace = world.job.trace
+        self.job_started = world.created
+        self.world_dir = str(world.job.paths.job_dir)
         record = TestRecord.load(nodeid, ranks, paths, self.called.run)
         # each rank's part of the log so far (setup and call); completed with the teardown in finish()
         self.record = replace(record, own_logs=self._own_logs(record))
-
-    @property
-    def trace(self) -> str:
-        return self.world.job.trace
-
-    @property
-    def job_started(self) -> float:
-        return self.world.created
-
-    @property
-    def world_dir(self) -> str:
-        return str(self.world.job.job_dir)
 
     def left_before(self) -> list[int]:
         """The ranks whose leaving ended the world before they began this test (the world was

@@ -106,14 +106,6 @@ def _refuse_unsafe(flag: str, problem: str) -> None:
         raise pytest.UsageError(f"{flag}: {problem}")
 
 
-def _pool() -> ResourcePool:
-    """This user's port and device pool; a directory of it someone else made or can write is a usage error."""
-    try:
-        return ResourcePool()
-    except OSError as exc:
-        raise pytest.UsageError(f"msrun: cannot keep the port and device pool: {exc}") from None
-
-
 def exit_timeout(config: pytest.Config) -> float:
     """Seconds the ranks may take to exit once every rank's pytest session ended."""
     return float(_setting(config, "exit_timeout", DEFAULT_EXIT_TIMEOUT))
@@ -147,7 +139,10 @@ class Controller:
             self.inventory = inventory(_setting(config, "devices", "auto"))
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
-        self.pool = _pool()
+        try:  # this user's port and device pool: a directory of it someone else made or can write is no use
+            self.pool = ResourcePool()
+        except OSError as exc:
+            raise pytest.UsageError(f"msrun: cannot keep the port and device pool: {exc}") from None
         cluster = allocation(os.environ) if which("srun") else None
         self.leaks = _setting(config, "leaks", "warn")
         prefetch = _setting(config, "prefetch", "on", ("on", "off"))
@@ -347,12 +342,11 @@ class Controller:
         """Each world's end found since: its last test - already reported - judged again with it,
         and what failed now reported as a late teardown error of that test."""
         cwd = str(self.config.invocation_params.dir)
-        for late in self.runner.late():
-            item, record = late.item, late.record
-            verdict = record.verdict()
-            self.traces.add(late.trace, late.job, verdict, shown(verdict), record.logs, record.run.ended)
-            self.traces.flush(late.trace)
-            if teardown_failures(verdict) <= late.said:
+        for late, record, said in self.runner.late():
+            item, trace, verdict = late.item, late.world.job.trace, record.verdict()
+            self.traces.add(trace, ("warm", late.world.created), verdict, shown(verdict), record.logs, record.run.ended)
+            self.traces.flush(trace)
+            if teardown_failures(verdict) <= said:
                 continue  # nothing the test's own teardown report did not say already
             reports = [r for r in Merger(item, record, self.style, cwd).reports(verdict, ("teardown",)) if r.failed]
             for report in reports:

@@ -183,7 +183,9 @@ class DebugServer:
     def _start(self, session: Session, sel: selectors.BaseSelector) -> Session | None:
         sock = session.sock
         sock.setblocking(True)
-        if not self._reply(sock, {"t": "ok"}):
+        try:
+            sock.sendall(wire.encode({"t": "ok"}))
+        except OSError:
             sock.close()
             return None
         sock.setblocking(False)
@@ -238,14 +240,6 @@ class DebugServer:
             pass
         finally:
             session.sock.setblocking(False)
-
-    @staticmethod
-    def _reply(sock: socket.socket, msg: dict) -> bool:
-        try:
-            sock.sendall(wire.encode(msg))
-            return True
-        except OSError:
-            return False
 
     def _say(self, line: str) -> None:
         _write_all(self.stdout, ("\n" + line + "\n").encode("utf-8", "replace"))

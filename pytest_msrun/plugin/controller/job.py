@@ -122,15 +122,11 @@ class TestJob:
         # the marker's binding, read once (a --bind_numa file is read and hashed)
         self.binding = (parse_bind_value(spec.bind_core, "bind_core"), parse_bind_value(spec.bind_numa, "bind_numa"))
         self.paths = TestPaths(job_dir, job_dir / "logs")
-        self.job_dir = job_dir
         self.log_dir = self.paths.log_dir
-        self.report_dir = self.paths.report_dir
-        self.shared_dir = self.paths.shared_dir
         self.ports = ports
         self.rank_args = rank_args
         self.extra_env = extra_env
         self.live_output = live_output
-        self.basetemp = self.paths.basetemp
         self._ranks: list[int] | None = None
         self.token = os.urandom(16).hex()
         sizes = spec.node_sizes()
@@ -237,9 +233,9 @@ class TestJob:
         env = dict(os.environ)
         env.update(self.spec.env)
         env.update(self.extra_env)
-        env[REPORT_DIR_ENV] = str(self.report_dir)
-        env[SHARED_TMP_ENV] = str(self.shared_dir)
-        env[BASETEMP_ENV] = str(self.basetemp)
+        env[REPORT_DIR_ENV] = str(self.paths.report_dir)
+        env[SHARED_TMP_ENV] = str(self.paths.shared_dir)
+        env[BASETEMP_ENV] = str(self.paths.basetemp)
         env["MSRUN_JOB_TOKEN"] = self.token
         env.update(self.debug.env())  # never in the reproduce lines: the session's own server
         if self.cluster is None:  # every flag is given: a Slurm step this session runs in changes nothing
@@ -256,7 +252,7 @@ class TestJob:
         out = Launched()
         try:
             for node, cmd in enumerate(commands):
-                log_path = str(self.job_dir / (f"msrun_node{node}.log" if len(commands) > 1 else "msrun.log"))
+                log_path = str(self.paths.job_dir / (f"msrun_node{node}.log" if len(commands) > 1 else "msrun.log"))
                 out.logs.append(log_path)
                 popen, pump = self._start(cmd, env, log_path)
                 out.procs.append(popen)
@@ -278,7 +274,7 @@ class TestJob:
         try:
             clock = paused_clock(self.debug)  # time in the debugger does not count
             deadline = clock() + timeout
-            finished = FinishWatch(str(self.report_dir), self.expected_ranks())
+            finished = FinishWatch(str(self.paths.report_dir), self.expected_ranks())
             exit_deadline: float | None = None
             while True:
                 alive = [p for p in procs if p.poll() is None]  # one look: a process may end any time
@@ -300,7 +296,7 @@ class TestJob:
         except BaseException:  # Ctrl+C or pytest.exit while waiting: leave nothing running
             self._stop(procs)
             raise
-        facts = self.at_deadline(str(self.report_dir), self.expected_ranks()) if timed_out else {}
+        facts = self.at_deadline(str(self.paths.report_dir), self.expected_ranks()) if timed_out else {}
         if timed_out or hung:
             facts = facts or {"stacks": self.collect_stacks()}
             self._stop(procs)
@@ -324,7 +320,7 @@ class TestJob:
             started=started,
             ended=time.time(),
             msrun_logs=list(launched.logs),
-            stacks_dir=str(self.report_dir),
+            stacks_dir=str(self.paths.report_dir),
             **facts,
         )
 
@@ -422,12 +418,12 @@ class TestJob:
                     pass
 
         def dumped(rank: int) -> bool:
-            return bool(_read(stacks_path(str(self.report_dir), rank)).strip())
+            return bool(_read(stacks_path(str(self.paths.report_dir), rank)).strip())
 
         if wait_until(lambda: all(dumped(rank) for rank in asked), STACK_WAIT, 0.05):
             time.sleep(0.05)  # let the last writer finish its dump
         for rank in asked:
-            text = _read(stacks_path(str(self.report_dir), rank))
+            text = _read(stacks_path(str(self.paths.report_dir), rank))
             if text.strip():
                 stacks[rank] = text
         return stacks

@@ -103,11 +103,6 @@ class Jobs:
             )
         return 0
 
-    def device_env(self, devices: list[str]) -> dict[str, str]:
-        if not devices:
-            return {}
-        return {self.inventory.env_var: ",".join(devices)}
-
     def test_dir(self, item: pytest.Item) -> Path:
         factory = self.config._tmp_path_factory  # type: ignore[attr-defined]
         path: Path = factory.mktemp(f"msrun-{safe_name(item.nodeid)}", numbered=True)
@@ -119,7 +114,8 @@ class Jobs:
 
     def new(self, item: pytest.Item, spec: MsrunSpec, ports: list[int], devices: list[str]) -> TestJob:
         """The job of ``item`` (a fresh test's, or a warm world's named by its first test)."""
-        extra_env = self.device_env(devices)
+        extra_env = {self.inventory.env_var: ",".join(devices)} if devices else {}
+        unused = options.unused_rank_plugins(self.config)  # -p no:NAME for each plugin the ranks need not load
         job_dir = self.test_dir(item)
         if self.trace_dir:  # one trace per job
             extra_env = {**extra_env, TRACE_ENV: self.trace_of(item, job_dir.name)}
@@ -128,7 +124,7 @@ class Jobs:
             spec=spec,
             job_dir=job_dir,
             ports=ports,
-            rank_args=[*self.args, *self._unused_plugins()],
+            rank_args=[*self.args, *(arg for name in unused for arg in ("-p", f"no:{name}"))],
             extra_env={
                 **extra_env,
                 **options.ship(self.config, str(job_dir / "pytest-options.json")),
@@ -139,7 +135,3 @@ class Jobs:
             debug=self.debug,
             forks=self.forks,
         )
-
-    def _unused_plugins(self) -> list[str]:
-        """``-p no:NAME`` for each plugin the ranks need not load (:func:`options.unused_rank_plugins`)."""
-        return [arg for name in options.unused_rank_plugins(self.config) for arg in ("-p", f"no:{name}")]

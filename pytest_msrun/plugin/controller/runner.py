@@ -23,22 +23,10 @@ from pytest_msrun.fsinfo import describe_write_error
 from pytest_msrun.plugin.controller.attempts import Attempt, TestRecord, WarmAttempt, WholeAttempt
 from pytest_msrun.plugin.controller.jobs import Jobs, static_skip
 from pytest_msrun.plugin.controller.pool import DeviceShortage
-from pytest_msrun.plugin.controller.worlds import WorldPool
+from pytest_msrun.plugin.controller.worlds import LateEnd, WorldPool
 from pytest_msrun.plugin.marker import MarkerError, MsrunSpec, spec_for
 from pytest_msrun.plugin.rule.outcomes import Refusal, TestVerdict
 from pytest_msrun.plugin.rule.testrecord import JobRun
-
-
-@dataclasses.dataclass(frozen=True)
-class LateRecord:
-    """A world's last test, judged again with how the world ended after it was reported."""
-
-    item: pytest.Item
-    record: TestRecord
-    why: str  # why the world ended
-    trace: str  # the world's trace file
-    job: tuple[str, float]  # how its tests ran (warm) and when the world started, for the trace
-    said: frozenset[tuple[int, str, str]]  # the teardown failures already reported on the test
 
 
 class Runner:
@@ -138,16 +126,15 @@ class Runner:
         return key not in self.worlds.live
 
     # ---------------------------------------------------------------- worlds' ends outside a test
-    def late(self) -> Iterator[LateRecord]:
-        """The records of worlds' last tests, judged again with how each world ended since."""
+    def late(self) -> Iterator[tuple[LateEnd, TestRecord, frozenset[tuple[int, str, str]]]]:
+        """Each world's end since, with the record of its last test judged again with it, and the
+        teardown failures already reported on that test."""
         for end in self.worlds.take_late():
-            item, world, last, run, why = end.item, end.world, end.last, end.run, end.why
-            late = dataclasses.replace(run, reproduce_lines=world.reproduce_lines(last), started=last.started)
-            record = TestRecord.load(item.nodeid, world.job.expected_ranks(), last.paths, late)
+            world, last = end.world, end.last
+            run = dataclasses.replace(end.run, reproduce_lines=world.reproduce_lines(last), started=last.started)
             test, said = self.reported.get(world.key, (None, frozenset()))
-            yield LateRecord(
-                item, record, why, world.job.trace, ("warm", world.created), said if test is last else frozenset()
-            )
+            record = TestRecord.load(end.item.nodeid, world.job.expected_ranks(), last.paths, run)
+            yield end, record, said if test is last else frozenset()
 
 
 def teardown_failures(verdict: TestVerdict) -> set[tuple[int, str, str]]:
