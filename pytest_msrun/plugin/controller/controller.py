@@ -178,7 +178,6 @@ class Controller:
             env_per_test=scope == "test",  # tests differing only in env share a world
             # a world started ahead inside a Slurm allocation would hold a step's CPUs while idle
             prefetch=prefetch == "on" and cluster is None,
-            xdist_worker=self.xdist_worker,
             memory=memory_bounds(config),
             max_ranks=_max_ranks(config, self.xdist_worker),
         )

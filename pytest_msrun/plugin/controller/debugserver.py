@@ -60,7 +60,7 @@ class DebugServer:
         self.post_mortem = post_mortem
         self.steps = steps
         self.token = os.urandom(16).hex()
-        self.tty = terminal is not None and _isatty(terminal)
+        self.tty = terminal is not None and os.isatty(terminal)
         self.stdin = terminal if terminal is not None and self.tty else -1
         self.stdout = os.dup(stdout_fd)
         self.lock = threading.Lock()
@@ -258,13 +258,6 @@ def _forget(sel: selectors.BaseSelector, sock: socket.socket) -> None:
     except (KeyError, ValueError):
         pass
     sock.close()
-
-
-def _isatty(fd: int) -> bool:
-    try:
-        return os.isatty(fd)
-    except OSError:
-        return False
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -36,6 +36,8 @@ RANK_MODULES = (
     "pytest_msrun.plugin.rank.rankextras",
     "pytest_msrun.plugin.rank.callphase",
 )
+# this session's, never a rank's (xdist's worker, the running test, addopts applied already)
+SESSION_VARS = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS")
 REPLY_TIMEOUT = 30.0  # s a request waits for its pid (a fork: milliseconds)
 
 
@@ -246,7 +248,7 @@ def template_env() -> dict[str, str]:
     env = dict(os.environ)
     # as every rank has it (msrun sets it): a fork must stand for a fresh rank's interpreter
     env["PYTHONUNBUFFERED"] = "1"
-    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS"):
+    for name in SESSION_VARS:
         env.pop(name, None)
     return env
 

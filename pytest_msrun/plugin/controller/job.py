@@ -35,7 +35,7 @@ from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.engine.status import STATUS_FILE, node_status_file, read_status
 from pytest_msrun.fileio import private_dir
 from pytest_msrun.plugin.controller.debugserver import DebugServer, paused_clock
-from pytest_msrun.plugin.controller.forkserver import ForkServer
+from pytest_msrun.plugin.controller.forkserver import SESSION_VARS, ForkServer
 from pytest_msrun.plugin.controller.msrunproc import Process, start_msrun
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.rule import records
@@ -200,15 +200,15 @@ class TestJob:
                 changes["master_port"] = 0
         return flags_of(replace(cfg, **changes))
 
-    def commands(self) -> list[list[str]]:
-        msrun = [sys.executable, "-m", "pytest_msrun"]
-        configs = self.configs()
+    def commands(self, nodeids: list[str] | None = None, *, for_user: bool = False) -> list[list[str]]:
+        """The job's msrun command lines (of ``nodeids``): as started, or ``for_user`` as typed (:meth:`flags`)."""
+        msrun = [CLI] if for_user else [sys.executable, "-m", "pytest_msrun"]
+        configs = self.configs(nodeids)
         if self.cluster is not None:
-            srun = self.cluster.srun(
-                self.nodes, configs[0].local_worker_num, label="msrun-test", devices=self.spec.devices
-            )
-            return [[*srun, *msrun, *self.flags(configs[0])]]
-        return [[*msrun, *self.flags(cfg)] for cfg in configs]
+            label = "" if for_user else "msrun-test"
+            srun = self.cluster.srun(self.nodes, configs[0].local_worker_num, label=label, devices=self.spec.devices)
+            return [[*srun, *msrun, *self.flags(configs[0], for_user=for_user)]]
+        return [[*msrun, *self.flags(cfg, for_user=for_user)] for cfg in configs]
 
     def reproduce_lines(
         self,
@@ -223,11 +223,7 @@ class TestJob:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(variables.items()))
         prefix = (env + " ") if env else ""
         limit = ["timeout", "-s", "TERM", f"{timeout:g}"]
-        configs = self.configs(nodeids)
-        if self.cluster is not None:
-            srun = self.cluster.srun(self.nodes, configs[0].local_worker_num, devices=self.spec.devices)
-            return [prefix + shlex.join([*limit, *srun, CLI, *self.flags(configs[0], for_user=True)])]
-        return [prefix + shlex.join([*limit, CLI, *self.flags(cfg, for_user=True)]) for cfg in configs]
+        return [prefix + shlex.join([*limit, *cmd]) for cmd in self.commands(nodeids, for_user=True)]
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -240,8 +236,7 @@ class TestJob:
         env.update(self.debug.env())  # never in the reproduce lines: the session's own server
         if self.cluster is None:  # every flag is given: a Slurm step this session runs in changes nothing
             env["MSRUN_SLURM"] = "0"
-        env.pop("PYTEST_ADDOPTS", None)
-        for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURRENT_TEST"):
+        for name in SESSION_VARS:
             env.pop(name, None)
         return env
 

@@ -118,8 +118,9 @@ class Reporter:
         self.traces.add(trace, (attempt.mode, attempt.job_started), final, shown(final), record.logs, record.run.ended)
         merger = self.merged(item, record, rerun)
         teardown = merger.reports(final, ("teardown",))
-        if record.leaks and self.leaks == "warn":
-            self._warn_leaks(item, record.leaks)
+        if record.leaks and self.leaks == "warn":  # what it left behind in its warm world, as a warning it raised
+            lines = [f"rank {rank}: {what}" for rank, items in sorted(record.leaks.items()) for what in items]
+            self._warn(item, MsrunLeakWarning(f"{item.nodeid} left behind in its warm world:\n  " + "\n  ".join(lines)))
         if record.notes:
             text = f"{item.nodeid} ended its warm world:\n  " + "\n  ".join(record.notes)
             self._warn(item, MsrunMemoryWarning(text))
@@ -162,12 +163,6 @@ class Reporter:
                 report.extras = [*getattr(report, "extras", []), extras.html(render_test(entry))]  # type: ignore[attr-defined]
             except ImportError:
                 pass
-
-    def _warn_leaks(self, item: pytest.Item, leaks: dict[int, list[str]]) -> None:
-        """What a test left behind in its warm world, as a warning it raised (--msrun-leaks=warn)."""
-        lines = [f"rank {rank}: {what}" for rank, items in sorted(leaks.items()) for what in items]
-        text = f"{item.nodeid} left behind in its warm world:\n  " + "\n  ".join(lines)
-        self._warn(item, MsrunLeakWarning(text))
 
     def _warn(self, item: pytest.Item, warning: pytest.PytestWarning) -> None:
         """``warning`` as if the test raised it, at its line."""

@@ -267,7 +267,7 @@ class World:
             try:
                 msg = channel.recv(max(0.0, deadline - time.monotonic()))
             except (OSError, wire.ProtocolError):
-                return f"rank {rank} did not say what it read while it collected"
+                msg = {}
             names = msg.get("names")
             if msg.get("t") != "env_read" or not isinstance(names, list):
                 return f"rank {rank} did not say what it read while it collected"
@@ -284,11 +284,7 @@ class World:
             return self.dead
         for rank, channel in self.channels.items():
             try:
-                channel.sock.setblocking(False)
-                try:
-                    data = channel.sock.recv(1, socket.MSG_PEEK)
-                finally:
-                    channel.sock.setblocking(True)
+                data = channel.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
             except BlockingIOError:
                 continue
             except OSError:
@@ -389,7 +385,7 @@ class World:
                     self.dead = "the world's job ended (a rank died)"
                     break
                 waiting = [rank for rank in live if rank not in replies and rank not in self.lost]
-                ready = [rank for rank in waiting if self.channels[rank].has_message()]
+                ready = [rank for rank in waiting if self.channels[rank].pending]
                 if not ready:
                     ready = [key.data for key, _ in sel.select(timeout=0.05)]
                 for rank in ready:

@@ -72,7 +72,6 @@ class WorldPool:
         mode: str,
         env_per_test: bool,
         prefetch: bool,
-        xdist_worker: bool,
         max_ranks: int,
         memory: tuple[int, int] = (0, 0),
     ) -> None:
@@ -82,7 +81,7 @@ class WorldPool:
         self.warm = mode == "warm"  # --msrun-worlds=warm: tests share worlds (fresh: each in a forked child)
         self.env_per_test = env_per_test  # tests differing only in env share a world
         self.prefetch = prefetch  # worlds, warm or forking
-        self.xdist_worker = xdist_worker  # xdist hands this process its items one by one
+        self.xdist_worker = hasattr(jobs.config, "workerinput")  # xdist hands this process its items one by one
         self.live: dict[tuple, World] = {}
         self.strangers = Tally(time.monotonic())  # dropped at the worlds' doors, for the session's summary
         self.last_item: dict[tuple, pytest.Item] = {}  # each live world's last test
