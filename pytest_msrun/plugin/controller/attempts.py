@@ -1,49 +1,23 @@
 """One marked test, run as a fresh job or in a warm world, behind one interface.
 
-What pytest-xdist's ``WorkerController`` is to its controller, an :class:`Attempt` is to ours: it
-runs the test's setup and call on every rank (:attr:`Attempt.record`), then - once the controller
-has reported them, so ``-x`` has acted - its teardown, keeping what the next test of the same world
-shares with it (:meth:`Attempt.finish`). Both steps give a :class:`TestRecord`: everything the
-verdict is a function of (every rank's records, every process end, the job's timeout), and the
-same merge turns it into reports. A fresh job runs whole in the first step; a warm world in two.
+What pytest-xdist's ``WorkerController`` is to its controller, an :data:`Attempt` is to ours: it
+runs the test's setup and call on every rank (its ``record``), then - once the controller has
+reported them, so ``-x`` has acted - its teardown, keeping what the next test of the same world
+shares with it (``finish``: None keeps nothing; ``leaks_fail``: what the test left behind in its
+world fails its teardown). Both steps give a :class:`TestRecord`: everything the verdict is a
+function of (every rank's records, every process end, the job's timeout), and the same merge
+turns it into reports. A fresh job runs whole in the first step; a warm world in two.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Union
 
 from pytest_msrun.fileio import private_dir, write_whole
 from pytest_msrun.plugin.controller.job import TestPaths
 from pytest_msrun.plugin.controller.world import Called, World, teardown
 from pytest_msrun.plugin.rule.testrecord import TestRecord
-
-
-class Attempt(Protocol):
-    """One marked test on its ranks: setup and call done (``record``), the teardown to come."""
-
-    record: TestRecord
-    mode: str  # how it ran, as reports name it: fresh | warm | refused
-
-    @property
-    def trace(self) -> str:
-        """Its job's trace file ("": not traced)."""
-        ...
-
-    @property
-    def job_started(self) -> float:
-        """When the job it ran in started (a warm world's: the world's start)."""
-        ...
-
-    @property
-    def world_dir(self) -> str:
-        """The directory of the warm world it ran in ("": none)."""
-        ...
-
-    def finish(self, next_id: str | None, exit_timeout: float, leaks_fail: bool = False) -> TestRecord:
-        """The teardown, keeping what the test ``next_id`` shares (None: nothing); the complete record
-        (``leaks_fail``: what the test left behind in its world fails its teardown)."""
-        ...
 
 
 @dataclass
@@ -131,3 +105,6 @@ class WarmAttempt:
                 continue
             own[rank] = str(target)
         return own
+
+
+Attempt = Union[WholeAttempt, WarmAttempt]  # its mode (fresh, refused, warm) names it in reports

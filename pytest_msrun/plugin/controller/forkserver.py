@@ -43,8 +43,8 @@ REPLY_TIMEOUT = 30.0  # s a request waits for its pid (a fork: milliseconds)
 
 class ForkedProcess:
     """A child of this process that the fork server forked (``CLONE_PARENT``), with the part of
-    :class:`subprocess.Popen` the plugin uses: ``poll``, ``wait``, ``send_signal``, ``terminate``,
-    ``kill``, ``pid``, ``returncode``, ``args``."""
+    :class:`subprocess.Popen` the plugin uses: ``poll``, ``wait``, ``kill``, ``pid``,
+    ``returncode``, ``args``."""
 
     def __init__(self, pid: int, args: list[str]) -> None:
         self.pid = pid
@@ -79,18 +79,12 @@ class ForkedProcess:
         assert self.returncode is not None
         return self.returncode
 
-    def send_signal(self, sig: int) -> None:
+    def kill(self) -> None:
         if self.poll() is None:  # unreaped: the pid is still this child's
             try:
-                os.kill(self.pid, sig)
+                os.kill(self.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
     def _close(self) -> None:
         if self._pidfd is not None:
