@@ -245,16 +245,17 @@ class TestJob:
         commands = self.commands()
         env = {**self.env(), **(extra_env or {})}
         out = Launched()
+        forks = self.forks if self.cluster is None else None  # a step's msruns start on its nodes
         try:
             for node, cmd in enumerate(commands):
                 log_path = str(self.paths.job_dir / (f"msrun_node{node}.log" if len(commands) > 1 else "msrun.log"))
                 out.logs.append(log_path)
-                popen, pump = self._start(cmd, env, log_path)
+                popen, pump = start_msrun(cmd, env, log_path, live_output=self.live_output, forks=forks)
                 out.procs.append(popen)
                 if pump is not None:
                     out.pumps.append(pump)
         except BaseException:
-            self._stop(out.procs)
+            self.stop(out)
             raise
         return out
 
@@ -289,12 +290,12 @@ class TestJob:
                 except subprocess.TimeoutExpired:
                     pass
         except BaseException:  # Ctrl+C or pytest.exit while waiting: leave nothing running
-            self._stop(procs)
+            self.stop(launched)
             raise
         facts = self.at_deadline(str(self.paths.report_dir), self.expected_ranks()) if timed_out else {}
         if timed_out or hung:
             facts = facts or {"stacks": self.collect_stacks()}
-            self._stop(procs)
+            self.stop(launched)
         for pump in launched.pumps:
             pump.join(timeout=5)
         facts.update(timed_out=timed_out, exit_hung=hung, exit_timeout=exit_timeout, ranks=self.rank_ends())
@@ -354,10 +355,6 @@ class TestJob:
 
     def has_control_plane(self) -> bool:
         return self.spec.sim_level is None and self.spec.scheduler != "task"
-
-    def _start(self, cmd: list[str], env: dict[str, str], log_path: str) -> tuple[Process, Any]:
-        forks = self.forks if self.cluster is None else None  # a step's msruns start on its nodes
-        return start_msrun(cmd, env, log_path, live_output=self.live_output, forks=forks)
 
     # ---------------------------------------------------------------- helpers
     def _status_names(self) -> list[str]:
@@ -424,21 +421,16 @@ class TestJob:
         return stacks
 
     def stop(self, launched: Launched) -> None:
-        """Tear a launched job down (msrun's own teardown, SIGKILL after its grace)."""
-        self._stop(launched.procs)
-        for pump in launched.pumps:
-            pump.join(timeout=5)
-
-    def _stop(self, procs: list[Process]) -> None:
-        """msrun's own teardown on SIGTERM; SIGKILL of its session after a grace period."""
-        for popen in procs:
+        """Tear a launched job down: msrun's own teardown on SIGTERM, SIGKILL of its session after
+        msrun's grace."""
+        for popen in launched.procs:
             if popen.poll() is None:
                 try:
                     os.killpg(popen.pid, signal.SIGTERM)
                 except (ProcessLookupError, PermissionError):
                     pass
         deadline = time.monotonic() + term_grace() + 5  # msrun's own grace, then its teardown
-        for popen in procs:
+        for popen in launched.procs:
             try:
                 popen.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -447,6 +439,8 @@ class TestJob:
                 except (ProcessLookupError, PermissionError):
                     pass
                 popen.wait()
+        for pump in launched.pumps:
+            pump.join(timeout=5)
 
 
 class FinishWatch:

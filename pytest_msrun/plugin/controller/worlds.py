@@ -16,7 +16,6 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 
@@ -28,7 +27,7 @@ from pytest_msrun.plugin.controller.jobs import Jobs, node_path, static_skip
 from pytest_msrun.plugin.controller.keeping import NEVER, Budget, Schedule, survives, victims
 from pytest_msrun.plugin.controller.pool import DeviceShortage, ResourcePool
 from pytest_msrun.plugin.controller.world import FORKING, WarmTest, World, eligible, world_key, world_need
-from pytest_msrun.plugin.marker import MARKER, MarkerError, MsrunSpec, spec_for
+from pytest_msrun.plugin.marker import MarkerError, MsrunSpec, spec_for
 
 
 def _cpus() -> int:
@@ -112,18 +111,15 @@ class WorldPool:
         """The world ``item`` runs in (None: a fresh job of its own)."""
         if item.nodeid not in self._keys:
             key = None
-            if item.get_closest_marker(MARKER) is not None:
-                try:
-                    spec = spec_for(item)
-                except MarkerError:
-                    spec = None
-                if spec is not None and eligible(spec):
-                    # isolated: each test in processes of its own, forked from the world's ranks
-                    forking = spec.isolated or not self.warm
-                    key = world_key(self._world_spec(spec), spec.devices) + ((FORKING,) if forking else ())
-                    if key in self.unforkable:
-                        key = None
-            self._keys[item.nodeid] = key
+            try:
+                spec = spec_for(item)
+            except MarkerError:
+                spec = None
+            if spec is not None and eligible(spec):
+                # isolated: each test in processes of its own, forked from the world's ranks
+                forking = spec.isolated or not self.warm
+                key = world_key(self._world_spec(spec), spec.devices) + ((FORKING,) if forking else ())
+            self._keys[item.nodeid] = None if key in self.unforkable else key
         return self._keys[item.nodeid]
 
     def _world_spec(self, spec: MsrunSpec) -> MsrunSpec:
@@ -170,7 +166,7 @@ class WorldPool:
         world = self.live.get(key)
         if world is None or world.dead or session.shouldfail or session.shouldstop:
             return None
-        if self.resources.contended(world.lease):
+        if self.resources.contended(world.lease):  # another process waits for its devices
             return None
         plan, start = self._ahead(item, nextitem)
         at = plan.own.next_use(key, start)
@@ -244,15 +240,11 @@ class WorldPool:
                 self.end_outside(other, "ended: inside a Slurm allocation, a new world's step needed its CPUs")
         for victim in victims(self._needs(), world_need(key), self.budget, lambda k: plan.starts.next_use(k, start)):
             self.end_outside(victim, f"evicted: a {spec.worker_num}-rank world needed room ({self.budget.ranks} ranks)")
+        timeout = self.jobs.timeout(spec)
         try:
-            devices = self.jobs.pooled_devices(spec)
-            lease = self.resources.lease(
-                ports=2, devices=devices, inv=self.jobs.inventory, wait=self.jobs.timeout(spec)
-            )
+            world = self._start_world(item, spec, key, timeout)
         except DeviceShortage:
             return None, ""
-        world = self._start_world(item, spec, key, lease)
-        timeout = self.jobs.timeout(spec)
         problem = self._connect(world, timeout)
         if problem and not world.job.started():
             no_room = world.job.no_room(timeout, world.launched.logs)
@@ -264,18 +256,17 @@ class WorldPool:
         self.live[key] = world
         return world, ""
 
-    def _start_world(self, item: pytest.Item, spec: MsrunSpec, key: tuple, lease: Any) -> World:
-        """Launch the world of ``key`` (its first test: ``item``) without waiting for it."""
+    def _start_world(self, item: pytest.Item, spec: MsrunSpec, key: tuple, wait: float) -> World:
+        """Launch the world of ``key`` (its first test: ``item``) without waiting for it, its ports
+        and devices leased within ``wait`` s (else :class:`DeviceShortage`)."""
+        devices = self.jobs.pooled_devices(spec)
+        lease = self.resources.lease(ports=2, devices=devices, inv=self.jobs.inventory, wait=wait)
         job = self.jobs.new(item, self._world_spec(spec), lease.ports, lease.devices)
         served = [i for i in item.session.items if self.key_of(i) == key]
         job.nodeids = [node_path(i) for i in served]
-        test_envs: dict[str, dict[str, str]] = {}
-        if self.env_per_test:
-            for other in served:
-                other_spec = spec_for(other)
-                own = envscope.split(other_spec.env)[1] if other_spec is not None else {}
-                if own:
-                    test_envs[other.nodeid] = own
+        specs = [(i.nodeid, spec_for(i)) for i in served] if self.env_per_test else []
+        own = {nodeid: envscope.split(other.env)[1] for nodeid, other in specs if other is not None}
+        test_envs = {nodeid: env for nodeid, env in own.items() if env}
         return World(key, job, lease, test_envs, memory=self.memory, strangers=self.strangers)
 
     def _connect(self, world: World, timeout: float) -> str:
@@ -307,11 +298,9 @@ class WorldPool:
             if busy + spec.worker_num > _cpus():  # no CPU left to start it beside them
                 return
             try:
-                devices = self.jobs.pooled_devices(spec)
-                lease = self.resources.lease(ports=2, devices=devices, inv=self.jobs.inventory, wait=0)
+                self.live[other] = self._start_world(plan.items[at], spec, other, 0)
             except DeviceShortage:
-                return
-            self.live[other] = self._start_world(plan.items[at], spec, other, lease)
+                pass
             return
 
     def after(self, item: pytest.Item, key: tuple, next_id: str | None) -> None:
