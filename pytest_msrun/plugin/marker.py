@@ -58,10 +58,6 @@ class MsrunSpec:
     devices: int = 0
     isolated: bool = False  # a fresh job of its own, never a warm world
 
-    @property
-    def local(self) -> int:
-        return self.local_worker_num or self.worker_num
-
     def node_sizes(self) -> list[int]:
         """Workers per msrun invocation (several invocations = a multi-node job on loopback).
 
@@ -70,7 +66,7 @@ class MsrunSpec:
             return [self.worker_num]
         sizes, left = [], self.worker_num
         while left > 0:
-            sizes.append(min(self.local, left))
+            sizes.append(min(self.local_worker_num or self.worker_num, left))
             left -= sizes[-1]
         return sizes
 
@@ -129,14 +125,12 @@ def spec_for(item: pytest.Item) -> MsrunSpec | None:
         spec.timeout = float(timeout)
     for flag in ("bind_core", "bind_numa"):
         value = kwargs.get(flag, False)
-        if isinstance(value, bool):
+        if isinstance(value, (bool, str)):
             text = str(value)
         elif isinstance(value, dict):
             import json
 
             text = json.dumps(value)
-        elif isinstance(value, str):
-            text = value
         else:
             raise MarkerError(f"{where}: msrun({flag}=...) must be a bool, a dict or a string, got {value!r}")
         try:

@@ -131,10 +131,6 @@ class Controller:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.style, self.html = _report_options(config)
-        # each test's timeline rides on its teardown report (the HTML page, pytest-html's extras)
-        self.timelines = self.html is not None or config.pluginmanager.hasplugin("html")
-        self.timeout = default_timeout(config)
-        self.exit_timeout = exit_timeout(config)
         try:
             self.inventory = inventory(_setting(config, "devices", "auto"))
         except ValueError as exc:
@@ -156,7 +152,9 @@ class Controller:
         terminal = config.stash.get(TERMINAL, None)
         self.debug = DebugServer(post_mortem=usepdb, terminal=terminal, steps=cluster is not None)
         self.traces = TraceNotes()  # each test's spans and verdict, added to its job's trace at the job's end
-        self.reporter = Reporter(config, self.style, self.leaks, self.timelines, self.traces)
+        # each test's timeline rides on its teardown report (the HTML page, pytest-html's extras)
+        timelines = self.html is not None or config.pluginmanager.hasplugin("html")
+        self.reporter = Reporter(config, self.style, self.leaks, timelines, self.traces)
         self.forks = (config.stash.get(EARLY, None) or session_fork_server(config)) if forking == "on" else None
         if self.forks is not None:  # its session hooks: when it starts, what it says, its end
             config.pluginmanager.register(ForkServerHooks(self.forks), "msrun-fork-server")
@@ -168,8 +166,8 @@ class Controller:
             trace_dir=_trace_dir(config),
             cluster=cluster,
             inventory=self.inventory,
-            timeout=self.timeout,
-            exit_timeout=self.exit_timeout,
+            timeout=default_timeout(config),
+            exit_timeout=exit_timeout(config),
         )
         self.worlds = WorldPool(
             self.jobs,
@@ -236,16 +234,11 @@ class Controller:
         order): an order shuffled across shapes would start a world for nearly every test."""
         if not config.pluginmanager.hasplugin("randomly"):
             return
-        blocks: dict[Any, list[pytest.Item]] = {}
-        order: list[Any] = []
+        blocks: dict[Any, list[pytest.Item]] = {}  # in the order each first came
         for item in items:
             key = self.worlds.key_of(item)
-            slot = ("shape", key) if key is not None else ("item", id(item))
-            if slot not in blocks:
-                blocks[slot] = []
-                order.append(slot)
-            blocks[slot].append(item)
-        items[:] = [item for slot in order for item in blocks[slot]]
+            blocks.setdefault(("shape", key) if key is not None else ("item", id(item)), []).append(item)
+        items[:] = [item for block in blocks.values() for item in block]
 
     def pytest_report_header(self, config: pytest.Config) -> str | list[str] | None:
         lines = not_carried(config)

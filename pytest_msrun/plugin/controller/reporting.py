@@ -90,12 +90,9 @@ class Reporter:
             if extras is not None and report.when == "setup" and report.passed:
                 extras.show_item()
 
-    def merged(self, item: pytest.Item, record: TestRecord, rerun: int | None = None) -> Merger:
-        return Merger(item, record, self.style, self.cwd, rerun)
-
     def setup_call(self, item: pytest.Item, record: TestRecord, rerun: int | None) -> list[pytest.TestReport]:
         """Setup's and call's reports, logged now unless the run may be rerun (``rerun``: its number)."""
-        reports = self.merged(item, record, rerun).reports(record.verdict(), ("setup", "call"))
+        reports = Merger(item, record, self.style, self.cwd, rerun).reports(record.verdict(), ("setup", "call"))
         if rerun is None:
             extras = Replay(item, record.logs)
             self.log(item, extras.with_subtests(reports), extras)
@@ -116,7 +113,7 @@ class Reporter:
         extras.junit()  # before the last report, which writes the test's junitxml testcase
         trace = attempt.trace
         self.traces.add(trace, (attempt.mode, attempt.job_started), final, shown(final), record.logs, record.run.ended)
-        merger = self.merged(item, record, rerun)
+        merger = Merger(item, record, self.style, self.cwd, rerun)
         teardown = merger.reports(final, ("teardown",))
         if record.leaks and self.leaks == "warn":  # what it left behind in its warm world, as a warning it raised
             lines = [f"rank {rank}: {what}" for rank, items in sorted(record.leaks.items()) for what in items]

@@ -153,8 +153,7 @@ def teardown(called: Called, next_id: str | None, exit_timeout: float) -> TornDo
     elif next_id is None:
         world.retire("its last test ran")
     if world.retiring:
-        hung, stacks = world.end(exit_timeout)
-        return TornDown(world.ended_run(test, hung, exit_timeout, stacks), leaks, notes)
+        return TornDown(world.end(test, exit_timeout), leaks, notes)
     return TornDown(world.job_run(test, False), leaks, notes)
 
 
@@ -471,22 +470,20 @@ class World:
         if not self.retiring:
             self.retiring = why
 
-    def end(self, exit_timeout: float) -> tuple[list[int], dict[int, str]]:
-        """End the world after its last test: ``quit`` (fixtures torn down, sessions end), every
-        process gone within ``exit_timeout`` s - else the ranks still running and their stacks
-        (then msrun's own teardown)."""
+    def end(self, test: WarmTest, exit_timeout: float) -> JobRun:
+        """End the world after its last test, ``test``: ``quit`` (fixtures torn down, sessions end),
+        every process gone within ``exit_timeout`` s - else the ranks still running and their stacks
+        (then msrun's own teardown); the run to judge ``test`` by."""
         self._quit()
         clock = paused_clock(self.job.debug)  # a fixture's breakpoint() at the world's end
         deadline = clock() + exit_timeout
-        hung: list[int] = []
-        stacks: dict[int, str] = {}
         wait_until(lambda: self.launched.ended() or clock() >= deadline, math.inf, 0.05)
-        if not self.launched.ended():
-            hung = self.job.running_ranks()
-            stacks = self.job.collect_stacks()
+        ended = self.launched.ended()
+        hung = [] if ended else self.job.running_ranks()
+        stacks = {} if ended else self.job.collect_stacks()
         self.dead = self.dead or self.retiring or "ended"
         self._close()
-        return hung, stacks
+        return self.ended_run(test, hung, exit_timeout, stacks)
 
     def stop(self) -> None:
         """End the world now: ``quit``, then msrun's own teardown (SIGTERM, its grace, SIGKILL)."""
@@ -521,16 +518,12 @@ def release_waiters(job: TestJob, ranks: list[int], finished: set[int], why: str
     state = query_state(host, port, token, timeout=1.0)
     if not state:
         return False
-    everyone = set(ranks)
-    stuck_in_init = (
-        not state.get("ready")
-        and bool(everyone - set(state.get("joined", [])))
-        and (everyone - set(state.get("joined", [])) <= finished)
-    )
-    stuck_in_collective = any(
-        (everyone - set(c.get("ranks", []))) and (everyone - set(c.get("ranks", []))) <= finished
-        for c in state.get("collectives", [])
-    )
-    if not (stuck_in_init or stuck_in_collective):
+
+    def waits_for_finished(present: list[int]) -> bool:  # the ranks not there all finished the test
+        absent = set(ranks) - set(present)
+        return bool(absent) and absent <= finished
+
+    stuck_in_init = not state.get("ready") and waits_for_finished(state.get("joined", []))
+    if not stuck_in_init and not any(waits_for_finished(c.get("ranks", [])) for c in state.get("collectives", [])):
         return False
     return declare_finished(host, port, token, sorted(finished), why, timeout=1.0)

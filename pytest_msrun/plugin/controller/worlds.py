@@ -322,17 +322,15 @@ class WorldPool:
         """End a world outside a test; whatever its end reveals (fixture finalizers that failed, a
         rank that died or does not exit) is a late teardown error of the last test it ran."""
         world, item = self._drop(key)
-        last = world.last
+        last, run = world.last, None
         try:
             if world.dead or last is None:
                 world.stop()
-                hung: list[int] = []
-                stacks: dict[int, str] = {}
             else:
                 world.retire(why)
-                hung, stacks = world.end(self.jobs.exit_timeout)
+                run = world.end(last, self.jobs.exit_timeout)
         finally:
             self.resources.release(world.lease)
-        if item is None or last is None:
-            return
-        self.late.append(LateEnd(item, world, last, world.ended_run(last, hung, self.jobs.exit_timeout, stacks), why))
+        if item is not None and last is not None:
+            run = run or world.ended_run(last, [], self.jobs.exit_timeout, {})
+            self.late.append(LateEnd(item, world, last, run, why))
