@@ -12,6 +12,7 @@ turns it into reports. A fresh job runs whole in the first step; a warm world in
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Union
 
 from pytest_msrun.fileio import private_dir, write_whole
@@ -44,13 +45,13 @@ class WarmAttempt:
 
     mode = "warm"
 
-    def __init__(
-        self, nodeid: str, world: World, paths: TestPaths, ranks: list[int], timeout: float, exit_timeout: float
-    ) -> None:
+    def __init__(self, nodeid: str, world: World, job_dir: Path, timeout: float, exit_timeout: float) -> None:
+        """The test's setup and call in ``world``, its own records and files in ``job_dir``."""
         self.nodeid = nodeid
         self.world = world
-        self.paths = paths
-        self.ranks = ranks
+        self.paths = paths = TestPaths(job_dir, world.job.log_dir)
+        paths.make()
+        self.ranks = ranks = world.job.expected_ranks()
         self.called: Called = world.begin(paths, nodeid, timeout, exit_timeout)
         self.next_id: str | None = None  # the test its world kept fixtures for, once torn down
         self.trace = world.job.trace

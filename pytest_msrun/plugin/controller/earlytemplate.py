@@ -153,10 +153,7 @@ def fork_session(config: pytest.Config) -> None:
     try:
         pid = os.fork()
     except OSError:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        ours.close()
-        theirs.close()
-        return
+        pid = -1
     if pid == 0:  # the template
         code = 1
         try:
@@ -168,6 +165,9 @@ def fork_session(config: pytest.Config) -> None:
             os._exit(code)
     signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     theirs.close()
+    if pid < 0:
+        ours.close()
+        return
     forks = session_fork_server(config)
     forks.adopt(ForkedProcess(pid, [sys.executable, "-m", template.__name__]), ours, origin)
     config.stash[EARLY] = forks

@@ -114,7 +114,6 @@ class TestJob:
         debug: DebugServer,
         forks: ForkServer | None = None,
     ) -> None:
-        self.nodeid = nodeid
         self.forks = forks  # the session's fork server (None: msrun is spawned)
         self.debug = debug
         self.nodeids = [nodeid]  # what each rank's pytest collects (a warm world: every test it may run)

@@ -174,12 +174,8 @@ def _past_max(world: World, resident: dict[int, int]) -> tuple[str, ...]:
 
 def _resident(replies: dict[int, dict[str, Any]]) -> dict[int, int]:
     """Each rank's resident set after the test, from its memory sample."""
-    out = {}
-    for rank, reply in replies.items():
-        sample = reply.get("memory")
-        if isinstance(sample, dict) and isinstance(sample.get("after"), int):
-            out[rank] = sample["after"]
-    return out
+    samples = {rank: reply.get("memory") for rank, reply in replies.items()}
+    return {r: s["after"] for r, s in samples.items() if isinstance(s, dict) and isinstance(s.get("after"), int)}
 
 
 class World:

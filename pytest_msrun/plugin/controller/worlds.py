@@ -22,7 +22,7 @@ import pytest
 from pytest_msrun.control.door import Tally
 from pytest_msrun.plugin import envscope
 from pytest_msrun.plugin.controller.attempts import WarmAttempt
-from pytest_msrun.plugin.controller.job import JobRun, TestPaths
+from pytest_msrun.plugin.controller.job import JobRun
 from pytest_msrun.plugin.controller.jobs import Jobs, node_path, static_skip
 from pytest_msrun.plugin.controller.keeping import NEVER, Budget, Schedule, survives, victims
 from pytest_msrun.plugin.controller.pool import DeviceShortage, ResourcePool
@@ -194,11 +194,8 @@ class WorldPool:
                 )
             before, before_item = world.last, self.last_item.get(key)
             self._prefetch(item, nextitem, key)
-            paths = TestPaths(self.jobs.test_dir(item), world.job.log_dir)
-            paths.make()
-            ranks = world.job.expected_ranks()
             timeout = self.jobs.test_timeout(item, spec)
-            attempt = WarmAttempt(item.nodeid, world, paths, ranks, timeout, self.jobs.exit_timeout)
+            attempt = WarmAttempt(item.nodeid, world, self.jobs.test_dir(item), timeout, self.jobs.exit_timeout)
             self.last_item[key] = item
             if attempt.called.absent:  # a rank did not collect it (it differs from this process's collection)
                 attempt.finish(None, self.jobs.exit_timeout)
