@@ -106,11 +106,8 @@ def spec_for(item: pytest.Item) -> MsrunSpec | None:
     where = item.nodeid
     kwargs = marker_kwargs(mark, where)
     nums = worker_nums(mark, where)
-    callspec = getattr(item, "callspec", None)
-    if callspec is not None and PARAM in callspec.params:
-        worker_num = int(callspec.params[PARAM])
-    else:
-        worker_num = nums[0]
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    worker_num = int(params[PARAM]) if PARAM in params else nums[0]
     spec = MsrunSpec(worker_num=worker_num)
     if kwargs.get("local_worker_num") is not None:
         spec.local_worker_num = _positive_int("local_worker_num", kwargs["local_worker_num"], where)
@@ -185,8 +182,6 @@ def spec_for(item: pytest.Item) -> MsrunSpec | None:
 def marked_specs(items: list[pytest.Item]) -> Iterator[tuple[pytest.Item, MsrunSpec]]:
     """``(item, spec)`` of every marked item whose marker is valid, in order."""
     for item in items:
-        if item.get_closest_marker(MARKER) is None:
-            continue
         try:
             spec = spec_for(item)
         except MarkerError:

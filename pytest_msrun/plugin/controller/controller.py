@@ -43,7 +43,7 @@ from pytest_msrun.plugin.reports.timeline import SessionReport
 from pytest_msrun.plugin.reports.tracetests import TraceNotes
 from pytest_msrun.plugin.rule.outcomes import shown
 
-DEFAULT_EXIT_TIMEOUT = 60.0
+DEFAULT_EXIT_TIMEOUT = 60.0  # s the ranks may take to exit once every rank's pytest session ended
 
 
 LATE_REPORTS = "msrun_late_reports"  # an xdist worker's late teardown errors, for its controller
@@ -106,11 +106,6 @@ def _refuse_unsafe(flag: str, problem: str) -> None:
         raise pytest.UsageError(f"{flag}: {problem}")
 
 
-def exit_timeout(config: pytest.Config) -> float:
-    """Seconds the ranks may take to exit once every rank's pytest session ended."""
-    return float(_setting(config, "exit_timeout", DEFAULT_EXIT_TIMEOUT))
-
-
 def memory_bounds(config: pytest.Config) -> tuple[int, int]:
     """``--msrun-leak-rss`` and ``--msrun-max-rss`` in bytes (0: off); a bad value is a usage error."""
     out = []
@@ -167,7 +162,7 @@ class Controller:
             cluster=cluster,
             inventory=self.inventory,
             timeout=default_timeout(config),
-            exit_timeout=exit_timeout(config),
+            exit_timeout=float(_setting(config, "exit_timeout", DEFAULT_EXIT_TIMEOUT)),
         )
         self.worlds = WorldPool(
             self.jobs,

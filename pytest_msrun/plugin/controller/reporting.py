@@ -119,8 +119,7 @@ class Reporter:
             lines = [f"rank {rank}: {what}" for rank, items in sorted(record.leaks.items()) for what in items]
             self._warn(item, MsrunLeakWarning(f"{item.nodeid} left behind in its warm world:\n  " + "\n  ".join(lines)))
         if record.notes:
-            text = f"{item.nodeid} ended its warm world:\n  " + "\n  ".join(record.notes)
-            self._warn(item, MsrunMemoryWarning(text))
+            self._warn(item, MsrunMemoryWarning(f"{item.nodeid} ended its warm world:\n  " + "\n  ".join(record.notes)))
         if teardown:  # junitxml writes the properties of a test's last report: the earlier phases' too
             have = {name for name, _ in teardown[-1].user_properties}
             for report in setup_call:
@@ -130,9 +129,7 @@ class Reporter:
                         have.add(name)
         if self.timelines and teardown:
             entry = test_entry(merger, record, final, [*setup_call, *teardown], attempt.mode)
-            entry["world"] = attempt.world_dir
-            entry["trace"] = trace
-            self._attach_timeline(teardown[-1], entry)
+            self._attach_timeline(teardown[-1], {**entry, "world": attempt.world_dir, "trace": trace})
         again = False
         if rerun is not None:  # as pytest-rerunfailures reports an attempt: up to its failure ("rerun")
             reports = [*setup_call, *teardown]

@@ -129,7 +129,8 @@ class Runner:
     def late(self) -> Iterator[tuple[LateEnd, TestRecord, frozenset[tuple[int, str, str]]]]:
         """Each world's end since, with the record of its last test judged again with it, and the
         teardown failures already reported on that test."""
-        for end in self.worlds.take_late():
+        ends, self.worlds.late = self.worlds.late, []
+        for end in ends:
             world, last = end.world, end.last
             run = dataclasses.replace(end.run, reproduce_lines=world.reproduce_lines(last), started=last.started)
             test, said = self.reported.get(world.key, (None, frozenset()))

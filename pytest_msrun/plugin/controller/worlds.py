@@ -89,12 +89,8 @@ class WorldPool:
         self.unforkable: dict[tuple, str] = {}  # forking worlds whose ranks cannot fork, and why
         self.budget = Budget(max_ranks, len(jobs.inventory.ids))
         self._plan: tuple[tuple[int, int, int], _Plan] | None = None  # the session's items as keys, cached
-        self.late: list[LateEnd] = []  # worlds' ends to report on their last tests (taken by take_late)
+        self.late: list[LateEnd] = []  # worlds' ends to report on their last tests (the runner takes them)
         self.no_room: dict[str, str] = {}  # tests whose world's Slurm step found no room in time, and why
-
-    def take_late(self) -> list[LateEnd]:
-        late, self.late = self.late, []
-        return late
 
     def stop_all(self) -> None:
         """Stop every world now (an interrupted session: nothing is reported)."""
