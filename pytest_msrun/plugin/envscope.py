@@ -148,10 +148,8 @@ def reads() -> list[str]:
 
 def apply(env: Mapping[str, str]) -> dict[str, str | None]:
     """Set ``env`` in ``os.environ``; what it replaced (None: was not set), for :func:`revert`."""
-    before: dict[str, str | None] = {}
-    for key, value in env.items():
-        before[key] = os.environ.get(key)
-        os.environ[key] = value
+    before = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
     return before
 
 

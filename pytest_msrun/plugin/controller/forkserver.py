@@ -129,9 +129,8 @@ class ForkServer:
             except OSError:  # it is gone: one is spawned instead
                 self.close()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = template_env()
-        self.origin = dict(env)
-        env[template.FD_ENV] = str(theirs.fileno())
+        self.origin = template_env()
+        env = {**self.origin, template.FD_ENV: str(theirs.fileno())}
         argv, preexec = with_parent_death_signal([sys.executable, "-m", template.__name__], signal.SIGKILL)
         try:
             with open_output(self.log_path(), binary=True) as log:
@@ -149,8 +148,7 @@ class ForkServer:
             theirs.close()
         self._sock = ours
         preload, plugins = self.preload()
-        hello = {"preload": preload, "plugins": plugins, "prepare": "rewriting-hook"}
-        ours.send(json.dumps(hello).encode())
+        ours.send(json.dumps({"preload": preload, "plugins": plugins, "prepare": "rewriting-hook"}).encode())
 
     def begin(self) -> None:
         """Start the template now (its imports overlap what this session does meanwhile)."""
@@ -178,16 +176,13 @@ class ForkServer:
         return reply if isinstance(reply, dict) else None
 
     def _await_ready(self) -> bool:
-        if self._ready:
-            return True
-        reply = self._receive(READY_TIMEOUT)
-        if reply is None:
-            self._fail("the fork server did not get ready")
-            return False
-        if reply.get("why"):
-            self._fail(f"the fork server forks nothing: {reply['why']}")
-            return False
-        self._ready = True
+        if not self._ready:
+            reply = self._receive(READY_TIMEOUT)
+            why = "did not get ready" if reply is None else reply.get("why") and f"forks nothing: {reply['why']}"
+            if why:
+                self._fail(f"the fork server {why}")
+                return False
+            self._ready = True
         return True
 
     def start_msrun(self, cmd: list[str], env: dict[str, str], stdout: int, stderr: int) -> ForkedProcess | None:
@@ -213,12 +208,10 @@ class ForkServer:
             return None
         finally:
             os.close(null)
-        if reply is None:
-            self._fail("the fork server did not answer")
-            return None
-        pid = reply.get("pid")
+        pid = reply.get("pid") if reply is not None else None
         if not isinstance(pid, int):
-            self._fail(f"the fork server forks nothing more: {reply.get('error') or 'no pid'}")
+            more = f"forks nothing more: {reply.get('error') or 'no pid'}" if reply is not None else "did not answer"
+            self._fail(f"the fork server {more}")
             return None
         return ForkedProcess(pid, cmd)
 
