@@ -330,11 +330,7 @@ class TestJob:
             return ""
         said = ""
         for path in logs:
-            try:
-                text = Path(path).read_text(errors="replace")
-            except OSError:
-                continue
-            said = next((line.strip() for line in text.splitlines() if "step creation" in line), said)
+            said = next((line.strip() for line in _read(path).splitlines() if "step creation" in line), said)
         cpus = self.cluster.cpus_for(self.spec.node_sizes()[0])
         return (
             f"no room in Slurm allocation {self.cluster.job_id} within the test's timeout ({timeout:g} s): its "

@@ -42,11 +42,9 @@ def static_skip(item: pytest.Item) -> str | None:
     """A skip/skipif mark that already applies here: no job is started for it."""
     try:
         from _pytest.skipping import evaluate_skip_marks
-    except ImportError:  # pragma: no cover - private API moved
-        return None
-    try:
+
         skipped = evaluate_skip_marks(item)
-    except Exception:  # evaluation errors surface in the ranks, with their traceback
+    except Exception:  # its private API moved; evaluation errors surface in the ranks, with their traceback
         return None
     return skipped.reason if skipped is not None else None
 

@@ -272,12 +272,9 @@ class World:
 
     def check(self) -> str:
         """Why this world can run no more tests ("" when it can): a rank gone, msrun ended."""
-        if self.dead:
-            return self.dead
-        if self.launched.exited():
+        if not self.dead and self.launched.exited():
             self.dead = "the world's job ended between tests"
-            return self.dead
-        for rank, channel in self.channels.items():
+        for rank, channel in self.channels.items() if not self.dead else ():
             try:
                 data = channel.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
             except BlockingIOError:
@@ -286,8 +283,8 @@ class World:
                 data = b""
             if not data:
                 self.dead = f"rank {rank} ended between tests"
-                return self.dead
-        return ""
+                break
+        return self.dead
 
     # ---------------------------------------------------------------- one test
     def begin(self, paths: TestPaths, nodeid: str, timeout: float, exit_timeout: float) -> Called:
