@@ -17,6 +17,7 @@ taken for hung.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import socket
@@ -114,18 +115,14 @@ class DebugServer:
         self._closed = True
         fds = [self.stdout]
         if self._address:  # started
-            try:
+            with contextlib.suppress(OSError):
                 os.write(self._wake_w, b"x")
-            except OSError:
-                pass
             self.thread.join(timeout=5)
             fds += [self._wake_r, self._wake_w]
             self.server.close()
         for fd in fds:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
     # ---------------------------------------------------------------- the thread
     def _loop(self) -> None:
@@ -158,7 +155,9 @@ class DebugServer:
                     except Exception as exc:  # noqa: BLE001 - that connection's fault, not the server's end
                         if tag == "rank" and active is not None:
                             self._say(f"msrun: the ranks' debugger dropped {active.what}: {exc!r}")
-                            _forget(sel, active.sock)
+                            with contextlib.suppress(KeyError, ValueError):
+                                sel.unregister(active.sock)
+                            active.sock.close()
                             active = None
                 door.expire()
                 door.resume()
@@ -201,10 +200,8 @@ class DebugServer:
 
     def _end(self, session: Session, sel: selectors.BaseSelector) -> None:
         for obj in (session.sock, self.stdin):
-            try:
+            with contextlib.suppress(KeyError, ValueError):
                 sel.unregister(obj)
-            except (KeyError, ValueError):
-                pass
         session.sock.close()
         self._say(f"msrun: rank {session.hello.get('rank')} goes on; the job's timeout runs again")
 
@@ -228,10 +225,8 @@ class DebugServer:
             data = b""
         if not data:  # Ctrl+D: the end of pdb's input (pdb takes it as quit)
             sel.unregister(self.stdin)
-            try:
+            with contextlib.suppress(OSError):
                 session.sock.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
             return
         try:
             session.sock.setblocking(True)
@@ -250,14 +245,6 @@ def paused_clock(debug: DebugServer, held: float | None = None) -> Callable[[], 
     of ``debug.held()``; default: now): the jobs' deadlines are read on it."""
     start = debug.held() if held is None else held
     return lambda: time.monotonic() - (debug.held() - start)
-
-
-def _forget(sel: selectors.BaseSelector, sock: socket.socket) -> None:
-    try:
-        sel.unregister(sock)
-    except (KeyError, ValueError):
-        pass
-    sock.close()
 
 
 def _write_all(fd: int, data: bytes) -> None:

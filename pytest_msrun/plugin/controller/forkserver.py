@@ -10,6 +10,7 @@ did not start or is stale) is spawned as before; each reason is said once, in th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -81,10 +82,8 @@ class ForkedProcess:
 
     def kill(self) -> None:
         if self.poll() is None:  # unreaped: the pid is still this child's
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
 
     def _close(self) -> None:
         if self._pidfd is not None:

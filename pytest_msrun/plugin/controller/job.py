@@ -13,6 +13,7 @@ leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -284,10 +285,8 @@ class TestJob:
                 if exit_deadline is not None and now >= exit_deadline:
                     hung = self.running_ranks()
                     break
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     alive[0].wait(timeout=min(0.1, max(0.0, deadline - now)))
-                except subprocess.TimeoutExpired:
-                    pass
         except BaseException:  # Ctrl+C or pytest.exit while waiting: leave nothing running
             self.stop(launched)
             raise
@@ -420,19 +419,15 @@ class TestJob:
         msrun's grace."""
         for popen in launched.procs:
             if popen.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(popen.pid, signal.SIGTERM)
-                except (ProcessLookupError, PermissionError):
-                    pass
         deadline = time.monotonic() + term_grace() + 5  # msrun's own grace, then its teardown
         for popen in launched.procs:
             try:
                 popen.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(popen.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
                 popen.wait()
         for pump in launched.pumps:
             pump.join(timeout=5)

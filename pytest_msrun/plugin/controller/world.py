@@ -19,12 +19,14 @@ sessions). A world found dead before a test is sent is never used for it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import selectors
 import socket
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -346,11 +348,7 @@ class World:
         skip = self.lost | (without or set())
         live = {rank: channel for rank, channel in self.channels.items() if rank not in skip}
         if msg is not None:
-            for channel in live.values():
-                try:
-                    channel.send(msg)
-                except OSError:
-                    pass
+            self._tell(msg, live.values())
         replies: dict[int, dict[str, Any]] = {}
         sel = selectors.DefaultSelector()
         for rank, channel in live.items():
@@ -467,7 +465,7 @@ class World:
         """End the world after its last test, ``test``: ``quit`` (fixtures torn down, sessions end),
         every process gone within ``exit_timeout`` s - else the ranks still running and their stacks
         (then msrun's own teardown); the run to judge ``test`` by."""
-        self._quit()
+        self._tell({"t": "quit"})
         clock = paused_clock(self.job.debug)  # a fixture's breakpoint() at the world's end
         deadline = clock() + exit_timeout
         wait_until(lambda: self.launched.ended() or clock() >= deadline, math.inf, 0.05)
@@ -480,18 +478,17 @@ class World:
 
     def stop(self) -> None:
         """End the world now: ``quit``, then msrun's own teardown (SIGTERM, its grace, SIGKILL)."""
-        self._quit()
+        self._tell({"t": "quit"})
         if not self.dead:  # a world that does not end cleanly within 10 s is stopped below
             wait_until(self.launched.ended, 10, 0.05)
         self.dead = self.dead or "stopped"
         self._close()
 
-    def _quit(self) -> None:
-        for channel in self.channels.values():
-            try:
-                channel.send({"t": "quit"})
-            except OSError:
-                pass
+    def _tell(self, msg: dict[str, Any], channels: Iterable[Channel] | None = None) -> None:
+        """Send ``msg`` to every rank still there (of ``channels``; default: all)."""
+        for channel in self.channels.values() if channels is None else channels:
+            with contextlib.suppress(OSError):
+                channel.send(msg)
 
     def _close(self) -> None:
         self.job.stop(self.launched)
