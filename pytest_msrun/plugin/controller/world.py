@@ -3,7 +3,7 @@
 A world is an msrun job started like a fresh test's job, whose ranks are pytest sessions that
 collected every test of its shape and wait (:mod:`.serve`). A test runs in two steps, as in pytest's
 own protocol: :meth:`World.begin` sends its node id and waits until every rank finished setup and
-call (:class:`WarmTest` then holds what the controller reports for them); :meth:`WarmTest.finish`
+call (:class:`Called` then holds what the controller reports for them); :func:`teardown`
 sends the teardown with the next test this world will run - or none, which ends the world with
 this test: its ranks tear every fixture down, exit, and their process ends are judged on it.
 

@@ -2,7 +2,7 @@
 is kept for the next test, and ends.
 
 A :class:`WorldPool` owns every live world of one pytest session and the resources they hold. It
-hands out a test's :class:`~.runner.WarmAttempt` (or says why the test runs as a fresh job), keeps
+hands out a test's :class:`~.attempts.WarmAttempt` (or says why the test runs as a fresh job), keeps
 a world idle for the next test of its shape this process will run - within a budget of live ranks
 and devices, :mod:`.keeping`'s policy deciding - or ends it, and ends worlds outside a test
 (evicted, dead between tests, the session over). What such an end reveals about a
