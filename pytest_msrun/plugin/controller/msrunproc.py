@@ -25,9 +25,8 @@ Process = Union[subprocess.Popen, ForkedProcess]  # an msrun: spawned, or forked
 def start_msrun(
     cmd: list[str], env: dict[str, str], log_path: str, *, live_output: bool, forks: ForkServer | None
 ) -> tuple[Process, threading.Thread | None]:
-    """Start one msrun (``cmd``) with ``env``, its output in ``log_path``; returns its process and
-    the thread pumping its output when ``live_output``. Forked by ``forks`` where it can (why its
-    ranks will not be forked in turn, where this process can tell, is noted once), else spawned."""
+    """Start one msrun (``cmd``) with ``env``, its output in ``log_path``: its process, and the
+    thread pumping its output when ``live_output``. Why its ranks are not forked is noted once."""
     if forks is not None and forks.origin:  # the ranks' environment: this one, with what msrun gives every child
         differ = template.differences({**env, "PYTHONUNBUFFERED": "1"}, forks.origin)
         if differ:

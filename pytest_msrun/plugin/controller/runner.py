@@ -1,11 +1,9 @@
 """The one runner: every marked test's attempt comes from here, whatever it runs in.
 
-:meth:`Runner.start` hands out an :class:`~.attempts.Attempt` for every marked test - in its warm or
+:meth:`Runner.start` hands out an :data:`~.attempts.Attempt` for every marked test - in its warm or
 forking world, in a job of its own, or refused (a bad marker, a skip that applies here, no room, no
 devices, no files): each ends in one immutable :class:`~.attempts.TestRecord`, judged by the one
-rule. The controller reports what the attempt gives and never asks which kind it holds; what a
-world keeps between tests (the next test it serves, its last test, a late end's record) is kept
-here.
+rule. The controller never asks which kind it holds; what worlds keep between tests is kept here.
 """
 
 from __future__ import annotations
