@@ -243,21 +243,16 @@ class Controller:
                 f"msrun: pytest-randomly: marked tests run grouped by world shape; rank r of a job reseeds "
                 f"with {seed} + r (every rank collects in the order of {seed})"
             )
-        other = self._header_note(config)
-        return [*lines, other] if other else (lines or None)
-
-    def _header_note(self, config: pytest.Config) -> str | None:
-        if getattr(config.option, "usepdb", False):
-            if not self.debug.tty:
-                return f"msrun: --pdb: a marked test's failing rank cannot stop in pdb here: {NO_TTY}"
-            return "msrun: --pdb: a marked test's failing rank stops in pdb on this terminal, prompt (Pdb rank N)"
         cluster = self.jobs.cluster
-        if cluster is not None:
-            return (
+        if getattr(config.option, "usepdb", False):
+            tty = "stops in pdb on this terminal, prompt (Pdb rank N)" if self.debug.tty else ""
+            lines.append(f"msrun: --pdb: a marked test's failing rank {tty or 'cannot stop in pdb here: ' + NO_TTY}")
+        elif cluster is not None:
+            lines.append(
                 f"msrun: Slurm allocation {cluster.job_id} ({len(cluster.nodes)} nodes): each marked test's "
                 "job or world runs as a Slurm step of its own, on the nodes Slurm picks"
             )
-        return None
+        return lines or None
 
     # ---------------------------------------------------------------- one marked test
     @pytest.hookimpl(tryfirst=True)
