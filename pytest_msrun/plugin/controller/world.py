@@ -278,7 +278,11 @@ class World:
             self.dead = "the world's job ended between tests"
         for rank, channel in self.channels.items() if not self.dead else ():
             try:
-                data = channel.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                channel.sock.setblocking(False)
+                try:
+                    data = channel.sock.recv(1, socket.MSG_PEEK)
+                finally:
+                    channel.sock.setblocking(True)
             except BlockingIOError:
                 continue
             except OSError:
