@@ -10,6 +10,7 @@ No user configuration: no ``.pth``, no ``patch = subprocess``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -60,10 +61,8 @@ def start_in_rank(env: dict[str, str]) -> None:
             branch=spec.get("branch") or None,
             config_file=spec.get("rcfile") or True,
         )
-        try:
+        with contextlib.suppress(Exception):  # an older coverage without the setting
             cov.set_option("run:sigterm", True)  # a world torn down by msrun saves its data first
-        except Exception:  # an older coverage without the setting
-            pass
         cov.start()
     except Exception:  # coverage missing or broken here: the test runs unmeasured, not broken
         return
@@ -90,10 +89,8 @@ def _hold_sigterm_while_saving() -> None:
             return
         handler(signum, frame)
 
-    try:
+    with contextlib.suppress(ValueError):  # not the main thread
         signal.signal(signal.SIGTERM, on_sigterm)
-    except ValueError:  # not the main thread
-        pass
 
 
 def _saved(action: Any) -> None:

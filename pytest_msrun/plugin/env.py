@@ -77,39 +77,33 @@ def env_int(name: str, default: int, env: Mapping[str, str] | None = None) -> in
         return default
 
 
-def _first_int(names: tuple[str, ...], default: int) -> int:
-    for name in names:
-        if os.environ.get(name, "").strip():
-            return env_int(name, default)
-    return default
-
-
-def _foreign_names() -> tuple[tuple[str, ...], tuple[str, ...]]:
-    for marker, ranks, worlds in FOREIGN_LAUNCHERS:
-        if os.environ.get(marker, "").strip():
-            return ranks, worlds
-    return ("RANK_ID",), ("RANK_SIZE",)
-
-
 def in_job() -> bool:
     """Whether this process is a rank of a job (ours or another launcher's)."""
     return role() in (RANK, FOREIGN)
 
 
-def current_rank() -> int:
+def _current(which: int, default: int) -> int:
+    """This process's rank (``which`` 0) or world size (1) in its job; ``default`` outside one."""
     if role() == RANK:
-        return env_int("RANK_ID", env_int("RANK", 0))
-    if role() == FOREIGN:
-        return _first_int(_foreign_names()[0], 0)
-    return 0
+        first, second = (("RANK_ID", "RANK"), ("RANK_SIZE", "WORLD_SIZE"))[which]
+        return env_int(first, env_int(second, default))
+    if role() != FOREIGN:
+        return default
+    launcher = next(
+        (f for f in FOREIGN_LAUNCHERS if os.environ.get(f[0], "").strip()), ("", ("RANK_ID",), ("RANK_SIZE",))
+    )
+    for name in launcher[1 + which]:
+        if os.environ.get(name, "").strip():
+            return env_int(name, default)
+    return default
+
+
+def current_rank() -> int:
+    return _current(0, 0)
 
 
 def current_world() -> int:
-    if role() == RANK:
-        return env_int("RANK_SIZE", env_int("WORLD_SIZE", 1))
-    if role() == FOREIGN:
-        return _first_int(_foreign_names()[1], 1)
-    return 1
+    return _current(1, 1)
 
 
 def current_local_rank() -> int:

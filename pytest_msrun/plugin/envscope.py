@@ -115,21 +115,13 @@ class _Tracked(os._Environ):
         return super().copy()
 
 
-class _TrackedBytes(os._Environ):
+class _TrackedBytes(_Tracked):
     """``os.environb``, tracked as :class:`_Tracked` (its keys are bytes)."""
 
-    def __getitem__(self, key: bytes) -> bytes:
+    def __getitem__(self, key: bytes) -> bytes:  # type: ignore[override]
         if os.fsdecode(key) in _watched:
             _read.add(os.fsdecode(key))
-        return super().__getitem__(key)
-
-    def __iter__(self) -> Iterator[bytes]:
-        _wholesale()
-        return super().__iter__()
-
-    def __len__(self) -> int:
-        _wholesale()
-        return super().__len__()
+        return super().__getitem__(key)  # type: ignore[index,return-value]
 
 
 def track(watched: Iterable[str]) -> None:
@@ -156,10 +148,8 @@ def reads() -> list[str]:
 
 def apply(env: Mapping[str, str]) -> dict[str, str | None]:
     """Set ``env`` in ``os.environ``; what it replaced (None: was not set), for :func:`revert`."""
-    before: dict[str, str | None] = {}
-    for key, value in env.items():
-        before[key] = os.environ.get(key)
-        os.environ[key] = value
+    before = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
     return before
 
 

@@ -30,11 +30,7 @@ def world_address(env: Any) -> tuple[str, int] | None:
 class Channel(wire.Channel):
     """The world's connection, both ways: frames of :mod:`pytest_msrun.control.wire` (the door's
     handshake first). Messages read ahead stay pending (the peer may send two in a row - a forked
-    child's ``done``, its template's ``ended``): a reader waiting on the socket must first ask
-    :meth:`has_message`."""
-
-    def has_message(self) -> bool:
-        return bool(self.pending)
+    child's ``done``, its template's ``ended``): a reader waiting on the socket must first look there."""
 
     def receive(self) -> dict[str, Any] | None:
         """The next message, waiting for it; None once the peer closed. A malformed frame is a

@@ -58,10 +58,6 @@ class MsrunSpec:
     devices: int = 0
     isolated: bool = False  # a fresh job of its own, never a warm world
 
-    @property
-    def local(self) -> int:
-        return self.local_worker_num or self.worker_num
-
     def node_sizes(self) -> list[int]:
         """Workers per msrun invocation (several invocations = a multi-node job on loopback).
 
@@ -70,7 +66,7 @@ class MsrunSpec:
             return [self.worker_num]
         sizes, left = [], self.worker_num
         while left > 0:
-            sizes.append(min(self.local, left))
+            sizes.append(min(self.local_worker_num or self.worker_num, left))
             left -= sizes[-1]
         return sizes
 
@@ -110,11 +106,8 @@ def spec_for(item: pytest.Item) -> MsrunSpec | None:
     where = item.nodeid
     kwargs = marker_kwargs(mark, where)
     nums = worker_nums(mark, where)
-    callspec = getattr(item, "callspec", None)
-    if callspec is not None and PARAM in callspec.params:
-        worker_num = int(callspec.params[PARAM])
-    else:
-        worker_num = nums[0]
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    worker_num = int(params[PARAM]) if PARAM in params else nums[0]
     spec = MsrunSpec(worker_num=worker_num)
     if kwargs.get("local_worker_num") is not None:
         spec.local_worker_num = _positive_int("local_worker_num", kwargs["local_worker_num"], where)
@@ -129,14 +122,12 @@ def spec_for(item: pytest.Item) -> MsrunSpec | None:
         spec.timeout = float(timeout)
     for flag in ("bind_core", "bind_numa"):
         value = kwargs.get(flag, False)
-        if isinstance(value, bool):
+        if isinstance(value, (bool, str)):
             text = str(value)
         elif isinstance(value, dict):
             import json
 
             text = json.dumps(value)
-        elif isinstance(value, str):
-            text = value
         else:
             raise MarkerError(f"{where}: msrun({flag}=...) must be a bool, a dict or a string, got {value!r}")
         try:
@@ -191,8 +182,6 @@ def spec_for(item: pytest.Item) -> MsrunSpec | None:
 def marked_specs(items: list[pytest.Item]) -> Iterator[tuple[pytest.Item, MsrunSpec]]:
     """``(item, spec)`` of every marked item whose marker is valid, in order."""
     for item in items:
-        if item.get_closest_marker(MARKER) is None:
-            continue
         try:
             spec = spec_for(item)
         except MarkerError:

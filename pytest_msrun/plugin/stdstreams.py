@@ -15,6 +15,7 @@ report. :class:`StandardStreams` gives a rank the same protection:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import stat
@@ -149,10 +150,8 @@ class StandardStreams:
             setattr(sys, name, self.originals[name])
             if fd in self.saved and _identity(fd) != self.identity[fd]:
                 repaired.append(f"descriptor {fd} ({'closed' if _identity(fd) is None else 'redirected'} by the test)")
-                try:
+                with contextlib.suppress(OSError):
                     os.dup2(self.saved[fd], fd, inheritable=True)
-                except OSError:
-                    pass
         sys.stdin = self.stdin
         self.repaired += repaired
         return repaired
@@ -160,15 +159,11 @@ class StandardStreams:
     def close(self) -> None:
         for writer in self.writers.values():
             if writer is not None:
-                try:
+                with contextlib.suppress(OSError, ValueError):
                     writer.close()
-                except (OSError, ValueError):
-                    pass
         for copy in self.saved.values():
-            try:
+            with contextlib.suppress(OSError):
                 os.close(copy)
-            except OSError:
-                pass
         self.saved.clear()
 
 

@@ -1,95 +1,43 @@
 """One marked test, run as a fresh job or in a warm world, behind one interface.
 
-What pytest-xdist's ``WorkerController`` is to its controller, an :class:`Attempt` is to ours: it
-runs the test's setup and call on every rank (:attr:`Attempt.record`), then - once the controller
-has reported them, so ``-x`` has acted - its teardown, keeping what the next test of the same world
-shares with it (:meth:`Attempt.finish`). Both steps give a :class:`TestRecord`: everything the
-verdict is a function of (every rank's records, every process end, the job's timeout), and the
-same merge turns it into reports. A fresh job runs whole in the first step; a warm world in two.
+What pytest-xdist's ``WorkerController`` is to its controller, an :data:`Attempt` is to ours: it
+runs the test's setup and call on every rank (its ``record``), then - once the controller has
+reported them, so ``-x`` has acted - its teardown, keeping what the next test of the same world
+shares with it (``finish``: None keeps nothing; ``leaks_fail``: what the test left behind in its
+world fails its teardown). Both steps give a :class:`TestRecord`: everything the verdict is a
+function of (every rank's records, every process end, the job's timeout), and the same merge
+turns it into reports. A fresh job runs whole in the first step; a warm world in two.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import replace
-from typing import Protocol
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Union
 
 from pytest_msrun.fileio import private_dir, write_whole
-from pytest_msrun.plugin.controller.job import TestJob, TestPaths
+from pytest_msrun.plugin.controller.job import TestPaths
 from pytest_msrun.plugin.controller.world import Called, World, teardown
-from pytest_msrun.plugin.rule.outcomes import Refusal
-from pytest_msrun.plugin.rule.testrecord import JobRun, TestRecord
+from pytest_msrun.plugin.rule.testrecord import TestRecord
 
 
-class Attempt(Protocol):
-    """One marked test on its ranks: setup and call done (``record``), the teardown to come."""
+@dataclass
+class WholeAttempt:
+    """A test run whole at once - a job of its own (``fresh``), its ranks' process ends included, or
+    a refusal whose job never ran (``refused``: a bad marker, a skip that applies here, no room, no
+    devices; its record holds the refusal, judged like any other)."""
 
+    mode: str
     record: TestRecord
-    mode: str  # how it ran, as reports name it: fresh | warm | refused
-
-    @property
-    def trace(self) -> str:
-        """Its job's trace file ("": not traced)."""
-        ...
-
-    @property
-    def job_started(self) -> float:
-        """When the job it ran in started (a warm world's: the world's start)."""
-        ...
-
-    @property
-    def world_dir(self) -> str:
-        """The directory of the warm world it ran in ("": none)."""
-        ...
-
-    def finish(self, next_id: str | None, exit_timeout: float, leaks_fail: bool = False) -> TestRecord:
-        """The teardown, keeping what the test ``next_id`` shares (None: nothing); the complete record
-        (``leaks_fail``: what the test left behind in its world fails its teardown)."""
-        ...
-
-
-class RefusedAttempt:
-    """A test whose job never ran (a bad marker, a skip that applies here, no room, no devices): its
-    record holds the refusal, judged like any other."""
-
-    mode = "refused"
+    trace: str  # its job's trace file, or a refusal's own (its tests lane); "": none kept
     world_dir = ""
-
-    def __init__(self, nodeid: str, ranks: list[int], refusal: Refusal, note: str = "", trace: str = "") -> None:
-        self.trace = trace  # its own trace file, the refusal on its tests lane ("": none kept)
-        now = time.time()
-        run = JobRun([], [], False, 0.0, now, now, note=note)
-        self.record = TestRecord(nodeid, ranks, {}, run, "", refusal=refusal)
 
     @property
     def job_started(self) -> float:
         return self.record.run.started
 
     def finish(self, next_id: str | None, exit_timeout: float, leaks_fail: bool = False) -> TestRecord:
-        return self.record
-
-
-class FreshAttempt:
-    """A job of its own: it runs whole at once, its ranks' process ends included."""
-
-    mode = "fresh"
-    world_dir = ""
-
-    def __init__(self, nodeid: str, job: TestJob, timeout: float, exit_timeout: float, note: str = "") -> None:
-        self.job = job
-        run = replace(job.run(timeout, exit_timeout), note=note)
-        self.record = TestRecord.load(nodeid, job.expected_ranks(), job.paths, run)
-
-    @property
-    def trace(self) -> str:
-        return self.job.trace
-
-    @property
-    def job_started(self) -> float:
-        return self.record.run.started
-
-    def finish(self, next_id: str | None, exit_timeout: float, leaks_fail: bool = False) -> TestRecord:
-        return self.record  # its job is over: nothing left behind in a world
+        return self.record  # nothing left behind in a world
 
 
 class WarmAttempt:
@@ -97,34 +45,21 @@ class WarmAttempt:
 
     mode = "warm"
 
-    def __init__(
-        self, nodeid: str, world: World, paths: TestPaths, ranks: list[int], timeout: float, exit_timeout: float
-    ) -> None:
+    def __init__(self, nodeid: str, world: World, job_dir: Path, timeout: float, exit_timeout: float) -> None:
+        """The test's setup and call in ``world``, its own records and files in ``job_dir``."""
         self.nodeid = nodeid
         self.world = world
-        self.paths = paths
-        self.ranks = ranks
+        self.paths = paths = TestPaths(job_dir, world.job.log_dir)
+        paths.make()
+        self.ranks = ranks = world.job.expected_ranks()
         self.called: Called = world.begin(paths, nodeid, timeout, exit_timeout)
         self.next_id: str | None = None  # the test its world kept fixtures for, once torn down
+        self.trace = world.job.trace
+        self.job_started = world.created
+        self.world_dir = str(world.job.paths.job_dir)
         record = TestRecord.load(nodeid, ranks, paths, self.called.run)
         # each rank's part of the log so far (setup and call); completed with the teardown in finish()
         self.record = replace(record, own_logs=self._own_logs(record))
-
-    @property
-    def trace(self) -> str:
-        return self.world.job.trace
-
-    @property
-    def job_started(self) -> float:
-        return self.world.created
-
-    @property
-    def world_dir(self) -> str:
-        return str(self.world.job.job_dir)
-
-    @property
-    def missing(self) -> bool:
-        return self.called.missing
 
     def left_before(self) -> list[int]:
         """The ranks whose leaving ended the world before they began this test (the world was
@@ -171,3 +106,6 @@ class WarmAttempt:
                 continue
             own[rank] = str(target)
         return own
+
+
+Attempt = Union[WholeAttempt, WarmAttempt]  # its mode (fresh, refused, warm) names it in reports

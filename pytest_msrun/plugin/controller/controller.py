@@ -28,7 +28,7 @@ from pytest_msrun.pathsearch import which
 from pytest_msrun.plugin import envscope, options, rankmemory
 from pytest_msrun.plugin.controller.debugserver import NO_TTY, DebugServer
 from pytest_msrun.plugin.controller.earlytemplate import EARLY
-from pytest_msrun.plugin.controller.forkserver import ForkServer, ForkServerHooks, preload_for
+from pytest_msrun.plugin.controller.forkserver import ForkServerHooks, session_fork_server
 from pytest_msrun.plugin.controller.jobs import PYTEST_TIMEOUT, Jobs
 from pytest_msrun.plugin.controller.keeping import default_ranks
 from pytest_msrun.plugin.controller.pool import ResourcePool, inventory
@@ -43,7 +43,7 @@ from pytest_msrun.plugin.reports.timeline import SessionReport
 from pytest_msrun.plugin.reports.tracetests import TraceNotes
 from pytest_msrun.plugin.rule.outcomes import shown
 
-DEFAULT_EXIT_TIMEOUT = 60.0
+DEFAULT_EXIT_TIMEOUT = 60.0  # s the ranks may take to exit once every rank's pytest session ended
 
 
 LATE_REPORTS = "msrun_late_reports"  # an xdist worker's late teardown errors, for its controller
@@ -92,37 +92,18 @@ def _trace_dir(config: pytest.Config) -> str:
     return path
 
 
+def _setting(config: pytest.Config, name: str, default: Any, choices: tuple[str, ...] = ()) -> Any:
+    """``--msrun-NAME``, else the ini file's ``msrun_NAME``, else ``default``; one of ``choices`` where given."""
+    value = config.getoption(f"msrun_{name}") or config.getini(f"msrun_{name}") or default
+    if choices and value not in choices:
+        raise pytest.UsageError(f"msrun_{name} = {value!r} in the ini file: use {' or '.join(choices)}")
+    return value
+
+
 def _refuse_unsafe(flag: str, problem: str) -> None:
     """An output the user chose in a place someone else could replace it: a usage error, with the fix."""
     if problem:
         raise pytest.UsageError(f"{flag}: {problem}")
-
-
-def _pool() -> ResourcePool:
-    """This user's port and device pool; a directory of it someone else made or can write is a usage error."""
-    try:
-        return ResourcePool()
-    except OSError as exc:
-        raise pytest.UsageError(f"msrun: cannot keep the port and device pool: {exc}") from None
-
-
-def exit_timeout(config: pytest.Config) -> float:
-    """Seconds the ranks may take to exit once every rank's pytest session ended."""
-    value = config.getoption("msrun_exit_timeout") or config.getini("msrun_exit_timeout") or DEFAULT_EXIT_TIMEOUT
-    return float(value)
-
-
-def _fork_server(config: pytest.Config) -> ForkServer:
-    """The session's fork server (started with the first marked test collected)."""
-
-    def log_path() -> str:
-        factory = config._tmp_path_factory  # type: ignore[attr-defined]
-        return str(factory.getbasetemp() / "msrun-fork-server.log")
-
-    def preload() -> tuple[list[str], list[str]]:  # what the ranks load
-        return preload_for(config, options.unused_rank_plugins(config))
-
-    return ForkServer(preload, log_path, config.stash.get(EARLY, None))
 
 
 def memory_bounds(config: pytest.Config) -> tuple[int, int]:
@@ -145,27 +126,19 @@ class Controller:
     def __init__(self, config: pytest.Config) -> None:
         self.config = config
         self.style, self.html = _report_options(config)
-        # each test's timeline rides on its teardown report (the HTML page, pytest-html's extras)
-        self.timelines = self.html is not None or config.pluginmanager.hasplugin("html")
-        self.timeout = default_timeout(config)
-        self.exit_timeout = exit_timeout(config)
-        devices = config.getoption("msrun_devices") or config.getini("msrun_devices") or "auto"
         try:
-            self.inventory = inventory(devices)
+            self.inventory = inventory(_setting(config, "devices", "auto"))
         except ValueError as exc:
             raise pytest.UsageError(str(exc)) from None
-        self.pool = _pool()
+        try:  # this user's port and device pool: a directory of it someone else made or can write is no use
+            self.pool = ResourcePool()
+        except OSError as exc:
+            raise pytest.UsageError(f"msrun: cannot keep the port and device pool: {exc}") from None
         cluster = allocation(os.environ) if which("srun") else None
-        self.leaks = config.getoption("msrun_leaks") or config.getini("msrun_leaks") or "warn"
-        prefetch = config.getoption("msrun_prefetch") or config.getini("msrun_prefetch") or "on"
-        if prefetch not in ("on", "off"):
-            raise pytest.UsageError(f"msrun_prefetch = {prefetch!r} in the ini file: use on or off")
-        forking = config.getoption("msrun_fork_server") or config.getini("msrun_fork_server") or "on"
-        if forking not in ("on", "off"):
-            raise pytest.UsageError(f"msrun_fork_server = {forking!r} in the ini file: use on or off")
-        scope = config.getoption("msrun_env_scope") or config.getini("msrun_env_scope") or "job"
-        if scope not in envscope.SCOPES:
-            raise pytest.UsageError(f"msrun_env_scope = {scope!r} in the ini file: use job or test")
+        self.leaks = _setting(config, "leaks", "warn")
+        prefetch = _setting(config, "prefetch", "on", ("on", "off"))
+        forking = _setting(config, "fork_server", "on", ("on", "off"))
+        scope = _setting(config, "env_scope", "job", envscope.SCOPES)
         self.xdist_worker = hasattr(config, "workerinput")  # xdist hands this process its items one by one
         # the ranks' breakpoint() and --pdb, on this terminal (said, and skipped, where there is none)
         from pytest_msrun.pytest_plugin import TERMINAL
@@ -174,8 +147,10 @@ class Controller:
         terminal = config.stash.get(TERMINAL, None)
         self.debug = DebugServer(post_mortem=usepdb, terminal=terminal, steps=cluster is not None)
         self.traces = TraceNotes()  # each test's spans and verdict, added to its job's trace at the job's end
-        self.reporter = Reporter(config, self.style, self.leaks, self.timelines, self.traces)
-        self.forks = _fork_server(config) if forking == "on" else None
+        # each test's timeline rides on its teardown report (the HTML page, pytest-html's extras)
+        timelines = self.html is not None or config.pluginmanager.hasplugin("html")
+        self.reporter = Reporter(config, self.style, self.leaks, timelines, self.traces)
+        self.forks = (config.stash.get(EARLY, None) or session_fork_server(config)) if forking == "on" else None
         if self.forks is not None:  # its session hooks: when it starts, what it says, its end
             config.pluginmanager.register(ForkServerHooks(self.forks), "msrun-fork-server")
         self.jobs = Jobs(
@@ -186,22 +161,20 @@ class Controller:
             trace_dir=_trace_dir(config),
             cluster=cluster,
             inventory=self.inventory,
-            timeout=self.timeout,
+            timeout=default_timeout(config),
+            exit_timeout=float(_setting(config, "exit_timeout", DEFAULT_EXIT_TIMEOUT)),
         )
         self.worlds = WorldPool(
             self.jobs,
             self.pool,
-            exit_timeout=self.exit_timeout,
-            mode=config.getoption("msrun_worlds") or config.getini("msrun_worlds") or "warm",
+            mode=_setting(config, "worlds", "warm"),
             env_per_test=scope == "test",  # tests differing only in env share a world
             # a world started ahead inside a Slurm allocation would hold a step's CPUs while idle
             prefetch=prefetch == "on" and cluster is None,
-            xdist_worker=self.xdist_worker,
-            cluster=cluster,
             memory=memory_bounds(config),
             max_ranks=_max_ranks(config, self.xdist_worker),
         )
-        self.runner = Runner(self.jobs, self.worlds, self.pool, self.exit_timeout, leaks_fail=self.leaks == "error")
+        self.runner = Runner(self.jobs, self.worlds, leaks_fail=self.leaks == "error")
 
     # ---------------------------------------------------------------- the session
     @pytest.hookimpl(wrapper=True)
@@ -256,16 +229,11 @@ class Controller:
         order): an order shuffled across shapes would start a world for nearly every test."""
         if not config.pluginmanager.hasplugin("randomly"):
             return
-        blocks: dict[Any, list[pytest.Item]] = {}
-        order: list[Any] = []
+        blocks: dict[Any, list[pytest.Item]] = {}  # in the order each first came
         for item in items:
             key = self.worlds.key_of(item)
-            slot = ("shape", key) if key is not None else ("item", id(item))
-            if slot not in blocks:
-                blocks[slot] = []
-                order.append(slot)
-            blocks[slot].append(item)
-        items[:] = [item for slot in order for item in blocks[slot]]
+            blocks.setdefault(("shape", key) if key is not None else ("item", id(item)), []).append(item)
+        items[:] = [item for block in blocks.values() for item in block]
 
     def pytest_report_header(self, config: pytest.Config) -> str | list[str] | None:
         lines = not_carried(config)
@@ -275,21 +243,16 @@ class Controller:
                 f"msrun: pytest-randomly: marked tests run grouped by world shape; rank r of a job reseeds "
                 f"with {seed} + r (every rank collects in the order of {seed})"
             )
-        other = self._header_note(config)
-        return [*lines, other] if other else (lines or None)
-
-    def _header_note(self, config: pytest.Config) -> str | None:
-        if getattr(config.option, "usepdb", False):
-            if not self.debug.tty:
-                return f"msrun: --pdb: a marked test's failing rank cannot stop in pdb here: {NO_TTY}"
-            return "msrun: --pdb: a marked test's failing rank stops in pdb on this terminal, prompt (Pdb rank N)"
         cluster = self.jobs.cluster
-        if cluster is not None:
-            return (
+        if getattr(config.option, "usepdb", False):
+            tty = "stops in pdb on this terminal, prompt (Pdb rank N)" if self.debug.tty else ""
+            lines.append(f"msrun: --pdb: a marked test's failing rank {tty or 'cannot stop in pdb here: ' + NO_TTY}")
+        elif cluster is not None:
+            lines.append(
                 f"msrun: Slurm allocation {cluster.job_id} ({len(cluster.nodes)} nodes): each marked test's "
                 "job or world runs as a Slurm step of its own, on the nodes Slurm picks"
             )
-        return None
+        return lines or None
 
     # ---------------------------------------------------------------- one marked test
     @pytest.hookimpl(tryfirst=True)
@@ -361,12 +324,11 @@ class Controller:
         """Each world's end found since: its last test - already reported - judged again with it,
         and what failed now reported as a late teardown error of that test."""
         cwd = str(self.config.invocation_params.dir)
-        for late in self.runner.late():
-            item, record = late.item, late.record
-            verdict = record.verdict()
-            self.traces.add(late.trace, late.job, verdict, shown(verdict), record.logs, record.run.ended)
-            self.traces.flush(late.trace)
-            if teardown_failures(verdict) <= late.said:
+        for late, record, said in self.runner.late():
+            item, trace, verdict = late.item, late.world.job.trace, record.verdict()
+            self.traces.add(trace, ("warm", late.world.created), verdict, shown(verdict), record.logs, record.run.ended)
+            self.traces.flush(trace)
+            if teardown_failures(verdict) <= said:
                 continue  # nothing the test's own teardown report did not say already
             reports = [r for r in Merger(item, record, self.style, cwd).reports(verdict, ("teardown",)) if r.failed]
             for report in reports:
@@ -389,7 +351,7 @@ class Controller:
 
 def _max_ranks(config: pytest.Config, xdist_worker: bool) -> int:
     """``--msrun-max-ranks`` (ini ``msrun_max_ranks``): N, or auto - :func:`.keeping.default_ranks`."""
-    value = str(config.getoption("msrun_max_ranks") or config.getini("msrun_max_ranks") or "auto").strip()
+    value = str(_setting(config, "max_ranks", "auto")).strip()
     if value == "auto":
         workers = int(getattr(config, "workerinput", {}).get("workercount", 1)) if xdist_worker else 1
         return default_ranks(workers)

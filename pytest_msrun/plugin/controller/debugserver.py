@@ -17,11 +17,13 @@ taken for hung.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import selectors
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pytest_msrun.control import wire
@@ -49,16 +51,6 @@ class Session:
         return f"breakpoint() in rank {rank} at {where}"
 
 
-class NoDebug:
-    """No debug server: deadlines run as they are."""
-
-    def held(self) -> float:
-        return 0.0
-
-    def env(self) -> dict[str, str]:
-        return {}
-
-
 class DebugServer:
     """A loopback server the ranks' pdb sessions come to; one thread relays them to the terminal."""
 
@@ -69,7 +61,7 @@ class DebugServer:
         self.post_mortem = post_mortem
         self.steps = steps
         self.token = os.urandom(16).hex()
-        self.tty = terminal is not None and _isatty(terminal)
+        self.tty = terminal is not None and os.isatty(terminal)
         self.stdin = terminal if terminal is not None and self.tty else -1
         self.stdout = os.dup(stdout_fd)
         self.lock = threading.Lock()
@@ -123,18 +115,14 @@ class DebugServer:
         self._closed = True
         fds = [self.stdout]
         if self._address:  # started
-            try:
+            with contextlib.suppress(OSError):
                 os.write(self._wake_w, b"x")
-            except OSError:
-                pass
             self.thread.join(timeout=5)
             fds += [self._wake_r, self._wake_w]
             self.server.close()
         for fd in fds:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
     # ---------------------------------------------------------------- the thread
     def _loop(self) -> None:
@@ -167,7 +155,9 @@ class DebugServer:
                     except Exception as exc:  # noqa: BLE001 - that connection's fault, not the server's end
                         if tag == "rank" and active is not None:
                             self._say(f"msrun: the ranks' debugger dropped {active.what}: {exc!r}")
-                            _forget(sel, active.sock)
+                            with contextlib.suppress(KeyError, ValueError):
+                                sel.unregister(active.sock)
+                            active.sock.close()
                             active = None
                 door.expire()
                 door.resume()
@@ -192,7 +182,9 @@ class DebugServer:
     def _start(self, session: Session, sel: selectors.BaseSelector) -> Session | None:
         sock = session.sock
         sock.setblocking(True)
-        if not self._reply(sock, {"t": "ok"}):
+        try:
+            sock.sendall(wire.encode({"t": "ok"}))
+        except OSError:
             sock.close()
             return None
         sock.setblocking(False)
@@ -208,10 +200,8 @@ class DebugServer:
 
     def _end(self, session: Session, sel: selectors.BaseSelector) -> None:
         for obj in (session.sock, self.stdin):
-            try:
+            with contextlib.suppress(KeyError, ValueError):
                 sel.unregister(obj)
-            except (KeyError, ValueError):
-                pass
         session.sock.close()
         self._say(f"msrun: rank {session.hello.get('rank')} goes on; the job's timeout runs again")
 
@@ -235,10 +225,8 @@ class DebugServer:
             data = b""
         if not data:  # Ctrl+D: the end of pdb's input (pdb takes it as quit)
             sel.unregister(self.stdin)
-            try:
+            with contextlib.suppress(OSError):
                 session.sock.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
             return
         try:
             session.sock.setblocking(True)
@@ -248,31 +236,15 @@ class DebugServer:
         finally:
             session.sock.setblocking(False)
 
-    @staticmethod
-    def _reply(sock: socket.socket, msg: dict) -> bool:
-        try:
-            sock.sendall(wire.encode(msg))
-            return True
-        except OSError:
-            return False
-
     def _say(self, line: str) -> None:
         _write_all(self.stdout, ("\n" + line + "\n").encode("utf-8", "replace"))
 
 
-def _forget(sel: selectors.BaseSelector, sock: socket.socket) -> None:
-    try:
-        sel.unregister(sock)
-    except (KeyError, ValueError):
-        pass
-    sock.close()
-
-
-def _isatty(fd: int) -> bool:
-    try:
-        return os.isatty(fd)
-    except OSError:
-        return False
+def paused_clock(debug: DebugServer, held: float | None = None) -> Callable[[], float]:
+    """A monotonic clock that stands still while ranks are in the debugger (since ``held``, a value
+    of ``debug.held()``; default: now): the jobs' deadlines are read on it."""
+    start = debug.held() if held is None else held
+    return lambda: time.monotonic() - (debug.held() - start)
 
 
 def _write_all(fd: int, data: bytes) -> None:

@@ -25,28 +25,13 @@ from pytest_msrun.plugin import options
 from pytest_msrun.plugin.controller.forkserver import (
     MARKED_BEFORE,
     ForkedProcess,
-    end_template,
+    ForkServer,
     preload_for,
+    session_fork_server,
     template_env,
 )
 
-
-class EarlyTemplate:
-    """The template forked from the session's own process as it starts (:func:`fork_session`)."""
-
-    def __init__(self, proc: ForkedProcess, sock: socket.socket, origin: dict[str, str]) -> None:
-        self.proc = proc
-        self.sock: socket.socket | None = sock  # None once a ForkServer took it
-        self.origin = origin
-
-    def close(self) -> None:
-        """End it where no fork server took it (the session ended first, or had no controller)."""
-        sock, self.sock = self.sock, None
-        if sock is not None:
-            end_template(sock, self.proc)
-
-
-EARLY = pytest.StashKey[EarlyTemplate]()
+EARLY = pytest.StashKey[ForkServer]()  # the session's fork server, its template forked from this process
 _sessions_seen = 0  # sessions of this process that reached their initial conftests
 
 
@@ -134,7 +119,7 @@ def distribution_modules(dist: Any) -> list[str]:
 def fork_session(config: pytest.Config) -> None:
     """At the session's start - every plugin imported (through pytest's assertion rewriting, as a
     rank imports them), no conftest, nothing collected, no thread - fork this process as the
-    session's template (kept in ``config.stash[EARLY]`` for its :class:`ForkServer`): a rank then
+    session's template (its :class:`ForkServer` kept in ``config.stash[EARLY]``): a rank then
     skips an interpreter's start and every import without the template paying them first. Its
     imports of msrun's modules start at once where the last session had marked tests (or no cache
     says), else with the session's first job. Nothing is forked where the process is not clean
@@ -168,10 +153,7 @@ def fork_session(config: pytest.Config) -> None:
     try:
         pid = os.fork()
     except OSError:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        ours.close()
-        theirs.close()
-        return
+        pid = -1
     if pid == 0:  # the template
         code = 1
         try:
@@ -183,9 +165,13 @@ def fork_session(config: pytest.Config) -> None:
             os._exit(code)
     signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     theirs.close()
-    early = EarlyTemplate(ForkedProcess(pid, [sys.executable, "-m", template.__name__]), ours, origin)
-    config.stash[EARLY] = early
-    config.add_cleanup(early.close)
+    if pid < 0:
+        ours.close()
+        return
+    forks = session_fork_server(config)
+    forks.adopt(ForkedProcess(pid, [sys.executable, "-m", template.__name__]), ours, origin)
+    config.stash[EARLY] = forks
+    config.add_cleanup(forks.close)  # (where the session ended first, or had no controller)
 
 
 def _be_template(sock: socket.socket, parent: int, origin: dict[str, str], hello: dict[str, Any]) -> int:

@@ -10,6 +10,7 @@ did not start or is stale) is spawned as before; each reason is said once, in th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,20 +18,17 @@ import socket
 import subprocess
 import sys
 from collections.abc import Callable
-from typing import IO, Any
+from typing import Any
 
 import pytest
 
 from pytest_msrun.engine import template
 from pytest_msrun.engine.processes import with_parent_death_signal
 from pytest_msrun.fileio import open_output
+from pytest_msrun.plugin import options
 from pytest_msrun.plugin.marker import MARKER
 from pytest_msrun.proc import wait_readable
 from pytest_msrun.targets import module_of
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from pytest_msrun.plugin.controller.earlytemplate import EarlyTemplate
 
 READY_TIMEOUT = 120.0  # s the first request waits for the template's imports
 # what every rank imports as it starts (its debugger's hooks, its extras' and call phase's plugins)
@@ -39,18 +37,19 @@ RANK_MODULES = (
     "pytest_msrun.plugin.rank.rankextras",
     "pytest_msrun.plugin.rank.callphase",
 )
+# this session's, never a rank's (xdist's worker, the running test, addopts applied already)
+SESSION_VARS = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS")
 REPLY_TIMEOUT = 30.0  # s a request waits for its pid (a fork: milliseconds)
 
 
 class ForkedProcess:
     """A child of this process that the fork server forked (``CLONE_PARENT``), with the part of
-    :class:`subprocess.Popen` the plugin uses: ``poll``, ``wait``, ``send_signal``, ``terminate``,
-    ``kill``, ``pid``, ``returncode``, ``args``, ``stdout``."""
+    :class:`subprocess.Popen` the plugin uses: ``poll``, ``wait``, ``kill``, ``pid``,
+    ``returncode``, ``args``."""
 
-    def __init__(self, pid: int, args: list[str], stdout: IO[bytes] | None = None) -> None:
+    def __init__(self, pid: int, args: list[str]) -> None:
         self.pid = pid
         self.args = args
-        self.stdout = stdout
         self.returncode: int | None = None
         try:
             self._pidfd: int | None = os.pidfd_open(pid)
@@ -69,33 +68,22 @@ class ForkedProcess:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        if self.poll() is not None:
-            assert self.returncode is not None
-            return self.returncode
-        if timeout is None:
+        if self.poll() is None and timeout is None:
             _, status = os.waitpid(self.pid, 0)
             self.returncode = os.waitstatus_to_exitcode(status)
             self._close()
-            return self.returncode
-        if self._pidfd is not None:
-            wait_readable(self._pidfd, max(0.0, timeout))
-        if self.poll() is None:
-            raise subprocess.TimeoutExpired(self.args, timeout)
+        elif self.poll() is None:
+            if self._pidfd is not None:
+                wait_readable(self._pidfd, max(0.0, timeout or 0.0))
+            if self.poll() is None:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
         assert self.returncode is not None
         return self.returncode
 
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:  # unreaped: the pid is still this child's
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
     def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+        if self.poll() is None:  # unreaped: the pid is still this child's
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
 
     def _close(self) -> None:
         if self._pidfd is not None:
@@ -110,11 +98,10 @@ class ForkServer:
         self,
         preload: Callable[[], tuple[list[str], list[str]]],
         log_path: Callable[[], str],
-        early: EarlyTemplate | None = None,
     ) -> None:
         self.preload = preload  # what the template imports (modules, plugins), asked when it starts
         self.log_path = log_path  # where its output goes, asked when it starts
-        self.early = early  # the template forked from this process at its start, if any
+        self._early = False  # a template forked from this process at its start, not yet begun
         self.refusals: list[str] = []  # why msruns or their workers started as new processes (once each)
         self._proc: subprocess.Popen | ForkedProcess | None = None
         self._sock: socket.socket | None = None
@@ -127,22 +114,22 @@ class ForkServer:
         if why not in self.refusals:
             self.refusals.append(why)
 
+    def adopt(self, proc: ForkedProcess, sock: socket.socket, origin: dict[str, str]) -> None:
+        """Take the template forked from this process at its start (:mod:`.earlytemplate`)."""
+        self._proc, self._sock, self.origin, self._early = proc, sock, origin, True
+
     def _start(self) -> None:
-        early, self.early = self.early, None
-        if early is not None and early.sock is not None:  # forked from this process at its start
+        if self._early and self._sock is not None:  # forked from this process at its start: its log now
+            self._early = False
             try:
                 with open_output(self.log_path(), binary=True) as log:
-                    socket.send_fds(early.sock, [b'{"session": true}'], [log.fileno()])
-            except OSError:  # it is gone: one is spawned instead
-                early.close()
-            else:
-                self._proc, self._sock, self.origin = early.proc, early.sock, early.origin
-                early.sock = None
+                    socket.send_fds(self._sock, [b'{"session": true}'], [log.fileno()])
                 return
+            except OSError:  # it is gone: one is spawned instead
+                self.close()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        env = template_env()
-        self.origin = dict(env)
-        env[template.FD_ENV] = str(theirs.fileno())
+        self.origin = template_env()
+        env = {**self.origin, template.FD_ENV: str(theirs.fileno())}
         argv, preexec = with_parent_death_signal([sys.executable, "-m", template.__name__], signal.SIGKILL)
         try:
             with open_output(self.log_path(), binary=True) as log:
@@ -160,12 +147,11 @@ class ForkServer:
             theirs.close()
         self._sock = ours
         preload, plugins = self.preload()
-        hello = {"preload": preload, "plugins": plugins, "prepare": "rewriting-hook"}
-        ours.send(json.dumps(hello).encode())
+        ours.send(json.dumps({"preload": preload, "plugins": plugins, "prepare": "rewriting-hook"}).encode())
 
     def begin(self) -> None:
         """Start the template now (its imports overlap what this session does meanwhile)."""
-        if self._proc is None and not self._broken:
+        if (self._proc is None or self._early) and not self._broken:
             try:
                 self._start()
             except OSError as exc:
@@ -189,21 +175,16 @@ class ForkServer:
         return reply if isinstance(reply, dict) else None
 
     def _await_ready(self) -> bool:
-        if self._ready:
-            return True
-        reply = self._receive(READY_TIMEOUT)
-        if reply is None:
-            self._fail("the fork server did not get ready")
-            return False
-        if reply.get("why"):
-            self._fail(f"the fork server forks nothing: {reply['why']}")
-            return False
-        self._ready = True
+        if not self._ready:
+            reply = self._receive(READY_TIMEOUT)
+            why = "did not get ready" if reply is None else reply.get("why") and f"forks nothing: {reply['why']}"
+            if why:
+                self._fail(f"the fork server {why}")
+                return False
+            self._ready = True
         return True
 
-    def start_msrun(
-        self, cmd: list[str], env: dict[str, str], stdout: int, stderr: int, stdout_pipe: IO[bytes] | None = None
-    ) -> ForkedProcess | None:
+    def start_msrun(self, cmd: list[str], env: dict[str, str], stdout: int, stderr: int) -> ForkedProcess | None:
         """Fork ``cmd`` (``python -m pytest_msrun ...``) with ``env``, stdin from /dev/null and
         ``stdout``/``stderr`` as given: its process, or None (it is to be spawned; why is noted)."""
         if cmd[1:3] != ["-m", "pytest_msrun"] or os.path.realpath(cmd[0]) != os.path.realpath(sys.executable):
@@ -226,35 +207,26 @@ class ForkServer:
             return None
         finally:
             os.close(null)
-        if reply is None:
-            self._fail("the fork server did not answer")
-            return None
-        pid = reply.get("pid")
+        pid = reply.get("pid") if reply is not None else None
         if not isinstance(pid, int):
-            self._fail(f"the fork server forks nothing more: {reply.get('error') or 'no pid'}")
+            more = f"forks nothing more: {reply.get('error') or 'no pid'}" if reply is not None else "did not answer"
+            self._fail(f"the fork server {more}")
             return None
-        return ForkedProcess(pid, cmd, stdout_pipe)
+        return ForkedProcess(pid, cmd)
 
     def close(self) -> None:
-        """End the template (its forks are this process's children and live on)."""
-        if self.early is not None:
-            self.early.close()
+        """End the template: its socket closed (its end of file: it returns), then its process waited
+        for, killed after 5 s (its forks are this process's children and live on)."""
         sock, self._sock = self._sock, None
         proc, self._proc = self._proc, None
-        end_template(sock, proc)
-
-
-def end_template(sock: socket.socket | None, proc: subprocess.Popen | ForkedProcess | None) -> None:
-    """Close the template's socket (its end of file: it returns) and wait for it to end (killed
-    after 5 s)."""
-    if sock is not None:
-        sock.close()
-    if proc is not None:
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if sock is not None:
+            sock.close()
+        if proc is not None:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
 
 
 def template_env() -> dict[str, str]:
@@ -262,7 +234,7 @@ def template_env() -> dict[str, str]:
     env = dict(os.environ)
     # as every rank has it (msrun sets it): a fork must stand for a fresh rank's interpreter
     env["PYTHONUNBUFFERED"] = "1"
-    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURRENT_TEST", "PYTEST_ADDOPTS"):
+    for name in SESSION_VARS:
         env.pop(name, None)
     return env
 
@@ -337,6 +309,19 @@ class ForkServerHooks:
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.forks.close()
+
+
+def session_fork_server(config: pytest.Config) -> ForkServer:
+    """The session's fork server (started with the first marked test collected)."""
+
+    def log_path() -> str:
+        factory = config._tmp_path_factory  # type: ignore[attr-defined]
+        return str(factory.getbasetemp() / "msrun-fork-server.log")
+
+    def preload() -> tuple[list[str], list[str]]:  # what the ranks load
+        return preload_for(config, options.unused_rank_plugins(config))
+
+    return ForkServer(preload, log_path)
 
 
 def preload_for(config: pytest.Config, skip: list[str]) -> tuple[list[str], list[str]]:

@@ -10,13 +10,13 @@ of one; afterwards the environment is restored exactly.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Generator
 
 import pytest
 
 from pytest_msrun.engine import childenv
 from pytest_msrun.netaddr import free_port
+from pytest_msrun.plugin import envscope
 from pytest_msrun.plugin.marker import MARKER
 
 
@@ -43,17 +43,11 @@ class InProcessPlugin:
         if item.get_closest_marker(MARKER) is None:
             yield
             return
-        env = one_rank_env()
-        saved = {name: os.environ.get(name) for name in env}
-        os.environ.update(env)
+        saved = envscope.apply(one_rank_env())
         try:
             yield
         finally:
-            for name, value in saved.items():
-                if value is None:
-                    os.environ.pop(name, None)
-                else:
-                    os.environ[name] = value
+            envscope.revert(saved)
 
     def pytest_report_header(self, config: pytest.Config) -> str:
         return "msrun: --msrun-inprocess: marked tests run here as rank 0 of a one-rank world"

@@ -13,6 +13,7 @@ leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shlex
@@ -34,8 +35,8 @@ from pytest_msrun.engine.processes import term_grace
 from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.engine.status import STATUS_FILE, node_status_file, read_status
 from pytest_msrun.fileio import private_dir
-from pytest_msrun.plugin.controller.debugserver import DebugServer, NoDebug
-from pytest_msrun.plugin.controller.forkserver import ForkServer
+from pytest_msrun.plugin.controller.debugserver import DebugServer, paused_clock
+from pytest_msrun.plugin.controller.forkserver import SESSION_VARS, ForkServer
 from pytest_msrun.plugin.controller.msrunproc import Process, start_msrun
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.rule import records
@@ -88,6 +89,9 @@ class Launched:
     def exited(self) -> bool:
         return any(p.poll() is not None for p in self.procs)
 
+    def ended(self) -> bool:
+        return all(p.poll() is not None for p in self.procs)
+
 
 RANK_CLOCK = 86400  # seconds: the job's --cluster_time_out, far beyond any test's timeout
 
@@ -108,26 +112,21 @@ class TestJob:
         extra_env: dict[str, str],
         live_output: bool,
         cluster: Allocation | None = None,
-        debug: DebugServer | NoDebug | None = None,
+        debug: DebugServer,
         forks: ForkServer | None = None,
     ) -> None:
-        self.nodeid = nodeid
         self.forks = forks  # the session's fork server (None: msrun is spawned)
-        self.debug = debug or NoDebug()
+        self.debug = debug
         self.nodeids = [nodeid]  # what each rank's pytest collects (a warm world: every test it may run)
         self.spec = spec
         # the marker's binding, read once (a --bind_numa file is read and hashed)
         self.binding = (parse_bind_value(spec.bind_core, "bind_core"), parse_bind_value(spec.bind_numa, "bind_numa"))
         self.paths = TestPaths(job_dir, job_dir / "logs")
-        self.job_dir = job_dir
         self.log_dir = self.paths.log_dir
-        self.report_dir = self.paths.report_dir
-        self.shared_dir = self.paths.shared_dir
         self.ports = ports
         self.rank_args = rank_args
         self.extra_env = extra_env
         self.live_output = live_output
-        self.basetemp = self.paths.basetemp
         self._ranks: list[int] | None = None
         self.token = os.urandom(16).hex()
         sizes = spec.node_sizes()
@@ -201,15 +200,15 @@ class TestJob:
                 changes["master_port"] = 0
         return flags_of(replace(cfg, **changes))
 
-    def commands(self) -> list[list[str]]:
-        msrun = [sys.executable, "-m", "pytest_msrun"]
-        configs = self.configs()
+    def commands(self, nodeids: list[str] | None = None, *, for_user: bool = False) -> list[list[str]]:
+        """The job's msrun command lines (of ``nodeids``): as started, or ``for_user`` as typed (:meth:`flags`)."""
+        msrun = [CLI] if for_user else [sys.executable, "-m", "pytest_msrun"]
+        configs = self.configs(nodeids)
         if self.cluster is not None:
-            srun = self.cluster.srun(
-                self.nodes, configs[0].local_worker_num, label="msrun-test", devices=self.spec.devices
-            )
-            return [[*srun, *msrun, *self.flags(configs[0])]]
-        return [[*msrun, *self.flags(cfg)] for cfg in configs]
+            label = "" if for_user else "msrun-test"
+            srun = self.cluster.srun(self.nodes, configs[0].local_worker_num, label=label, devices=self.spec.devices)
+            return [[*srun, *msrun, *self.flags(configs[0], for_user=for_user)]]
+        return [[*msrun, *self.flags(cfg, for_user=for_user)] for cfg in configs]
 
     def reproduce_lines(
         self,
@@ -224,25 +223,20 @@ class TestJob:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(variables.items()))
         prefix = (env + " ") if env else ""
         limit = ["timeout", "-s", "TERM", f"{timeout:g}"]
-        configs = self.configs(nodeids)
-        if self.cluster is not None:
-            srun = self.cluster.srun(self.nodes, configs[0].local_worker_num, devices=self.spec.devices)
-            return [prefix + shlex.join([*limit, *srun, CLI, *self.flags(configs[0], for_user=True)])]
-        return [prefix + shlex.join([*limit, CLI, *self.flags(cfg, for_user=True)]) for cfg in configs]
+        return [prefix + shlex.join([*limit, *cmd]) for cmd in self.commands(nodeids, for_user=True)]
 
     def env(self) -> dict[str, str]:
         env = dict(os.environ)
         env.update(self.spec.env)
         env.update(self.extra_env)
-        env[REPORT_DIR_ENV] = str(self.report_dir)
-        env[SHARED_TMP_ENV] = str(self.shared_dir)
-        env[BASETEMP_ENV] = str(self.basetemp)
+        env[REPORT_DIR_ENV] = str(self.paths.report_dir)
+        env[SHARED_TMP_ENV] = str(self.paths.shared_dir)
+        env[BASETEMP_ENV] = str(self.paths.basetemp)
         env["MSRUN_JOB_TOKEN"] = self.token
         env.update(self.debug.env())  # never in the reproduce lines: the session's own server
         if self.cluster is None:  # every flag is given: a Slurm step this session runs in changes nothing
             env["MSRUN_SLURM"] = "0"
-        env.pop("PYTEST_ADDOPTS", None)
-        for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURRENT_TEST"):
+        for name in SESSION_VARS:
             env.pop(name, None)
         return env
 
@@ -251,16 +245,17 @@ class TestJob:
         commands = self.commands()
         env = {**self.env(), **(extra_env or {})}
         out = Launched()
+        forks = self.forks if self.cluster is None else None  # a step's msruns start on its nodes
         try:
             for node, cmd in enumerate(commands):
-                log_path = str(self.job_dir / (f"msrun_node{node}.log" if len(commands) > 1 else "msrun.log"))
+                log_path = str(self.paths.job_dir / (f"msrun_node{node}.log" if len(commands) > 1 else "msrun.log"))
                 out.logs.append(log_path)
-                popen, pump = self._start(cmd, env, log_path)
+                popen, pump = start_msrun(cmd, env, log_path, live_output=self.live_output, forks=forks)
                 out.procs.append(popen)
                 if pump is not None:
                     out.pumps.append(pump)
         except BaseException:
-            self._stop(out.procs)
+            self.stop(out)
             raise
         return out
 
@@ -269,19 +264,19 @@ class TestJob:
         session ended - ``exit_timeout`` seconds more without every process gone (a hang at exit)."""
         started = time.time()
         launched = self.launch()
-        procs, logs, pumps = launched.procs, launched.logs, launched.pumps
+        procs = launched.procs
         timed_out = False
         hung: list[int] = []
         try:
-            deadline = time.monotonic() + timeout
-            finished = FinishWatch(str(self.report_dir), self.expected_ranks())
+            clock = paused_clock(self.debug)  # time in the debugger does not count
+            deadline = clock() + timeout
+            finished = FinishWatch(str(self.paths.report_dir), self.expected_ranks())
             exit_deadline: float | None = None
-            held = self.debug.held()  # time in the debugger does not count
             while True:
                 alive = [p for p in procs if p.poll() is None]  # one look: a process may end any time
                 if not alive:
                     break
-                now = time.monotonic() - (self.debug.held() - held)
+                now = clock()
                 if now >= deadline:
                     timed_out = True
                     break
@@ -290,45 +285,38 @@ class TestJob:
                 if exit_deadline is not None and now >= exit_deadline:
                     hung = self.running_ranks()
                     break
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     alive[0].wait(timeout=min(0.1, max(0.0, deadline - now)))
-                except subprocess.TimeoutExpired:
-                    pass
         except BaseException:  # Ctrl+C or pytest.exit while waiting: leave nothing running
-            self._stop(procs)
+            self.stop(launched)
             raise
-        stacks: dict[int, str] = {}
-        state = None
-        running, cutoff = self.freeze(str(self.report_dir), self.expected_ranks()) if timed_out else (None, None)
+        facts = self.at_deadline(str(self.paths.report_dir), self.expected_ranks()) if timed_out else {}
         if timed_out or hung:
-            if timed_out and self.has_control_plane():
-                state = query_state(self.master_host, self.ports[0], self.token)
-            stacks = self.collect_stacks()
-            self._stop(procs)
-        for pump in pumps:
+            facts = facts or {"stacks": self.collect_stacks()}
+            self.stop(launched)
+        for pump in launched.pumps:
             pump.join(timeout=5)
-        run = JobRun(
-            reproduce_lines=self.reproduce_lines(timeout),
-            exit_codes=[p.returncode for p in procs],
-            timed_out=timed_out,
+        facts.update(timed_out=timed_out, exit_hung=hung, exit_timeout=exit_timeout, ranks=self.rank_ends())
+        run = self.outcome(launched, timeout, started, self.reproduce_lines(timeout), **facts)
+        if not timed_out and not hung:
+            return dataclasses.replace(run, launch_error=self.launch_error(run.exit_codes, launched.logs))
+        if timed_out and not self.started():
+            return dataclasses.replace(run, launch_error=self.no_room(timeout, launched.logs))
+        return run
+
+    def outcome(self, launched: Launched, timeout: float, started: float, reproduce: list[str], **facts: Any) -> JobRun:
+        """The run of a test started at ``started`` in ``launched``, as far as it went (``facts``:
+        the rest of its :class:`JobRun`)."""
+        return JobRun(
+            reproduce_lines=reproduce,
+            exit_codes=[p.returncode for p in launched.procs],
             timeout=timeout,
             started=started,
             ended=time.time(),
-            stacks=stacks,
-            stacks_dir=str(self.report_dir),
-            state=state,
-            msrun_logs=logs,
-            exit_hung=hung,
-            exit_timeout=exit_timeout,
-            cutoff=cutoff,
-            running=running,
-            ranks=self.rank_ends(),
+            msrun_logs=list(launched.logs),
+            stacks_dir=str(self.paths.report_dir),
+            **facts,
         )
-        if not timed_out and not hung:
-            return dataclasses.replace(run, launch_error=self.launch_error(run.exit_codes, logs))
-        if timed_out and not self.started():
-            return dataclasses.replace(run, launch_error=self.no_room(timeout, logs))
-        return run
 
     def started(self) -> bool:
         """Whether any msrun of the job started (wrote its status file)."""
@@ -341,11 +329,7 @@ class TestJob:
             return ""
         said = ""
         for path in logs:
-            try:
-                text = Path(path).read_text(errors="replace")
-            except OSError:
-                continue
-            said = next((line.strip() for line in text.splitlines() if "step creation" in line), said)
+            said = next((line.strip() for line in _read(path).splitlines() if "step creation" in line), said)
         cpus = self.cluster.cpus_for(self.spec.node_sizes()[0])
         return (
             f"no room in Slurm allocation {self.cluster.job_id} within the test's timeout ({timeout:g} s): its "
@@ -366,10 +350,6 @@ class TestJob:
     def has_control_plane(self) -> bool:
         return self.spec.sim_level is None and self.spec.scheduler != "task"
 
-    def _start(self, cmd: list[str], env: dict[str, str], log_path: str) -> tuple[Process, Any]:
-        forks = self.forks if self.cluster is None else None  # a step's msruns start on its nodes
-        return start_msrun(cmd, env, log_path, live_output=self.live_output, forks=forks)
-
     # ---------------------------------------------------------------- helpers
     def _status_names(self) -> list[str]:
         return [STATUS_FILE] if self.nodes == 1 else [node_status_file(i) for i in range(self.nodes)]
@@ -387,12 +367,15 @@ class TestJob:
                 out[proc.rank] = RankEnd.of(proc, status.stop_reason, status.host)
         return out
 
-    def freeze(self, report_dir: str, ranks: list[int]) -> tuple[list[int], dict[int, int]]:
-        """The record at a test's deadline: the ranks still running, then where each rank's record
-        file in ``report_dir`` stands (in this order, a rank that reports and ends between the two looks counts as
-        running - never as having ended without the report it wrote)."""
+    def at_deadline(self, report_dir: str, ranks: list[int]) -> dict[str, Any]:
+        """Where every rank is at a test's deadline, as facts of its :class:`JobRun`: the ranks still
+        running, then where each rank's record file in ``report_dir`` stands (in this order, a rank
+        that reports and ends between the two looks counts as running - never as having ended
+        without the report it wrote), the control plane's view, every rank's stacks."""
         running = self.running_ranks()
-        return running, records.sizes(report_dir, ranks)
+        cutoff = records.sizes(report_dir, ranks)
+        state = query_state(self.master_host, self.ports[0], self.token) if self.has_control_plane() else None
+        return {"running": running, "cutoff": cutoff, "state": state, "stacks": self.collect_stacks()}
 
     def running_ranks(self) -> list[int]:
         """The ranks whose processes still run (msrun's status file is written at the job's start and
@@ -421,40 +404,33 @@ class TestJob:
                     pass
 
         def dumped(rank: int) -> bool:
-            return bool(_read(stacks_path(str(self.report_dir), rank)).strip())
+            return bool(_read(stacks_path(str(self.paths.report_dir), rank)).strip())
 
         if wait_until(lambda: all(dumped(rank) for rank in asked), STACK_WAIT, 0.05):
             time.sleep(0.05)  # let the last writer finish its dump
         for rank in asked:
-            text = _read(stacks_path(str(self.report_dir), rank))
+            text = _read(stacks_path(str(self.paths.report_dir), rank))
             if text.strip():
                 stacks[rank] = text
         return stacks
 
     def stop(self, launched: Launched) -> None:
-        """Tear a launched job down (msrun's own teardown, SIGKILL after its grace)."""
-        self._stop(launched.procs)
-        for pump in launched.pumps:
-            pump.join(timeout=5)
-
-    def _stop(self, procs: list[Process]) -> None:
-        """msrun's own teardown on SIGTERM; SIGKILL of its session after a grace period."""
-        for popen in procs:
+        """Tear a launched job down: msrun's own teardown on SIGTERM, SIGKILL of its session after
+        msrun's grace."""
+        for popen in launched.procs:
             if popen.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(popen.pid, signal.SIGTERM)
-                except (ProcessLookupError, PermissionError):
-                    pass
         deadline = time.monotonic() + term_grace() + 5  # msrun's own grace, then its teardown
-        for popen in procs:
+        for popen in launched.procs:
             try:
                 popen.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(popen.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
                 popen.wait()
+        for pump in launched.pumps:
+            pump.join(timeout=5)
 
 
 class FinishWatch:

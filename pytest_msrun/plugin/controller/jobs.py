@@ -17,7 +17,7 @@ import pytest
 from pytest_msrun.engine.config import TRACE_ENV
 from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.plugin import covdata, options
-from pytest_msrun.plugin.controller.debugserver import DebugServer, NoDebug
+from pytest_msrun.plugin.controller.debugserver import DebugServer
 from pytest_msrun.plugin.controller.forkserver import ForkServer
 from pytest_msrun.plugin.controller.job import TestJob
 from pytest_msrun.plugin.controller.pool import DeviceInventory, DeviceShortage
@@ -42,11 +42,9 @@ def static_skip(item: pytest.Item) -> str | None:
     """A skip/skipif mark that already applies here: no job is started for it."""
     try:
         from _pytest.skipping import evaluate_skip_marks
-    except ImportError:  # pragma: no cover - private API moved
-        return None
-    try:
+
         skipped = evaluate_skip_marks(item)
-    except Exception:  # evaluation errors surface in the ranks, with their traceback
+    except Exception:  # its private API moved; evaluation errors surface in the ranks, with their traceback
         return None
     return skipped.reason if skipped is not None else None
 
@@ -63,17 +61,19 @@ class Jobs:
         cluster: Allocation | None,
         inventory: DeviceInventory,
         timeout: float,
-        debug: DebugServer | NoDebug | None = None,
-        forks: ForkServer | None = None,
+        exit_timeout: float,
+        debug: DebugServer,
+        forks: ForkServer | None,
     ) -> None:
         self.config = config
         self.forks = forks  # the session's fork server (None: every msrun is spawned)
-        self.debug = debug or NoDebug()  # the ranks' debugger (breakpoint(), --pdb)
+        self.debug = debug  # the ranks' debugger (breakpoint(), --pdb)
         self.args = args
         self.trace_dir = trace_dir
         self.cluster = cluster
         self.inventory = inventory
         self.default_timeout = timeout
+        self.exit_timeout = exit_timeout  # s the ranks may take to exit once their sessions ended
 
     def timeout(self, spec: MsrunSpec) -> float:
         return spec.timeout or self.default_timeout
@@ -101,11 +101,6 @@ class Jobs:
             )
         return 0
 
-    def device_env(self, devices: list[str]) -> dict[str, str]:
-        if not devices:
-            return {}
-        return {self.inventory.env_var: ",".join(devices)}
-
     def test_dir(self, item: pytest.Item) -> Path:
         factory = self.config._tmp_path_factory  # type: ignore[attr-defined]
         path: Path = factory.mktemp(f"msrun-{safe_name(item.nodeid)}", numbered=True)
@@ -117,7 +112,8 @@ class Jobs:
 
     def new(self, item: pytest.Item, spec: MsrunSpec, ports: list[int], devices: list[str]) -> TestJob:
         """The job of ``item`` (a fresh test's, or a warm world's named by its first test)."""
-        extra_env = self.device_env(devices)
+        extra_env = {self.inventory.env_var: ",".join(devices)} if devices else {}
+        unused = options.unused_rank_plugins(self.config)  # -p no:NAME for each plugin the ranks need not load
         job_dir = self.test_dir(item)
         if self.trace_dir:  # one trace per job
             extra_env = {**extra_env, TRACE_ENV: self.trace_of(item, job_dir.name)}
@@ -126,7 +122,7 @@ class Jobs:
             spec=spec,
             job_dir=job_dir,
             ports=ports,
-            rank_args=[*self.args, *self._unused_plugins()],
+            rank_args=[*self.args, *(arg for name in unused for arg in ("-p", f"no:{name}"))],
             extra_env={
                 **extra_env,
                 **options.ship(self.config, str(job_dir / "pytest-options.json")),
@@ -137,7 +133,3 @@ class Jobs:
             debug=self.debug,
             forks=self.forks,
         )
-
-    def _unused_plugins(self) -> list[str]:
-        """``-p no:NAME`` for each plugin the ranks need not load (:func:`options.unused_rank_plugins`)."""
-        return [arg for name in options.unused_rank_plugins(self.config) for arg in ("-p", f"no:{name}")]

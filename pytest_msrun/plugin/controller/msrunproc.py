@@ -25,68 +25,37 @@ Process = Union[subprocess.Popen, ForkedProcess]  # an msrun: spawned, or forked
 def start_msrun(
     cmd: list[str], env: dict[str, str], log_path: str, *, live_output: bool, forks: ForkServer | None
 ) -> tuple[Process, threading.Thread | None]:
-    """Start one msrun (``cmd``) with ``env``, its output in ``log_path``; returns its process and
-    the thread pumping its output when ``live_output``."""
-    if forks is not None:
-        forked = _fork(forks, cmd, env, log_path, live_output)
-        if forked is not None:
-            return forked
-    argv, preexec = with_parent_death_signal(cmd, signal.SIGTERM)
-    log_fh = open_output(log_path, binary=True)  # handed to the child (and the pump), closed below
-    pump = None
-    try:
-        popen = subprocess.Popen(
-            argv,
-            env=env,
-            stdout=subprocess.PIPE if live_output else log_fh,
-            stderr=log_fh if live_output else subprocess.STDOUT,
-            start_new_session=True,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=preexec,
-        )
-        if live_output:
-            pump = threading.Thread(target=_pump_rank_lines, args=(popen.stdout, log_fh), daemon=True)
-            pump.start()
-    finally:
-        if not live_output:
-            log_fh.close()
-    return popen, pump
-
-
-def _fork(
-    forks: ForkServer, cmd: list[str], env: dict[str, str], log_path: str, live_output: bool
-) -> tuple[Process, threading.Thread | None] | None:
-    """msrun forked by the fork server (None: spawn it). Why its ranks will not be forked in turn,
-    where this process can tell, is noted once."""
-    if forks.origin:  # the ranks' environment: this one, with what msrun gives every child
+    """Start one msrun (``cmd``) with ``env``, its output in ``log_path``: its process, and the
+    thread pumping its output when ``live_output``. Why its ranks are not forked is noted once."""
+    if forks is not None and forks.origin:  # the ranks' environment: this one, with what msrun gives every child
         differ = template.differences({**env, "PYTHONUNBUFFERED": "1"}, forks.origin)
         if differ:
             forks.refuse(f"ranks start as new processes where {', '.join(differ)} differ from this session's")
     log_fh = open_output(log_path, binary=True)  # handed to the child (and the pump), closed below
-    read_fd = write_fd = -1
+    read_fd, write_fd = os.pipe2(os.O_CLOEXEC) if live_output else (-1, -1)
+    pump = None
     try:
-        if live_output:
-            read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
         out = write_fd if live_output else log_fh.fileno()
-        reader = os.fdopen(read_fd, "rb") if live_output else None
-        read_fd = -1
-        proc = forks.start_msrun(cmd, env, out, log_fh.fileno(), reader)
+        proc: Process | None = forks.start_msrun(cmd, env, out, log_fh.fileno()) if forks is not None else None
         if proc is None:
-            if reader is not None:
-                reader.close()
-            log_fh.close()
-            return None
-        pump = None
-        if reader is not None:
+            argv, preexec = with_parent_death_signal(cmd, signal.SIGTERM)
+            proc = subprocess.Popen(
+                argv,
+                env=env,
+                stdout=out,
+                stderr=log_fh,
+                start_new_session=True,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=preexec,
+            )
+        if live_output:
+            reader, read_fd = os.fdopen(read_fd, "rb"), -1
             pump = threading.Thread(target=_pump_rank_lines, args=(reader, log_fh), daemon=True)
             pump.start()
-        else:
-            log_fh.close()
         return proc, pump
-    except BaseException:
-        log_fh.close()
-        raise
     finally:
+        if pump is None:
+            log_fh.close()
         for fd in (read_fd, write_fd):
             if fd >= 0:
                 os.close(fd)

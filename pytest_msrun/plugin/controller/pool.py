@@ -160,10 +160,15 @@ def _finite(value: object) -> bool:
     return type(value) in (int, float) and math.isfinite(value)  # type: ignore[arg-type]
 
 
-def _lease_entry(entry: object) -> dict[str, Any] | None:
-    """A lease as the pool writes it, or None: its owner's pid, TCP ports, device names, a time."""
+def _entry(part: str, entry: object) -> dict[str, Any] | None:
+    """An entry of ``part`` as the pool writes it, or None: its owner's pid and a time, then a
+    lease's TCP ports and device names, or a wait's count of devices."""
     if not isinstance(entry, dict) or not _is_pid(entry.get("pid")) or not _finite(entry.get("ts", 0)):
         return None
+    if part == "waiting":
+        count = entry.get("devices", 0)
+        ok = type(count) is int and count >= 0
+        return {"pid": entry["pid"], "devices": count, "ts": entry.get("ts", 0)} if ok else None
     ports, devices = entry.get("ports", []), entry.get("devices", [])
     if not isinstance(ports, list) or not all(type(p) is int and 0 < p <= 65535 for p in ports):
         return None  # (any TCP port: a session with another MSRUN_PORT_RANGE shares the file)
@@ -172,28 +177,18 @@ def _lease_entry(entry: object) -> dict[str, Any] | None:
     return {"pid": entry["pid"], "ports": ports, "devices": devices, "ts": entry.get("ts", 0)}
 
 
-def _waiter_entry(entry: object) -> dict[str, Any] | None:
-    """A wait for devices as the pool writes it, or None: a pid, a count of devices, a time."""
-    if not isinstance(entry, dict) or not _is_pid(entry.get("pid")) or not _finite(entry.get("ts", 0)):
-        return None
-    count = entry.get("devices", 0)
-    if type(count) is not int or count < 0:
-        return None
-    return {"pid": entry["pid"], "devices": count, "ts": entry.get("ts", 0)}
-
-
 def clean_state(data: object) -> dict[str, dict[str, dict[str, Any]]]:
     """The pool's state from what its file held: each lease and waiter that is one as the pool
     writes it; anything else (another shape, another type, a number out of range) is dropped."""
     state: dict[str, dict[str, dict[str, Any]]] = {"leases": {}, "waiting": {}}
     if not isinstance(data, dict):
         return state
-    for part, check in (("leases", _lease_entry), ("waiting", _waiter_entry)):
+    for part in state:
         entries = data.get(part)
         if not isinstance(entries, dict):
             continue
         for key, entry in entries.items():
-            good = check(entry)
+            good = _entry(part, entry)
             if good is not None and isinstance(key, str):
                 state[part][key] = good
     return state

@@ -90,12 +90,9 @@ class Reporter:
             if extras is not None and report.when == "setup" and report.passed:
                 extras.show_item()
 
-    def merged(self, item: pytest.Item, record: TestRecord, rerun: int | None = None) -> Merger:
-        return Merger(item, record, self.style, self.cwd, rerun)
-
     def setup_call(self, item: pytest.Item, record: TestRecord, rerun: int | None) -> list[pytest.TestReport]:
         """Setup's and call's reports, logged now unless the run may be rerun (``rerun``: its number)."""
-        reports = self.merged(item, record, rerun).reports(record.verdict(), ("setup", "call"))
+        reports = Merger(item, record, self.style, self.cwd, rerun).reports(record.verdict(), ("setup", "call"))
         if rerun is None:
             extras = Replay(item, record.logs)
             self.log(item, extras.with_subtests(reports), extras)
@@ -116,13 +113,13 @@ class Reporter:
         extras.junit()  # before the last report, which writes the test's junitxml testcase
         trace = attempt.trace
         self.traces.add(trace, (attempt.mode, attempt.job_started), final, shown(final), record.logs, record.run.ended)
-        merger = self.merged(item, record, rerun)
+        merger = Merger(item, record, self.style, self.cwd, rerun)
         teardown = merger.reports(final, ("teardown",))
-        if record.leaks and self.leaks == "warn":
-            self._warn_leaks(item, record.leaks)
+        if record.leaks and self.leaks == "warn":  # what it left behind in its warm world, as a warning it raised
+            lines = [f"rank {rank}: {what}" for rank, items in sorted(record.leaks.items()) for what in items]
+            self._warn(item, MsrunLeakWarning(f"{item.nodeid} left behind in its warm world:\n  " + "\n  ".join(lines)))
         if record.notes:
-            text = f"{item.nodeid} ended its warm world:\n  " + "\n  ".join(record.notes)
-            self._warn(item, MsrunMemoryWarning(text))
+            self._warn(item, MsrunMemoryWarning(f"{item.nodeid} ended its warm world:\n  " + "\n  ".join(record.notes)))
         if teardown:  # junitxml writes the properties of a test's last report: the earlier phases' too
             have = {name for name, _ in teardown[-1].user_properties}
             for report in setup_call:
@@ -132,9 +129,7 @@ class Reporter:
                         have.add(name)
         if self.timelines and teardown:
             entry = test_entry(merger, record, final, [*setup_call, *teardown], attempt.mode)
-            entry["world"] = attempt.world_dir
-            entry["trace"] = trace
-            self._attach_timeline(teardown[-1], entry)
+            self._attach_timeline(teardown[-1], {**entry, "world": attempt.world_dir, "trace": trace})
         again = False
         if rerun is not None:  # as pytest-rerunfailures reports an attempt: up to its failure ("rerun")
             reports = [*setup_call, *teardown]
@@ -162,12 +157,6 @@ class Reporter:
                 report.extras = [*getattr(report, "extras", []), extras.html(render_test(entry))]  # type: ignore[attr-defined]
             except ImportError:
                 pass
-
-    def _warn_leaks(self, item: pytest.Item, leaks: dict[int, list[str]]) -> None:
-        """What a test left behind in its warm world, as a warning it raised (--msrun-leaks=warn)."""
-        lines = [f"rank {rank}: {what}" for rank, items in sorted(leaks.items()) for what in items]
-        text = f"{item.nodeid} left behind in its warm world:\n  " + "\n  ".join(lines)
-        self._warn(item, MsrunLeakWarning(text))
 
     def _warn(self, item: pytest.Item, warning: pytest.PytestWarning) -> None:
         """``warning`` as if the test raised it, at its line."""

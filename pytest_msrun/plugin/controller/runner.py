@@ -1,11 +1,9 @@
 """The one runner: every marked test's attempt comes from here, whatever it runs in.
 
-:meth:`Runner.start` hands out an :class:`~.attempts.Attempt` for every marked test - in its warm or
+:meth:`Runner.start` hands out an :data:`~.attempts.Attempt` for every marked test - in its warm or
 forking world, in a job of its own, or refused (a bad marker, a skip that applies here, no room, no
 devices, no files): each ends in one immutable :class:`~.attempts.TestRecord`, judged by the one
-rule. The controller reports what the attempt gives and never asks which kind it holds; what a
-world keeps between tests (the next test it serves, its last test, a late end's record) is kept
-here.
+rule. The controller never asks which kind it holds; what worlds keep between tests is kept here.
 """
 
 from __future__ import annotations
@@ -13,42 +11,29 @@ from __future__ import annotations
 import dataclasses
 import errno
 import hashlib
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from pytest_msrun.fsinfo import describe_write_error
-from pytest_msrun.plugin.controller.attempts import Attempt, FreshAttempt, RefusedAttempt, TestRecord, WarmAttempt
+from pytest_msrun.plugin.controller.attempts import Attempt, TestRecord, WarmAttempt, WholeAttempt
 from pytest_msrun.plugin.controller.jobs import Jobs, static_skip
-from pytest_msrun.plugin.controller.pool import DeviceShortage, ResourcePool
-from pytest_msrun.plugin.controller.worlds import WorldPool
+from pytest_msrun.plugin.controller.pool import DeviceShortage
+from pytest_msrun.plugin.controller.worlds import LateEnd, WorldPool
 from pytest_msrun.plugin.marker import MarkerError, MsrunSpec, spec_for
 from pytest_msrun.plugin.rule.outcomes import Refusal, TestVerdict
-
-
-@dataclasses.dataclass(frozen=True)
-class LateRecord:
-    """A world's last test, judged again with how the world ended after it was reported."""
-
-    item: pytest.Item
-    record: TestRecord
-    why: str  # why the world ended
-    trace: str  # the world's trace file
-    job: tuple[str, float]  # how its tests ran (warm) and when the world started, for the trace
-    said: frozenset[tuple[int, str, str]]  # the teardown failures already reported on the test
+from pytest_msrun.plugin.rule.testrecord import JobRun
 
 
 class Runner:
     """Hands out the attempts of one session's marked tests and keeps what worlds share between them."""
 
-    def __init__(
-        self, jobs: Jobs, worlds: WorldPool, pool: ResourcePool, exit_timeout: float, leaks_fail: bool
-    ) -> None:
+    def __init__(self, jobs: Jobs, worlds: WorldPool, leaks_fail: bool) -> None:
         self.jobs = jobs
         self.worlds = worlds
-        self.pool = pool
-        self.exit_timeout = exit_timeout
+        self.pool = worlds.resources
         self.leaks_fail = leaks_fail  # --msrun-leaks=error: an input of the rule, not a rewrite of its outcome
         # each world's last test and the teardown failures reported on it (a late judgement repeats none)
         self.reported: dict[tuple, tuple[Any, frozenset[tuple[int, str, str]]]] = {}
@@ -93,13 +78,18 @@ class Runner:
             return self._refused(item, ranks, Refusal(outcome, f"msrun: {exc}"), note)
         try:
             job = self.jobs.new(item, spec, lease.ports, lease.devices)
-            return FreshAttempt(item.nodeid, job, self.jobs.test_timeout(item, spec), self.exit_timeout, note)
+            run = dataclasses.replace(job.run(self.jobs.test_timeout(item, spec), self.jobs.exit_timeout), note=note)
+            return WholeAttempt("fresh", TestRecord.load(item.nodeid, job.expected_ranks(), job.paths, run), job.trace)
         finally:
             self.pool.release(lease)
 
-    def _refused(self, item: pytest.Item, ranks: list[int], refusal: Refusal, note: str = "") -> RefusedAttempt:
+    def _refused(self, item: pytest.Item, ranks: list[int], refusal: Refusal, note: str = "") -> WholeAttempt:
         tag = "refused-" + hashlib.sha1(item.nodeid.encode()).hexdigest()[:8]  # tests of one name in two files
-        return RefusedAttempt(item.nodeid, ranks, refusal, note, self.jobs.trace_of(item, tag))
+        now = time.time()
+        record = TestRecord(
+            item.nodeid, ranks, {}, JobRun([], [], False, 0.0, now, now, note=note), "", refusal=refusal
+        )
+        return WholeAttempt("refused", record, self.jobs.trace_of(item, tag))
 
     def _no_files(self, exc: OSError) -> str:
         """The test's directories or files could not be made (a full basetemp, a file someone put
@@ -120,7 +110,7 @@ class Runner:
         next_id = None
         if isinstance(attempt, WarmAttempt) and not again:
             next_id = self.worlds.world_next(item, nextitem, attempt.world.key)
-        return attempt.finish(next_id, self.exit_timeout, leaks_fail=self.leaks_fail)
+        return attempt.finish(next_id, self.jobs.exit_timeout, leaks_fail=self.leaks_fail)
 
     def done(self, attempt: Attempt, item: pytest.Item, final: TestVerdict) -> bool:
         """The attempt is reported (``final``); whether its job ended with it (its trace is complete)."""
@@ -134,16 +124,16 @@ class Runner:
         return key not in self.worlds.live
 
     # ---------------------------------------------------------------- worlds' ends outside a test
-    def late(self) -> Iterator[LateRecord]:
-        """The records of worlds' last tests, judged again with how each world ended since."""
-        for end in self.worlds.take_late():
-            item, world, last, run, why = end.item, end.world, end.last, end.run, end.why
-            late = dataclasses.replace(run, reproduce_lines=world.reproduce_lines(last), started=last.started)
-            record = TestRecord.load(item.nodeid, world.job.expected_ranks(), last.paths, late)
+    def late(self) -> Iterator[tuple[LateEnd, TestRecord, frozenset[tuple[int, str, str]]]]:
+        """Each world's end since, with the record of its last test judged again with it, and the
+        teardown failures already reported on that test."""
+        ends, self.worlds.late = self.worlds.late, []
+        for end in ends:
+            world, last = end.world, end.last
+            run = dataclasses.replace(end.run, reproduce_lines=world.reproduce_lines(last), started=last.started)
             test, said = self.reported.get(world.key, (None, frozenset()))
-            yield LateRecord(
-                item, record, why, world.job.trace, ("warm", world.created), said if test is last else frozenset()
-            )
+            record = TestRecord.load(end.item.nodeid, world.job.expected_ranks(), last.paths, run)
+            yield end, record, said if test is last else frozenset()
 
 
 def teardown_failures(verdict: TestVerdict) -> set[tuple[int, str, str]]:

@@ -3,7 +3,7 @@
 A world is an msrun job started like a fresh test's job, whose ranks are pytest sessions that
 collected every test of its shape and wait (:mod:`.serve`). A test runs in two steps, as in pytest's
 own protocol: :meth:`World.begin` sends its node id and waits until every rank finished setup and
-call (:class:`WarmTest` then holds what the controller reports for them); :meth:`WarmTest.finish`
+call (:class:`Called` then holds what the controller reports for them); :func:`teardown`
 sends the teardown with the next test this world will run - or none, which ends the world with
 this test: its ranks tear every fixture down, exit, and their process ends are judged on it.
 
@@ -19,12 +19,14 @@ sessions). A world found dead before a test is sent is never used for it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import math
 import os
 import selectors
 import socket
-import subprocess
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +34,7 @@ from pytest_msrun.control import wire
 from pytest_msrun.control.door import Admitted, Door, Tally
 from pytest_msrun.netaddr import rank_listener
 from pytest_msrun.plugin import envscope, rankmemory
+from pytest_msrun.plugin.controller.debugserver import paused_clock
 from pytest_msrun.plugin.controller.job import JobRun, Launched, TestJob, TestPaths
 from pytest_msrun.plugin.links import FORK_ENV, WORLD_ENV, WORLD_TOKEN_ENV, Channel
 from pytest_msrun.plugin.marker import MsrunSpec
@@ -99,10 +102,6 @@ class Called:
     absent: frozenset[int] = frozenset()
     unforkable: str = ""
 
-    @property
-    def missing(self) -> bool:
-        return bool(self.absent)
-
 
 @dataclass(frozen=True)
 class TornDown:
@@ -135,21 +134,18 @@ def teardown(called: Called, next_id: str | None, exit_timeout: float) -> TornDo
     lingering = any(reply.get("lingering") for reply in replies.values())
     if timed_out:
         return TornDown(world.stop_on_timeout(test, set(replies)), leaks)
+    # a forking world's children end: one that ended as a fresh rank would not ended its template alike
+    forked = world.forking and not world.lost and not world.dead
+    hung = world.await_ends(exit_timeout, set(called.absent)) if forked else []
     if world.dead:  # a rank died in the teardown
         world.stop()
         return TornDown(world.job_run(test, False), leaks)
-    if world.forking and not world.lost:
-        hung = world.await_ends(exit_timeout, set(called.absent))
-        if world.dead:  # a child ended as a fresh rank would not: its template ended alike
-            world.stop()
-            return TornDown(world.job_run(test, False), leaks)
-        if hung:  # a child does not end (a thread the test left, an exit handler)
-            stacks = world.job.collect_stacks()
-            world.stop()
-            return TornDown(world.ended_run(test, hung, exit_timeout, stacks), leaks)
-    notes: tuple[str, ...] = ()
-    if not world.dead:  # a rank (a forking world's template) past --msrun-max-rss: a new world next
-        notes = _past_max(world, world.template_rss if world.forking else _resident(replies))
+    if hung:  # a child does not end (a thread the test left, an exit handler)
+        stacks = world.job.collect_stacks()
+        world.stop()
+        return TornDown(world.ended_run(test, hung, exit_timeout, stacks), leaks)
+    # a rank (a forking world's template) past --msrun-max-rss: a new world next
+    notes = _past_max(world, world.template_rss if world.forking else _resident(replies))
     if world.lost:
         world.retire("a rank left the world")
     if world.declared or len(groups) > 1:
@@ -159,8 +155,7 @@ def teardown(called: Called, next_id: str | None, exit_timeout: float) -> TornDo
     elif next_id is None:
         world.retire("its last test ran")
     if world.retiring:
-        hung, stacks = world.end(exit_timeout)
-        return TornDown(world.ended_run(test, hung, exit_timeout, stacks), leaks, notes)
+        return TornDown(world.end(test, exit_timeout), leaks, notes)
     return TornDown(world.job_run(test, False), leaks, notes)
 
 
@@ -181,12 +176,8 @@ def _past_max(world: World, resident: dict[int, int]) -> tuple[str, ...]:
 
 def _resident(replies: dict[int, dict[str, Any]]) -> dict[int, int]:
     """Each rank's resident set after the test, from its memory sample."""
-    out = {}
-    for rank, reply in replies.items():
-        sample = reply.get("memory")
-        if isinstance(sample, dict) and isinstance(sample.get("after"), int):
-            out[rank] = sample["after"]
-    return out
+    samples = {rank: reply.get("memory") for rank, reply in replies.items()}
+    return {r: s["after"] for r, s in samples.items() if isinstance(s, dict) and isinstance(s.get("after"), int)}
 
 
 class World:
@@ -242,16 +233,16 @@ class World:
         connect meanwhile are strangers at the door (:class:`~pytest_msrun.control.door.Door`),
         never the test's problem. Once every rank is in, the world listens no more."""
         self.claimed = self.claimed or time.time()
-        held = self.job.debug.held()  # a breakpoint() while the ranks collect
+        clock = paused_clock(self.job.debug)  # a breakpoint() while the ranks collect
         try:
             while len(self.channels) < len(self.ranks):
                 if self.launched.exited():
                     return "the world's msrun ended before every rank connected"
-                if time.monotonic() - (self.job.debug.held() - held) > deadline:
+                if clock() > deadline:
                     return "the world's ranks did not all connect in time"
                 for admitted in self.door.serve(0.05):
                     self._admit(admitted)
-            return self._env_read(deadline + (self.job.debug.held() - held))
+            return self._env_read(deadline + time.monotonic() - clock())
         finally:
             self.door.close()
 
@@ -273,7 +264,7 @@ class World:
             try:
                 msg = channel.recv(max(0.0, deadline - time.monotonic()))
             except (OSError, wire.ProtocolError):
-                return f"rank {rank} did not say what it read while it collected"
+                msg = {}
             names = msg.get("names")
             if msg.get("t") != "env_read" or not isinstance(names, list):
                 return f"rank {rank} did not say what it read while it collected"
@@ -283,12 +274,9 @@ class World:
 
     def check(self) -> str:
         """Why this world can run no more tests ("" when it can): a rank gone, msrun ended."""
-        if self.dead:
-            return self.dead
-        if self.launched.exited():
+        if not self.dead and self.launched.exited():
             self.dead = "the world's job ended between tests"
-            return self.dead
-        for rank, channel in self.channels.items():
+        for rank, channel in self.channels.items() if not self.dead else ():
             try:
                 channel.sock.setblocking(False)
                 try:
@@ -301,8 +289,8 @@ class World:
                 data = b""
             if not data:
                 self.dead = f"rank {rank} ended between tests"
-                return self.dead
-        return ""
+                break
+        return self.dead
 
     # ---------------------------------------------------------------- one test
     def begin(self, paths: TestPaths, nodeid: str, timeout: float, exit_timeout: float) -> Called:
@@ -364,23 +352,18 @@ class World:
         skip = self.lost | (without or set())
         live = {rank: channel for rank, channel in self.channels.items() if rank not in skip}
         if msg is not None:
-            for channel in live.values():
-                try:
-                    channel.send(msg)
-                except OSError:
-                    pass
+            self._tell(msg, live.values())
         replies: dict[int, dict[str, Any]] = {}
         sel = selectors.DefaultSelector()
         for rank, channel in live.items():
             sel.register(channel.sock, selectors.EVENT_READ, rank)
         failed_at: float | None = None
         next_check: float | None = None  # set once a first rank answered
-        debug = self.job.debug
-        held = debug.held() if held is None else held
+        clock = paused_clock(self.job.debug, held)
         try:
             while len(replies) + len(self.lost & set(live)) < len(live):
                 # time a rank spends in the debugger counts for neither the deadline nor the grace
-                now = time.monotonic() - (debug.held() - held)
+                now = clock()
                 if now > deadline:
                     return replies, True
                 if failed_at is not None and now - failed_at > FAILURE_GRACE:
@@ -396,7 +379,7 @@ class World:
                     self.dead = "the world's job ended (a rank died)"
                     break
                 waiting = [rank for rank in live if rank not in replies and rank not in self.lost]
-                ready = [rank for rank in waiting if self.channels[rank].has_message()]
+                ready = [rank for rank in waiting if self.channels[rank].pending]
                 if not ready:
                     ready = [key.data for key, _ in sel.select(timeout=0.05)]
                 for rank in ready:
@@ -417,7 +400,7 @@ class World:
                         continue
                     replies[rank] = reply
                     if failure_grace and reply.get("failed") and failed_at is None:
-                        failed_at = time.monotonic() - (debug.held() - held)
+                        failed_at = clock()
                 if self.dead:
                     break
         finally:
@@ -452,17 +435,11 @@ class World:
         """The test ran out of time: where every rank is (control plane, stacks), then the world ends.
         ``waiting``: the ranks that had answered and waited for the controller (not stuck)."""
         self.dead = f"the test ran out of time ({test.timeout:g} s)"
-        running, cutoff = self.job.freeze(str(test.paths.report_dir), self.ranks)  # the record, frozen now
-        state = None
-        if self.job.has_control_plane():
-            from pytest_msrun.control.observer import query_state
-
-            state = query_state(self.job.master_host, self.job.ports[0], self.job.token)
-        stacks = self.job.collect_stacks()
+        facts = self.job.at_deadline(str(test.paths.report_dir), self.ranks)  # the record, frozen now
         self.stop()
         run = self.job_run(test, True)
         ranks = {r: dataclasses.replace(end, held=True) if r in waiting else end for r, end in run.ranks.items()}
-        return dataclasses.replace(run, ranks=ranks, stacks=stacks, state=state, cutoff=cutoff, running=running)
+        return dataclasses.replace(run, ranks=ranks, **facts)
 
     def reproduce_lines(self, test: WarmTest) -> list[str]:
         """The command lines that run ``test`` alone, as this world ran it."""
@@ -475,17 +452,8 @@ class World:
         for rank, end in ends.items():
             if live and end.returncode is None and rank not in self.lost:
                 ends[rank] = RankEnd(pid=end.pid, log=end.log, host=end.host, alive=True)
-        return JobRun(
-            reproduce_lines=self.reproduce_lines(test),
-            exit_codes=[p.returncode for p in self.launched.procs],
-            timed_out=timed_out,
-            timeout=test.timeout,
-            started=test.started,
-            ended=time.time(),
-            msrun_logs=list(self.launched.logs),
-            stacks_dir=str(self.job.report_dir),
-            ranks=ends,
-        )
+        reproduce = self.reproduce_lines(test)
+        return self.job.outcome(self.launched, test.timeout, test.started, reproduce, timed_out=timed_out, ranks=ends)
 
     def ended_run(self, test: WarmTest, hung: list[int], exit_timeout: float, stacks: dict[int, str]) -> JobRun:
         """The run to judge ``test`` by once the world ended with it: ``hung``, the ranks still
@@ -497,52 +465,34 @@ class World:
         if not self.retiring:
             self.retiring = why
 
-    def end(self, exit_timeout: float) -> tuple[list[int], dict[int, str]]:
-        """End the world after its last test: ``quit`` (fixtures torn down, sessions end), every
-        process gone within ``exit_timeout`` s - else the ranks still running and their stacks
-        (then msrun's own teardown)."""
-        for channel in self.channels.values():
-            try:
-                channel.send({"t": "quit"})
-            except OSError:
-                pass
-        deadline = time.monotonic() + exit_timeout
-        hung: list[int] = []
-        stacks: dict[int, str] = {}
-        debug, held = self.job.debug, self.job.debug.held()  # a fixture's breakpoint() at the world's end
-        for popen in self.launched.procs:
-            while popen.poll() is None:
-                left = deadline + (debug.held() - held) - time.monotonic()
-                if left <= 0:
-                    break
-                try:
-                    popen.wait(timeout=min(0.5, max(0.01, left)))
-                except subprocess.TimeoutExpired:
-                    pass
-            if popen.poll() is None:
-                hung = self.job.running_ranks()
-                stacks = self.job.collect_stacks()
-                break
+    def end(self, test: WarmTest, exit_timeout: float) -> JobRun:
+        """End the world after its last test, ``test``: ``quit`` (fixtures torn down, sessions end),
+        every process gone within ``exit_timeout`` s - else the ranks still running and their stacks
+        (then msrun's own teardown); the run to judge ``test`` by."""
+        self._tell({"t": "quit"})
+        clock = paused_clock(self.job.debug)  # a fixture's breakpoint() at the world's end
+        deadline = clock() + exit_timeout
+        wait_until(lambda: self.launched.ended() or clock() >= deadline, math.inf, 0.05)
+        ended = self.launched.ended()
+        hung = [] if ended else self.job.running_ranks()
+        stacks = {} if ended else self.job.collect_stacks()
         self.dead = self.dead or self.retiring or "ended"
         self._close()
-        return hung, stacks
+        return self.ended_run(test, hung, exit_timeout, stacks)
 
     def stop(self) -> None:
         """End the world now: ``quit``, then msrun's own teardown (SIGTERM, its grace, SIGKILL)."""
-        for channel in self.channels.values():
-            try:
-                channel.send({"t": "quit"})
-            except OSError:
-                pass
-        if not self.dead:
-            deadline = time.monotonic() + 10
-            for popen in self.launched.procs:
-                try:
-                    popen.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:  # a world that does not end cleanly is stopped below
-                    break
+        self._tell({"t": "quit"})
+        if not self.dead:  # a world that does not end cleanly within 10 s is stopped below
+            wait_until(self.launched.ended, 10, 0.05)
         self.dead = self.dead or "stopped"
         self._close()
+
+    def _tell(self, msg: dict[str, Any], channels: Iterable[Channel] | None = None) -> None:
+        """Send ``msg`` to every rank still there (of ``channels``; default: all)."""
+        for channel in self.channels.values() if channels is None else channels:
+            with contextlib.suppress(OSError):
+                channel.send(msg)
 
     def _close(self) -> None:
         self.job.stop(self.launched)
@@ -562,16 +512,12 @@ def release_waiters(job: TestJob, ranks: list[int], finished: set[int], why: str
     state = query_state(host, port, token, timeout=1.0)
     if not state:
         return False
-    everyone = set(ranks)
-    stuck_in_init = (
-        not state.get("ready")
-        and bool(everyone - set(state.get("joined", [])))
-        and (everyone - set(state.get("joined", [])) <= finished)
-    )
-    stuck_in_collective = any(
-        (everyone - set(c.get("ranks", []))) and (everyone - set(c.get("ranks", []))) <= finished
-        for c in state.get("collectives", [])
-    )
-    if not (stuck_in_init or stuck_in_collective):
+
+    def waits_for_finished(present: list[int]) -> bool:  # the ranks not there all finished the test
+        absent = set(ranks) - set(present)
+        return bool(absent) and absent <= finished
+
+    stuck_in_init = not state.get("ready") and waits_for_finished(state.get("joined", []))
+    if not stuck_in_init and not any(waits_for_finished(c.get("ranks", [])) for c in state.get("collectives", [])):
         return False
     return declare_finished(host, port, token, sorted(finished), why, timeout=1.0)

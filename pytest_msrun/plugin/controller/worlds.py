@@ -2,7 +2,7 @@
 is kept for the next test, and ends.
 
 A :class:`WorldPool` owns every live world of one pytest session and the resources they hold. It
-hands out a test's :class:`~.runner.WarmAttempt` (or says why the test runs as a fresh job), keeps
+hands out a test's :class:`~.attempts.WarmAttempt` (or says why the test runs as a fresh job), keeps
 a world idle for the next test of its shape this process will run - within a budget of live ranks
 and devices, :mod:`.keeping`'s policy deciding - or ends it, and ends worlds outside a test
 (evicted, dead between tests, the session over). What such an end reveals about a
@@ -16,20 +16,18 @@ import dataclasses
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import pytest
 
 from pytest_msrun.control.door import Tally
-from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.plugin import envscope
 from pytest_msrun.plugin.controller.attempts import WarmAttempt
-from pytest_msrun.plugin.controller.job import JobRun, TestPaths
+from pytest_msrun.plugin.controller.job import JobRun
 from pytest_msrun.plugin.controller.jobs import Jobs, node_path, static_skip
 from pytest_msrun.plugin.controller.keeping import NEVER, Budget, Schedule, survives, victims
 from pytest_msrun.plugin.controller.pool import DeviceShortage, ResourcePool
 from pytest_msrun.plugin.controller.world import FORKING, WarmTest, World, eligible, world_key, world_need
-from pytest_msrun.plugin.marker import MARKER, MarkerError, MsrunSpec, spec_for
+from pytest_msrun.plugin.marker import MarkerError, MsrunSpec, spec_for
 
 
 def _cpus() -> int:
@@ -70,24 +68,19 @@ class WorldPool:
         jobs: Jobs,
         resources: ResourcePool,
         *,
-        exit_timeout: float,
         mode: str,
         env_per_test: bool,
         prefetch: bool,
-        xdist_worker: bool,
-        cluster: Allocation | None,
         max_ranks: int,
         memory: tuple[int, int] = (0, 0),
     ) -> None:
         self.jobs = jobs
         self.memory = memory  # --msrun-leak-rss, --msrun-max-rss (bytes, 0: off)
         self.resources = resources
-        self.exit_timeout = exit_timeout
         self.warm = mode == "warm"  # --msrun-worlds=warm: tests share worlds (fresh: each in a forked child)
         self.env_per_test = env_per_test  # tests differing only in env share a world
         self.prefetch = prefetch  # worlds, warm or forking
-        self.xdist_worker = xdist_worker  # xdist hands this process its items one by one
-        self.cluster = cluster
+        self.xdist_worker = hasattr(jobs.config, "workerinput")  # xdist hands this process its items one by one
         self.live: dict[tuple, World] = {}
         self.strangers = Tally(time.monotonic())  # dropped at the worlds' doors, for the session's summary
         self.last_item: dict[tuple, pytest.Item] = {}  # each live world's last test
@@ -96,12 +89,8 @@ class WorldPool:
         self.unforkable: dict[tuple, str] = {}  # forking worlds whose ranks cannot fork, and why
         self.budget = Budget(max_ranks, len(jobs.inventory.ids))
         self._plan: tuple[tuple[int, int, int], _Plan] | None = None  # the session's items as keys, cached
-        self.late: list[LateEnd] = []  # worlds' ends to report on their last tests (taken by take_late)
+        self.late: list[LateEnd] = []  # worlds' ends to report on their last tests (the runner takes them)
         self.no_room: dict[str, str] = {}  # tests whose world's Slurm step found no room in time, and why
-
-    def take_late(self) -> list[LateEnd]:
-        late, self.late = self.late, []
-        return late
 
     def stop_all(self) -> None:
         """Stop every world now (an interrupted session: nothing is reported)."""
@@ -118,18 +107,15 @@ class WorldPool:
         """The world ``item`` runs in (None: a fresh job of its own)."""
         if item.nodeid not in self._keys:
             key = None
-            if item.get_closest_marker(MARKER) is not None:
-                try:
-                    spec = spec_for(item)
-                except MarkerError:
-                    spec = None
-                if spec is not None and eligible(spec):
-                    # isolated: each test in processes of its own, forked from the world's ranks
-                    forking = spec.isolated or not self.warm
-                    key = world_key(self._world_spec(spec), spec.devices) + ((FORKING,) if forking else ())
-                    if key in self.unforkable:
-                        key = None
-            self._keys[item.nodeid] = key
+            try:
+                spec = spec_for(item)
+            except MarkerError:
+                spec = None
+            if spec is not None and eligible(spec):
+                # isolated: each test in processes of its own, forked from the world's ranks
+                forking = spec.isolated or not self.warm
+                key = world_key(self._world_spec(spec), spec.devices) + ((FORKING,) if forking else ())
+            self._keys[item.nodeid] = None if key in self.unforkable else key
         return self._keys[item.nodeid]
 
     def _world_spec(self, spec: MsrunSpec) -> MsrunSpec:
@@ -176,7 +162,7 @@ class WorldPool:
         world = self.live.get(key)
         if world is None or world.dead or session.shouldfail or session.shouldstop:
             return None
-        if self.resources.contended(world.lease):
+        if self.resources.contended(world.lease):  # another process waits for its devices
             return None
         plan, start = self._ahead(item, nextitem)
         at = plan.own.next_use(key, start)
@@ -204,14 +190,11 @@ class WorldPool:
                 )
             before, before_item = world.last, self.last_item.get(key)
             self._prefetch(item, nextitem, key)
-            paths = TestPaths(self.jobs.test_dir(item), world.job.log_dir)
-            paths.make()
-            ranks = world.job.expected_ranks()
             timeout = self.jobs.test_timeout(item, spec)
-            attempt = WarmAttempt(item.nodeid, world, paths, ranks, timeout, self.exit_timeout)
+            attempt = WarmAttempt(item.nodeid, world, self.jobs.test_dir(item), timeout, self.jobs.exit_timeout)
             self.last_item[key] = item
-            if attempt.missing:  # a rank did not collect it (it differs from this process's collection)
-                attempt.finish(None, self.exit_timeout)
+            if attempt.called.absent:  # a rank did not collect it (it differs from this process's collection)
+                attempt.finish(None, self.jobs.exit_timeout)
                 self.after(item, key, None)
                 why = attempt.called.unforkable
                 if why:  # so are the ranks of every world of its shape: its tests run as fresh jobs
@@ -245,20 +228,16 @@ class WorldPool:
                 return world, ""
             self.end_outside(key, why)  # never used for this test: its end is the last test's
         plan, start = self._ahead(item, nextitem)
-        if self.cluster is not None:  # an idle world's step holds CPUs of the allocation the new one may need
+        if self.jobs.cluster is not None:  # an idle world's step holds CPUs of the allocation the new one may need
             for other in list(self.live):
                 self.end_outside(other, "ended: inside a Slurm allocation, a new world's step needed its CPUs")
         for victim in victims(self._needs(), world_need(key), self.budget, lambda k: plan.starts.next_use(k, start)):
             self.end_outside(victim, f"evicted: a {spec.worker_num}-rank world needed room ({self.budget.ranks} ranks)")
+        timeout = self.jobs.timeout(spec)
         try:
-            devices = self.jobs.pooled_devices(spec)
-            lease = self.resources.lease(
-                ports=2, devices=devices, inv=self.jobs.inventory, wait=self.jobs.timeout(spec)
-            )
+            world = self._start_world(item, spec, key, timeout)
         except DeviceShortage:
             return None, ""
-        world = self._start_world(item, spec, key, lease)
-        timeout = self.jobs.timeout(spec)
         problem = self._connect(world, timeout)
         if problem and not world.job.started():
             no_room = world.job.no_room(timeout, world.launched.logs)
@@ -270,18 +249,17 @@ class WorldPool:
         self.live[key] = world
         return world, ""
 
-    def _start_world(self, item: pytest.Item, spec: MsrunSpec, key: tuple, lease: Any) -> World:
-        """Launch the world of ``key`` (its first test: ``item``) without waiting for it."""
+    def _start_world(self, item: pytest.Item, spec: MsrunSpec, key: tuple, wait: float) -> World:
+        """Launch the world of ``key`` (its first test: ``item``) without waiting for it, its ports
+        and devices leased within ``wait`` s (else :class:`DeviceShortage`)."""
+        devices = self.jobs.pooled_devices(spec)
+        lease = self.resources.lease(ports=2, devices=devices, inv=self.jobs.inventory, wait=wait)
         job = self.jobs.new(item, self._world_spec(spec), lease.ports, lease.devices)
         served = [i for i in item.session.items if self.key_of(i) == key]
         job.nodeids = [node_path(i) for i in served]
-        test_envs: dict[str, dict[str, str]] = {}
-        if self.env_per_test:
-            for other in served:
-                other_spec = spec_for(other)
-                own = envscope.split(other_spec.env)[1] if other_spec is not None else {}
-                if own:
-                    test_envs[other.nodeid] = own
+        specs = [(i.nodeid, spec_for(i)) for i in served] if self.env_per_test else []
+        own = {nodeid: envscope.split(other.env)[1] for nodeid, other in specs if other is not None}
+        test_envs = {nodeid: env for nodeid, env in own.items() if env}
         return World(key, job, lease, test_envs, memory=self.memory, strangers=self.strangers)
 
     def _connect(self, world: World, timeout: float) -> str:
@@ -313,11 +291,9 @@ class WorldPool:
             if busy + spec.worker_num > _cpus():  # no CPU left to start it beside them
                 return
             try:
-                devices = self.jobs.pooled_devices(spec)
-                lease = self.resources.lease(ports=2, devices=devices, inv=self.jobs.inventory, wait=0)
+                self.live[other] = self._start_world(plan.items[at], spec, other, 0)
             except DeviceShortage:
-                return
-            self.live[other] = self._start_world(plan.items[at], spec, other, lease)
+                pass
             return
 
     def after(self, item: pytest.Item, key: tuple, next_id: str | None) -> None:
@@ -325,30 +301,29 @@ class WorldPool:
         if world is None:
             return
         if world.dead:
-            self.live.pop(key)
-            self.expecting.pop(key, None)
-            self.last_item.pop(key, None)
+            self._drop(key)
             self.resources.release(world.lease)
         else:
             self.expecting[key] = next_id
 
+    def _drop(self, key: tuple) -> tuple[World, pytest.Item | None]:
+        """Forget the live world of ``key``: it and its last test."""
+        self.expecting.pop(key, None)
+        return self.live.pop(key), self.last_item.pop(key, None)
+
     def end_outside(self, key: tuple, why: str) -> None:
         """End a world outside a test; whatever its end reveals (fixture finalizers that failed, a
         rank that died or does not exit) is a late teardown error of the last test it ran."""
-        world = self.live.pop(key)
-        self.expecting.pop(key, None)
-        item = self.last_item.pop(key, None)
-        last = world.last
+        world, item = self._drop(key)
+        last, run = world.last, None
         try:
             if world.dead or last is None:
                 world.stop()
-                hung: list[int] = []
-                stacks: dict[int, str] = {}
             else:
                 world.retire(why)
-                hung, stacks = world.end(self.exit_timeout)
+                run = world.end(last, self.jobs.exit_timeout)
         finally:
             self.resources.release(world.lease)
-        if item is None or last is None:
-            return
-        self.late.append(LateEnd(item, world, last, world.ended_run(last, hung, self.exit_timeout, stacks), why))
+        if item is not None and last is not None:
+            run = run or world.ended_run(last, [], self.jobs.exit_timeout, {})
+            self.late.append(LateEnd(item, world, last, run, why))
