@@ -166,11 +166,15 @@ class RankPlugin:
         reporter = self.config.pluginmanager.get_plugin("terminalreporter")
         if reporter is None:
             return
+        import io
+
         from _pytest._io import TerminalWriter
 
-        sink = open(os.devnull, "w", encoding="utf-8")  # noqa: SIM115 - as long as the session
-        reporter._tw = TerminalWriter(sink)
-        self.config.add_cleanup(sink.close)
+        class Discard(io.TextIOBase):
+            def write(self, text: str) -> int:
+                return len(text)
+
+        reporter._tw = TerminalWriter(Discard())  # type: ignore[arg-type]
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_internalerror(self, excrepr: Any) -> None:
