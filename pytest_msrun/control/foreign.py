@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import os
 
+from pytest_msrun.control.wire import is_int
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -165,7 +167,5 @@ def _endpoint(value: Any) -> bool:
         and len(value) == 2
         and isinstance(value[0], str)
         and len(value[0]) <= 64
-        and isinstance(value[1], int)
-        and not isinstance(value[1], bool)
-        and 0 < value[1] < 65536
+        and is_int(value[1], 1, 65535)
     )

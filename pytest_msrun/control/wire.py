@@ -27,6 +27,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from typing_extensions import TypeGuard
+
 try:  # constant-time comparison without importing hmac/hashlib (OpenSSL) on the start-up path
     from _operator import _compare_digest as compare_digest
 except ImportError:  # pragma: no cover
@@ -46,6 +48,11 @@ class ProtocolError(Exception):
 
 class PeerClosed(ConnectionError):
     """The peer closed the connection."""
+
+
+def is_int(value: Any, low: int, high: int) -> TypeGuard[int]:
+    """Whether a field a peer sent is an integer (not a bool) from ``low`` to ``high``."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 def message_limit() -> int:
