@@ -161,9 +161,7 @@ class Door:
         admitted: list[Admitted] = []
         for key, _ in self.sel.select(timeout=timeout):
             admitted += self.ready(key.fileobj)
-        admitted += self.expire()
-        self.resume()
-        return admitted
+        return admitted + self.expire()
 
     def ready(self, fileobj: Any) -> list[Admitted]:
         """Serve the listener or one stranger that ``select`` found ready; who got in."""
@@ -180,7 +178,8 @@ class Door:
 
     def expire(self, silent: Callable[[], bool] | None = None) -> list[Admitted]:
         """Drop the strangers past their deadline; a silent one (no byte sent) leaves as foreign
-        when ``silent()`` says a foreign protocol is being served (its clients may speak later)."""
+        when ``silent()`` says a foreign protocol is being served (its clients may speak later).
+        Accepting resumes once a pause is over (:meth:`resume`)."""
         now = self.now()
         admitted: list[Admitted] = []
         for stranger in [s for s in self.strangers if now > s.deadline]:
@@ -192,6 +191,7 @@ class Door:
                 self._drop(stranger, f"no hello within {self.timeout:g} s")
             else:
                 self._drop(stranger, f"no answer to the challenge within {self.timeout:g} s")
+        self.resume()
         return admitted
 
     def resume(self) -> None:
@@ -323,7 +323,7 @@ class Door:
         if msg["t"] != "hello" or msg.get("kind") not in self.kinds:
             self._drop(stranger, "its first message is not a hello")
             return False
-        if not (isinstance(nonce, str) and 0 < len(nonce) <= NONCE_MAX and _is_hex(nonce)):
+        if not (isinstance(nonce, str) and 0 < len(nonce) <= NONCE_MAX and wire.HEX_DIGITS.issuperset(nonce)):
             self._drop(stranger, "a hello whose nonce is not hex digits")
             return False
         stranger.hello = msg
@@ -409,7 +409,3 @@ class Door:
     def _close(self, stranger: Stranger) -> None:
         self._forget(stranger)
         stranger.sock.close()
-
-
-def _is_hex(text: str) -> bool:
-    return text.isascii() and all(c in "0123456789abcdefABCDEF" for c in text)

@@ -344,6 +344,7 @@ class Scheduler:
         )
         self.agents = Agents(self)
         self.ranks = Ranks(self)
+        self.handlers: dict[str, Agents | Ranks] = {"agent": self.agents, "rank": self.ranks}  # by client kind
         self.relay: Any = None  # msbridge.MindSporeBridge, created when first needed
         self.foreign: Any = None  # foreign.ForeignClients: MindSpore-protocol clients being attributed
         self.next_timers = 0.0
@@ -394,18 +395,14 @@ class Scheduler:
 
     # ---------------------------------------------------------------- the transport's handler
     def on_hello(self, conn: Conn, hello: dict[str, Any]) -> None:
-        if hello["kind"] == "agent":
-            self.agents.hello(conn, hello)
-        elif hello["kind"] == "rank":
-            self.ranks.hello(conn, hello)
+        if hello["kind"] in self.handlers:  # an observer says hello only
+            self.handlers[hello["kind"]].hello(conn, hello)
 
     def on_message(self, conn: Conn, msg: dict[str, Any]) -> None:
         if LOG_FAILURE and not self.told_log_failure:  # said before whatever this message leads to
             self.tell_write_failures()
-        if conn.kind == "agent":
-            self.agents.message(conn, msg)
-        elif conn.kind == "rank":
-            self.ranks.message(conn, msg)
+        if conn.kind in self.handlers:
+            self.handlers[conn.kind].message(conn, msg)
         elif conn.kind == "observer":
             self.observer_message(conn, msg)
 
@@ -423,10 +420,8 @@ class Scheduler:
         self.transport.send(conn, ranks.group.snapshot())
 
     def on_lost(self, conn: Conn, why: str) -> None:
-        if conn.kind == "agent":
-            self.agents.lost(conn, why)
-        elif conn.kind == "rank":
-            self.ranks.lost(conn, why)
+        if conn.kind in self.handlers:
+            self.handlers[conn.kind].lost(conn, why)
         if conn.kind in ("agent", "foreign") and self.foreign is not None:
             self.foreign.gone(conn)
         if conn.kind in ("foreign", "upstream") and self.relay is not None:

@@ -310,7 +310,6 @@ class Transport:
         ``silent()``), lingering closes over, foreign clients not attributed in time."""
         for admitted in self.door.expire(silent):
             self.enter(admitted)
-        self.door.resume()
         now = self.clock.now
         for conn in [c for c in self.conns.values() if c.draining and now > c.draining]:
             self.close(conn)
