@@ -145,12 +145,13 @@ class Recorder:
                 else:
                     self.fh.write(text)
             except OSError as exc:
-                self._stop(exc)
+                self._close(exc)
             except ValueError:  # closed
                 pass
 
-    def _stop(self, exc: OSError) -> None:
-        self.error = exc
+    def _close(self, error: OSError | None) -> None:
+        """Close the file (after ``error``, the recorder's first: stopped)."""
+        self.error = error
         try:
             self.fh.close()  # what is buffered may fail again: it is dropped with the file object
         except (OSError, ValueError):
@@ -174,10 +175,7 @@ class Recorder:
 
     def close(self) -> None:
         self.flush()
-        try:
-            self.fh.close()
-        except (OSError, ValueError):
-            pass
+        self._close(self.error)
 
 
 def recorder_from_env(env: dict[str, str], name: str) -> Recorder | None:
