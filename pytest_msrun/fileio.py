@@ -176,13 +176,17 @@ def _refuse_what_is_there(path: str, exc: OSError) -> None:
         st = os.lstat(path)
     except OSError:
         return
-    if stat.S_ISLNK(st.st_mode):
-        raise UnsafePath(path, "is a symbolic link, and nothing is written through one; remove it") from None
     if not stat.S_ISREG(st.st_mode):
-        raise UnsafePath(path, f"is {describe_kind(st.st_mode)}, not a regular file; remove it") from None
+        try:
+            _check_output(path, st)
+        except UnsafePath as unsafe:
+            raise unsafe from None
 
 
 def _check_output(path: str, st: os.stat_result) -> None:
+    """Raise :class:`UnsafePath` unless ``st`` (``path``'s) is a regular file of this user's with one name."""
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafePath(path, "is a symbolic link, and nothing is written through one; remove it")
     if not stat.S_ISREG(st.st_mode):
         raise UnsafePath(path, f"is {describe_kind(st.st_mode)}, not a regular file; remove it")
     if st.st_uid != os.geteuid():
@@ -204,15 +208,11 @@ def planted(directory: str, ours: Callable[[str], bool]) -> str:
             continue
         path = os.path.join(directory, entry.name)
         try:
-            st = os.lstat(path)
-        except OSError:
-            continue
-        if stat.S_ISLNK(st.st_mode):
-            return f"{path} is a symbolic link, and nothing is written through one; remove it"
-        try:
-            _check_output(path, st)
+            _check_output(path, os.lstat(path))
         except UnsafePath as exc:
             return str(exc)
+        except OSError:
+            continue
     return ""
 
 

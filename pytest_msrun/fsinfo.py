@@ -43,6 +43,7 @@ class Mount:
     point: str  # where it is mounted
     fstype: str  # proc, ext4, tmpfs ...
     source: str
+    options: str = ""  # the file system's own ("super") options: rw,cpuset,...
 
 
 def _unescape(field: str) -> str:
@@ -61,20 +62,22 @@ def _unescape(field: str) -> str:
     return "".join(out)
 
 
-def mounts() -> list[Mount]:
-    """Every mount this process sees, in the kernel's order (later ones cover earlier ones)."""
+def mounts(mountinfo: str | None = None) -> list[Mount]:
+    """Every mount this process sees (or a mountinfo file's text lists), in the kernel's order
+    (later ones cover earlier ones)."""
+    if mountinfo is None:
+        try:
+            with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as fh:
+                mountinfo = fh.read()
+        except OSError:
+            return []
     out = []
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as fh:
-            lines = fh.read().splitlines()
-    except OSError:
-        return []
-    for line in lines:
+    for line in mountinfo.splitlines():
         head, sep, tail = line.partition(" - ")
         fields, rest = head.split(), tail.split()
         if not sep or len(fields) < 5 or len(rest) < 2:
             continue
-        out.append(Mount(_unescape(fields[4]), rest[0], _unescape(rest[1])))
+        out.append(Mount(_unescape(fields[4]), rest[0], _unescape(rest[1]), rest[2] if len(rest) > 2 else ""))
     return out
 
 

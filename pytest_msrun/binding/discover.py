@@ -18,6 +18,7 @@ from pytest_msrun.binding.npusmi import NpuSmiError, parse_board_pcie, parse_dev
 from pytest_msrun.binding.topology import CgroupInfo, Device, NumaNode, Topology
 from pytest_msrun.cpulist import RangeSyntaxError, parse_id_list
 from pytest_msrun.fileio import open_output
+from pytest_msrun.fsinfo import mounts
 
 NVIDIA_VENDOR = "0x10de"
 DISPLAY_CLASSES = ("0x0300", "0x0302")  # VGA / 3D controller
@@ -43,17 +44,12 @@ def _ids(text: str | None) -> list[int] | None:
 def cgroup_cpuset(root: str = "/") -> CgroupInfo | None:
     """This process's cpuset: cgroup v2 ``cpuset.cpus.effective`` or v1 ``cpuset.effective_cpus``."""
     cgroups = _read(root, "/proc/self/cgroup") or ""
-    mountinfo = _read(root, "/proc/self/mountinfo") or ""
     v2_mount = v1_mount = None
-    for line in mountinfo.splitlines():
-        left, _, right = line.partition(" - ")
-        parts, rparts = left.split(), right.split()
-        if len(parts) < 5 or not rparts:
-            continue
-        if rparts[0] == "cgroup2" and v2_mount is None:
-            v2_mount = parts[4]
-        elif rparts[0] == "cgroup" and len(rparts) >= 3 and "cpuset" in rparts[2].split(","):
-            v1_mount = parts[4]
+    for mount in mounts(_read(root, "/proc/self/mountinfo") or ""):
+        if mount.fstype == "cgroup2" and v2_mount is None:
+            v2_mount = mount.point
+        elif mount.fstype == "cgroup" and "cpuset" in mount.options.split(","):
+            v1_mount = mount.point
     v1_path = v2_path = None
     for line in cgroups.splitlines():
         hid, _, rest = line.partition(":")

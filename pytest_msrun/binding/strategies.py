@@ -77,28 +77,23 @@ class Planner:
             raise BindingError("bind_numa" if numa.enabled else "bind_core", str(exc)) from None
 
     # ------------------------------------------------------------------ checks
-    def _check_cpus(self, flag: str, where: str, text: str) -> list[int]:
-        cpus = parse_id_list(text, "CPU")
-        bad = [c for c in cpus if c not in self.t.allowed]
-        if bad:
+    def _check(self, flag: str, where: str, text: str, unit: str) -> list[int]:
+        """The CPU or NUMA node ids ``text`` names; :class:`BindingError` naming those not usable here."""
+        ids = parse_id_list(text, unit)
+        usable = self.t.cpus_allowed if unit == "CPU" else self.t.usable_nodes()
+        bad = format_id_list(i for i in ids if i not in usable)
+        if bad and unit == "CPU":
             raise BindingError(
                 flag,
-                f"CPU {format_id_list(bad)} in {where} is not available to this process "
-                f"(allowed CPUs: {format_id_list(self.t.cpus_allowed)})",
+                f"CPU {bad} in {where} is not available to this process (allowed CPUs: {format_id_list(usable)})",
             )
-        return cpus
-
-    def _check_nodes(self, flag: str, where: str, text: str) -> list[int]:
-        nodes = parse_id_list(text, "NUMA")
-        usable = self.t.usable_nodes()
-        bad = [n for n in nodes if n not in usable]
         if bad:
             raise BindingError(
                 flag,
-                f"NUMA node {format_id_list(bad)} in {where} is not usable here "
+                f"NUMA node {bad} in {where} is not usable here "
                 f"(usable nodes, with allowed CPUs and memory: {format_id_list(usable) or 'none'})",
             )
-        return nodes
+        return ids
 
     def _node_cpus(self, nodes: list[int]) -> list[int]:
         return sorted({c for n in nodes for c in self.t.node_allowed_cpus(n)})
@@ -203,8 +198,7 @@ class Planner:
             return None, None
         text = ",".join(items)
         where = f"--{flag}['{key}']"
-        ids = self._check_cpus(flag, where, text) if unit == "CPU" else self._check_nodes(flag, where, text)
-        return text, ids
+        return text, self._check(flag, where, text, unit)
 
     def legacy(self) -> BindingPlan:
         core_parts: list[tuple[str | None, list[int] | None]] = [(None, None)] * self.n
@@ -309,13 +303,13 @@ class Planner:
             for key, mods in bind_cpu.items():
                 for mod in MODULES:
                     if mod in mods:
-                        self._check_cpus("bind_numa", f"bind_cpu.{key}.{mod}", mods[mod])
+                        self._check("bind_numa", f"bind_cpu.{key}.{mod}", mods[mod], "CPU")
         elif cpu_mode == "numa":
             for key, text in bind_cpu.items():
-                self._check_nodes("bind_numa", f"bind_cpu.{key}", text)
+                self._check("bind_numa", f"bind_cpu.{key}", text, "NUMA")
         if mem_mode == "numa":
             for key, text in bind_memory.items():
-                self._check_nodes("bind_numa", f"bind_memory.{key}", text)
+                self._check("bind_numa", f"bind_memory.{key}", text, "NUMA")
         if self.t.devices:
             known = {d.index for d in self.t.devices}
             for section in (bind_cpu, bind_memory):

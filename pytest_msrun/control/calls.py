@@ -16,6 +16,8 @@ connection), never an exception.
 
 from __future__ import annotations
 
+from pytest_msrun.control.wire import is_int
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
@@ -43,7 +45,7 @@ def short(test: str) -> str:
 def parse_order(msg: dict[str, Any]) -> int | None:
     """A collective's test's place in the session (``"order"``), or None when absent or malformed."""
     order = msg.get("order")
-    return order if isinstance(order, int) and not isinstance(order, bool) and 0 <= order < 1 << 40 else None
+    return order if is_int(order, 0, (1 << 40) - 1) else None
 
 
 def parse_notice(msg: dict[str, Any]) -> tuple[str, str, str] | None:

@@ -235,7 +235,7 @@ class _Group:
                 if reply.get("seq", seq) != seq:  # an earlier collective's, whose wait this rank gave up
                     continue
                 rewind = reply.get("rewind")
-                if isinstance(rewind, int) and not isinstance(rewind, bool) and 0 <= rewind < seq == self.seq:
+                if wire.is_int(rewind, 0, seq - 1) and seq == self.seq:
                     self.seq = rewind  # the peers never entered it: it counts for no one (stay in step)
                 raise CollectiveDeadlock(f"{calls.op_name(op)} failed on rank {self.rank}: {reply.get('reason')}")
             if kind == "coll" and reply.get("seq") == seq:

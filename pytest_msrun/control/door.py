@@ -34,6 +34,7 @@ import selectors
 import time
 
 from pytest_msrun.control import wire
+from pytest_msrun.record import field, record
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -49,40 +50,34 @@ TRACKED_ADDRESSES = 1024  # addresses counted one by one per summary; beyond, "o
 NONCE_MAX = 64  # hex digits of a hello's nonce
 
 
+@record(eq=False)
 class Admitted:
     """A connection that went through the door: a client that proved the token (``kind`` from its
     hello), or a foreign protocol's (``kind`` ``"foreign"``, ``hello`` empty, ``rest`` its first bytes).
 
     ``messages`` were read after the handshake, ``rest`` bytes after those, not yet a whole frame."""
 
-    __slots__ = ("sock", "peer", "kind", "hello", "messages", "rest")
-
-    def __init__(
-        self, sock: Any, peer: str, kind: str, hello: dict[str, Any], messages: list[dict[str, Any]], rest: bytes
-    ) -> None:
-        self.sock = sock
-        self.peer = peer
-        self.kind = kind
-        self.hello = hello
-        self.messages = messages
-        self.rest = rest
+    sock: Any
+    peer: str
+    kind: str
+    hello: dict[str, Any]
+    messages: list[dict[str, Any]]
+    rest: bytes
 
 
+@record(eq=False)
 class Stranger:
     """A connection the door still serves."""
 
-    __slots__ = ("sock", "peer", "ip", "deadline", "frames", "head", "hello", "nonce", "lingering")
-
-    def __init__(self, sock: Any, ip: str, port: int, deadline: float) -> None:
-        self.sock = sock
-        self.ip = ip
-        self.peer = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-        self.deadline = deadline  # for its hello, then for its answer, then for its lingering close
-        self.frames = wire.FrameBuffer(strict=True)
-        self.head: bytes | None = b""  # its first bytes, until they tell whose protocol it speaks
-        self.hello: dict[str, Any] | None = None
-        self.nonce = ""  # the door's challenge
-        self.lingering = False  # refused: read and discarded until it closes
+    sock: Any
+    ip: str
+    peer: str
+    deadline: float  # for its hello, then for its answer, then for its lingering close
+    frames: wire.FrameBuffer = field(default_factory=lambda: wire.FrameBuffer(strict=True))
+    head: bytes | None = b""  # its first bytes, until they tell whose protocol it speaks
+    hello: dict[str, Any] | None = None
+    nonce: str = ""  # the door's challenge
+    lingering: bool = False  # refused: read and discarded until it closes
 
 
 class Tally:
@@ -166,9 +161,7 @@ class Door:
         admitted: list[Admitted] = []
         for key, _ in self.sel.select(timeout=timeout):
             admitted += self.ready(key.fileobj)
-        admitted += self.expire()
-        self.resume()
-        return admitted
+        return admitted + self.expire()
 
     def ready(self, fileobj: Any) -> list[Admitted]:
         """Serve the listener or one stranger that ``select`` found ready; who got in."""
@@ -185,7 +178,8 @@ class Door:
 
     def expire(self, silent: Callable[[], bool] | None = None) -> list[Admitted]:
         """Drop the strangers past their deadline; a silent one (no byte sent) leaves as foreign
-        when ``silent()`` says a foreign protocol is being served (its clients may speak later)."""
+        when ``silent()`` says a foreign protocol is being served (its clients may speak later).
+        Accepting resumes once a pause is over (:meth:`resume`)."""
         now = self.now()
         admitted: list[Admitted] = []
         for stranger in [s for s in self.strangers if now > s.deadline]:
@@ -197,6 +191,7 @@ class Door:
                 self._drop(stranger, f"no hello within {self.timeout:g} s")
             else:
                 self._drop(stranger, f"no answer to the challenge within {self.timeout:g} s")
+        self.resume()
         return admitted
 
     def resume(self) -> None:
@@ -248,12 +243,13 @@ class Door:
             sock = _socket.socket(fileno=fd)
             sock.setblocking(False)
             ip, port = (str(addr[0]), int(addr[1])) if isinstance(addr, tuple) else ("local", 0)
+            peer = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
             peers = self.by_ip.get(ip)
             if peers is not None and len(peers) >= self.per_peer:
                 admitted += self._shed(peers, f"more than {self.per_peer} strangers from one address")
             if len(self.strangers) >= self.max_pending:
                 admitted += self._shed(self.strangers, f"more than {self.max_pending} strangers at once")
-            stranger = Stranger(sock, ip, port, self.now() + self.timeout)
+            stranger = Stranger(sock, ip, peer, self.now() + self.timeout)
             self.strangers[stranger] = None
             self.by_ip.setdefault(ip, {})[stranger] = None
             self.by_sock[sock.fileno()] = stranger
@@ -327,7 +323,7 @@ class Door:
         if msg["t"] != "hello" or msg.get("kind") not in self.kinds:
             self._drop(stranger, "its first message is not a hello")
             return False
-        if not (isinstance(nonce, str) and 0 < len(nonce) <= NONCE_MAX and _is_hex(nonce)):
+        if not (isinstance(nonce, str) and 0 < len(nonce) <= NONCE_MAX and wire.HEX_DIGITS.issuperset(nonce)):
             self._drop(stranger, "a hello whose nonce is not hex digits")
             return False
         stranger.hello = msg
@@ -413,7 +409,3 @@ class Door:
     def _close(self, stranger: Stranger) -> None:
         self._forget(stranger)
         stranger.sock.close()
-
-
-def _is_hex(text: str) -> bool:
-    return text.isascii() and all(c in "0123456789abcdefABCDEF" for c in text)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import os
 
+from pytest_msrun.control.wire import is_int
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -47,8 +49,8 @@ class ForeignClients:
         self.accept = accept  # called with a client shown to be this job's
         self.timeout = timeout
         self.max_waiting = max_waiting
-        self.waiting: dict[int, tuple[Any, set[Any]]] = {}  # request id -> (client, agents still to answer)
-        self.address: dict[Any, str] = {}  # client -> its peer address (for the count of strangers)
+        # request id -> (client, agents still to answer, its peer address for the count of strangers)
+        self.waiting: dict[int, tuple[Any, set[Any], str]] = {}
         self.by_conn: dict[Any, int] = {}
         self.next_id = 0
 
@@ -81,9 +83,8 @@ class ForeignClients:
         for agent in agents:
             self.transport.send(agent, request)
         conn.deadline = self.transport.clock.now + self.timeout
-        self.waiting[self.next_id] = (conn, set(agents))
+        self.waiting[self.next_id] = (conn, set(agents), ip)
         self.by_conn[conn] = self.next_id
-        self.address[conn] = ip
 
     def holds(self, conn: Any) -> bool:
         """Whether ``conn`` is still being attributed (its bytes are kept, not relayed)."""
@@ -103,7 +104,7 @@ class ForeignClients:
         entry = self.waiting.get(request)
         if entry is None or agent not in entry[1]:
             return  # late, or not asked: nothing to do
-        conn, asked = entry
+        conn, asked, _ = entry
         if msg.get("ok") is True:
             self._forget(request)
             self.accept(conn)
@@ -116,28 +117,25 @@ class ForeignClients:
         """A client (or an agent asked about one) left."""
         request = self.by_conn.get(conn)
         if request is not None:
-            ip = self.address.get(conn, "unknown")
-            self._forget(request)
+            ip = self._forget(request)[2]
             self.transport.door.tally.add(ip, "MindSpore-protocol client gone before it was attributed")
-        for request, (_client, asked) in list(self.waiting.items()):
+        for request, (_client, asked, _) in list(self.waiting.items()):
             if conn in asked:
                 asked.discard(conn)
                 if not asked:
                     self._fail(request, "MindSpore-protocol client whose node's msrun left")
 
     def expire(self, now: float) -> None:
-        for request, (conn, _) in list(self.waiting.items()):
+        for request, (conn, _, _) in list(self.waiting.items()):
             if now > conn.deadline:
                 self._fail(request, f"MindSpore-protocol client not attributed within {self.timeout:g} s")
 
     def _fail(self, request: int, why: str) -> None:
-        conn, _ = self._forget(request)
-        self.transport.drop_stranger(conn, why)
+        self.transport.drop_stranger(self._forget(request)[0], why)
 
-    def _forget(self, request: int) -> tuple[Any, set[Any]]:
+    def _forget(self, request: int) -> tuple[Any, set[Any], str]:
         entry = self.waiting.pop(request)
         self.by_conn.pop(entry[0], None)
-        self.address.pop(entry[0], None)
         return entry
 
 
@@ -165,7 +163,5 @@ def _endpoint(value: Any) -> bool:
         and len(value) == 2
         and isinstance(value[0], str)
         and len(value[0]) <= 64
-        and isinstance(value[1], int)
-        and not isinstance(value[1], bool)
-        and 0 < value[1] < 65536
+        and is_int(value[1], 1, 65535)
     )

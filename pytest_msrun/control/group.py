@@ -29,7 +29,8 @@ can be tested directly, and read in one place:
 from __future__ import annotations
 
 from pytest_msrun.control.calls import CallStates, op_name, short
-from pytest_msrun.control.wire import LIMIT_ENV
+from pytest_msrun.control.wire import LIMIT_ENV, is_int
+from pytest_msrun.record import field, record
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -60,27 +61,25 @@ def process_text(hello: dict[str, Any], peer: str) -> str:
     (what it leaves out or gets wrong is left out)."""
     pid, host = hello.get("pid"), hello.get("host")
     words = ["the process"]
-    if isinstance(pid, int) and not isinstance(pid, bool) and 0 < pid < 1 << 31:
+    if is_int(pid, 1, (1 << 31) - 1):
         words = [f"pid {pid}"]
     if isinstance(host, str) and host:
         words.append(f"on host {host[:255]!r}")
     return " ".join([*words, f"(from {peer})"])
 
 
+@record(eq=False)
 class Collective:
     """Contributions to one collective operation, by rank."""
 
-    __slots__ = ("op", "src", "parts", "missing", "test", "where", "order", "size")
-
-    def __init__(self, op: str, src: int, world: int, test: str | None) -> None:
-        self.op = op
-        self.src = src
-        self.parts: dict[int, Any] = {}
-        self.missing = set(range(world))  # ranks not in it yet
-        self.test = test  # the test whose call it was entered in (None: outside a call)
-        self.where: tuple[str, str] | None = None  # the test phase it was first entered in
-        self.order: int | None = None  # that test's place in the session
-        self.size = 0  # the parts' bytes in its result (json_bytes)
+    op: str
+    src: int
+    missing: set[int]  # ranks not in it yet
+    test: str | None  # the test whose call it was entered in (None: outside a call)
+    parts: dict[int, Any] = field(default_factory=dict)
+    where: tuple[str, str] | None = None  # the test phase it was first entered in
+    order: int | None = None  # that test's place in the session
+    size: int = 0  # the parts' bytes in its result (json_bytes)
 
 
 class RankGroup:
@@ -268,9 +267,9 @@ class RankGroup:
                 behind = behind or self._past(min(coll.parts), coll.order, order, where[0])
                 if behind:
                     self.latest.pop(rank, None)
-                    return self._stale(seq, Collective(op, src, self.world, call), [rank], behind)
+                    return self._stale(seq, Collective(op, src, set(range(self.world)), call), [rank], behind)
         if coll is None:
-            coll = self.collectives[seq] = Collective(op, src, self.world, call)
+            coll = self.collectives[seq] = Collective(op, src, set(range(self.world)), call)
         if coll.order is None:
             coll.order = order
         return stale + self._enter(rank, op, seq, src, data, where, coll, call)

@@ -145,6 +145,16 @@ class MindSporeBridge:
                 del env["PYTHONPATH"]
         return env
 
+    def _spawn(self, args: list[str], env: dict[str, str], pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+        """Run ``self.python -c args`` (killed when this process dies)."""
+        return subprocess.Popen(
+            [self.python, "-c", *args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            pass_fds=pass_fds,
+            preexec_fn=_pdeathsig_setter(),
+        )
+
     def start(self) -> None:
         """Start the MindSpore scheduler (once; again if a previous one finished cleanly), in a
         private network namespace where one can be made."""
@@ -153,12 +163,8 @@ class MindSporeBridge:
         sys.stdout.flush()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self.proc = subprocess.Popen(
-                [self.python, "-c", PRIVATE_NET_HELPER, str(theirs.fileno()), MS_SCHED_STUB],
-                env=self._env(),
-                stdin=subprocess.DEVNULL,
-                pass_fds=(theirs.fileno(),),
-                preexec_fn=_pdeathsig_setter(),
+            self.proc = self._spawn(
+                [PRIVATE_NET_HELPER, str(theirs.fileno()), MS_SCHED_STUB], self._env(), (theirs.fileno(),)
             )
         finally:
             theirs.close()
@@ -176,13 +182,8 @@ class MindSporeBridge:
         with socket.socket() as sock:
             sock.bind((self.host, 0))
             self.port = int(sock.getsockname()[1])
-        env = {**self._env(), "MS_SCHED_HOST": self.host, "MS_SCHED_PORT": str(self.port)}
-        self.proc = subprocess.Popen(
-            [self.python, "-c", MS_SCHED_STUB],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            close_fds=True,
-            preexec_fn=_pdeathsig_setter(),
+        self.proc = self._spawn(
+            [MS_SCHED_STUB], {**self._env(), "MS_SCHED_HOST": self.host, "MS_SCHED_PORT": str(self.port)}
         )
         self.private = "no"
         self.log(
@@ -302,16 +303,8 @@ class MindSporeBridge:
         return bool(self.waiting) or (self.proc is not None and not self.private)
 
     def _pair(self, client: Any, sock: socket.socket) -> None:
-        from pytest_msrun.control.transport import Conn
-
-        sock.setblocking(False)
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        except OSError:
-            pass
-        up = Conn(sock, "MindSpore scheduler", self.transport.clock.now, "upstream", self.transport.limit)
+        up = self.transport.adopt(sock, "MindSpore scheduler", "upstream")
         up.pair, client.pair = client, up
-        self.transport.adopt(sock, up)
         up.out += client.pending
         client.pending = bytearray()
         self.transport.flush(up)

@@ -16,29 +16,27 @@ from __future__ import annotations
 
 import sys
 
+from pytest_msrun.record import record
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
 
+@record(eq=False)
 class NodeInfo:
     """A registered node agent."""
 
-    __slots__ = ("handle", "node_rank", "local", "host", "ip", "pid", "hosts_scheduler", "seq", "offset", "done")
-
-    def __init__(
-        self, handle: Any, node_rank: int, local: int, host: str, ip: str, pid: int, hosts_scheduler: bool, seq: int
-    ) -> None:
-        self.handle = handle
-        self.node_rank = node_rank
-        self.local = local
-        self.host = host
-        self.ip = ip
-        self.pid = pid
-        self.hosts_scheduler = hosts_scheduler
-        self.seq = seq
-        self.offset = -1
-        self.done = False
+    handle: Any
+    node_rank: int
+    local: int
+    host: str
+    ip: str
+    pid: int
+    hosts_scheduler: bool
+    seq: int
+    offset: int = -1
+    done: bool = False
 
     def describe(self) -> str:
         nr = f"node_rank {self.node_rank}, " if self.node_rank >= 0 else ""

@@ -34,17 +34,11 @@ import sys
 import time
 
 from pytest_msrun.control import calls, tracelog
+from pytest_msrun.control.clock import ConfigError, env_seconds
 from pytest_msrun.control.group import COLLECTIVE_OPS, RankGroup, process_text
 from pytest_msrun.control.registry import NodeInfo, NodeRegistry
-from pytest_msrun.control.transport import (
-    AGENT_FD_ENV,
-    CLIENT_KINDS,
-    DEFAULT_AUTH_TIMEOUT,
-    ConfigError,
-    Conn,
-    Transport,
-    env_seconds,
-)
+from pytest_msrun.control.transport import CLIENT_KINDS, DEFAULT_AUTH_TIMEOUT, Conn, Transport
+from pytest_msrun.control.wire import AGENT_FD_ENV, is_int
 from pytest_msrun.proc import running
 
 # This module is the scheduler process's whole start-up: it imports no typing, dataclasses,
@@ -52,8 +46,6 @@ from pytest_msrun.proc import running
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
-
-    from typing_extensions import TypeGuard
 
     from pytest_msrun.control.group import Sends
 
@@ -80,10 +72,6 @@ def log(msg: str) -> None:
             LOG_FAILURE.append(exc)
 
 
-def _is_int(value: Any, low: int, high: int) -> TypeGuard[int]:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-
-
 class Agents:
     """The handler of node agents: registration, heartbeats, exits and failures, done."""
 
@@ -98,11 +86,11 @@ class Agents:
         hosts_sched = msg.get("hosts_scheduler")
         transport = self.sched.transport
         if not (
-            _is_int(node_rank, -1, 1 << 20)
-            and _is_int(local, 1, 1 << 20)
+            is_int(node_rank, -1, 1 << 20)
+            and is_int(local, 1, 1 << 20)
             and isinstance(host, str)
             and isinstance(ip, str)
-            and _is_int(pid, 0, 1 << 31)
+            and is_int(pid, 0, 1 << 31)
             and isinstance(hosts_sched, bool)
         ):
             log(f"dropped client {conn.peer}: malformed agent registration")
@@ -147,7 +135,7 @@ class Agents:
                 sched.finish(0)
         elif kind == "exit":
             rank, how = msg.get("rank"), msg.get("how")
-            if _is_int(rank, 0, sched.worker_num - 1) and isinstance(how, str):
+            if is_int(rank, 0, sched.worker_num - 1) and isinstance(how, str):
                 sched.ranks.deliver(sched.ranks.group.exited(rank, how[:200]))
         elif kind == "vouched":  # whether a MindSpore-protocol client on that node is of this job
             if sched.foreign is not None:
@@ -157,7 +145,7 @@ class Agents:
             if not isinstance(reason, str):
                 reason = "a process failed"
             code = msg.get("code")
-            sched.abort(f"{reason[:4096]} (on {node.host})", code if _is_int(code, 0, 255) else None)
+            sched.abort(f"{reason[:4096]} (on {node.host})", code if is_int(code, 0, 255) else None)
         else:
             sched.transport.drop(conn, f"unexpected agent message {kind!r}")
 
@@ -240,7 +228,7 @@ class Ranks:
     def hello(self, conn: Conn, msg: dict[str, Any]) -> None:
         rank, world = msg.get("rank"), msg.get("world")
         sched = self.sched
-        if not (_is_int(rank, 0, sched.worker_num - 1) and world == sched.worker_num):
+        if not (is_int(rank, 0, sched.worker_num - 1) and world == sched.worker_num):
             sched.transport.refuse(
                 conn, f"rank {rank!r} / world {world!r} do not fit this job of {sched.worker_num} ranks"
             )
@@ -299,7 +287,7 @@ class Ranks:
             return
         op, seq, src = msg.get("op"), msg.get("seq"), msg.get("src", 0)
         data, where = msg.get("data"), calls.parse_where(msg)
-        if op not in COLLECTIVE_OPS or not _is_int(seq, 0, 1 << 62) or not _is_int(src, 0, self.sched.worker_num - 1):
+        if op not in COLLECTIVE_OPS or not is_int(seq, 0, 1 << 62) or not is_int(src, 0, self.sched.worker_num - 1):
             transport.drop(conn, "malformed collective")
             return
         if (data is not None and not isinstance(data, str)) or where is False:
@@ -336,19 +324,17 @@ class Scheduler:
     def __init__(
         self,
         listener: _socket.socket,
+        env: dict[str, str],
         *,
         worker_num: int,
         token: str,
         topo_timeout: float,
         node_timeout: float,
-        job_id: str = "",
-        mode: str = "builtin",
-        env: dict[str, str] | None = None,
-        auth_timeout: float = DEFAULT_AUTH_TIMEOUT,
+        auth_timeout: float,
     ) -> None:
-        self.job_id = job_id
-        self.mode = mode  # builtin | auto | mindspore: whether MindSpore clients are served
-        self.env = env if env is not None else dict(os.environ)
+        self.job_id = env.get("MSRUN_JOB_ID", "")
+        self.mode = env.get("MSRUN_SCHEDULER", "builtin")  # builtin | auto | mindspore: are MindSpore clients served
+        self.env = env
         self.worker_num = worker_num
         self.topo_timeout = topo_timeout
         self.node_timeout = node_timeout
@@ -358,6 +344,7 @@ class Scheduler:
         )
         self.agents = Agents(self)
         self.ranks = Ranks(self)
+        self.handlers: dict[str, Agents | Ranks] = {"agent": self.agents, "rank": self.ranks}  # by client kind
         self.relay: Any = None  # msbridge.MindSporeBridge, created when first needed
         self.foreign: Any = None  # foreign.ForeignClients: MindSpore-protocol clients being attributed
         self.next_timers = 0.0
@@ -408,18 +395,14 @@ class Scheduler:
 
     # ---------------------------------------------------------------- the transport's handler
     def on_hello(self, conn: Conn, hello: dict[str, Any]) -> None:
-        if hello["kind"] == "agent":
-            self.agents.hello(conn, hello)
-        elif hello["kind"] == "rank":
-            self.ranks.hello(conn, hello)
+        if hello["kind"] in self.handlers:  # an observer says hello only
+            self.handlers[hello["kind"]].hello(conn, hello)
 
     def on_message(self, conn: Conn, msg: dict[str, Any]) -> None:
         if LOG_FAILURE and not self.told_log_failure:  # said before whatever this message leads to
             self.tell_write_failures()
-        if conn.kind == "agent":
-            self.agents.message(conn, msg)
-        elif conn.kind == "rank":
-            self.ranks.message(conn, msg)
+        if conn.kind in self.handlers:
+            self.handlers[conn.kind].message(conn, msg)
         elif conn.kind == "observer":
             self.observer_message(conn, msg)
 
@@ -428,7 +411,7 @@ class Scheduler:
         ranks = self.ranks
         if msg["t"] == "finished":
             listed, why = msg.get("ranks"), msg.get("why")
-            if isinstance(listed, list) and all(_is_int(r, 0, self.worker_num - 1) for r in listed):
+            if isinstance(listed, list) and all(is_int(r, 0, self.worker_num - 1) for r in listed):
                 text = (why if isinstance(why, str) and why else "finished its test")[:200]
                 ranks.deliver(ranks.group.finished(listed, text))
         elif msg["t"] != "state":
@@ -437,10 +420,8 @@ class Scheduler:
         self.transport.send(conn, ranks.group.snapshot())
 
     def on_lost(self, conn: Conn, why: str) -> None:
-        if conn.kind == "agent":
-            self.agents.lost(conn, why)
-        elif conn.kind == "rank":
-            self.ranks.lost(conn, why)
+        if conn.kind in self.handlers:
+            self.handlers[conn.kind].lost(conn, why)
         if conn.kind in ("agent", "foreign") and self.foreign is not None:
             self.foreign.gone(conn)
         if conn.kind in ("foreign", "upstream") and self.relay is not None:
@@ -689,13 +670,11 @@ def main(env: dict[str, str] | None = None) -> int:
         return 1
     sched = Scheduler(
         listener,
+        env,
         worker_num=worker_num,
         token=token,
         topo_timeout=topo,
         node_timeout=node_timeout,
-        job_id=env.get("MSRUN_JOB_ID", ""),
-        mode=env.get("MSRUN_SCHEDULER", "builtin"),
-        env=env,
         auth_timeout=auth_timeout,
     )
     agent_fd = env.get(AGENT_FD_ENV)

@@ -145,12 +145,13 @@ class Recorder:
                 else:
                     self.fh.write(text)
             except OSError as exc:
-                self._stop(exc)
+                self._close(exc)
             except ValueError:  # closed
                 pass
 
-    def _stop(self, exc: OSError) -> None:
-        self.error = exc
+    def _close(self, error: OSError | None) -> None:
+        """Close the file (after ``error``, the recorder's first: stopped)."""
+        self.error = error
         try:
             self.fh.close()  # what is buffered may fail again: it is dropped with the file object
         except (OSError, ValueError):
@@ -174,10 +175,7 @@ class Recorder:
 
     def close(self) -> None:
         self.flush()
-        try:
-            self.fh.close()
-        except (OSError, ValueError):
-            pass
+        self._close(self.error)
 
 
 def recorder_from_env(env: dict[str, str], name: str) -> Recorder | None:
@@ -215,18 +213,18 @@ def read_file(path: str) -> list[dict[str, Any]]:
         return []
 
 
-def read_spool(spool: str, skip: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    """Every event in ``spool``'s files (but those named in ``skip``)."""
+def _spool_files(spool: str, skip: tuple[str, ...] = ()) -> list[str]:
+    """The paths of ``spool``'s files (but those named in ``skip``), by name."""
     try:
         names = sorted(os.listdir(spool))
     except OSError:
         return []
-    return [
-        ev
-        for name in names
-        if name.endswith(".jsonl") and name not in skip
-        for ev in read_file(os.path.join(spool, name))
-    ]
+    return [os.path.join(spool, name) for name in names if name.endswith(".jsonl") and name not in skip]
+
+
+def read_spool(spool: str, skip: tuple[str, ...] = ()) -> list[dict[str, Any]]:
+    """Every event in ``spool``'s files (but those named in ``skip``)."""
+    return [ev for path in _spool_files(spool, skip) for ev in read_file(path)]
 
 
 class Follower:
@@ -272,14 +270,10 @@ def merge(spool: str, out: str, meta: dict[str, Any]) -> int:
 
     The spool's lines are copied as they are (each is already one event's JSON): metadata first,
     then the events in the order each process wrote them - viewers order by time themselves."""
-    try:
-        names = sorted(n for n in os.listdir(spool) if n.endswith(".jsonl"))
-    except OSError:
-        names = []
     head: list[str] = []
     body: list[str] = []
-    for name in names:
-        for line in _lines(os.path.join(spool, name)):
+    for path in _spool_files(spool):
+        for line in _lines(path):
             (head if '"ph":"M"' in line else body).append(line)
     events = ",\n".join([*dict.fromkeys(head), *body])
     write_whole(out, '{"traceEvents":[' + events + '],"displayTimeUnit":"ms","otherData":' + _dumps(meta) + "}\n")

@@ -19,9 +19,9 @@ import selectors
 import time
 
 from pytest_msrun.control import wire
-from pytest_msrun.control.clock import ConfigError, LoopClock, env_seconds
+from pytest_msrun.control.clock import LoopClock
 from pytest_msrun.control.door import Admitted, Door
-from pytest_msrun.control.wire import AGENT_FD_ENV
+from pytest_msrun.record import field, record
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -30,8 +30,6 @@ if TYPE_CHECKING:
 
     from pytest_msrun.control.scheduler import Scheduler
 
-
-__all__ = ["AGENT_FD_ENV", "ConfigError", "Conn", "LoopClock", "Transport", "env_seconds"]
 
 MINDSPORE_MAGIC = b"RPC"  # the first bytes of every MindSpore RPC message (see msbridge)
 CLIENT_KINDS = ("agent", "rank", "observer")  # authenticated clients of our own protocol
@@ -45,44 +43,26 @@ def format_error(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
 
 
+@record(eq=False)
 class Conn:
     """One connection that went through the door (or msrun's own socketpair, or one upstream)."""
 
-    __slots__ = (
-        "sock",
-        "peer",
-        "frames",
-        "out",
-        "kind",
-        "opened",
-        "last_seen",
-        "closing",
-        "pair",
-        "pending",
-        "broken",
-        "draining",
-        "writing",
-        "deadline",
-        "local",
-    )
-
-    def __init__(self, sock: _socket.socket, peer: str, now: float, kind: str, limit: int) -> None:
-        self.sock = sock
-        self.peer = peer
-        self.frames = wire.FrameBuffer(limit)
-        self.out = bytearray()
-        # "agent", "rank" or "observer"; relayed MindSpore connections are "foreign" (the client,
-        # until attributed, then relayed) and "upstream" (to the MindSpore scheduler).
-        self.kind = kind
-        self.last_seen = now  # a loop-clock time
-        self.closing = False
-        self.pair: Conn | None = None  # the other end of a relayed connection
-        self.pending = bytearray()  # relayed bytes waiting for the other end to connect
-        self.broken = False  # a send failed: it is dropped once what it already sent was handled
-        self.draining = 0.0  # when closing: until then, read and discard (so the close is no RST)
-        self.writing = False  # registered for EVENT_WRITE (output is waiting)
-        self.deadline = 0.0  # a foreign client not yet attributed: by when it must be (loop clock)
-        self.local = False  # msrun's end of a socketpair it made when it forked this process
+    sock: _socket.socket
+    peer: str
+    # "agent", "rank" or "observer"; relayed MindSpore connections are "foreign" (the client,
+    # until attributed, then relayed) and "upstream" (to the MindSpore scheduler).
+    kind: str
+    frames: wire.FrameBuffer
+    last_seen: float  # a loop-clock time
+    local: bool = False  # msrun's end of a socketpair it made when it forked this process
+    out: bytearray = field(default_factory=bytearray)
+    closing: bool = False
+    pair: Conn | None = None  # the other end of a relayed connection
+    pending: bytearray = field(default_factory=bytearray)  # relayed bytes waiting for the other end to connect
+    broken: bool = False  # a send failed: it is dropped once what it already sent was handled
+    draining: float = 0.0  # when closing: until then, read and discard (so the close is no RST)
+    writing: bool = False  # registered for EVENT_WRITE (output is waiting)
+    deadline: float = 0.0  # a foreign client not yet attributed: by when it must be (loop clock)
 
 
 class Transport:
@@ -221,13 +201,7 @@ class Transport:
     def enter(self, admitted: Admitted) -> None:
         """A connection out of the door: a client (welcomed: its hello, then what it sent after),
         or a foreign protocol's, for the handler to attribute."""
-        sock = admitted.sock
-        try:
-            sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
-        except OSError:
-            pass
-        conn = Conn(sock, admitted.peer, self.clock.now, admitted.kind, self.limit)
-        self.adopt(sock, conn)
+        conn = self.adopt(admitted.sock, admitted.peer, admitted.kind)
         if admitted.kind == "foreign":
             conn.pending += admitted.rest
             self.handler.on_foreign(conn)
@@ -243,17 +217,20 @@ class Transport:
     def adopt_local(self, sock: _socket.socket) -> Conn:
         """The connection msrun made when it forked this process (a socketpair): only msrun holds
         the other end, so it bypasses the door; its hello is welcomed without a challenge."""
-        sock.setblocking(False)
-        conn = Conn(sock, "msrun (socketpair)", self.clock.now, "", self.limit)
-        conn.local = True
-        self.adopt(sock, conn)
-        return conn
+        return self.adopt(sock, "msrun (socketpair)", "", local=True)
 
-    def adopt(self, sock: _socket.socket, conn: Conn) -> None:
-        """Watch a connection (one out of the door, msrun's, or one upstream this process opened)."""
+    def adopt(self, sock: _socket.socket, peer: str, kind: str, local: bool = False) -> Conn:
+        """Watch a connection (one out of the door, msrun's, or one upstream this process opened);
+        a TCP one sends each frame at once (no Nagle delay)."""
+        conn = Conn(sock, peer, kind, wire.FrameBuffer(self.limit), self.clock.now, local)
         sock.setblocking(False)
+        try:
+            sock.setsockopt(_socket.IPPROTO_TCP, _socket.TCP_NODELAY, 1)
+        except OSError:  # msrun's socketpair
+            pass
         self.conns[sock.fileno()] = conn
         self.sel.register(sock, selectors.EVENT_READ, conn)
+        return conn
 
     # ---------------------------------------------------------------- reading
     def on_readable(self, conn: Conn) -> None:
@@ -333,7 +310,6 @@ class Transport:
         ``silent()``), lingering closes over, foreign clients not attributed in time."""
         for admitted in self.door.expire(silent):
             self.enter(admitted)
-        self.door.resume()
         now = self.clock.now
         for conn in [c for c in self.conns.values() if c.draining and now > c.draining]:
             self.close(conn)

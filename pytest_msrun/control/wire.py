@@ -27,6 +27,8 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
+    from typing_extensions import TypeGuard
+
 try:  # constant-time comparison without importing hmac/hashlib (OpenSSL) on the start-up path
     from _operator import _compare_digest as compare_digest
 except ImportError:  # pragma: no cover
@@ -46,6 +48,11 @@ class ProtocolError(Exception):
 
 class PeerClosed(ConnectionError):
     """The peer closed the connection."""
+
+
+def is_int(value: Any, low: int, high: int) -> TypeGuard[int]:
+    """Whether a field a peer sent is an integer (not a bool) from ``low`` to ``high``."""
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
 def message_limit() -> int:
@@ -152,7 +159,7 @@ def hmac_sha256(key: bytes, msg: bytes) -> bytes:
 SECRET_MIN_CHARS = 16
 SECRET_MIN_DISTINCT = 8
 STRETCH_ROUNDS = 200_000  # PBKDF2-HMAC-SHA256 rounds turning a passphrase into a job's key
-_HEX = frozenset("0123456789abcdefABCDEF")
+HEX_DIGITS = frozenset("0123456789abcdefABCDEF")  # of a nonce, of a random key
 
 
 def weakness(secret: str) -> str:
@@ -173,7 +180,7 @@ def strengthen(secret: str) -> str:
     """The key a secret stands for: a random key - 32 hex digits or more, as msrun makes them - as it
     is; anything else, a passphrase, stretched (PBKDF2-HMAC-SHA256, :data:`STRETCH_ROUNDS` rounds;
     ~0.1 s once per msrun), so that a handshake an eavesdropper recorded costs that much per guess."""
-    if len(secret) >= 32 and _HEX.issuperset(secret):
+    if len(secret) >= 32 and HEX_DIGITS.issuperset(secret):
         return secret
     import hashlib
 
