@@ -157,7 +157,7 @@ class Agent:
         if stage is Stage.STARTING:
             if not ranks_said:
                 self._ranks_known(plan)
-            if plan.dry_run:
+            if plan.config.dry_run:
                 return self._dry_run(plan)
         self.stage = stage
         started = {id(c.tag) for c in self.node.group.children}  # held workers started already
@@ -182,7 +182,7 @@ class Agent:
                 else:
                     plan = self.node.plan = assign(plan, self.node.assignment, self.node.facts.job_id)
                     self._ranks_known(plan)
-                    if plan.dry_run:
+                    if plan.config.dry_run:
                         return self._dry_run(plan)
                     todo = list(plan.workers)
                     self.stage = Stage.STARTING
@@ -293,7 +293,7 @@ class Agent:
             "t": "hello",
             "kind": "agent",
             "node_rank": cfg.node_rank if cfg.multi_node else 0,
-            "local": plan.local_worker_num,
+            "local": plan.layout.local,
             "host": self.node.facts.hostname,
             "ip": self.node.facts.source_ip,
             "pid": os.getpid(),

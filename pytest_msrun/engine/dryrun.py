@@ -38,7 +38,7 @@ class DryRunSupervisor:
         self.agent = agent
         self.plan = plan
         self.total = len(plan.sim_ranks)
-        self.limit = plan.sim_concurrency or len(os.sched_getaffinity(0)) or 1
+        self.limit = plan.config.sim_concurrency or len(os.sched_getaffinity(0)) or 1
         self.finished = 0
         self.failed_ranks = array("i")
         self.reasons: list[str] = []

@@ -156,7 +156,7 @@ class Starter:
             or listener is None
             or scheduler.argv[1:] != ["-S", "-m", SCHEDULER_MODULE]
             or plan.ranks_pending
-            or plan.dry_run
+            or plan.config.dry_run
             or not plan.workers
         ):
             return False
