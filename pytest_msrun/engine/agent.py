@@ -27,7 +27,7 @@ from pytest_msrun.engine.kinds import Role
 from pytest_msrun.engine.link import ControlLink
 from pytest_msrun.engine.loop import Event, EventKind
 from pytest_msrun.engine.noderun import NodeRun
-from pytest_msrun.engine.observers import ConsoleObserver, JobEvent, JobResult, ReporterObserver, StatusObserver
+from pytest_msrun.engine.observers import ConsoleObserver, JobEvent, JobResult, StatusObserver
 from pytest_msrun.engine.plan import LaunchPlan, NodeFacts, RankAssignment, assign, build_plan
 from pytest_msrun.engine.policy import EXIT_LAUNCH_ERROR, Ending
 from pytest_msrun.engine.ports import LaunchError, claim
@@ -84,8 +84,6 @@ class Agent:
             ConsoleObserver(cfg.log_dir, cfg.join, detached),
             StatusObserver(cfg.log_dir, lambda: self.status_name, self.ending.snapshot),
         ]
-        if cfg.join and not detached:
-            node.observers.append(ReporterObserver())
         if cfg.trace:
             from pytest_msrun.engine.trace import TraceObserver  # (shutil & co.) only when traced
 
@@ -379,7 +377,7 @@ class Agent:
             with suppress(OSError):
                 os.kill(child.pid, late.stack_signal)  # the rank alone: its own children may not catch it
                 time.sleep(ranknotes.STACK_WAIT)
-        return self.node.policy.past_deadline(child.tag.label, late, child.tag.log_path)
+        return self.node.policy.past_deadline(child, late)
 
     def _on_event(self, event: Event, scheduler: Child | None) -> Ending | None:
         """Every event of a running job, dispatched in one place."""
@@ -397,7 +395,7 @@ class Agent:
                 from pytest_msrun.engine.ranknotes import settled_status
 
                 settled = settled_status(self.node.cfg.log_dir, spec.rank, child.pid, child.returncode or 0) or ""
-            ending = self.node.policy.exited(child, spec.label, spec.log_path, spec.role == Role.WORKER, error, settled)
+            ending = self.node.policy.exited(child, error, settled)
             if ending is not None and ending.first is not None:
                 self._tell({"t": "failed", "reason": ending.reason, "code": min(255, ending.code)}, defer=True)
             return ending

@@ -67,7 +67,7 @@ class DryRunSupervisor:
             if len(self.reasons) < self.DETAILED:
                 error = errorfile.read_error(child.tag.error_file)
                 self.reasons.append(self._reason(child, error))
-                agent.node.policy.exited(child, child.tag.label, child.tag.log_path, True, error)
+                agent.node.policy.exited(child, error)
         agent.node.group.children.remove(child)  # memory stays flat however many ranks run
         now = time.monotonic()
         failed = len(self.failed_ranks)

@@ -51,7 +51,8 @@ class JobResult:
 
 
 class ConsoleObserver:
-    """msrun's lines: ``Start ... process`` on stdout, the logger's on stderr, the summary."""
+    """msrun's lines: ``Start ... process`` on stdout, the logger's on stderr, the summary, then
+    what job-end reporters registered by the job's processes said (``msrun pytest``'s table)."""
 
     def __init__(self, log_dir: str, join: bool, detached: bool) -> None:
         self.log_dir = log_dir
@@ -78,6 +79,8 @@ class ConsoleObserver:
             self._ending(payload)
         elif event is JobEvent.ENDED:
             self._ended(payload)
+            for text in payload.reports:  # what the job's reporters said (a --join=True job's only)
+                console.out(text)
 
     def _ending(self, ending: Ending) -> None:
         if ending.state is JobState.TERMINATED:
@@ -117,15 +120,6 @@ class StatusObserver:
             write_status(self.log_dir, self.snapshot(JobState.RUNNING, None), name)
         elif event is JobEvent.ENDED and payload.status is not None:
             write_status(self.log_dir, payload.status, name)
-
-
-class ReporterObserver:
-    """What job-end reporters registered by the job's processes said (``msrun pytest``'s table)."""
-
-    def notify(self, event: JobEvent, payload: Any) -> None:
-        if event is JobEvent.ENDED:
-            for text in payload.reports:
-                console.out(text)
 
 
 class BindingsObserver:

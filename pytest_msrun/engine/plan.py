@@ -216,14 +216,11 @@ def _join(log_dir: str, name: str) -> str:
 def rank_layout(cfg: LaunchConfig, mode: SchedulerMode, assignment: RankAssignment | None = None) -> Layout:
     """Where this node's workers sit: known now (one node, --node_rank, a dry run, an assignment),
     to be assigned by the control plane before they start, or left to MindSpore."""
-    warnings: list[str] = []
-    infos: list[str] = []
     if cfg.dry_run and cfg.sim_rank_id != -1:
-        infos.append(f"Simulation rank id is set to {cfg.sim_rank_id}, will dryrun a single process.")
-        warnings.append(f"In dryrun case, RANK_ID is assigned to {cfg.sim_rank_id}.")
-        return Layout(
-            1, cfg.sim_rank_id, None, None, single_rank=cfg.sim_rank_id, warnings=(*warnings,), infos=(*infos,)
-        )
+        rank = cfg.sim_rank_id
+        infos = (f"Simulation rank id is set to {rank}, will dryrun a single process.",)
+        warnings = (f"In dryrun case, RANK_ID is assigned to {rank}.",)
+        return Layout(1, rank, None, None, single_rank=rank, warnings=warnings, infos=infos)
     local = cfg.local_worker_num
     if not cfg.multi_node:
         return Layout(local, 0, 0, 1)
@@ -234,17 +231,17 @@ def rank_layout(cfg: LaunchConfig, mode: SchedulerMode, assignment: RankAssignme
     if cfg.node_rank >= 0:
         return Layout(local, cfg.node_rank * local, cfg.node_rank, None)
     if cfg.dry_run:
-        warnings.append(
+        note = (
             "Dry run on several nodes without '--node_rank': ranks are this node's local indices "
             "(a dry run has no scheduler to assign them)."
         )
-        return Layout(local, 0, None, None, warnings=(*warnings,))
-    warnings.append(
+        return Layout(local, 0, None, None, warnings=(note,))
+    note = (
         "You are running distributed job with multiple nodes but not setting '--node_rank'. So 'rank_id' "
         "of each process will be assigned after cluster is successfully built.\nYou can access 'RANK_ID' "
         "environment variable after calling 'mindspore.communication.init()'"
     )
-    return Layout(local, None, None, None, warnings=(*warnings,))
+    return Layout(local, None, None, None, warnings=(note,))
 
 
 def job_context(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, layout: Layout) -> JobContext:
