@@ -100,6 +100,8 @@ class Agent:
         with self.node.loop:
             try:
                 return self._run()
+            except LaunchError as exc:  # a port or the log directory: nothing was started
+                return self.ending.launch_error(str(exc), exc.exit_code)
             except OSError as exc:  # a process could not be started: what did start is stopped
                 what = f"{exc.strerror}: {exc.filename}" if exc.filename else str(exc)
                 return self.ending.launch_error(f"cannot start the job's processes: {what}", EXIT_LAUNCH_ERROR)
@@ -112,10 +114,7 @@ class Agent:
     def _run(self) -> JobResult:
         processes.become_subreaper()
         processes.close_inherited_descriptors()  # children get only what is handed to them
-        try:
-            ports = claim(self.node.cfg, self.node.facts)
-        except LaunchError as exc:
-            return self.ending.launch_error(str(exc), exc.exit_code)
+        ports = claim(self.node.cfg, self.node.facts)
         self.node.facts = ports.facts
         self._contested = ports.contested
         plan = build_plan(self.node.cfg, self.node.facts, hosts_scheduler=ports.hosts_scheduler)
@@ -129,10 +128,7 @@ class Agent:
             return self.ending.ended_by(
                 f"interrupted by {signal.Signals(signum).name} before the job started: nothing was started"
             )
-        try:
-            self.starter.make_log_dir()
-        except LaunchError as exc:
-            return self.ending.launch_error(str(exc), exc.exit_code)
+        self.starter.make_log_dir()
         first = self.starter.start_first(plan, ports.listener)
         if plan.scheduler is not None:
             self.starter.start_scheduler(plan.scheduler, ports.listener)

@@ -61,10 +61,16 @@ class ConsoleObserver:
     def notify(self, event: JobEvent, payload: Any) -> None:
         if event is JobEvent.PROCESS_STARTED:
             spec = payload.tag
+            import shlex  # (and re) only once a line is printed: after the workers have started
+
+            command = shlex.join(spec.command)  # as a shell needs it (msrun joins unquoted: the same for plain words)
             if spec.role == Role.SCHEDULER:
-                console.out(console.start_scheduler_line(spec.log_path, spec.command))
+                console.out(f"Start scheduler process, log file:{spec.log_path}. Execute command: {command}")
             else:
-                console.out(console.start_worker_line(spec.rank, spec.log_path, spec.command))
+                console.out(
+                    f"Start worker process with rank id:{spec.rank}, log file:{spec.log_path}. "
+                    f"Environment variable [RANK_ID={spec.rank}] is exported. Execute command: {command}"
+                )
         elif event is JobEvent.PROCESS_EXITED:
             child: Child = payload
             if child.returncode not in (0, None):
