@@ -325,15 +325,7 @@ class Child:
         A child forked an instant ago may not lead its group yet (:func:`fork_call` calls
         ``setsid`` in the child): while it is unreaped its pid cannot be reused, so it gets the
         signal directly (its signals stay blocked until its defaults are set)."""
-        if signal_group(self.pid, sig):
-            return True
-        if self.returncode is not None:
-            return False
-        try:
-            os.kill(self.pid, sig)
-            return True
-        except (ProcessLookupError, PermissionError):
-            return False
+        return signal_group(self.pid, sig) or (self.returncode is None and _sent(os.kill, self.pid, sig))
 
     def reap(self) -> bool:
         """Collect the exit status if the child exited; True when it did (now or before)."""
@@ -452,13 +444,18 @@ def term_grace(env: Mapping[str, str] | None = None) -> float:
         return 5.0
 
 
-def signal_group(pid: int, sig: int) -> bool:
-    """Send ``sig`` to the process group led by ``pid``; False when it no longer exists."""
+def _sent(kill: Callable[[int, int], None], pid: int, sig: int) -> bool:
+    """Whether ``kill(pid, sig)`` reached something (False: gone, or not ours to signal)."""
     try:
-        os.killpg(pid, sig)
+        kill(pid, sig)
         return True
     except (ProcessLookupError, PermissionError):
         return False
+
+
+def signal_group(pid: int, sig: int) -> bool:
+    """Send ``sig`` to the process group led by ``pid``; False when it no longer exists."""
+    return _sent(os.killpg, pid, sig)
 
 
 class ProcessGroup:
@@ -521,8 +518,7 @@ class ProcessGroup:
         for pid in descendants(os.getpid())[1:]:  # re-parented to this subreaper, or below
             if pid not in skip:
                 skip.add(pid)
-                with suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
+                if _sent(os.kill, pid, signal.SIGKILL):
                     hit.append(pid)
         hit += [p for p in self.guard.kill_members() if p not in hit]
 

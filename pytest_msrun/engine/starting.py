@@ -160,14 +160,15 @@ class Starter:
             or not plan.workers
         ):
             return False
+        from pytest_msrun.engine.earlystart import FirstStarted, holdable
+
         entering = self.node.guard.entering
         waiting = entering is not None and entering.done.locked()
-        if waiting and not self._holdable(plan.workers[0]):
+        spec = plan.workers[0]  # every worker of the plan shares its command: can they start held?
+        if waiting and (not spec.error_file or spec.bind_prefix or not holdable(spec.argv, spec.env)):
             return False
         if waiting and _template() is not None:  # forked once msrun is in the cgroup (no thread runs)
             return False
-        from pytest_msrun.engine.earlystart import FirstStarted
-
         self.ranks_known(plan)  # before any of them starts
         first = self.node.first = FirstStarted(held=waiting)
         until = time.monotonic() + SPAWN_SLICE
@@ -184,14 +185,6 @@ class Starter:
         finally:
             first.spawned()
         return True
-
-    def _holdable(self, spec: ProcessSpec) -> bool:
-        """Whether every worker of the plan (they share ``spec``'s command) can start held."""
-        from pytest_msrun.engine.earlystart import holdable
-
-        if spec.role != Role.WORKER or not spec.error_file or spec.bind_prefix:
-            return False
-        return holdable(spec.argv, spec.env)
 
     def _move_held_in(self) -> None:
         """Move the held workers into the job's cgroup, which msrun is inside (:meth:`JobGuard.ready`);
