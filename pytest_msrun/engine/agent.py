@@ -159,9 +159,7 @@ class Agent:
         while True:
             stage = self.stage
             scheduler = self.starter.scheduler_child
-            outcome = self._interrupted(stage)
-            if outcome is None:
-                outcome = self._heartbeat(stage)
+            outcome = self._interrupted(stage) or self._heartbeat(stage)
             wait: float | None = 0.0  # a stage that moved on, or is starting workers, does not wait
             if outcome is not None:
                 pass
@@ -417,8 +415,13 @@ class Agent:
     def _told(self, msg: dict[str, Any]) -> bool:
         """A message for the console, not the policy: a notice, progress. Whether it was one."""
         kind = msg.get("t")
-        if kind == "notice":
-            self._notice(str(msg.get("text", ""))[:2000])
+        if kind == "notice":  # to every node (a dropped connection, a refused node): said, and kept in the status
+            text = str(msg.get("text", ""))[:2000]
+            if text and len(self.node.notices) < 100:
+                self.node.notices.append(text)
+                console.warning(f"Control plane: {text}")
+                if self.node.trace is not None:
+                    self.node.trace.notice(text)
         elif kind == "vouch":  # is a MindSpore-protocol client of this node one of this job's processes?
             from pytest_msrun.control.foreign import vouch
 
@@ -432,15 +435,6 @@ class Agent:
         else:
             return False
         return True
-
-    def _notice(self, text: str) -> None:
-        """The control plane tells every node (a dropped connection, a refused node): said on this
-        console and kept in the status file."""
-        if text and len(self.node.notices) < 100:
-            self.node.notices.append(text)
-            console.warning(f"Control plane: {text}")
-            if self.node.trace is not None:
-                self.node.trace.notice(text)
 
 
 def _scheduler_ended(returncode: int) -> str:
