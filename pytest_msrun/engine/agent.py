@@ -40,8 +40,6 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-    from pytest_msrun.engine import ranknotes
-
 __all__ = ["Agent", "JobResult"]
 
 REGISTER_RETRY = 0.2  # s between two attempts to reach the control plane
@@ -349,24 +347,17 @@ class Agent:
             if self.node.trace is not None:
                 self.node.trace.ship()  # this node's events reach the trace before its "done"
             link.send_done()
-        late = (
-            self.node.deadlines.late(c.tag.rank for c in workers if c.returncode is None)
-            if self.node.deadlines
-            else None
-        )
-        if late is not None:
-            return self._past_deadline(late, workers)
-        return self.node.policy.finished(workers, scheduler, link is None or link.finished)
-
-    def _past_deadline(self, late: ranknotes.Late, workers: list[Child]) -> Ending:
-        """A worker is still there after the deadline it set: its stacks (the signal it named),
-        then the job ends, that worker its root cause."""
+        deadlines = self.node.deadlines
+        late = deadlines.late(c.tag.rank for c in workers if c.returncode is None) if deadlines else None
+        if late is None:
+            return self.node.policy.finished(workers, scheduler, link is None or link.finished)
+        # A worker is still there after the deadline it set: its stacks (the signal it named), then
+        # the job ends, that worker its root cause.
         child = next(c for c in workers if c.pid == late.pid)
         from pytest_msrun.engine import ranknotes
         from pytest_msrun.proc import stopped
 
         late.stopped = stopped(child.pid)
-
         if late.stack_signal:
             with suppress(OSError):
                 os.kill(child.pid, late.stack_signal)  # the rank alone: its own children may not catch it
