@@ -75,7 +75,7 @@ class Starter:
         held: bool = False,
         announce: bool = True,
     ) -> Child:
-        """Start one process of the plan (``call``: in a fork of msrun, see :meth:`_forkable`;
+        """Start one process of the plan (``call``: in a fork of msrun, see :meth:`start_scheduler`;
         ``held``: before msrun is in the job's cgroup; ``announce=False`` or ``held``: its line
         comes later - see :meth:`_start_first`)."""
         if spec.error_file:
@@ -128,19 +128,6 @@ class Starter:
             self._fork_refusals.add(why)
             console.warning(f"workers start as new processes, not forked from the fork server: {why}")
         return why
-
-    def _forkable(self, spec: ProcessSpec) -> bool:
-        """The builtin control plane runs in a fork of msrun (its code is already imported here)
-        rather than a second interpreter: ready ~20 ms sooner, and that much less CPU taken from
-        the workers starting beside it. Not when a binding wraps it in a command (numactl), the
-        interpreter differs, or (checked at the fork) a thread runs here: a fork copies only the
-        calling thread."""
-        return (
-            spec.role == Role.SCHEDULER
-            and not spec.bind_prefix
-            and spec.argv[1:] == ["-S", "-m", SCHEDULER_MODULE]
-            and os.path.realpath(spec.argv[0]) == os.path.realpath(sys.executable)
-        )
 
     def start_first(self, plan: LaunchPlan, listener: Any) -> bool:
         """Start workers before the control plane, for up to :data:`SPAWN_SLICE` s, so that their
@@ -268,7 +255,15 @@ class Starter:
             env["MSRUN_LISTEN_FD"] = str(listener.fileno())
             fds += (listener.fileno(),)
         theirs = None
-        forkable = self._forkable(spec)
+        # The builtin control plane runs in a fork of msrun (its code is already imported here) rather
+        # than a second interpreter: ready ~20 ms sooner, and that much less CPU taken from the workers
+        # starting beside it. Not when a binding wraps it in a command (numactl), the interpreter
+        # differs, or (checked at the fork) a thread runs here: a fork copies only the calling thread.
+        forkable = (
+            not spec.bind_prefix
+            and spec.argv[1:] == ["-S", "-m", SCHEDULER_MODULE]
+            and os.path.realpath(spec.argv[0]) == os.path.realpath(sys.executable)
+        )
         if forkable:
             # Its code (and json, which msrun needs too) loaded here, where both processes share it,
             # while msrun may still wait to be inside the job's cgroup or the workers start up.
