@@ -27,7 +27,7 @@ from pytest_msrun.engine.kinds import Role
 from pytest_msrun.engine.link import ControlLink
 from pytest_msrun.engine.loop import Event, EventKind
 from pytest_msrun.engine.noderun import NodeRun
-from pytest_msrun.engine.observers import ConsoleObserver, JobEvent, JobResult, ReporterObserver, StatusObserver
+from pytest_msrun.engine.observers import ConsoleObserver, JobEvent, JobResult, StatusObserver
 from pytest_msrun.engine.plan import LaunchPlan, NodeFacts, RankAssignment, assign, build_plan
 from pytest_msrun.engine.policy import EXIT_LAUNCH_ERROR, Ending
 from pytest_msrun.engine.ports import LaunchError, claim
@@ -39,8 +39,6 @@ from pytest_msrun.record import replace
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
-
-    from pytest_msrun.engine import ranknotes
 
 __all__ = ["Agent", "JobResult"]
 
@@ -84,8 +82,6 @@ class Agent:
             ConsoleObserver(cfg.log_dir, cfg.join, detached),
             StatusObserver(cfg.log_dir, lambda: self.status_name, self.ending.snapshot),
         ]
-        if cfg.join and not detached:
-            node.observers.append(ReporterObserver())
         if cfg.trace:
             from pytest_msrun.engine.trace import TraceObserver  # (shutil & co.) only when traced
 
@@ -102,6 +98,8 @@ class Agent:
         with self.node.loop:
             try:
                 return self._run()
+            except LaunchError as exc:  # a port or the log directory: nothing was started
+                return self.ending.launch_error(str(exc), exc.exit_code)
             except OSError as exc:  # a process could not be started: what did start is stopped
                 what = f"{exc.strerror}: {exc.filename}" if exc.filename else str(exc)
                 return self.ending.launch_error(f"cannot start the job's processes: {what}", EXIT_LAUNCH_ERROR)
@@ -114,10 +112,7 @@ class Agent:
     def _run(self) -> JobResult:
         processes.become_subreaper()
         processes.close_inherited_descriptors()  # children get only what is handed to them
-        try:
-            ports = claim(self.node.cfg, self.node.facts)
-        except LaunchError as exc:
-            return self.ending.launch_error(str(exc), exc.exit_code)
+        ports = claim(self.node.cfg, self.node.facts)
         self.node.facts = ports.facts
         self._contested = ports.contested
         plan = build_plan(self.node.cfg, self.node.facts, hosts_scheduler=ports.hosts_scheduler)
@@ -131,10 +126,7 @@ class Agent:
             return self.ending.ended_by(
                 f"interrupted by {signal.Signals(signum).name} before the job started: nothing was started"
             )
-        try:
-            self.starter.make_log_dir()
-        except LaunchError as exc:
-            return self.ending.launch_error(str(exc), exc.exit_code)
+        self.starter.make_log_dir()
         first = self.starter.start_first(plan, ports.listener)
         if plan.scheduler is not None:
             self.starter.start_scheduler(plan.scheduler, ports.listener)
@@ -157,7 +149,7 @@ class Agent:
         if stage is Stage.STARTING:
             if not ranks_said:
                 self._ranks_known(plan)
-            if plan.dry_run:
+            if plan.config.dry_run:
                 return self._dry_run(plan)
         self.stage = stage
         started = {id(c.tag) for c in self.node.group.children}  # held workers started already
@@ -165,9 +157,7 @@ class Agent:
         while True:
             stage = self.stage
             scheduler = self.starter.scheduler_child
-            outcome = self._interrupted(stage)
-            if outcome is None:
-                outcome = self._heartbeat(stage)
+            outcome = self._interrupted(stage) or self._heartbeat(stage)
             wait: float | None = 0.0  # a stage that moved on, or is starting workers, does not wait
             if outcome is not None:
                 pass
@@ -182,7 +172,7 @@ class Agent:
                 else:
                     plan = self.node.plan = assign(plan, self.node.assignment, self.node.facts.job_id)
                     self._ranks_known(plan)
-                    if plan.dry_run:
+                    if plan.config.dry_run:
                         return self._dry_run(plan)
                     todo = list(plan.workers)
                     self.stage = Stage.STARTING
@@ -293,7 +283,7 @@ class Agent:
             "t": "hello",
             "kind": "agent",
             "node_rank": cfg.node_rank if cfg.multi_node else 0,
-            "local": plan.local_worker_num,
+            "local": plan.layout.local,
             "host": self.node.facts.hostname,
             "ip": self.node.facts.source_ip,
             "pid": os.getpid(),
@@ -357,29 +347,22 @@ class Agent:
             if self.node.trace is not None:
                 self.node.trace.ship()  # this node's events reach the trace before its "done"
             link.send_done()
-        late = (
-            self.node.deadlines.late(c.tag.rank for c in workers if c.returncode is None)
-            if self.node.deadlines
-            else None
-        )
-        if late is not None:
-            return self._past_deadline(late, workers)
-        return self.node.policy.finished(workers, scheduler, link is None or link.finished)
-
-    def _past_deadline(self, late: ranknotes.Late, workers: list[Child]) -> Ending:
-        """A worker is still there after the deadline it set: its stacks (the signal it named),
-        then the job ends, that worker its root cause."""
+        deadlines = self.node.deadlines
+        late = deadlines.late(c.tag.rank for c in workers if c.returncode is None) if deadlines else None
+        if late is None:
+            return self.node.policy.finished(workers, scheduler, link is None or link.finished)
+        # A worker is still there after the deadline it set: its stacks (the signal it named), then
+        # the job ends, that worker its root cause.
         child = next(c for c in workers if c.pid == late.pid)
         from pytest_msrun.engine import ranknotes
         from pytest_msrun.proc import stopped
 
         late.stopped = stopped(child.pid)
-
         if late.stack_signal:
             with suppress(OSError):
                 os.kill(child.pid, late.stack_signal)  # the rank alone: its own children may not catch it
                 time.sleep(ranknotes.STACK_WAIT)
-        return self.node.policy.past_deadline(child.tag.label, late, child.tag.log_path)
+        return self.node.policy.past_deadline(child, late)
 
     def _on_event(self, event: Event, scheduler: Child | None) -> Ending | None:
         """Every event of a running job, dispatched in one place."""
@@ -397,7 +380,7 @@ class Agent:
                 from pytest_msrun.engine.ranknotes import settled_status
 
                 settled = settled_status(self.node.cfg.log_dir, spec.rank, child.pid, child.returncode or 0) or ""
-            ending = self.node.policy.exited(child, spec.label, spec.log_path, spec.role == Role.WORKER, error, settled)
+            ending = self.node.policy.exited(child, error, settled)
             if ending is not None and ending.first is not None:
                 self._tell({"t": "failed", "reason": ending.reason, "code": min(255, ending.code)}, defer=True)
             return ending
@@ -423,8 +406,13 @@ class Agent:
     def _told(self, msg: dict[str, Any]) -> bool:
         """A message for the console, not the policy: a notice, progress. Whether it was one."""
         kind = msg.get("t")
-        if kind == "notice":
-            self._notice(str(msg.get("text", ""))[:2000])
+        if kind == "notice":  # to every node (a dropped connection, a refused node): said, and kept in the status
+            text = str(msg.get("text", ""))[:2000]
+            if text and len(self.node.notices) < 100:
+                self.node.notices.append(text)
+                console.warning(f"Control plane: {text}")
+                if self.node.trace is not None:
+                    self.node.trace.notice(text)
         elif kind == "vouch":  # is a MindSpore-protocol client of this node one of this job's processes?
             from pytest_msrun.control.foreign import vouch
 
@@ -438,15 +426,6 @@ class Agent:
         else:
             return False
         return True
-
-    def _notice(self, text: str) -> None:
-        """The control plane tells every node (a dropped connection, a refused node): said on this
-        console and kept in the status file."""
-        if text and len(self.node.notices) < 100:
-            self.node.notices.append(text)
-            console.warning(f"Control plane: {text}")
-            if self.node.trace is not None:
-                self.node.trace.notice(text)
 
 
 def _scheduler_ended(returncode: int) -> str:

@@ -27,6 +27,18 @@ TORCH_STYLE_VARS = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
+# Internal variables that are not part of msrun's interface and never shown as "exported".
+INTERNAL_VARS = frozenset(
+    {
+        "MSRUN_JOB_TOKEN",
+        "MSRUN_LISTEN_FD",
+        "MSRUN_PLUGIN_ROLE",
+        "MSRUN_TASK_PYTHON",
+        "MSRUN_ORIG_PYTHONPATH",
+        "MSRUN_TRACE",  # a traced job's processes are not traced jobs themselves (a nested msrun)
+        "MSRUN_TRACE_SPOOL",
+    }
+)
 # Variables msrun (ours or MindSpore's) sets; all removed from the inherited environment.
 OWNED_VARS = (
     "MS_ROLE",
@@ -42,29 +54,11 @@ OWNED_VARS = (
     "MSRUN_BIND_FILE",
     "MSRUN_BIND_FILE_HASH",
     *TORCH_STYLE_VARS,
-    "MSRUN_JOB_TOKEN",
     "MSRUN_JOB_ID",
     "MSRUN_SCHEDULER",
     "MSRUN_LOG_DIR",
-    "MSRUN_LISTEN_FD",
-    "MSRUN_PLUGIN_ROLE",
-    "MSRUN_TASK_PYTHON",
-    "MSRUN_ORIG_PYTHONPATH",
     "MSRUN_ERROR_FILE",
-    "MSRUN_TRACE",  # a traced job's processes are not traced jobs themselves (a nested msrun)
-    "MSRUN_TRACE_SPOOL",
-)
-# Internal variables that are not part of msrun's interface and never shown as "exported".
-INTERNAL_VARS = frozenset(
-    {
-        "MSRUN_JOB_TOKEN",
-        "MSRUN_LISTEN_FD",
-        "MSRUN_PLUGIN_ROLE",
-        "MSRUN_TASK_PYTHON",
-        "MSRUN_ORIG_PYTHONPATH",
-        "MSRUN_TRACE",
-        "MSRUN_TRACE_SPOOL",
-    }
+    *sorted(INTERNAL_VARS),
 )
 # What a dry-run worker gets from the launcher, as MindSpore's msrun exports it (plus the
 # variables every child of this launcher gets: PYTHONUNBUFFERED and the MSRUN_* ones).

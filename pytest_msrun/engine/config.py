@@ -8,7 +8,7 @@ prints as ``msrun: error: argument --flag: ...`` with exit status 2.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from pytest_msrun.binding.flags import BindSpec
 from pytest_msrun.engine.kinds import SchedulerMode
@@ -153,33 +153,10 @@ def trace_path(flag: str, env: Mapping[str, str]) -> str:
     return os.path.abspath(path) if path else ""
 
 
-def trace_problem(path: str) -> str:
-    """Why ``path`` cannot take a trace ("" when it can)."""
-    where = os.path.dirname(path) or "."
-    if os.path.isdir(path):
-        return f"{path} is a directory; name a file (job.trace.json)"
-    if not os.path.isdir(where):
-        return f"the directory {where} does not exist; create it or name another file"
-    if not os.access(where, os.W_OK | os.X_OK):
-        return f"the directory {where} is not writable; name another file"
-    return ""
-
-
 def _refuse_unsafe(what: str, problem: str) -> None:
     """A place msrun would write that someone else could replace: a usage error naming it, and the fix."""
     if problem:
         raise ConfigError("", f"{what}: {problem}")
-
-
-def _log_names(cfg: LaunchConfig) -> Callable[[str], bool]:
-    """Whether a name in the log directory is one of the logs msrun opens there (its status files are
-    written whole: renamed over whatever is at their name, never written through it)."""
-    prefix = cfg.worker_log_name.split("{", 1)[0] or "worker_"
-
-    def ours(name: str) -> bool:
-        return name in ("scheduler.log", "msrun.log") or (name.startswith(prefix) and name.endswith(".log"))
-
-    return ours
 
 
 def validate(cfg: LaunchConfig) -> list[str]:
@@ -188,7 +165,15 @@ def validate(cfg: LaunchConfig) -> list[str]:
     if not cfg.task_script:
         raise ConfigError("", "the following arguments are required: task_script")
     if cfg.trace:
-        problem = trace_problem(cfg.trace)
+        where = os.path.dirname(cfg.trace) or "."
+        if os.path.isdir(cfg.trace):
+            problem = f"{cfg.trace} is a directory; name a file (job.trace.json)"
+        elif not os.path.isdir(where):
+            problem = f"the directory {where} does not exist; create it or name another file"
+        elif not os.access(where, os.W_OK | os.X_OK):
+            problem = f"the directory {where} is not writable; name another file"
+        else:
+            problem = ""
         if problem:
             raise ConfigError("trace", f"{problem} (the trace file: --trace or {TRACE_ENV})")
         _refuse_unsafe(f"--trace={cfg.trace}", unsafe_directory(cfg.trace))
@@ -290,7 +275,14 @@ def validate(cfg: LaunchConfig) -> list[str]:
         if cfg.log_dir
         else f"the log directory (no --log_dir: the current directory {directory})"
     )
-    _refuse_unsafe(where, unsafe_output_dir(directory) or planted(directory, _log_names(cfg)))
+    # planted: any of the logs msrun opens there (its status files are written whole: renamed over
+    # whatever is at their name, never written through it)
+    prefix = cfg.worker_log_name.split("{", 1)[0] or "worker_"
+    ours = ("scheduler.log", "msrun.log")
+    problem = unsafe_output_dir(directory) or planted(
+        directory, lambda name: name in ours or (name.startswith(prefix) and name.endswith(".log"))
+    )
+    _refuse_unsafe(where, problem)
     if cfg.task_script.endswith(".py") and not cfg.print_plan and not os.path.isfile(cfg.task_script):
         raise ConfigError("", f"task_script {cfg.task_script!r} not found (cwd {os.getcwd()})")
     if cfg.bind_core.kind == "unified":

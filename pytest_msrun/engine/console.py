@@ -1,4 +1,4 @@
-"""What msrun prints: the ``Start ... process`` lines (stdout) and logger lines (stderr).
+"""What msrun prints: stdout lines (``Start ... process``: :mod:`.observers`) and logger lines (stderr).
 
 Logger lines keep MindSpore's shape ``[LEVEL] ME(pid:tid,MainProcess):time [msrun] message`` and
 its verbosity switch ``GLOG_v`` (0 debug, 1 info, 2 warning - the default, 3 error).
@@ -89,21 +89,3 @@ def out(line: str) -> None:
 
 def err_block(text: str) -> None:
     _write(text if text.endswith("\n") else text + "\n")
-
-
-def command_text(argv: list[str]) -> str:
-    """The command as a shell would need it (msrun joins without quoting; identical for plain words)."""
-    import shlex  # (and re) only once a line is printed: after the workers have started
-
-    return shlex.join(argv)
-
-
-def start_scheduler_line(log_path: str, argv: list[str]) -> str:
-    return f"Start scheduler process, log file:{log_path}. Execute command: {command_text(argv)}"
-
-
-def start_worker_line(rank: int | None, log_path: str, argv: list[str]) -> str:
-    return (
-        f"Start worker process with rank id:{rank}, log file:{log_path}. "
-        f"Environment variable [RANK_ID={rank}] is exported. Execute command: {command_text(argv)}"
-    )

@@ -38,7 +38,7 @@ class DryRunSupervisor:
         self.agent = agent
         self.plan = plan
         self.total = len(plan.sim_ranks)
-        self.limit = plan.sim_concurrency or len(os.sched_getaffinity(0)) or 1
+        self.limit = plan.config.sim_concurrency or len(os.sched_getaffinity(0)) or 1
         self.finished = 0
         self.failed_ranks = array("i")
         self.reasons: list[str] = []
@@ -67,16 +67,15 @@ class DryRunSupervisor:
             if len(self.reasons) < self.DETAILED:
                 error = errorfile.read_error(child.tag.error_file)
                 self.reasons.append(self._reason(child, error))
-                agent.node.policy.exited(child, child.tag.label, child.tag.log_path, True, error)
+                agent.node.policy.exited(child, error)
         agent.node.group.children.remove(child)  # memory stays flat however many ranks run
-        now = time.monotonic()
-        failed = len(self.failed_ranks)
-        line = agent.node.status_line
+        now, line = time.monotonic(), agent.node.status_line
+        text = f"dry run: {self.finished}/{self.total} simulated ranks finished, {len(self.failed_ranks)} failed"
         if line.enabled and self.finished < self.total:  # a terminal: one live line
-            line.show(f"dry run: {self.finished}/{self.total} simulated ranks finished, {failed} failed")
+            line.show(text)
         elif now >= self.next_progress or self.finished == self.total:  # a log: a line now and then
             self.next_progress = now + self.PROGRESS_SECONDS
-            console.out(f"msrun: dry run: {self.finished}/{self.total} simulated ranks finished, {failed} failed")
+            console.out(f"msrun: {text}")
 
     def run(self) -> JobResult:
         agent = self.agent

@@ -118,7 +118,7 @@ class JobEnding:
             stop_reason=reason,
             containment=self.node.guard.describe(),
             notices=list(self.node.notices),
-            worker_num=plan.worker_num if plan is not None else None,
+            worker_num=plan.config.worker_num if plan is not None else None,
             scheduler_mode=str(plan.scheduler_mode) if plan is not None else None,
             extra=dict(extra or {}),
         )

@@ -74,15 +74,12 @@ def _read_secret(path: str) -> tuple[str, str]:
 
     Opened without blocking (a FIFO or a device must not hold msrun forever), checked on the
     open descriptor (what is read is what was checked), read up to :data:`SECRET_LIMIT` bytes."""
+    fd = -1
     try:
-        mode = os.stat(path).st_mode
-        if not stat.S_ISREG(mode):  # a socket cannot even be opened: say what it is
-            return "", f"is not a regular file ({describe_kind(mode)}); write the secret into a file of yours, mode 600"
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except OSError as exc:
-        return "", f"cannot be read ({exc.strerror or exc}); make it a file of yours: chmod 600 {path}"
-    try:
-        st = os.fstat(fd)  # what is read is what is checked, whatever was swapped in meanwhile
+        st = os.stat(path)
+        if stat.S_ISREG(st.st_mode):  # (a socket cannot even be opened: say what it is)
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+            st = os.fstat(fd)  # what is read is what is checked, whatever was swapped in meanwhile
         if not stat.S_ISREG(st.st_mode):
             kind = describe_kind(st.st_mode)
             return "", f"is not a regular file ({kind}); write the secret into a file of yours, mode 600"
@@ -102,7 +99,8 @@ def _read_secret(path: str) -> tuple[str, str]:
     except OSError as exc:
         return "", f"cannot be read ({exc.strerror or exc}); make it a file of yours: chmod 600 {path}"
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
     if len(raw) > SECRET_LIMIT:
         return "", f"is larger than {SECRET_LIMIT} bytes; a secret is one line of random text"
     try:

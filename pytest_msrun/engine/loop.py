@@ -114,11 +114,9 @@ class EventLoop:
         self._register(link.fileno(), "link")
 
     def detach(self) -> None:
-        if self.link is not None:
-            fd = next((fd for fd, source in self.sources.items() if source == "link"), None)
-            if fd is not None:
-                self._unregister(fd)
-            self.link = None
+        for fd in [fd for fd, source in self.sources.items() if source == "link"]:
+            self._unregister(fd)
+        self.link = None
 
     # ------------------------------------------------------------------ waiting
     def poll(self, timeout: float | None) -> list[Event]:

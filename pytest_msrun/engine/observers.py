@@ -51,7 +51,8 @@ class JobResult:
 
 
 class ConsoleObserver:
-    """msrun's lines: ``Start ... process`` on stdout, the logger's on stderr, the summary."""
+    """msrun's lines: ``Start ... process`` on stdout, the logger's on stderr, the summary, then
+    what job-end reporters registered by the job's processes said (``msrun pytest``'s table)."""
 
     def __init__(self, log_dir: str, join: bool, detached: bool) -> None:
         self.log_dir = log_dir
@@ -60,10 +61,16 @@ class ConsoleObserver:
     def notify(self, event: JobEvent, payload: Any) -> None:
         if event is JobEvent.PROCESS_STARTED:
             spec = payload.tag
+            import shlex  # (and re) only once a line is printed: after the workers have started
+
+            command = shlex.join(spec.command)  # as a shell needs it (msrun joins unquoted: the same for plain words)
             if spec.role == Role.SCHEDULER:
-                console.out(console.start_scheduler_line(spec.log_path, spec.command))
+                console.out(f"Start scheduler process, log file:{spec.log_path}. Execute command: {command}")
             else:
-                console.out(console.start_worker_line(spec.rank, spec.log_path, spec.command))
+                console.out(
+                    f"Start worker process with rank id:{spec.rank}, log file:{spec.log_path}. "
+                    f"Environment variable [RANK_ID={spec.rank}] is exported. Execute command: {command}"
+                )
         elif event is JobEvent.PROCESS_EXITED:
             child: Child = payload
             if child.returncode not in (0, None):
@@ -78,6 +85,8 @@ class ConsoleObserver:
             self._ending(payload)
         elif event is JobEvent.ENDED:
             self._ended(payload)
+            for text in payload.reports:  # what the job's reporters said (a --join=True job's only)
+                console.out(text)
 
     def _ending(self, ending: Ending) -> None:
         if ending.state is JobState.TERMINATED:
@@ -117,15 +126,6 @@ class StatusObserver:
             write_status(self.log_dir, self.snapshot(JobState.RUNNING, None), name)
         elif event is JobEvent.ENDED and payload.status is not None:
             write_status(self.log_dir, payload.status, name)
-
-
-class ReporterObserver:
-    """What job-end reporters registered by the job's processes said (``msrun pytest``'s table)."""
-
-    def notify(self, event: JobEvent, payload: Any) -> None:
-        if event is JobEvent.ENDED:
-            for text in payload.reports:
-                console.out(text)
 
 
 class BindingsObserver:

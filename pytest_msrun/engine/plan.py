@@ -131,37 +131,24 @@ class JobContext:
 
 @record(frozen=True, eq=False)
 class LaunchPlan:
-    """Every process of this node's share of the job, plus what the agent needs to run it."""
+    """Every process of this node's share of the job, plus what the agent needs to run it: the
+    inputs it was planned from (what it prints of the job is read from them) and the shared context."""
 
-    job_id: str
+    config: LaunchConfig
+    facts: NodeFacts
+    layout: Layout
+    context: JobContext
     scheduler_mode: SchedulerMode
-    master_ip: str
-    master_port: int
-    dist_port: int
     hosts_scheduler: bool
-    worker_num: int
-    local_worker_num: int
-    node_rank: int
-    dry_run: bool
-    sim_level: int
-    ranks_pending: bool
-    log_dir: str
-    join: bool
-    cluster_time_out: int
     processes: tuple[ProcessSpec, ...]
     warnings: tuple[str, ...] = ()
     infos: tuple[str, ...] = ()
-    bind_core: Any = False
-    bind_numa: Any = False
     sim_ranks: tuple[int, ...] = ()  # a dry run's selected ranks (all, not just the preview)
-    sim_concurrency: int = 0
-    auth: str = ""  # how the control plane authenticates this job's processes
-    slurm: dict[str, Any] | None = None  # the flags taken from the Slurm step (engine.slurm)
-    # What later steps need (not part of the printed plan): the inputs and the shared context.
-    config: LaunchConfig | None = field(default=None, repr=False)
-    facts: NodeFacts | None = field(default=None, repr=False)
-    layout: Layout | None = field(default=None, repr=False)
-    context: JobContext | None = field(default=None, repr=False)
+
+    @property
+    def ranks_pending(self) -> bool:
+        """The control plane assigns this node's ranks before its workers start."""
+        return self.layout.pending
 
     @property
     def workers(self) -> list[ProcessSpec]:
@@ -173,16 +160,34 @@ class LaunchPlan:
 
     def dry_run_workers(self) -> Iterator[ProcessSpec]:
         """Every selected simulated rank's spec, built one at a time (memory stays flat)."""
-        assert self.config is not None and self.facts is not None and self.layout is not None
-        assert self.context is not None
         first = self.layout.offset or 0
         cfg, facts, layout, ctx = self.config, self.facts, self.layout, self.context
         return (worker_spec(cfg, facts, layout, ctx, rank - first) for rank in self.sim_ranks)
 
     def to_json(self) -> dict[str, Any]:
-        hidden = ("processes", "config", "facts", "layout", "context", "warnings", "infos", "sim_ranks")
-        out: dict[str, Any] = {k: getattr(self, k) for k in fields(self) if k not in hidden}
-        out["scheduler_mode"] = str(self.scheduler_mode)
+        cfg, facts, mode = self.config, self.facts, self.scheduler_mode
+        out: dict[str, Any] = dict(
+            job_id=facts.job_id,
+            scheduler_mode=str(mode),
+            master_ip=facts.master_ip,
+            master_port=facts.master_port,
+            dist_port=effective_dist_port(facts.master_port, facts.dist_port),
+            hosts_scheduler=self.hosts_scheduler,
+            worker_num=cfg.worker_num,
+            local_worker_num=self.layout.local,
+            node_rank=cfg.node_rank,
+            dry_run=cfg.dry_run,
+            sim_level=cfg.sim_level,
+            ranks_pending=self.layout.pending,
+            log_dir=cfg.log_dir,
+            join=cfg.join,
+            cluster_time_out=cfg.cluster_time_out,
+            bind_core=cfg.bind_core.to_json(),
+            bind_numa=cfg.bind_numa.to_json(),
+            sim_concurrency=cfg.sim_concurrency,
+            auth=(f"job token: {facts.token_source}" if facts.job_token else "none") if mode.has_control_plane else "",
+            slurm=cfg.slurm.to_json() if cfg.slurm is not None else None,
+        )
         out["processes"] = [p.to_json() for p in self.processes]
         out["warnings"], out["infos"] = list(self.warnings), list(self.infos)
         out["sim_ranks"] = list(self.sim_ranks)
@@ -211,14 +216,11 @@ def _join(log_dir: str, name: str) -> str:
 def rank_layout(cfg: LaunchConfig, mode: SchedulerMode, assignment: RankAssignment | None = None) -> Layout:
     """Where this node's workers sit: known now (one node, --node_rank, a dry run, an assignment),
     to be assigned by the control plane before they start, or left to MindSpore."""
-    warnings: list[str] = []
-    infos: list[str] = []
     if cfg.dry_run and cfg.sim_rank_id != -1:
-        infos.append(f"Simulation rank id is set to {cfg.sim_rank_id}, will dryrun a single process.")
-        warnings.append(f"In dryrun case, RANK_ID is assigned to {cfg.sim_rank_id}.")
-        return Layout(
-            1, cfg.sim_rank_id, None, None, single_rank=cfg.sim_rank_id, warnings=(*warnings,), infos=(*infos,)
-        )
+        rank = cfg.sim_rank_id
+        infos = (f"Simulation rank id is set to {rank}, will dryrun a single process.",)
+        warnings = (f"In dryrun case, RANK_ID is assigned to {rank}.",)
+        return Layout(1, rank, None, None, single_rank=rank, warnings=warnings, infos=infos)
     local = cfg.local_worker_num
     if not cfg.multi_node:
         return Layout(local, 0, 0, 1)
@@ -229,17 +231,17 @@ def rank_layout(cfg: LaunchConfig, mode: SchedulerMode, assignment: RankAssignme
     if cfg.node_rank >= 0:
         return Layout(local, cfg.node_rank * local, cfg.node_rank, None)
     if cfg.dry_run:
-        warnings.append(
+        note = (
             "Dry run on several nodes without '--node_rank': ranks are this node's local indices "
             "(a dry run has no scheduler to assign them)."
         )
-        return Layout(local, 0, None, None, warnings=(*warnings,))
-    warnings.append(
+        return Layout(local, 0, None, None, warnings=(note,))
+    note = (
         "You are running distributed job with multiple nodes but not setting '--node_rank'. So 'rank_id' "
         "of each process will be assigned after cluster is successfully built.\nYou can access 'RANK_ID' "
         "environment variable after calling 'mindspore.communication.init()'"
     )
-    return Layout(local, None, None, None, warnings=(*warnings,))
+    return Layout(local, None, None, None, warnings=(note,))
 
 
 def job_context(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, layout: Layout) -> JobContext:
@@ -413,40 +415,12 @@ def build_plan(cfg: LaunchConfig, facts: NodeFacts, *, hosts_scheduler: bool | N
         warnings += _worker_notes(cfg, layout, workers)
         processes += workers
     return LaunchPlan(
-        job_id=facts.job_id,
-        scheduler_mode=mode,
-        master_ip=facts.master_ip,
-        master_port=facts.master_port,
-        dist_port=effective_dist_port(facts.master_port, facts.dist_port),
-        hosts_scheduler=hosts,
-        worker_num=cfg.worker_num,
-        local_worker_num=layout.local,
-        node_rank=cfg.node_rank,
-        dry_run=cfg.dry_run,
-        sim_level=cfg.sim_level,
-        ranks_pending=layout.pending,
-        log_dir=cfg.log_dir,
-        join=cfg.join,
-        cluster_time_out=cfg.cluster_time_out,
-        processes=tuple(processes),
-        warnings=tuple(warnings),
-        infos=tuple(infos),
-        bind_core=cfg.bind_core.to_json(),
-        bind_numa=cfg.bind_numa.to_json(),
-        sim_ranks=tuple(sim_ranks),
-        sim_concurrency=cfg.sim_concurrency,
-        auth=(f"job token: {facts.token_source}" if facts.job_token else "none") if mode.has_control_plane else "",
-        slurm=cfg.slurm.to_json() if cfg.slurm is not None else None,
-        config=cfg,
-        facts=facts,
-        layout=layout,
-        context=ctx,
+        cfg, facts, layout, ctx, mode, hosts, tuple(processes), tuple(warnings), tuple(infos), tuple(sim_ranks)
     )
 
 
 def assign(plan: LaunchPlan, assignment: RankAssignment, job_id: str | None = None) -> LaunchPlan:
     """The plan once the control plane placed this node's workers (a new plan; the scheduler stays)."""
-    assert plan.config is not None and plan.facts is not None and plan.context is not None
     cfg = plan.config
     facts = replace(plan.facts, job_id=job_id) if job_id else plan.facts
     layout = rank_layout(cfg, plan.scheduler_mode, assignment)
@@ -455,8 +429,6 @@ def assign(plan: LaunchPlan, assignment: RankAssignment, job_id: str | None = No
     keep = [p for p in plan.processes if p.role == Role.SCHEDULER]
     return replace(
         plan,
-        job_id=facts.job_id,
-        ranks_pending=False,
         processes=(*keep, *workers),
         warnings=(*plan.warnings, *_worker_notes(cfg, layout, workers)),
         facts=facts,

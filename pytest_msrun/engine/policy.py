@@ -22,7 +22,7 @@ import signal
 import time
 
 from pytest_msrun.engine.errorfile import RankError
-from pytest_msrun.engine.kinds import JobState
+from pytest_msrun.engine.kinds import JobState, Role
 from pytest_msrun.engine.processes import Child
 from pytest_msrun.engine.summary import Failure, failure_of
 from pytest_msrun.record import field, record, replace
@@ -54,21 +54,14 @@ class Policy:
     settled: dict[int, Failure] = field(default_factory=dict)  # pid -> a worker's settled non-zero exit
     late: dict[int, Late] = field(default_factory=dict)  # pid -> a worker found past its deadline
 
-    def exited(
-        self,
-        child: Child,
-        label: str,
-        log: str,
-        is_worker: bool,
-        error: RankError | None = None,
-        settled: str = "",
-    ) -> Ending | None:
-        """A local process ended; ``error``: its uncaught exception, from its error file;
-        ``settled``: why its non-zero status is its own result (it stops nobody)."""
-        rc = child.returncode
+    def exited(self, child: Child, error: RankError | None = None, settled: str = "") -> Ending | None:
+        """A local process ended (its tag: its spec); ``error``: its uncaught exception, from its
+        error file; ``settled``: why its non-zero status is its own result (it stops nobody)."""
+        rc, spec = child.returncode, child.tag
         if rc in (0, None):
             return None
-        failure = failure_of(label, rc, child.ended or time.time(), log, child.pid, self.host)
+        failure = failure_of(spec.label, rc, child.ended or time.time(), spec.log_path, child.pid, self.host)
+        is_worker = spec.role == Role.WORKER
         if settled and is_worker:
             self.settled[child.pid] = replace(failure, description=f"{failure.description} ({settled})")
             return None
@@ -85,11 +78,11 @@ class Policy:
         reason = f"{first.label} {first.description}" + (f" ({first.error.headline})" if first.error else "")
         return Ending(first.exit_status or 1, JobState.FAILED, reason[:500], first, workers)
 
-    def past_deadline(self, label: str, late: Late, log: str) -> Ending:
+    def past_deadline(self, child: Child, late: Late) -> Ending:
         """A worker still there after its deadline failed at that deadline (status 124)."""
-        failure = Failure(label, late.describe(), TIMEOUT_EXIT, late.due, log, late.pid, self.host)
+        failure = Failure(child.tag.label, late.describe(), TIMEOUT_EXIT, late.due, child.tag.log_path, late.pid)
         self.late[late.pid] = late
-        self.failures.append(failure)
+        self.failures.append(replace(failure, host=self.host))
         return self.first_failure()
 
     def workers_done(self, workers: list[Child]) -> bool:

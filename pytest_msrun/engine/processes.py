@@ -121,8 +121,6 @@ def fork_call(
     stdin_fd: int | None = None,
     output_fd: int | None = None,
     keep_fds: tuple[int, ...] = (),
-    cpus: list[int] | None = None,
-    mems: list[int] | None = None,
     args: list[str] | None = None,
 ) -> int:
     """Run ``call`` (a key of :data:`~pytest_msrun.targets.TARGETS`, called with the environment
@@ -136,18 +134,7 @@ def fork_call(
 
     Signals stay blocked across the fork until the child has its session and default handlers: a
     SIGTERM sent the instant after it (by pid: its group does not exist yet) then ends it, rather
-    than running a handler inherited from this process.
-
-    ``cpus`` and ``mems`` (``MPOL_BIND``) are this thread's around the fork, so the child has them
-    from its first instruction (as ``taskset``'s and ``numactl``'s would, before anyone looks)."""
-    saved = os.sched_getaffinity(0) if cpus is not None else None
-
-    def place_and_fork() -> int:
-        if cpus is not None:
-            os.sched_setaffinity(0, cpus)
-        if mems:
-            set_memory_policy(mems)
-        return os.fork()
+    than running a handler inherited from this process."""
 
     def run() -> int:
         become_fresh_child(env, stdin_fd=stdin_fd, stdout_fd=output_fd, stderr_fd=output_fd, keep_fds=keep_fds)
@@ -161,12 +148,12 @@ def fork_call(
         result = target(dict(env)) if args is None else target(dict(env), list(args))
         return result if isinstance(result, int) else 0
 
-    return forked(run, place_and_fork, lambda: _restore_placement(saved, bool(mems)))
+    return forked(run, os.fork)
 
 
-def forked(body: Callable[[], int], fork: Callable[[], int], undo: Callable[[], None] = lambda: None) -> int:
+def forked(body: Callable[[], int], fork: Callable[[], int]) -> int:
     """Run ``body`` in a child that ``fork`` makes, with every signal blocked across the fork (see
-    :func:`fork_call`); returns its pid here, once ``undo`` ran. In the child ``body()``'s result is
+    :func:`fork_call`); returns its pid here. In the child ``body()``'s result is
     the exit status (a ``SystemExit``'s as the interpreter computes it; another exception is
     printed, and gives 1), after the standard streams are flushed."""
     blocked = block_signals_for_fork()
@@ -175,7 +162,6 @@ def forked(body: Callable[[], int], fork: Callable[[], int], undo: Callable[[], 
         pid = fork()
     finally:
         if pid:  # here: forked, or the fork failed
-            undo()
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     if pid:
         return pid
@@ -219,15 +205,6 @@ def set_memory_policy(nodes: list[int] | None) -> None:
     if result != 0:
         errno = ctypes.get_errno()
         raise OSError(errno, f"set_mempolicy: {os.strerror(errno)}")
-
-
-def _restore_placement(cpus: set[int] | None, mems: bool) -> None:
-    """After a fork that placed its child: this thread back where it was (msrun has the default
-    memory policy)."""
-    if cpus is not None:
-        os.sched_setaffinity(0, cpus)
-    if mems:
-        set_memory_policy(None)
 
 
 def flush_std_streams() -> None:
@@ -348,15 +325,7 @@ class Child:
         A child forked an instant ago may not lead its group yet (:func:`fork_call` calls
         ``setsid`` in the child): while it is unreaped its pid cannot be reused, so it gets the
         signal directly (its signals stay blocked until its defaults are set)."""
-        if signal_group(self.pid, sig):
-            return True
-        if self.returncode is not None:
-            return False
-        try:
-            os.kill(self.pid, sig)
-            return True
-        except (ProcessLookupError, PermissionError):
-            return False
+        return signal_group(self.pid, sig) or (self.returncode is None and _sent(os.kill, self.pid, sig))
 
     def reap(self) -> bool:
         """Collect the exit status if the child exited; True when it did (now or before)."""
@@ -405,7 +374,9 @@ def describe_returncode(returncode: int) -> str:
 def spawn(launch: Launch, tag: Any = None) -> Child:
     """Start ``launch`` with its log file as stdout+stderr (truncated, as msrun does): in a fork
     (``call``), or with ``posix_spawn``, which passes only inheritable descriptors (Python opens
-    everything close-on-exec) and starts the child with this thread's affinity (``in_child_cpus``)."""
+    everything close-on-exec). ``in_child_cpus`` and ``in_child_mems`` (``MPOL_BIND``) are this
+    thread's around the start, so the child has them from its first instruction (as ``taskset``'s
+    and ``numactl``'s would, before anyone looks); msrun has the default memory policy again after."""
     log_dir = os.path.dirname(launch.log_path)
     if log_dir:
         make_dirs(log_dir)
@@ -413,32 +384,29 @@ def spawn(launch: Launch, tag: Any = None) -> Child:
     null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC) if launch.stdin_devnull else None
     for fd in launch.pass_fds:
         os.set_inheritable(fd, True)
-    cpus, saved = launch.in_child_cpus, None
+    cpus, mems = launch.in_child_cpus, launch.in_child_mems
+    saved = os.sched_getaffinity(0) if cpus is not None else None
     try:
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
+        if mems:
+            set_memory_policy(mems)
         if launch.call:
             pid = fork_call(
-                launch.call,
-                launch.env,
-                stdin_fd=null,
-                output_fd=log,
-                keep_fds=launch.pass_fds,
-                cpus=cpus,
-                mems=launch.in_child_mems,
-                args=launch.call_args,
+                launch.call, launch.env, stdin_fd=null, output_fd=log, keep_fds=launch.pass_fds, args=launch.call_args
             )
         else:
             argv, env = launch.argv, launch.env
             actions = [(os.POSIX_SPAWN_DUP2, fd, n) for fd, n in ((null, 0), (log, 1), (log, 2)) if fd is not None]
             path = resolve(argv[0], env)
-            if cpus is not None:  # binding without taskset: the child starts with this thread's affinity
-                saved = os.sched_getaffinity(0)
-                os.sched_setaffinity(0, cpus)
             pid = os.posix_spawn(
                 path, argv, env, file_actions=actions, setsid=True, setsigdef=_DEFAULT_IN_CHILD, setsigmask=()
             )
     finally:
         if saved is not None:
             os.sched_setaffinity(0, saved)
+        if mems:
+            set_memory_policy(None)
         for fd in launch.pass_fds:
             with suppress(OSError):
                 os.set_inheritable(fd, False)
@@ -476,13 +444,18 @@ def term_grace(env: Mapping[str, str] | None = None) -> float:
         return 5.0
 
 
-def signal_group(pid: int, sig: int) -> bool:
-    """Send ``sig`` to the process group led by ``pid``; False when it no longer exists."""
+def _sent(kill: Callable[[int, int], None], pid: int, sig: int) -> bool:
+    """Whether ``kill(pid, sig)`` reached something (False: gone, or not ours to signal)."""
     try:
-        os.killpg(pid, sig)
+        kill(pid, sig)
         return True
     except (ProcessLookupError, PermissionError):
         return False
+
+
+def signal_group(pid: int, sig: int) -> bool:
+    """Send ``sig`` to the process group led by ``pid``; False when it no longer exists."""
+    return _sent(os.killpg, pid, sig)
 
 
 class ProcessGroup:
@@ -545,8 +518,7 @@ class ProcessGroup:
         for pid in descendants(os.getpid())[1:]:  # re-parented to this subreaper, or below
             if pid not in skip:
                 skip.add(pid)
-                with suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGKILL)
+                if _sent(os.kill, pid, signal.SIGKILL):
                     hit.append(pid)
         hit += [p for p in self.guard.kill_members() if p not in hit]
 

@@ -75,7 +75,7 @@ class Starter:
         held: bool = False,
         announce: bool = True,
     ) -> Child:
-        """Start one process of the plan (``call``: in a fork of msrun, see :meth:`_forkable`;
+        """Start one process of the plan (``call``: in a fork of msrun, see :meth:`start_scheduler`;
         ``held``: before msrun is in the job's cgroup; ``announce=False`` or ``held``: its line
         comes later - see :meth:`_start_first`)."""
         if spec.error_file:
@@ -129,19 +129,6 @@ class Starter:
             console.warning(f"workers start as new processes, not forked from the fork server: {why}")
         return why
 
-    def _forkable(self, spec: ProcessSpec) -> bool:
-        """The builtin control plane runs in a fork of msrun (its code is already imported here)
-        rather than a second interpreter: ready ~20 ms sooner, and that much less CPU taken from
-        the workers starting beside it. Not when a binding wraps it in a command (numactl), the
-        interpreter differs, or (checked at the fork) a thread runs here: a fork copies only the
-        calling thread."""
-        return (
-            spec.role == Role.SCHEDULER
-            and not spec.bind_prefix
-            and spec.argv[1:] == ["-S", "-m", SCHEDULER_MODULE]
-            and os.path.realpath(spec.argv[0]) == os.path.realpath(sys.executable)
-        )
-
     def start_first(self, plan: LaunchPlan, listener: Any) -> bool:
         """Start workers before the control plane, for up to :data:`SPAWN_SLICE` s, so that their
         interpreters start up while msrun still prepares the control plane (announced after it,
@@ -156,18 +143,19 @@ class Starter:
             or listener is None
             or scheduler.argv[1:] != ["-S", "-m", SCHEDULER_MODULE]
             or plan.ranks_pending
-            or plan.dry_run
+            or plan.config.dry_run
             or not plan.workers
         ):
             return False
+        from pytest_msrun.engine.earlystart import FirstStarted, holdable
+
         entering = self.node.guard.entering
         waiting = entering is not None and entering.done.locked()
-        if waiting and not self._holdable(plan.workers[0]):
+        spec = plan.workers[0]  # every worker of the plan shares its command: can they start held?
+        if waiting and (not spec.error_file or spec.bind_prefix or not holdable(spec.argv, spec.env)):
             return False
         if waiting and _template() is not None:  # forked once msrun is in the cgroup (no thread runs)
             return False
-        from pytest_msrun.engine.earlystart import FirstStarted
-
         self.ranks_known(plan)  # before any of them starts
         first = self.node.first = FirstStarted(held=waiting)
         until = time.monotonic() + SPAWN_SLICE
@@ -184,14 +172,6 @@ class Starter:
         finally:
             first.spawned()
         return True
-
-    def _holdable(self, spec: ProcessSpec) -> bool:
-        """Whether every worker of the plan (they share ``spec``'s command) can start held."""
-        from pytest_msrun.engine.earlystart import holdable
-
-        if spec.role != Role.WORKER or not spec.error_file or spec.bind_prefix:
-            return False
-        return holdable(spec.argv, spec.env)
 
     def _move_held_in(self) -> None:
         """Move the held workers into the job's cgroup, which msrun is inside (:meth:`JobGuard.ready`);
@@ -275,7 +255,15 @@ class Starter:
             env["MSRUN_LISTEN_FD"] = str(listener.fileno())
             fds += (listener.fileno(),)
         theirs = None
-        forkable = self._forkable(spec)
+        # The builtin control plane runs in a fork of msrun (its code is already imported here) rather
+        # than a second interpreter: ready ~20 ms sooner, and that much less CPU taken from the workers
+        # starting beside it. Not when a binding wraps it in a command (numactl), the interpreter
+        # differs, or (checked at the fork) a thread runs here: a fork copies only the calling thread.
+        forkable = (
+            not spec.bind_prefix
+            and spec.argv[1:] == ["-S", "-m", SCHEDULER_MODULE]
+            and os.path.realpath(spec.argv[0]) == os.path.realpath(sys.executable)
+        )
         if forkable:
             # Its code (and json, which msrun needs too) loaded here, where both processes share it,
             # while msrun may still wait to be inside the job's cgroup or the workers start up.

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from pytest_msrun.engine.link import ControlLink
     from pytest_msrun.engine.policy import Ending
     from pytest_msrun.engine.processes import Child
+    from pytest_msrun.engine.status import ProcessStatus
 
 SEND_BATCH = 256  # events per message of a node that is not the writer
 
@@ -153,9 +154,7 @@ class TraceObserver:
         elif event is JobEvent.PROCESS_EXITED:
             child = payload
             rank = child.tag.rank if child.tag.role == Role.WORKER else None
-            self._exited(
-                rank, child.tag.label, child.pid, child.started, child.ended, child.returncode, child.terminated_by_us
-            )
+            self._exited(rank, child.tag.label, child, child.terminated_by_us)
         elif event is JobEvent.SPAWNED:
             self.add(tracelog.span("launch", tracelog.MSRUN_PID, self.node, self.started, time.time()))
         elif event is JobEvent.ENDING:
@@ -164,33 +163,24 @@ class TraceObserver:
             if payload.status is not None:  # what msrun's teardown stopped ended without an event
                 for proc in payload.status.processes:
                     rank = proc.rank if proc.role == str(Role.WORKER) else None
-                    self._exited(
-                        rank, proc.name, proc.pid, proc.started, proc.ended, proc.returncode, proc.terminated_by_msrun
-                    )
+                    self._exited(rank, proc.name, proc, proc.terminated_by_msrun)
             self.mark(_ended(payload), {"exit code": payload.exit_code})
         if event in (JobEvent.SPAWNED, JobEvent.ENDING, JobEvent.ENDED):  # exits go in batches (:meth:`ship`)
             self.ship()
 
-    def _exited(
-        self,
-        rank: int | None,
-        label: str,
-        pid: int,
-        started: float,
-        ended: float | None,
-        code: int | None,
-        stopped: bool,
-    ) -> None:
+    def _exited(self, rank: int | None, label: str, proc: Child | ProcessStatus, stopped: bool) -> None:
+        """``proc`` ended (a child, or a process of the job's status: what the teardown stopped)."""
+        pid, code = proc.pid, proc.returncode
         if pid in self.exited or code is None:
             return
         self.exited.add(pid)
         args = {**_exit_args(code), "pid": pid, "stopped by msrun": stopped}
-        at = ended or time.time()
+        at = proc.ended or time.time()
         if rank is None:
             self.mark(f"{label} ended", args)
             return
         lane = tracelog.RANK_PID + rank
-        self.add(tracelog.span("process", lane, 0, started, at, args))
+        self.add(tracelog.span("process", lane, 0, proc.started, at, args))
         self.add(tracelog.instant("exit", lane, 0, at, args))
 
     def _ending(self, ending: Ending) -> None:
