@@ -244,9 +244,11 @@ class Controller:
                 f"with {seed} + r (every rank collects in the order of {seed})"
             )
         cluster = self.jobs.cluster
-        if getattr(config.option, "usepdb", False):
-            tty = "stops in pdb on this terminal, prompt (Pdb rank N)" if self.debug.tty else ""
-            lines.append(f"msrun: --pdb: a marked test's failing rank {tty or 'cannot stop in pdb here: ' + NO_TTY}")
+        pdb = "msrun: --pdb: a marked test's failing rank"
+        if getattr(config.option, "usepdb", False) and self.debug.tty:
+            lines.append(f"{pdb} stops in pdb on this terminal, prompt (Pdb rank N)")
+        elif getattr(config.option, "usepdb", False):
+            lines.append(f"{pdb} cannot stop in pdb here: {NO_TTY}")
         elif cluster is not None:
             lines.append(
                 f"msrun: Slurm allocation {cluster.job_id} ({len(cluster.nodes)} nodes): each marked test's "

@@ -72,11 +72,11 @@ class ForkedProcess:
             _, status = os.waitpid(self.pid, 0)
             self.returncode = os.waitstatus_to_exitcode(status)
             self._close()
-        elif self.poll() is None:
+        elif self.poll() is None and timeout is not None:
             if self._pidfd is not None:
-                wait_readable(self._pidfd, max(0.0, timeout or 0.0))
+                wait_readable(self._pidfd, max(0.0, timeout))
             if self.poll() is None:
-                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+                raise subprocess.TimeoutExpired(self.args, timeout)
         assert self.returncode is not None
         return self.returncode
 
@@ -177,8 +177,8 @@ class ForkServer:
     def _await_ready(self) -> bool:
         if not self._ready:
             reply = self._receive(READY_TIMEOUT)
-            why = "did not get ready" if reply is None else reply.get("why") and f"forks nothing: {reply['why']}"
-            if why:
+            if reply is None or reply.get("why"):
+                why = "did not get ready" if reply is None else f"forks nothing: {reply['why']}"
                 self._fail(f"the fork server {why}")
                 return False
             self._ready = True

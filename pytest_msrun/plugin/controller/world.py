@@ -274,9 +274,12 @@ class World:
 
     def check(self) -> str:
         """Why this world can run no more tests ("" when it can): a rank gone, msrun ended."""
-        if not self.dead and self.launched.exited():
+        if self.dead:
+            return self.dead
+        if self.launched.exited():
             self.dead = "the world's job ended between tests"
-        for rank, channel in self.channels.items() if not self.dead else ():
+            return self.dead
+        for rank, channel in self.channels.items():
             try:
                 channel.sock.setblocking(False)
                 try:

@@ -79,6 +79,7 @@ class RankPlugin:
         self.current: tuple[str, str] | None = None  # (nodeid, phase) running now
         self.clock = SuiteClock(self)  # a suite's marked-test timeouts (a controller times its own)
         self.past: PastCapture | None = None  # what tests write with capture off (controlled ranks)
+        self.silenced = False  # its terminal reporter writes nowhere (-s in a controlled rank)
         self.writer: RecordWriter | None = None
         self.session_writer: RecordWriter | None = None  # a warm world's, while a test's records are open
         self.test_failed = False
@@ -175,10 +176,11 @@ class RankPlugin:
                 return len(text)
 
         reporter._tw = TerminalWriter(Discard())  # type: ignore[arg-type]
+        self.silenced = True
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_internalerror(self, excrepr: Any) -> None:
-        if self.controlled and getattr(self.config.option, "capture", "fd") == "no":
+        if self.silenced:  # (the silenced reporter takes it: pytest's own fallback to stderr, here)
             for line in str(excrepr).split("\n"):
                 sys.stderr.write(f"INTERNALERROR> {line}\n")
             sys.stderr.flush()

@@ -175,7 +175,8 @@ def watching_imports(snapshot: Snapshot) -> Iterator[None]:
     """Inside it, the first import of a module new to this process runs inside ``owning()``."""
     original_import, original_import_module = builtins.__import__, importlib.import_module
 
-    def new(name: str, package: str | None = None, level: int = 0) -> Any:
+    def owning_if_new(name: str, package: str | None = None, level: int = 0) -> Any:
+        """``snapshot.owning()`` for a module not imported yet, else a context that does nothing."""
         if level:
             try:
                 name = importlib.util.resolve_name("." * level + name, package)
@@ -185,12 +186,12 @@ def watching_imports(snapshot: Snapshot) -> Iterator[None]:
 
     def watched_import(name: str, globals: Any = None, locals: Any = None, fromlist: Any = (), level: int = 0):
         __tracebackhide__ = True  # a failing import shows the test's line, not this wrapper
-        with new(name, (globals or {}).get("__package__") if level else None, level):
+        with owning_if_new(name, (globals or {}).get("__package__") if level else None, level):
             return original_import(name, globals, locals, fromlist, level)
 
     def watched_import_module(name: str, package: str | None = None):
         __tracebackhide__ = True
-        with new(name.lstrip("."), package, len(name) - len(name.lstrip("."))):
+        with owning_if_new(name.lstrip("."), package, len(name) - len(name.lstrip("."))):
             return original_import_module(name, package)
 
     builtins.__import__ = watched_import
