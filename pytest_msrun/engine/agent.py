@@ -218,10 +218,8 @@ class Agent:
         if link is None or not link.up or (stage is Stage.SUPERVISING and link.finished):
             return None
         silent = link.beat()
-        if not silent:
-            return None
-        if not self.starter.workers_started:
-            return silent
+        if not silent or not self.starter.workers_started:
+            return silent or None
         return self.node.policy.lost(f"Lost the scheduler: {silent}.")
 
     def _serve(self, event: Event, stage: Stage, scheduler: Child | None) -> str | Ending | None:

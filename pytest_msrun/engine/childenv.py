@@ -132,17 +132,10 @@ def rank_vars(
     dist_port: int | None,
 ) -> dict[str, str]:
     """Per-worker rank variables, msrun-style and torch-style."""
-    out = {
-        "DEVICE_ID": str(local_index),
-        "LOCAL_RANK": str(local_index),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_WORLD_SIZE": str(local_world_size),
-        "LOCAL_RANK_SIZE": str(local_world_size),
-    }
+    out = {"DEVICE_ID": str(local_index), "LOCAL_RANK": str(local_index), "WORLD_SIZE": str(world_size)}
+    out.update(dict.fromkeys(("LOCAL_WORLD_SIZE", "LOCAL_RANK_SIZE"), str(local_world_size)))
     if rank is not None:
-        out["RANK_ID"] = str(rank)
-        out["MS_NODE_ID"] = str(rank)
-        out["RANK"] = str(rank)
+        out.update(dict.fromkeys(("RANK_ID", "MS_NODE_ID", "RANK"), str(rank)))
     if node_index is not None:
         out["GROUP_RANK"] = str(node_index)
     if node_count is not None:

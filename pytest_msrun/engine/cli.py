@@ -22,7 +22,7 @@ from pytest_msrun.pathsearch import which
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import argparse
-    from typing import NoReturn, Union
+    from typing import Union
 
     from pytest_msrun.binding.topology import Topology
     from pytest_msrun.engine.slurm import Inferred
@@ -52,11 +52,6 @@ def parse_args(argv: Sequence[str]) -> Namespace:
         if isinstance(getattr(ns, name, None), list):  # argparse turns "--flag=--" into []
             parser.error(f"argument --{name}: expected one value")
     return ns
-
-
-def usage_error(message: str) -> NoReturn:
-    """msrun's usage line and ``msrun: error: message`` on stderr; exit status 2."""
-    build_parser().error(message)
 
 
 def config_from_args(ns: Namespace, env: dict[str, str]) -> tuple[LaunchConfig, list[str]]:
@@ -247,7 +242,8 @@ def plan_from_args(
         if not cfg.print_plan:
             probe_numactl(plan.processes, facts.topology)
     except (ConfigError, BindingError) as exc:
-        usage_error(str(exc) if isinstance(exc, ConfigError) else f"argument --{exc.flag}: {exc}")
+        # msrun's usage line and ``msrun: error: message`` on stderr; exit status 2
+        build_parser().error(str(exc) if isinstance(exc, ConfigError) else f"argument --{exc.flag}: {exc}")
     return cfg, facts, plan
 
 

@@ -43,15 +43,13 @@ def _mounts() -> dict[str, str]:
     out: dict[str, str] = {}
     with suppress(OSError), open("/proc/self/mountinfo", encoding="utf-8") as fh:
         for line in fh:
-            fields = line.split()
-            if " - " not in line:
+            head, sep, tail = line.partition(" - ")
+            if not sep:
                 continue
-            post = line.split(" - ", 1)[1].split()
-            fstype = post[0]
-            mount = fields[4]
-            if fstype == "cgroup2":
+            mount, post = head.split()[4], tail.split()
+            if post[0] == "cgroup2":
                 out.setdefault("cgroup2", mount)
-            elif fstype == "cgroup" and len(post) > 2 and "freezer" in post[2].split(","):
+            elif post[0] == "cgroup" and len(post) > 2 and "freezer" in post[2].split(","):
                 out.setdefault("freezer", mount)
     return out
 
@@ -199,11 +197,9 @@ def sweep_stale(home: str) -> list[str]:
             continue
         if os.path.exists(f"/proc/{owner}"):  # alive (or a zombie: its parent still reaps it)
             continue
-        try:
+        with suppress(OSError):
             os.rmdir(os.path.join(home, name))  # fails unless empty: a cgroup with members stays
-        except OSError:
-            continue
-        removed.append(os.path.join(home, name))
+            removed.append(os.path.join(home, name))
     return removed
 
 
@@ -333,9 +329,6 @@ class Watchdog:
         if self.pipe is not None:
             with suppress(OSError):
                 os.write(self.pipe, f"{line}\n".encode())
-
-    def guard(self, pgid: int) -> None:
-        self.tell(str(pgid))
 
     def job(self, job_id: str) -> None:
         """Processes whose environment carries ``MSRUN_JOB_ID=job_id`` belong to the job."""

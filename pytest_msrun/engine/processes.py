@@ -414,10 +414,8 @@ def spawn(launch: Launch, tag: Any = None) -> Child:
         if null is not None:
             os.close(null)
     child = Child(tag=tag, pid=pid, started=time.time())
-    try:
+    with suppress(AttributeError, OSError):
         child.pidfd = os.pidfd_open(pid)
-    except (AttributeError, OSError):
-        child.pidfd = None
     return child
 
 
@@ -474,7 +472,7 @@ class ProcessGroup:
         if not held:
             self.guard.ready()  # every process starts inside the job's cgroup
         child = spawn(launch, tag)
-        self.guard.watchdog.guard(child.pid)
+        self.guard.watchdog.tell(str(child.pid))  # its process group
         self.children.append(child)
         self.loop.watch(child)
         return child

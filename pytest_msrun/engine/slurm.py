@@ -32,11 +32,7 @@ class HostlistError(ValueError):
 def expand_hostlist(text: str) -> list[str]:
     """``gpu[01-04,07],login2`` -> ``gpu01 gpu02 gpu03 gpu04 gpu07 login2`` (Slurm's hostlist
     syntax: comma-separated names, each with any number of bracketed ranges; zero padding kept)."""
-    hosts: list[str] = []
-    for item in _split_top(text.strip()):
-        if item:
-            hosts.extend(_expand_one(item))
-    return hosts
+    return [host for item in _split_top(text.strip()) if item for host in _expand_one(item)]
 
 
 def _split_top(text: str) -> list[str]:
@@ -93,12 +89,8 @@ def _expand_range(part: str, item: str) -> list[str]:
 def tasks_per_node(text: str) -> list[int]:
     """``2(x3),1`` -> ``[2, 2, 2, 1]`` (``SLURM_STEP_TASKS_PER_NODE``)."""
     counts: list[int] = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
-        count, _, repeat = item.partition("(x")
-        counts.extend([int(count)] * (int(repeat.rstrip(")")) if repeat else 1))
+    for count, _, repeat in (item.strip().partition("(x") for item in text.split(",") if item.strip()):
+        counts += [int(count)] * (int(repeat.rstrip(")")) if repeat else 1)
     return counts
 
 
@@ -145,13 +137,7 @@ def slurm_step(env: Mapping[str, str]) -> SlurmStep | None:
         raise ValueError(f"SLURM_NODEID={node_id} is outside the step's {len(nodes)} nodes")
     per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
     tasks = tasks_per_node(per_node) if per_node else [1] * len(nodes)
-    return SlurmStep(
-        job_id=job_id,
-        step_id=step_id,
-        node_id=node_id,
-        nodes=nodes,
-        tasks=tasks,
-    )
+    return SlurmStep(job_id=job_id, step_id=step_id, node_id=node_id, nodes=nodes, tasks=tasks)
 
 
 @record
@@ -265,5 +251,4 @@ def _gpus(env: Mapping[str, str]) -> int:
         value = env.get(name, "").rpartition(":")[2]  # "4" or "a100:4"
         if value.isdigit():
             return int(value)
-    ids = [i for i in env.get("SLURM_JOB_GPUS", "").split(",") if i.strip()]
-    return len(ids)
+    return sum(1 for i in env.get("SLURM_JOB_GPUS", "").split(",") if i.strip())

@@ -228,12 +228,8 @@ def run_module(env: dict[str, str], argv: list[str]) -> int:
         code = 1
         with suppress(Exception):
             sys.excepthook(*sys.exc_info())
-    return _finalize(code)
-
-
-def _finalize(code: int) -> int:
-    """What an interpreter does on its way out, before ``os._exit``: join non-daemon threads,
-    run ``atexit`` handlers (``fork_call``, which runs this, flushes the standard streams after)."""
+    # what an interpreter does on its way out, before os._exit: join non-daemon threads, run atexit
+    # handlers (fork_call, which runs this, flushes the standard streams after)
     threading = sys.modules.get("threading")
     if threading is not None:
         with suppress(BaseException):
