@@ -153,12 +153,6 @@ def trace_path(flag: str, env: Mapping[str, str]) -> str:
     return os.path.abspath(path) if path else ""
 
 
-def _refuse_unsafe(what: str, problem: str) -> None:
-    """A place msrun would write that someone else could replace: a usage error naming it, and the fix."""
-    if problem:
-        raise ConfigError("", f"{what}: {problem}")
-
-
 def validate(cfg: LaunchConfig) -> list[str]:
     """Check every option; return warnings. Raises :class:`ConfigError` on the first bad value."""
     warnings: list[str] = []
@@ -176,7 +170,9 @@ def validate(cfg: LaunchConfig) -> list[str]:
             problem = ""
         if problem:
             raise ConfigError("trace", f"{problem} (the trace file: --trace or {TRACE_ENV})")
-        _refuse_unsafe(f"--trace={cfg.trace}", unsafe_directory(cfg.trace))
+        problem = unsafe_directory(cfg.trace)  # a place someone else could replace: named, with the fix
+        if problem:
+            raise ConfigError("", f"--trace={cfg.trace}: {problem}")
     if cfg.worker_num <= 0:
         raise ConfigError("worker_num", f"must be greater than 0, got {cfg.worker_num}")
     if cfg.worker_num > MAX_WORKERS:
@@ -282,7 +278,8 @@ def validate(cfg: LaunchConfig) -> list[str]:
     problem = unsafe_output_dir(directory) or planted(
         directory, lambda name: name in ours or (name.startswith(prefix) and name.endswith(".log"))
     )
-    _refuse_unsafe(where, problem)
+    if problem:
+        raise ConfigError("", f"{where}: {problem}")
     if cfg.task_script.endswith(".py") and not cfg.print_plan and not os.path.isfile(cfg.task_script):
         raise ConfigError("", f"task_script {cfg.task_script!r} not found (cwd {os.getcwd()})")
     if cfg.bind_core.kind == "unified":

@@ -41,13 +41,11 @@ def launch_detached(cfg: LaunchConfig, facts: NodeFacts, guard: JobGuard) -> int
     heldsignals.let_in()  # the supervisor answers signals to the job; this process just waits
     os.close(write_fd)
     data = b""
-    while True:
+    while not data.endswith(b"\n"):
         chunk = os.read(read_fd, 16)
         if not chunk:
             break
         data += chunk
-        if data.endswith(b"\n"):
-            break
     os.close(read_fd)
     try:
         return int(data.strip() or b"1")

@@ -79,16 +79,13 @@ def read_error(path: str) -> RankError | None:
     """The record at ``path``, or ``None`` when there is none or it is not one."""
     if not path:
         return None
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(MAX_RECORD_BYTES + 1)
-    except OSError:
-        return None
     import json  # not on msrun's start path
 
     try:
+        with open(path, "rb") as fh:
+            raw = fh.read(MAX_RECORD_BYTES + 1)
         data = json.loads(raw.decode("utf-8", errors="replace")) if len(raw) <= MAX_RECORD_BYTES else None
-    except ValueError:
+    except (OSError, ValueError):
         return None
     if not isinstance(data, dict):
         return None

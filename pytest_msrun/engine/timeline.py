@@ -10,6 +10,8 @@ import os
 import sys
 import time
 
+from pytest_msrun.engine import suppress
+
 ENABLED = os.environ.get("MSRUN_TIMELINE", "") not in ("", "0")
 _marks: list[tuple[float, str]] = []
 
@@ -41,8 +43,6 @@ def report() -> None:
     ]
     lines += [f"  {(t - first) * 1000:8.1f}  {what}" for t, what in _marks]
     _marks.clear()
-    try:
+    with suppress(OSError, ValueError):
         sys.stderr.write("\n".join(lines) + "\n")
         sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
