@@ -82,15 +82,6 @@ def _check_interpreter(script: str) -> None:
         )
 
 
-def _shebang_python(path: str) -> str | None:
-    words = shebang(path)
-    if not words:
-        return None
-    if os.path.basename(words[0]) == "env" and len(words) > 1:
-        return which(words[1])
-    return words[0]
-
-
 def task_python(argv: list[str]) -> str:
     """The interpreter that will run the task (best effort; this one when unsure)."""
     head = argv[0]
@@ -98,5 +89,8 @@ def task_python(argv: list[str]) -> str:
         return which(head) or sys.executable
     if head == "pytest":
         found = which(head)
-        return (_shebang_python(found) if found else None) or sys.executable
+        words = shebang(found) if found else []
+        if len(words) > 1 and os.path.basename(words[0]) == "env":
+            return which(words[1]) or sys.executable
+        return words[0] if words else sys.executable
     return sys.executable
