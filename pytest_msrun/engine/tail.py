@@ -67,10 +67,7 @@ class LogTailer:
 
     def _pump(self, final: bool) -> None:
         with self.lock:
-            chunks: list[bytes] = []
-            for tailed in self.files:
-                chunks.extend(tailed.read_lines(final))
-            self._emit(chunks)
+            self._emit([line for tailed in self.files for line in tailed.read_lines(final)])
 
     def add(self, prefix: str, path: str) -> None:
         """Start tailing another file (one process of a job that starts processes over time)."""
