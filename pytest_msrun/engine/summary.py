@@ -104,22 +104,19 @@ def render(failures: list[Failure], terminated: list[str], log_dir: str) -> str:
     if root.error is not None:  # it raised: its own record, no log scraping
         if root.log_path:
             parts.append(f"  log: {os.path.abspath(root.log_path)}")
-        parts.append(f"  error: {root.error.headline}")
-        parts.append("  traceback (from its error file):")
+        parts += [f"  error: {root.error.headline}", "  traceback (from its error file):"]
         parts.append(_indent(root.error.traceback.rstrip("\n")))
     elif root.log_path:  # it died without a record (a signal, os._exit, sys.exit): what its log says
         parts.append(f"  log: {os.path.abspath(root.log_path)}")
         text = log_text(root.log_path)
         tb = extract_traceback(text)
         if tb:
-            parts.append("  traceback:")
-            parts.append(_indent(tb))
+            parts += ["  traceback:", _indent(tb)]
         tail = "\n".join(text.splitlines()[-TAIL_LINES:])
         if not tail.strip():
             parts.append("  (its log is empty)")
         elif tail.strip() != tb.strip():  # a log that is just the traceback is shown once
-            parts.append(f"  last {min(TAIL_LINES, len(tail.splitlines()))} lines of its log:")
-            parts.append(_indent(tail))
+            parts += [f"  last {min(TAIL_LINES, len(tail.splitlines()))} lines of its log:", _indent(tail)]
     if root.log_path:
         disk = full_disk_note(os.path.dirname(os.path.abspath(root.log_path)))
         if disk:
