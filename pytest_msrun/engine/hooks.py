@@ -64,9 +64,7 @@ def registered(log_dir: str, job_id: str = "") -> list[tuple[str, str]]:
                 target, _, theirs = fh.read().strip().partition("\n")
         except OSError:
             continue
-        if job_id and theirs and theirs != job_id:
-            continue
-        if target in TARGETS:
+        if target in TARGETS and not (job_id and theirs and theirs != job_id):
             out.append((name, target))
     return out
 

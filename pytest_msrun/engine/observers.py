@@ -78,9 +78,8 @@ class ConsoleObserver:
                     console.error(f"Worker process {child.pid} exit with exception. Error code: {child.returncode}.")
                 else:
                     console.error(f"Scheduler process {child.pid} exit with exception.")
-        elif event is JobEvent.SPAWNED:
-            if self.waiting:
-                console.warning("Distributed job is spawned. Waiting all processes to exit...")
+        elif event is JobEvent.SPAWNED and self.waiting:
+            console.warning("Distributed job is spawned. Waiting all processes to exit...")
         elif event is JobEvent.ENDING:
             self._ending(payload)
         elif event is JobEvent.ENDED:
