@@ -95,10 +95,7 @@ class JobCgroup:
 
     def members(self) -> list[int]:
         """Every process in the job's cgroup and its sub-cgroups (nested msrun jobs)."""
-        out: list[int] = []
-        for root, _dirs, _files in os.walk(self.path):
-            out.extend(int(p) for p in _read(os.path.join(root, "cgroup.procs")).split())
-        return out
+        return [int(p) for root, _, _ in os.walk(self.path) for p in _read(os.path.join(root, "cgroup.procs")).split()]
 
     def leave(self) -> None:
         """Move this process back to where it came from (it is not part of the job)."""

@@ -71,13 +71,12 @@ class ConsoleObserver:
                     f"Start worker process with rank id:{spec.rank}, log file:{spec.log_path}. "
                     f"Environment variable [RANK_ID={spec.rank}] is exported. Execute command: {command}"
                 )
-        elif event is JobEvent.PROCESS_EXITED:
+        elif event is JobEvent.PROCESS_EXITED and payload.returncode not in (0, None):
             child: Child = payload
-            if child.returncode not in (0, None):
-                if child.tag.role == Role.WORKER:
-                    console.error(f"Worker process {child.pid} exit with exception. Error code: {child.returncode}.")
-                else:
-                    console.error(f"Scheduler process {child.pid} exit with exception.")
+            if child.tag.role == Role.WORKER:
+                console.error(f"Worker process {child.pid} exit with exception. Error code: {child.returncode}.")
+            else:
+                console.error(f"Scheduler process {child.pid} exit with exception.")
         elif event is JobEvent.SPAWNED and self.waiting:
             console.warning("Distributed job is spawned. Waiting all processes to exit...")
         elif event is JobEvent.ENDING:
