@@ -50,6 +50,14 @@ TRACKED_ADDRESSES = 1024  # addresses counted one by one per summary; beyond, "o
 NONCE_MAX = 64  # hex digits of a hello's nonce
 
 
+def unregister(sel: selectors.BaseSelector, fileobj: Any) -> None:
+    """``sel`` no longer watches ``fileobj`` (whether it did or not)."""
+    try:
+        sel.unregister(fileobj)
+    except (KeyError, ValueError):
+        pass
+
+
 @record(eq=False)
 class Admitted:
     """A connection that went through the door: a client that proved the token (``kind`` from its
@@ -217,10 +225,7 @@ class Door:
         self.closed = True
         for stranger in list(self.strangers):
             self._close(stranger)
-        try:
-            self.sel.unregister(self.listener)
-        except (KeyError, ValueError):
-            pass
+        unregister(self.sel, self.listener)
         self.listener.close()
         if self.own_selector:
             self.sel.close()
@@ -257,10 +262,7 @@ class Door:
         return admitted
 
     def _pause(self) -> None:
-        try:
-            self.sel.unregister(self.listener)
-        except (KeyError, ValueError):
-            pass
+        unregister(self.sel, self.listener)
         self.paused_until = time.monotonic() + ACCEPT_PAUSE
 
     def _shed(self, group: dict[Stranger, None], why: str) -> list[Admitted]:
@@ -401,10 +403,7 @@ class Door:
         fd = stranger.sock.fileno()
         if fd >= 0:
             self.by_sock.pop(fd, None)
-            try:
-                self.sel.unregister(stranger.sock)
-            except (KeyError, ValueError):
-                pass
+            unregister(self.sel, stranger.sock)
 
     def _close(self, stranger: Stranger) -> None:
         self._forget(stranger)
