@@ -152,8 +152,8 @@ class RankGroup:
             return []  # joined and connected: its connection closes too; or it already left
         why = f"exited without joining the group: its process {how}"
         self.gone[rank] = why
-        out = [] if self.ready else self._unformed(f"rank {rank} {why}")
-        return out + self.fail_collectives(f"rank {rank} left the job ({why})", named=True)
+        unformed = self._unformed(f"rank {rank} {why}")
+        return unformed + self.fail_collectives(f"rank {rank} left the job ({why})", named=True)
 
     def left(self, rank: int, why: str) -> Sends:
         """``rank``'s connection is gone."""
@@ -161,12 +161,12 @@ class RankGroup:
         if rank in self.exit_how:
             why = f"its process {self.exit_how[rank]}"
         self.gone[rank] = why
-        out = [] if self.ready else self._unformed(f"rank {rank} left before the group formed ({why})")
-        return out + self.fail_collectives(f"rank {rank} left the job ({why})", named=True)
+        unformed = self._unformed(f"rank {rank} left before the group formed ({why})")
+        return unformed + self.fail_collectives(f"rank {rank} left the job ({why})", named=True)
 
     def _unformed(self, reason: str) -> Sends:
-        """The group cannot form: the ranks waiting for it hear why."""
-        return [(sorted(self.connected), {"t": "error", "seq": -1, "reason": reason})]
+        """The group cannot form: the ranks waiting for it hear why (none once it formed)."""
+        return [] if self.ready else [(sorted(self.connected), {"t": "error", "seq": -1, "reason": reason})]
 
     def bye(self, rank: int, test: str | None = None) -> Sends:
         """``rank`` called ``finalize()`` (in ``test``, when a test's: a later test may init() it again)."""
@@ -191,7 +191,7 @@ class RankGroup:
         exited (a fresh job's ranks exit when their test ends)."""
         out: Sends = []
         for rank in sorted(set(ranks)):
-            if not self.ready and rank not in self.connected:
+            if rank not in self.connected:
                 out += self._unformed(f"rank {rank} {why} without joining the group")
             waiting = [seq for seq, coll in self.collectives.items() if rank not in coll.parts]
             out += self.fail_collectives(f"rank {rank} left the test ({why})", waiting, named=True)
