@@ -84,12 +84,6 @@ class CollectiveDeadlock(ClusterError):
 API_NAMES = {"barrier": "barrier", "gather": "all_gather_object", "bcast": "broadcast_object"}
 
 
-def frame_bytes(msg: dict[str, Any], raw: int) -> int:
-    """The body size of frame ``msg`` once ``raw`` bytes of data are added to it (as a ``data``
-    field, base64), without encoding them: what the message limit counts."""
-    return len(wire.encode(msg)) - wire.HEADER.size + len(',"data":""') + 4 * ((raw + 2) // 3)
-
-
 def _where() -> tuple[str, str] | None:
     """The test phase this process is in (pytest's ``PYTEST_CURRENT_TEST``: "nodeid (call)")."""
     current = os.environ.get("PYTEST_CURRENT_TEST", "")
@@ -183,7 +177,9 @@ class _Group:
                 msg["order"] = calls.place
         if data is None:
             return msg
-        size, limit = frame_bytes(msg, len(data)), wire.message_limit()
+        # the frame's body once the data is added (a base64 ``data`` field), without encoding it
+        size = len(wire.encode(msg)) - wire.HEADER.size + len(',"data":""') + 4 * ((len(data) + 2) // 3)
+        limit = wire.message_limit()
         if size > limit:
             raise ClusterError(
                 f"{API_NAMES.get(op, op)} on rank {self.rank}: this rank's object pickles to {len(data)} bytes, a "
