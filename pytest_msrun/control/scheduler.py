@@ -235,8 +235,7 @@ class Ranks:
         was_ready = self.group.ready
         sends = self.group.join(rank, f"{who}, joined at {time.strftime('%H:%M:%S')}")
         if rank not in self.group.connected:  # refused: the group can never form
-            self.conn_of.pop(rank, None)
-            self.rank_of.pop(conn, None)
+            self._forget(conn, rank)
             sched.transport.send(conn, sends[0][1])
             return
         if sched.trace is not None:
@@ -315,8 +314,7 @@ class Scheduler:
         self.worker_num = int(env["MS_WORKER_NUM"])
         self.topo_timeout = env_seconds(env, "MS_TOPO_TIMEOUT", 600.0, allow_negative=True)
         self.node_timeout = env_seconds(env, "MS_NODE_TIMEOUT", 30.0, allow_negative=True)
-        self.auth_timeout = env_seconds(env, "MSRUN_AUTH_TIMEOUT", DEFAULT_AUTH_TIMEOUT)
-        token = env.get("MSRUN_JOB_TOKEN", "")
+        auth_timeout = env_seconds(env, "MSRUN_AUTH_TIMEOUT", DEFAULT_AUTH_TIMEOUT)
         fd = env.get("MSRUN_LISTEN_FD")
         if fd:
             listener = _socket.socket(fileno=int(fd))
@@ -327,8 +325,9 @@ class Scheduler:
         self.job_id = env.get("MSRUN_JOB_ID", "")
         self.mode = env.get("MSRUN_SCHEDULER", "builtin")  # builtin | auto | mindspore: are MindSpore clients served
         self.env = env
+        token = env.get("MSRUN_JOB_TOKEN", "")
         self.transport = Transport(
-            listener, self, token=token, auth_timeout=self.auth_timeout, max_pending=2 * self.worker_num, log=log
+            listener, self, token=token, auth_timeout=auth_timeout, max_pending=2 * self.worker_num, log=log
         )
         self.agents = Agents(self)
         self.ranks = Ranks(self)
@@ -340,7 +339,6 @@ class Scheduler:
         self.exit_code: int | None = None
         self.abort_msg: dict[str, Any] | None = None
         self.terminated_by: int | None = None
-        self.ended = False
         self.trace = tracelog.recorder_from_env(self.env, "scheduler")
         self.progress_due = False
         self.next_progress = 0.0
@@ -461,7 +459,7 @@ class Scheduler:
         return [c for c in self.transport.conns.values() if c.kind in CLIENT_KINDS]
 
     def abort(self, reason: str, code: int | None) -> None:
-        if self.ended:
+        if self.exit_code is not None:
             return
         log(f"aborting the job: {reason}")
         self.tell_drops(now_or_never=True)
@@ -472,10 +470,9 @@ class Scheduler:
         self.finish(1)
 
     def finish(self, code: int) -> None:
-        if not self.ended:
-            self.ended = True
-            self.agents.registry.state = "ended"
+        if self.exit_code is None:
             self.exit_code = code
+            self.agents.registry.state = "ended"
             self.tell_drops(now_or_never=True)
             self.tell_write_failures()  # before the end: a short job must hear of them too
             if code == 0:
@@ -560,16 +557,15 @@ class Scheduler:
             pass
 
     def run(self) -> int:
-        wake_r, wake_w = os.pipe()
-        self._wake_r = wake_r
-        os.set_blocking(wake_r, False)
+        self._wake_r, wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
         os.set_blocking(wake_w, False)
         signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
         import selectors
 
-        self.transport.sel.register(wake_r, selectors.EVENT_READ, "signal")
+        self.transport.sel.register(self._wake_r, selectors.EVENT_READ, "signal")
         log(f"listening on {self.transport.listener.getsockname()[:2]} for {self.worker_num} ranks ({self.mode} mode)")
         if self.mode == "mindspore":
             self._relay().start()
