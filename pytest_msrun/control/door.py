@@ -316,7 +316,7 @@ class Door:
             if not self._hello(stranger, msg):
                 return []
             if not self.token:  # an unauthenticated job: welcomed at its hello
-                return self._admit(stranger, messages[index + 1 :], bytes(stranger.frames.buf))
+                return self._admit(stranger, messages[index + 1 :])
         return []
 
     def _hello(self, stranger: Stranger, msg: dict[str, Any]) -> bool:
@@ -342,9 +342,9 @@ class Door:
         if msg["t"] != "auth" or not wire.token_ok(msg.get("proof"), expected):
             self._refuse(stranger, self.refusal)
             return []
-        return self._admit(stranger, after, bytes(stranger.frames.buf))
+        return self._admit(stranger, after)
 
-    def _admit(self, stranger: Stranger, messages: list[dict[str, Any]], rest: bytes) -> list[Admitted]:
+    def _admit(self, stranger: Stranger, messages: list[dict[str, Any]]) -> list[Admitted]:
         """Welcome ``stranger`` (with the door's proof) and let it in (none: its connection failed)."""
         hello = stranger.hello
         assert hello is not None
@@ -356,7 +356,7 @@ class Door:
         if not self._send(stranger, welcome):
             return []
         self._forget(stranger)
-        return [Admitted(stranger.sock, stranger.peer, str(hello["kind"]), hello, messages, rest)]
+        return [Admitted(stranger.sock, stranger.peer, str(hello["kind"]), hello, messages, bytes(stranger.frames.buf))]
 
     def _leave_foreign(self, stranger: Stranger) -> Admitted:
         self._forget(stranger)

@@ -160,8 +160,7 @@ class Recorder:
         self._write(_dumps(ev) + "\n")
 
     def extend(self, events: list[dict[str, Any]]) -> None:
-        for ev in events:
-            self.add(ev)
+        self.add_lines(encode(events))
 
     def add_lines(self, text: str) -> None:
         """Events another process encoded (:func:`encode`); lines that are not one JSON object
