@@ -67,12 +67,10 @@ class ForeignClients:
             self.transport.drop_stranger(conn, "MindSpore-protocol client on a host that is not this job's node")
             return
         if len(self.waiting) >= self.max_waiting:
-            oldest = next(iter(self.waiting))
-            self._fail(oldest, "shed (too many MindSpore-protocol clients being attributed)")
+            self._fail(next(iter(self.waiting)), "shed (too many MindSpore-protocol clients being attributed)")
         self.next_id += 1
         request = {"t": "vouch", "id": self.next_id, "peer": [ip, int(peer[1])], "server": [here[0], int(here[1])]}
-        for agent in agents:
-            self.transport.send(agent, request)
+        self.transport.broadcast(agents, request)
         conn.deadline = self.transport.clock.now + self.timeout
         self.waiting[self.next_id] = (conn, set(agents), ip)
         self.by_conn[conn] = self.next_id
@@ -136,7 +134,7 @@ def vouch(msg: dict[str, Any], root_pid: int) -> dict[str, Any]:
     user. Whatever the request holds, the answer is a yes or a no."""
     answer: dict[str, Any] = {"t": "vouched", "id": msg.get("id"), "ok": False}
     peer, server = msg.get("peer"), msg.get("server")
-    if not (_endpoint(peer) and _endpoint(server)):
+    if not (isinstance(peer, list) and isinstance(server, list) and _endpoint(peer) and _endpoint(server)):
         return answer
     from pytest_msrun.netaddr import tcp_socket
     from pytest_msrun.proc import descendants, holds_socket
