@@ -230,14 +230,13 @@ class Ranks:
         if sched.abort_msg is not None:
             sched.transport.send(conn, sched.abort_msg)
             return
-        self.conn_of[rank] = conn
-        self.rank_of[conn] = rank
         was_ready = self.group.ready
         sends = self.group.join(rank, f"{who}, joined at {time.strftime('%H:%M:%S')}")
         if rank not in self.group.connected:  # refused: the group can never form
-            self._forget(conn, rank)
             sched.transport.send(conn, sends[0][1])
             return
+        self.conn_of[rank] = conn
+        self.rank_of[conn] = rank
         if sched.trace is not None:
             now = time.time()
             self.first_join = self.first_join or now
