@@ -123,7 +123,8 @@ class RankGroup:
     def join(self, rank: int, holder: str = "") -> Sends:
         """``rank`` joins (``holder``: its process, said when another asks for the rank); the group
         forms when every rank is in."""
-        never = self.never_joined_gone()
+        # The group can never form once a rank's process ended before it joined.
+        never = "; ".join(f"rank {r} {self.gone[r]}" for r in sorted(self.gone) if r not in self.joined)
         if never and not self.ready:
             return [([rank], {"t": "error", "seq": -1, "reason": never})]
         self.connected.add(rank)
@@ -138,11 +139,6 @@ class RankGroup:
             self.ready = True
             return [(sorted(self.connected), ready)]
         return []
-
-    def never_joined_gone(self) -> str:
-        """Why the group can never form (a rank's process ended before it joined), or ""."""
-        gone = sorted(r for r in self.gone if r not in self.joined)
-        return "; ".join(f"rank {r} {self.gone[r]}" for r in gone)
 
     # ---------------------------------------------------------------- leaving
     def exited(self, rank: int, how: str) -> Sends:
