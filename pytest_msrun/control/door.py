@@ -243,7 +243,8 @@ class Door:
                     if self.strangers:
                         admitted += self._shed(self.strangers, "out of file descriptors")
                         continue  # one freed: take the waiting connection
-                    self._pause()  # never spin on a listener that cannot be served
+                    unregister(self.sel, self.listener)  # never spin on a listener that cannot be served
+                    self.paused_until = time.monotonic() + ACCEPT_PAUSE
                 break
             sock = _socket.socket(fileno=fd)
             sock.setblocking(False)
@@ -260,10 +261,6 @@ class Door:
             self.by_sock[sock.fileno()] = stranger
             self.sel.register(sock, selectors.EVENT_READ, self)
         return admitted
-
-    def _pause(self) -> None:
-        unregister(self.sel, self.listener)
-        self.paused_until = time.monotonic() + ACCEPT_PAUSE
 
     def _shed(self, group: dict[Stranger, None], why: str) -> list[Admitted]:
         """Make room in ``group``: a lingering refusal first, else the oldest without a whole hello,
