@@ -158,7 +158,7 @@ class MindSporeBridge:
     def start(self) -> None:
         """Start the MindSpore scheduler (once; again if a previous one finished cleanly), in a
         private network namespace where one can be made."""
-        if self.proc is not None and self.proc.poll() is None:
+        if self.serving:
             return
         sys.stdout.flush()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
