@@ -89,10 +89,8 @@ class CallStates:
 
     def away(self, rank: int, test: str) -> str:
         """Why ``rank`` will not join a collective entered in ``test``'s call ("" when it may)."""
-        if self.in_call.get(rank) == test:
-            return ""
         outcome = self.left.get(rank, {}).get(test)
-        if outcome is None:
+        if self.in_call.get(rank) == test or outcome is None:
             return ""
         text = f"rank {rank} has left {short(test)}'s call ({outcome})"
         now = self.in_call.get(rank)

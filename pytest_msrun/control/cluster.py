@@ -84,12 +84,6 @@ class CollectiveDeadlock(ClusterError):
 API_NAMES = {"barrier": "barrier", "gather": "all_gather_object", "bcast": "broadcast_object"}
 
 
-def frame_bytes(msg: dict[str, Any], raw: int) -> int:
-    """The body size of frame ``msg`` once ``raw`` bytes of data are added to it (as a ``data``
-    field, base64), without encoding them: what the message limit counts."""
-    return len(wire.encode(msg)) - wire.HEADER.size + len(',"data":""') + 4 * ((raw + 2) // 3)
-
-
 def _where() -> tuple[str, str] | None:
     """The test phase this process is in (pytest's ``PYTEST_CURRENT_TEST``: "nodeid (call)")."""
     current = os.environ.get("PYTEST_CURRENT_TEST", "")
@@ -135,33 +129,22 @@ class _Group:
             entered = time.time()
             deadline = None if timeout is None else time.monotonic() + timeout
             where = _where()
-            if self.pending is not None:
-                was_op, was_seq, was_src, was_where = self.pending
-                if (was_op, was_src, was_where) == (op, src, where):  # a retry: it waits for that call again
-                    return self._run(op, was_seq, None, src, timeout, deadline, entered)
-                self._finish_pending(op, timeout, deadline)
-            seq = self.seq + 1
-            msg = self._message(op, seq, src, data, where)
-            self.seq = seq
-            return self._run(op, seq, msg, src, timeout, deadline, entered)
-
-    def _run(
-        self,
-        op: str,
-        seq: int,
-        msg: dict[str, Any] | None,
-        src: int,
-        timeout: float | None,
-        deadline: float | None,
-        entered: float,
-    ) -> Any:
-        try:
-            result = self._exchange(op, seq, msg, src, timeout, deadline)
-        except ClusterError as exc:
-            _remember(op, seq, entered, str(exc))
-            raise
-        _remember(op, seq, entered, "")
-        return result
+            pending = self.pending
+            if pending is not None and (pending[0], pending[2], pending[3]) == (op, src, where):
+                seq, msg = pending[1], None  # a retry: it waits for that call again
+            else:
+                if pending is not None:
+                    self._finish_pending(op, timeout, deadline)
+                seq = self.seq + 1
+                msg = self._message(op, seq, src, data, where)
+                self.seq = seq
+            try:
+                result = self._exchange(op, seq, msg, src, timeout, deadline)
+            except ClusterError as exc:
+                _remember(op, seq, entered, str(exc))
+                raise
+            _remember(op, seq, entered, "")
+            return result
 
     def _finish_pending(self, op: str, timeout: float | None, deadline: float | None) -> None:
         """Another collective while the rank is still in one whose ``timeout=`` ran out (a rank is
@@ -194,7 +177,9 @@ class _Group:
                 msg["order"] = calls.place
         if data is None:
             return msg
-        size, limit = frame_bytes(msg, len(data)), wire.message_limit()
+        # the frame's body once the data is added (a base64 ``data`` field), without encoding it
+        size = len(wire.encode(msg)) - wire.HEADER.size + len(',"data":""') + 4 * ((len(data) + 2) // 3)
+        limit = wire.message_limit()
         if size > limit:
             raise ClusterError(
                 f"{API_NAMES.get(op, op)} on rank {self.rank}: this rank's object pickles to {len(data)} bytes, a "
@@ -355,36 +340,35 @@ def init(timeout: float | None = None) -> None:
             try:
                 channel.handshake(hello, env.get("MSRUN_JOB_TOKEN", ""), max(0.1, deadline - time.monotonic()))
                 break
-            except wire.AuthError as exc:
-                channel.close()
-                raise ClusterError(f"init() failed on rank {rank}: {exc}") from None
             except (OSError, socket.timeout, wire.ProtocolError) as exc:
                 # Dropped before its welcome (a flood of other connections, a scheduler that
-                # could not run for a while): again, backing off, until the cluster timeout.
+                # could not run for a while): again, backing off, until the cluster timeout;
+                # refused (another token): at once.
                 channel.close()
-                if time.monotonic() >= deadline:
+                if isinstance(exc, wire.AuthError) or time.monotonic() >= deadline:
                     raise ClusterError(f"init() failed on rank {rank}: {exc}") from None
                 time.sleep(min(backoff, max(0.0, deadline - time.monotonic())) * (0.5 + random.random()))
                 backoff = min(2.0, backoff * 2)
-        while True:
-            try:
-                reply = channel.recv(max(0.0, deadline - time.monotonic()))
-            except socket.timeout:
-                channel.close()
-                raise ClusterError(
-                    f"init() timed out after {timeout:g} s waiting for all {world} ranks "
-                    "(MS_TOPO_TIMEOUT, which msrun sets from --cluster_time_out)"
-                ) from None
-            except (OSError, wire.ProtocolError) as exc:
-                channel.close()
-                raise ClusterError(f"init(): lost the scheduler connection ({exc})") from None
-            kind = reply.get("t")
-            if kind == "ready":
-                break
-            if kind in ("refused", "error", "abort"):
-                channel.close()
-                cls = ClusterAborted if kind == "abort" else ClusterError
-                raise cls(f"init() failed on rank {rank}: {reply.get('reason')}")
+        try:
+            while True:
+                try:
+                    reply = channel.recv(max(0.0, deadline - time.monotonic()))
+                except socket.timeout:
+                    raise ClusterError(
+                        f"init() timed out after {timeout:g} s waiting for all {world} ranks "
+                        "(MS_TOPO_TIMEOUT, which msrun sets from --cluster_time_out)"
+                    ) from None
+                except (OSError, wire.ProtocolError) as exc:
+                    raise ClusterError(f"init(): lost the scheduler connection ({exc})") from None
+                kind = reply.get("t")
+                if kind == "ready":
+                    break
+                if kind in ("refused", "error", "abort"):
+                    cls = ClusterAborted if kind == "abort" else ClusterError
+                    raise cls(f"init() failed on rank {rank}: {reply.get('reason')}")
+        except ClusterError:
+            channel.close()
+            raise
         # No finalize() at exit: a process ending with an error must not tell its peers it left
         # cleanly while it is still shutting down. Its connection must not close during that
         # shutdown either (the socket object is collected then), or peers hear of it - and may

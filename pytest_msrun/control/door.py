@@ -50,6 +50,14 @@ TRACKED_ADDRESSES = 1024  # addresses counted one by one per summary; beyond, "o
 NONCE_MAX = 64  # hex digits of a hello's nonce
 
 
+def unregister(sel: selectors.BaseSelector, fileobj: Any) -> None:
+    """``sel`` no longer watches ``fileobj`` (whether it did or not)."""
+    try:
+        sel.unregister(fileobj)
+    except (KeyError, ValueError):
+        pass
+
+
 @record(eq=False)
 class Admitted:
     """A connection that went through the door: a client that proved the token (``kind`` from its
@@ -217,10 +225,7 @@ class Door:
         self.closed = True
         for stranger in list(self.strangers):
             self._close(stranger)
-        try:
-            self.sel.unregister(self.listener)
-        except (KeyError, ValueError):
-            pass
+        unregister(self.sel, self.listener)
         self.listener.close()
         if self.own_selector:
             self.sel.close()
@@ -238,7 +243,8 @@ class Door:
                     if self.strangers:
                         admitted += self._shed(self.strangers, "out of file descriptors")
                         continue  # one freed: take the waiting connection
-                    self._pause()  # never spin on a listener that cannot be served
+                    unregister(self.sel, self.listener)  # never spin on a listener that cannot be served
+                    self.paused_until = time.monotonic() + ACCEPT_PAUSE
                 break
             sock = _socket.socket(fileno=fd)
             sock.setblocking(False)
@@ -255,13 +261,6 @@ class Door:
             self.by_sock[sock.fileno()] = stranger
             self.sel.register(sock, selectors.EVENT_READ, self)
         return admitted
-
-    def _pause(self) -> None:
-        try:
-            self.sel.unregister(self.listener)
-        except (KeyError, ValueError):
-            pass
-        self.paused_until = time.monotonic() + ACCEPT_PAUSE
 
     def _shed(self, group: dict[Stranger, None], why: str) -> list[Admitted]:
         """Make room in ``group``: a lingering refusal first, else the oldest without a whole hello,
@@ -314,7 +313,7 @@ class Door:
             if not self._hello(stranger, msg):
                 return []
             if not self.token:  # an unauthenticated job: welcomed at its hello
-                return self._admit(stranger, messages[index + 1 :], bytes(stranger.frames.buf))
+                return self._admit(stranger, messages[index + 1 :])
         return []
 
     def _hello(self, stranger: Stranger, msg: dict[str, Any]) -> bool:
@@ -340,9 +339,9 @@ class Door:
         if msg["t"] != "auth" or not wire.token_ok(msg.get("proof"), expected):
             self._refuse(stranger, self.refusal)
             return []
-        return self._admit(stranger, after, bytes(stranger.frames.buf))
+        return self._admit(stranger, after)
 
-    def _admit(self, stranger: Stranger, messages: list[dict[str, Any]], rest: bytes) -> list[Admitted]:
+    def _admit(self, stranger: Stranger, messages: list[dict[str, Any]]) -> list[Admitted]:
         """Welcome ``stranger`` (with the door's proof) and let it in (none: its connection failed)."""
         hello = stranger.hello
         assert hello is not None
@@ -354,7 +353,7 @@ class Door:
         if not self._send(stranger, welcome):
             return []
         self._forget(stranger)
-        return [Admitted(stranger.sock, stranger.peer, str(hello["kind"]), hello, messages, rest)]
+        return [Admitted(stranger.sock, stranger.peer, str(hello["kind"]), hello, messages, bytes(stranger.frames.buf))]
 
     def _leave_foreign(self, stranger: Stranger) -> Admitted:
         self._forget(stranger)
@@ -401,10 +400,7 @@ class Door:
         fd = stranger.sock.fileno()
         if fd >= 0:
             self.by_sock.pop(fd, None)
-            try:
-                self.sel.unregister(stranger.sock)
-            except (KeyError, ValueError):
-                pass
+            unregister(self.sel, stranger.sock)
 
     def _close(self, stranger: Stranger) -> None:
         self._forget(stranger)

@@ -35,20 +35,12 @@ WAIT_BYTES = 1 << 20  # bytes of a client kept while it is being attributed
 class ForeignClients:
     """Foreign-protocol connections being attributed, and the answers of the nodes' agents."""
 
-    def __init__(
-        self,
-        transport: Any,
-        *,
-        agents_at: Callable[[str], list[Any]],
-        accept: Callable[[Any], None],
-        timeout: float,
-        max_waiting: int,
-    ) -> None:
+    def __init__(self, transport: Any, agents_at: Callable[[str], list[Any]], accept: Callable[[Any], None]) -> None:
         self.transport = transport
         self.agents_at = agents_at  # peer address -> the authenticated agent connections of that node
         self.accept = accept  # called with a client shown to be this job's
-        self.timeout = timeout
-        self.max_waiting = max_waiting
+        self.timeout = transport.door.timeout  # the handshake's, as the door's strangers
+        self.max_waiting = transport.door.max_pending
         # request id -> (client, agents still to answer, its peer address for the count of strangers)
         self.waiting: dict[int, tuple[Any, set[Any], str]] = {}
         self.by_conn: dict[Any, int] = {}
@@ -65,8 +57,7 @@ class ForeignClients:
         from pytest_msrun.netaddr import is_local_address, local_peer_uid
 
         if is_local_address(ip):
-            uid = local_peer_uid(conn.sock)
-            if uid == os.getuid():
+            if local_peer_uid(conn.sock) == os.getuid():
                 self.accept(conn)
             else:
                 self.transport.drop_stranger(conn, "MindSpore-protocol client of another user (or of no one known)")
@@ -76,12 +67,10 @@ class ForeignClients:
             self.transport.drop_stranger(conn, "MindSpore-protocol client on a host that is not this job's node")
             return
         if len(self.waiting) >= self.max_waiting:
-            oldest = next(iter(self.waiting))
-            self._fail(oldest, "shed (too many MindSpore-protocol clients being attributed)")
+            self._fail(next(iter(self.waiting)), "shed (too many MindSpore-protocol clients being attributed)")
         self.next_id += 1
         request = {"t": "vouch", "id": self.next_id, "peer": [ip, int(peer[1])], "server": [here[0], int(here[1])]}
-        for agent in agents:
-            self.transport.send(agent, request)
+        self.transport.broadcast(agents, request)
         conn.deadline = self.transport.clock.now + self.timeout
         self.waiting[self.next_id] = (conn, set(agents), ip)
         self.by_conn[conn] = self.next_id

@@ -123,7 +123,8 @@ class RankGroup:
     def join(self, rank: int, holder: str = "") -> Sends:
         """``rank`` joins (``holder``: its process, said when another asks for the rank); the group
         forms when every rank is in."""
-        never = self.never_joined_gone()
+        # The group can never form once a rank's process ended before it joined.
+        never = "; ".join(f"rank {r} {self.gone[r]}" for r in sorted(self.gone) if r not in self.joined)
         if never and not self.ready:
             return [([rank], {"t": "error", "seq": -1, "reason": never})]
         self.connected.add(rank)
@@ -139,11 +140,6 @@ class RankGroup:
             return [(sorted(self.connected), ready)]
         return []
 
-    def never_joined_gone(self) -> str:
-        """Why the group can never form (a rank's process ended before it joined), or ""."""
-        gone = sorted(r for r in self.gone if r not in self.joined)
-        return "; ".join(f"rank {r} {self.gone[r]}" for r in gone)
-
     # ---------------------------------------------------------------- leaving
     def exited(self, rank: int, how: str) -> Sends:
         """``rank``'s process ended (its agent saw it): nobody may wait for it any more."""
@@ -152,8 +148,8 @@ class RankGroup:
             return []  # joined and connected: its connection closes too; or it already left
         why = f"exited without joining the group: its process {how}"
         self.gone[rank] = why
-        out = [] if self.ready else self._unformed(f"rank {rank} {why}")
-        return out + self.fail_collectives(f"rank {rank} left the job ({why})", named=True)
+        unformed = self._unformed(f"rank {rank} {why}")
+        return unformed + self.fail_collectives(f"rank {rank} left the job ({why})", named=True)
 
     def left(self, rank: int, why: str) -> Sends:
         """``rank``'s connection is gone."""
@@ -161,12 +157,12 @@ class RankGroup:
         if rank in self.exit_how:
             why = f"its process {self.exit_how[rank]}"
         self.gone[rank] = why
-        out = [] if self.ready else self._unformed(f"rank {rank} left before the group formed ({why})")
-        return out + self.fail_collectives(f"rank {rank} left the job ({why})", named=True)
+        unformed = self._unformed(f"rank {rank} left before the group formed ({why})")
+        return unformed + self.fail_collectives(f"rank {rank} left the job ({why})", named=True)
 
     def _unformed(self, reason: str) -> Sends:
-        """The group cannot form: the ranks waiting for it hear why."""
-        return [(sorted(self.connected), {"t": "error", "seq": -1, "reason": reason})]
+        """The group cannot form: the ranks waiting for it hear why (none once it formed)."""
+        return [] if self.ready else [(sorted(self.connected), {"t": "error", "seq": -1, "reason": reason})]
 
     def bye(self, rank: int, test: str | None = None) -> Sends:
         """``rank`` called ``finalize()`` (in ``test``, when a test's: a later test may init() it again)."""
@@ -191,11 +187,10 @@ class RankGroup:
         exited (a fresh job's ranks exit when their test ends)."""
         out: Sends = []
         for rank in sorted(set(ranks)):
-            if not self.ready and rank not in self.connected:
+            if rank not in self.connected:
                 out += self._unformed(f"rank {rank} {why} without joining the group")
             waiting = [seq for seq, coll in self.collectives.items() if rank not in coll.parts]
-            if waiting:
-                out += self.fail_collectives(f"rank {rank} left the test ({why})", waiting, named=True)
+            out += self.fail_collectives(f"rank {rank} left the test ({why})", waiting, named=True)
         return out
 
     def expel(self, rank: int, refusal: str) -> Sends:
@@ -272,7 +267,44 @@ class RankGroup:
             coll = self.collectives[seq] = Collective(op, src, set(range(self.world)), call)
         if coll.order is None:
             coll.order = order
-        return stale + self._enter(rank, op, seq, src, data, where, coll, call)
+        # ``rank``'s part of ``coll``: the collective completes, fails, or waits.
+        mismatch = ""
+        if coll.op != op or coll.src != src:
+            first = coll.op if coll.op != "bcast" else f"bcast(src={coll.src})"
+            this = op if op != "bcast" else f"bcast(src={src})"
+            mismatch = f"collective #{seq} mismatch: rank {rank} called {this}, another rank called {first}"
+        elif where is not None and coll.where is not None and where[0] != coll.where[0]:
+            # one collective is entered in one test, whatever the phase: a teardown's that a rank
+            # alone entered must not pair with its peers' in a later test
+            mismatch = (
+                f"{op_name(op)} #{seq} mismatch: rank {rank} entered it in {short(where[0])}'s {where[1]}, "
+                f"another rank in {short(coll.where[0])}'s {coll.where[1]}"
+            )
+        if mismatch:
+            coll.parts[rank] = None
+            return stale + self.fail_collectives(mismatch, [seq])
+        coll.test = coll.test or call
+        coll.where = coll.where or where
+        coll.parts[rank] = data
+        coll.size += json_bytes(data)
+        coll.missing.discard(rank)
+        self.last[rank] = f"{op} #{seq}"
+        self.high[rank] = max(seq, self.high.get(rank, seq))
+        blocking = sorted(r for r in self.gone if self._blocks(r, coll))
+        if coll.missing and not blocking:
+            return stale + self.stuck(rank)
+        # Worded as when the rank leaves during a collective, whichever happens first.
+        failed = ", ".join(f"rank {r} left the job ({self.gone[r]})" for r in blocking) or self._too_big(seq, coll)
+        if failed:
+            return stale + self.fail_collectives(failed, [seq], named=True)
+        del self.collectives[seq]
+        if op == "barrier":
+            reply: dict[str, Any] = {"t": "coll", "seq": seq}
+        elif op == "gather":
+            reply = {"t": "coll", "seq": seq, "data": [coll.parts[r] for r in range(self.world)]}
+        else:
+            reply = {"t": "coll", "seq": seq, "data": coll.parts.get(src)}
+        return stale + [(sorted(self.connected), reply)]
 
     @staticmethod
     def _past(rank: int, order: int | None, other: int | None, test: str) -> str:
@@ -290,60 +322,6 @@ class RankGroup:
         text = f"{op_name(coll.op)} #{seq} cannot complete: {why}"
         peers = [r for r in ranks if r in self.connected]
         return [(peers, {"t": "error", "seq": seq, "reason": text, "rewind": seq - 1})] if peers else []
-
-    def _enter(
-        self,
-        rank: int,
-        op: str,
-        seq: int,
-        src: int,
-        data: str | None,
-        where: tuple[str, str] | None,
-        coll: Collective,
-        call: str | None,
-    ) -> Sends:
-        """``rank``'s part of ``coll``: the collective completes, fails, or waits."""
-        if coll.op != op or coll.src != src:
-            first = coll.op if coll.op != "bcast" else f"bcast(src={coll.src})"
-            this = op if op != "bcast" else f"bcast(src={src})"
-            coll.parts[rank] = None
-            return self.fail_collectives(
-                f"collective #{seq} mismatch: rank {rank} called {this}, another rank called {first}", [seq]
-            )
-        if where is not None and coll.where is not None and where[0] != coll.where[0]:
-            # one collective is entered in one test, whatever the phase: a teardown's that a rank
-            # alone entered must not pair with its peers' in a later test
-            coll.parts[rank] = None
-            return self.fail_collectives(
-                f"{op_name(op)} #{seq} mismatch: rank {rank} entered it in {short(where[0])}'s {where[1]}, "
-                f"another rank in {short(coll.where[0])}'s {coll.where[1]}",
-                [seq],
-            )
-        coll.test = coll.test or call
-        coll.where = coll.where or where
-        coll.parts[rank] = data
-        coll.size += json_bytes(data)
-        coll.missing.discard(rank)
-        self.last[rank] = f"{op} #{seq}"
-        self.high[rank] = max(seq, self.high.get(rank, seq))
-        blocking = sorted(r for r in self.gone if self._blocks(r, coll))
-        if blocking:
-            # Worded as when the rank leaves during a collective, whichever happens first.
-            gone = ", ".join(f"rank {r} left the job ({self.gone[r]})" for r in blocking)
-            return self.fail_collectives(gone, [seq], named=True)
-        if coll.missing:
-            return self.stuck(rank)
-        too_big = self._too_big(seq, coll)
-        if too_big:
-            return self.fail_collectives(too_big, [seq], named=True)
-        del self.collectives[seq]
-        if op == "barrier":
-            reply: dict[str, Any] = {"t": "coll", "seq": seq}
-        elif op == "gather":
-            reply = {"t": "coll", "seq": seq, "data": [coll.parts[r] for r in range(self.world)]}
-        else:
-            reply = {"t": "coll", "seq": seq, "data": coll.parts.get(src)}
-        return [(sorted(self.connected), reply)]
 
     def _too_big(self, seq: int, coll: Collective) -> str:
         """Why a complete all-gather's result cannot be sent: its frame exceeds the limit ("" if not).
@@ -372,17 +350,16 @@ class RankGroup:
         where it is: every rank missing from one is gone, waits in another collective, is past
         it, or has left the test call it was entered in. Decided on the state before any fails
         (two ranks waiting in different collectives each name the other)."""
-        doomed = []
-        for seq, coll in self.collectives.items():
-            if moved in coll.missing or moved in coll.parts:
-                reasons = self._blockers(seq, coll)
-                if reasons:
-                    doomed.append((seq, reasons, self._rewind(seq, coll)))
-        out: Sends = []
-        for seq, reasons, rewind in doomed:
-            for peers, msg in self.fail_collectives(reasons, [seq], named=True):
-                out.append((peers, msg if rewind is None else {**msg, "rewind": rewind}))
-        return out
+        doomed = [
+            (seq, reasons, self._rewind(seq, coll))
+            for seq, coll in self.collectives.items()
+            if (moved in coll.missing or moved in coll.parts) and (reasons := self._blockers(seq, coll))
+        ]
+        return [
+            (peers, msg if rewind is None else {**msg, "rewind": rewind})
+            for seq, reasons, rewind in doomed
+            for peers, msg in self.fail_collectives(reasons, [seq], named=True)
+        ]
 
     def _rewind(self, seq: int, coll: Collective) -> int | None:
         """The sequence number the ranks in ``coll`` go back to when it fails because the ranks
@@ -397,12 +374,9 @@ class RankGroup:
         first = next(iter(coll.missing))  # usually on its way: decided in O(1)
         if not self._blocker(first, seq, coll):
             return ""
-        reasons = []
-        for rank in sorted(coll.missing):
-            why = self._blocker(rank, seq, coll)
-            if not why:
-                return ""
-            reasons.append(why)
+        reasons = [self._blocker(rank, seq, coll) for rank in sorted(coll.missing)]
+        if not all(reasons):
+            return ""
         if len(reasons) > 8:
             reasons[8:] = [f"and {len(reasons) - 8} more rank(s)"]
         return "; ".join(reasons)

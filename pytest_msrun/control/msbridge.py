@@ -158,7 +158,7 @@ class MindSporeBridge:
     def start(self) -> None:
         """Start the MindSpore scheduler (once; again if a previous one finished cleanly), in a
         private network namespace where one can be made."""
-        if self.proc is not None and self.proc.poll() is None:
+        if self.serving:
             return
         sys.stdout.flush()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -254,7 +254,7 @@ class MindSporeBridge:
     def connect_waiting(self) -> None:
         """Connect the waiting clients to the MindSpore scheduler once it listens."""
         self._settle()
-        if not self.waiting or self.proc is None or self.proc.poll() is not None or not self.private:
+        if not self.waiting or not self.serving or not self.private:
             return
         self.waiting = [c for c in self.waiting if c.sock.fileno() >= 0]
         if self.private == "yes":

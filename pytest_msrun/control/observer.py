@@ -13,15 +13,18 @@ from typing import Any
 from pytest_msrun.control import wire
 
 
-def _ask(host: str, port: int, token: str, msg: dict[str, Any], timeout: float) -> dict[str, Any] | None:
-    """One request as an authenticated observer; the scheduler's state it answers with, or None."""
+def query_state(
+    host: str, port: int, token: str, timeout: float = 2.0, msg: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """The scheduler's state (its answer to ``msg``, else to asking for it) as an authenticated
+    observer, or None when it cannot be reached in ``timeout`` seconds."""
     try:
         channel = wire.Channel.connect(host, port, timeout=timeout)
     except OSError:
         return None
     try:
         channel.handshake({"t": "hello", "kind": "observer"}, token, timeout)
-        channel.send(msg)
+        channel.send(msg or {"t": "state"})
         reply = channel.recv(timeout)
     except (OSError, socket.timeout, wire.ProtocolError):
         return None
@@ -30,14 +33,9 @@ def _ask(host: str, port: int, token: str, msg: dict[str, Any], timeout: float) 
     return reply if reply.get("t") == "state" else None
 
 
-def query_state(host: str, port: int, token: str, timeout: float = 2.0) -> dict[str, Any] | None:
-    """The scheduler's state, or None when it cannot be reached in ``timeout`` seconds."""
-    return _ask(host, port, token, {"t": "state"}, timeout)
-
-
 def declare_finished(host: str, port: int, token: str, ranks: list[int], why: str, timeout: float = 2.0) -> bool:
     """Tell the control plane these ranks finished their test (waits on them fail at once)."""
-    return _ask(host, port, token, {"t": "finished", "ranks": ranks, "why": why}, timeout) is not None
+    return query_state(host, port, token, timeout, {"t": "finished", "ranks": ranks, "why": why}) is not None
 
 
 def query_from_env(env: dict[str, str]) -> dict[str, Any] | None:

@@ -83,10 +83,8 @@ class NodeRegistry:
                 f"extra node: this node's {local} worker(s) would exceed --worker_num={self.worker_num}; "
                 f"{have} rank(s) are already registered from {self.summary()}"
             )
-        for other in self.nodes:
-            if node_rank >= 0 and other.node_rank == node_rank:
-                return f"--node_rank={node_rank} is already taken by {other.describe()}"
-        return ""
+        other = next((n for n in self.nodes if node_rank >= 0 and n.node_rank == node_rank), None)
+        return f"--node_rank={node_rank} is already taken by {other.describe()}" if other is not None else ""
 
     def register(
         self, handle: Any, node_rank: int, local: int, host: str, ip: str, pid: int, hosts_scheduler: bool
@@ -134,15 +132,12 @@ class NodeRegistry:
         have = self.registered()
         if self.state == "registering":
             return f"{have}/{self.worker_num} ranks registered from {len(self.nodes)} node(s)"
-        missing = []
-        for index, node in enumerate(sorted(self.nodes, key=lambda n: n.offset)):
-            count = sum(1 for r in range(node.offset, node.offset + node.local) if r not in joined)
-            if count:
-                missing.append((count, index, node.host))
+        nodes = enumerate(sorted(self.nodes, key=lambda n: n.offset))
+        counts = [(sum(r not in joined for r in range(n.offset, n.offset + n.local)), i, n.host) for i, n in nodes]
+        missing = sorted((m for m in counts if m[0]), key=lambda m: (-m[0], m[1]))
         text = f"{len(joined)}/{self.worker_num} ranks joined"
         if not missing:
             return text
-        missing.sort(key=lambda m: (-m[0], m[1]))
         count, index, host = missing[0]
         text += f"; waiting for {count} on node {index} ({host})"
         if len(missing) > 1:

@@ -166,22 +166,12 @@ class Agents:
         if timeout <= 0:
             return
         for conn, node in list(self.by_conn.items()):
-            if now - conn.last_seen <= timeout:
-                continue
-            if self.sched.local_peer(conn) and running(node.pid):
-                continue
-            self.sched.transport.drop(conn, f"no heartbeat for {timeout:g} s (MS_NODE_TIMEOUT)")
+            if now - conn.last_seen > timeout and not (self.sched.local_peer(conn) and running(node.pid)):
+                self.sched.transport.drop(conn, f"no heartbeat for {timeout:g} s (MS_NODE_TIMEOUT)")
 
     def at(self, ip: str) -> list[Conn]:
         """The agents of the node at ``ip`` (as their connections come from it)."""
-        out = []
-        for conn in self.by_conn:
-            try:
-                if not conn.local and str(conn.sock.getpeername()[0]).split("%", 1)[0] == ip:
-                    out.append(conn)
-            except OSError:
-                continue
-        return out
+        return [conn for conn in self.by_conn if not conn.local and _peer_ip(conn) == ip]
 
 
 class Ranks:
@@ -192,8 +182,8 @@ class Ranks:
         self.group = RankGroup(sched.worker_num, sched.transport.limit)
         self.conn_of: dict[int, Conn] = {}
         self.rank_of: dict[Conn, int] = {}
-        self.entered: dict[int, dict[int, float]] = {}  # traced: collective seq -> rank -> when it entered
-        self.coll_op: dict[int, str] = {}
+        # traced: collective seq -> (its operation, rank -> when it entered)
+        self.entered: dict[int, tuple[str, dict[int, float]]] = {}
         self.first_join = 0.0
 
     def deliver(self, sends: Sends) -> None:
@@ -210,11 +200,10 @@ class Ranks:
         trace, seq = self.sched.trace, msg.get("seq")
         if trace is None or not isinstance(seq, int):
             return
-        entered = self.entered.pop(seq, None)
+        op, entered = self.entered.pop(seq, ("collective", {}))
         if not entered:
             return
         now = time.time()
-        op = self.coll_op.pop(seq, "collective")
         name = f"{op} #{seq}"
         last = max(entered.values())
         waited_for = sorted(r for r, t in entered.items() if t == last)
@@ -241,15 +230,13 @@ class Ranks:
         if sched.abort_msg is not None:
             sched.transport.send(conn, sched.abort_msg)
             return
-        self.conn_of[rank] = conn
-        self.rank_of[conn] = rank
         was_ready = self.group.ready
         sends = self.group.join(rank, f"{who}, joined at {time.strftime('%H:%M:%S')}")
         if rank not in self.group.connected:  # refused: the group can never form
-            self.conn_of.pop(rank, None)
-            self.rank_of.pop(conn, None)
             sched.transport.send(conn, sends[0][1])
             return
+        self.conn_of[rank] = conn
+        self.rank_of[conn] = rank
         if sched.trace is not None:
             now = time.time()
             self.first_join = self.first_join or now
@@ -300,8 +287,7 @@ class Ranks:
             transport.refuse(conn, refusal)
             return
         if self.sched.trace is not None:
-            self.entered.setdefault(seq, {})[rank] = time.time()
-            self.coll_op.setdefault(seq, op)
+            self.entered.setdefault(seq, (op, {}))[1][rank] = time.time()
         place = (where, calls.parse_order(msg)) if isinstance(where, tuple) else ()
         self.deliver(self.group.contribute(rank, op, seq, src, data, *place))
 
@@ -321,26 +307,26 @@ class Ranks:
 class Scheduler:
     """The control plane: the transport's handler, dispatching to one handler per client kind."""
 
-    def __init__(
-        self,
-        listener: _socket.socket,
-        env: dict[str, str],
-        *,
-        worker_num: int,
-        token: str,
-        topo_timeout: float,
-        node_timeout: float,
-        auth_timeout: float,
-    ) -> None:
+    def __init__(self, env: dict[str, str]) -> None:
+        """Its settings from ``env`` (the process's); :class:`ConfigError`, ``KeyError``, ``ValueError``
+        or ``OSError`` when they cannot be used."""
+        self.worker_num = int(env["MS_WORKER_NUM"])
+        self.topo_timeout = env_seconds(env, "MS_TOPO_TIMEOUT", 600.0, allow_negative=True)
+        self.node_timeout = env_seconds(env, "MS_NODE_TIMEOUT", 30.0, allow_negative=True)
+        auth_timeout = env_seconds(env, "MSRUN_AUTH_TIMEOUT", DEFAULT_AUTH_TIMEOUT)
+        fd = env.get("MSRUN_LISTEN_FD")
+        if fd:
+            listener = _socket.socket(fileno=int(fd))
+        else:
+            from pytest_msrun.netaddr import listen_socket
+
+            listener = listen_socket(env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"]))
         self.job_id = env.get("MSRUN_JOB_ID", "")
         self.mode = env.get("MSRUN_SCHEDULER", "builtin")  # builtin | auto | mindspore: are MindSpore clients served
         self.env = env
-        self.worker_num = worker_num
-        self.topo_timeout = topo_timeout
-        self.node_timeout = node_timeout
-        self.auth_timeout = auth_timeout
+        token = env.get("MSRUN_JOB_TOKEN", "")
         self.transport = Transport(
-            listener, self, token=token, auth_timeout=auth_timeout, max_pending=2 * worker_num, log=log
+            listener, self, token=token, auth_timeout=auth_timeout, max_pending=2 * self.worker_num, log=log
         )
         self.agents = Agents(self)
         self.ranks = Ranks(self)
@@ -352,7 +338,6 @@ class Scheduler:
         self.exit_code: int | None = None
         self.abort_msg: dict[str, Any] | None = None
         self.terminated_by: int | None = None
-        self.ended = False
         self.trace = tracelog.recorder_from_env(self.env, "scheduler")
         self.progress_due = False
         self.next_progress = 0.0
@@ -383,8 +368,7 @@ class Scheduler:
         self.progress_due = False
         self.next_progress = now + PROGRESS_INTERVAL
         group = self.ranks.group
-        text = self.agents.registry.waiting_text(group.joined)
-        msg = {"t": "progress", "text": text, "done": group.ready}
+        msg = {"t": "progress", "text": self.agents.registry.waiting_text(group.joined), "done": group.ready}
         self.transport.broadcast(list(self.agents.by_conn), msg)
 
     def tell_drops(self, now_or_never: bool = False) -> None:
@@ -438,13 +422,7 @@ class Scheduler:
         if self.foreign is None:
             from pytest_msrun.control.foreign import ForeignClients
 
-            self.foreign = ForeignClients(
-                self.transport,
-                agents_at=self.agents.at,
-                accept=self._foreign_accepted,
-                timeout=self.auth_timeout,
-                max_waiting=self.transport.door.max_pending,
-            )
+            self.foreign = ForeignClients(self.transport, self.agents.at, self._foreign_accepted)
         self.foreign.arrive(conn)
 
     def _foreign_accepted(self, conn: Conn) -> None:
@@ -472,17 +450,15 @@ class Scheduler:
             return True
         from pytest_msrun.netaddr import is_local_address
 
-        try:
-            return is_local_address(str(conn.sock.getpeername()[0]).split("%", 1)[0])
-        except OSError:
-            return False
+        ip = _peer_ip(conn)
+        return ip is not None and is_local_address(ip)
 
     # ---------------------------------------------------------------- the job's end
     def clients(self) -> list[Conn]:
         return [c for c in self.transport.conns.values() if c.kind in CLIENT_KINDS]
 
     def abort(self, reason: str, code: int | None) -> None:
-        if self.ended:
+        if self.exit_code is not None:
             return
         log(f"aborting the job: {reason}")
         self.tell_drops(now_or_never=True)
@@ -493,10 +469,9 @@ class Scheduler:
         self.finish(1)
 
     def finish(self, code: int) -> None:
-        if not self.ended:
-            self.ended = True
-            self.agents.registry.state = "ended"
+        if self.exit_code is None:
             self.exit_code = code
+            self.agents.registry.state = "ended"
             self.tell_drops(now_or_never=True)
             self.tell_write_failures()  # before the end: a short job must hear of them too
             if code == 0:
@@ -512,10 +487,9 @@ class Scheduler:
             return
         self.next_timers = now + TIMER_INTERVAL
         relay = self.relay
-        if relay is not None:
-            failure = relay.failure()
-            if failure is not None and not self.ended:
-                self.abort(failure, None)
+        failure = None if relay is None else relay.failure()
+        if failure is not None:
+            self.abort(failure, None)  # (nothing once the job ended)
         # MindSpore clients open connections they use later (its scheduler never speaks first);
         # ours send their hello at once: a silent one is a foreign client once one is relayed.
         self.transport.expire(silent=lambda: relay is not None and relay.serving)
@@ -582,16 +556,15 @@ class Scheduler:
             pass
 
     def run(self) -> int:
-        wake_r, wake_w = os.pipe()
-        self._wake_r = wake_r
-        os.set_blocking(wake_r, False)
+        self._wake_r, wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
         os.set_blocking(wake_w, False)
         signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
         import selectors
 
-        self.transport.sel.register(wake_r, selectors.EVENT_READ, "signal")
+        self.transport.sel.register(self._wake_r, selectors.EVENT_READ, "signal")
         log(f"listening on {self.transport.listener.getsockname()[:2]} for {self.worker_num} ranks ({self.mode} mode)")
         if self.mode == "mindspore":
             self._relay().start()
@@ -616,6 +589,14 @@ class Scheduler:
         return self.exit_code
 
 
+def _peer_ip(conn: Conn) -> str | None:
+    """The address ``conn`` comes from (no IPv6 zone), or None when its socket has none."""
+    try:
+        return str(conn.sock.getpeername()[0]).split("%", 1)[0]
+    except OSError:
+        return None
+
+
 def _own_log() -> str:
     try:
         return os.readlink("/proc/self/fd/1")
@@ -628,15 +609,6 @@ def write_failure(what: str, path: str, exc: OSError, flag: str) -> str:
     from pytest_msrun.fsinfo import describe_write_error
 
     return f"cannot write {what}: {describe_write_error(path, exc, flag)}; the job goes on without it"
-
-
-def _listener_from_env(env: dict[str, str]) -> _socket.socket:
-    fd = env.get("MSRUN_LISTEN_FD")
-    if fd:
-        return _socket.socket(fileno=int(fd))
-    from pytest_msrun.netaddr import listen_socket
-
-    return listen_socket(env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"]))
 
 
 def _more_file_descriptors() -> None:
@@ -656,31 +628,17 @@ def main(env: dict[str, str] | None = None) -> int:
     _more_file_descriptors()
     env = dict(os.environ) if env is None else env
     try:
-        worker_num = int(env["MS_WORKER_NUM"])
-        topo = env_seconds(env, "MS_TOPO_TIMEOUT", 600.0, allow_negative=True)
-        node_timeout = env_seconds(env, "MS_NODE_TIMEOUT", 30.0, allow_negative=True)
-        auth_timeout = env_seconds(env, "MSRUN_AUTH_TIMEOUT", DEFAULT_AUTH_TIMEOUT)
-        token = env.get("MSRUN_JOB_TOKEN", "")
-        listener = _listener_from_env(env)
+        sched = Scheduler(env)
     except ConfigError as exc:
         log(f"cannot start: {exc}")
         return 1
     except (KeyError, ValueError, OSError) as exc:
         log(f"cannot start: {exc!r}")
         return 1
-    sched = Scheduler(
-        listener,
-        env,
-        worker_num=worker_num,
-        token=token,
-        topo_timeout=topo,
-        node_timeout=node_timeout,
-        auth_timeout=auth_timeout,
-    )
     agent_fd = env.get(AGENT_FD_ENV)
     if agent_fd:  # msrun forked this process and kept the other end (see engine/agent.py)
-        try:
-            sched.transport.adopt_local(_socket.socket(fileno=int(agent_fd)))
+        try:  # only msrun holds that end: it bypasses the door; its hello is welcomed without a challenge
+            sched.transport.adopt(_socket.socket(fileno=int(agent_fd)), "msrun (socketpair)", "", local=True)
         except (ValueError, OSError) as exc:
             log(f"cannot use {AGENT_FD_ENV}={agent_fd}: {exc!r}")
             return 1

@@ -58,11 +58,10 @@ def spans(name: str, starts: dict[int, float], tid: int, end: float, args: dict[
     1024 ranks is 1024 spans)."""
     tail = f',"args":{_dumps(args)}}}' if args else "}"
     head, stop = f'{{"name":{_dumps(name)},"ph":"X","pid":', us(end)
-    out = []
-    for pid, start in starts.items():
-        ts = us(start)
-        out.append(f'{head}{pid},"tid":{tid},"ts":{ts},"dur":{max(0, stop - ts)}{tail}')
-    return "\n".join(out)
+    return "\n".join(
+        f'{head}{pid},"tid":{tid},"ts":{us(start)},"dur":{max(0, stop - us(start))}{tail}'
+        for pid, start in starts.items()
+    )
 
 
 def instant(
@@ -161,8 +160,7 @@ class Recorder:
         self._write(_dumps(ev) + "\n")
 
     def extend(self, events: list[dict[str, Any]]) -> None:
-        for ev in events:
-            self.add(ev)
+        self.add_lines(encode(events))
 
     def add_lines(self, text: str) -> None:
         """Events another process encoded (:func:`encode`); lines that are not one JSON object
@@ -204,15 +202,6 @@ def _events(lines: Iterable[str | bytes]) -> list[dict[str, Any]]:
     return events
 
 
-def read_file(path: str) -> list[dict[str, Any]]:
-    """The events of one spool file; a torn line (a killed process) is skipped."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            return _events(fh)
-    except OSError:
-        return []
-
-
 def _spool_files(spool: str, skip: tuple[str, ...] = ()) -> list[str]:
     """The paths of ``spool``'s files (but those named in ``skip``), by name."""
     try:
@@ -224,7 +213,7 @@ def _spool_files(spool: str, skip: tuple[str, ...] = ()) -> list[str]:
 
 def read_spool(spool: str, skip: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """Every event in ``spool``'s files (but those named in ``skip``)."""
-    return [ev for path in _spool_files(spool, skip) for ev in read_file(path)]
+    return [ev for path in _spool_files(spool, skip) for ev in _events(_lines(path))]
 
 
 class Follower:

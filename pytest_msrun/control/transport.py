@@ -20,7 +20,7 @@ import time
 
 from pytest_msrun.control import wire
 from pytest_msrun.control.clock import LoopClock
-from pytest_msrun.control.door import Admitted, Door
+from pytest_msrun.control.door import Admitted, Door, unregister
 from pytest_msrun.record import field, record
 
 TYPE_CHECKING = False
@@ -153,10 +153,7 @@ class Transport:
         fd = conn.sock.fileno()
         if fd < 0:
             return
-        try:
-            self.sel.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
+        unregister(self.sel, conn.sock)
         self.conns.pop(fd, None)
         conn.sock.close()
 
@@ -207,17 +204,7 @@ class Transport:
             self.handler.on_foreign(conn)
             return
         self.handler.on_hello(conn, admitted.hello)
-        try:
-            messages = admitted.messages + conn.frames.feed(admitted.rest)
-        except wire.ProtocolError as exc:
-            self.drop(conn, str(exc))
-            return
-        self._handle(conn, messages)
-
-    def adopt_local(self, sock: _socket.socket) -> Conn:
-        """The connection msrun made when it forked this process (a socketpair): only msrun holds
-        the other end, so it bypasses the door; its hello is welcomed without a challenge."""
-        return self.adopt(sock, "msrun (socketpair)", "", local=True)
+        self._handle(conn, admitted.rest, admitted.messages)
 
     def adopt(self, sock: _socket.socket, peer: str, kind: str, local: bool = False) -> Conn:
         """Watch a connection (one out of the door, msrun's, or one upstream this process opened);
@@ -234,34 +221,30 @@ class Transport:
 
     # ---------------------------------------------------------------- reading
     def on_readable(self, conn: Conn) -> None:
+        why = "connection closed"
         try:
             data = conn.sock.recv(1 << 20)
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
-            if conn.draining:
-                self.close(conn)
-            else:
-                self.drop(conn, f"connection error: {exc}")
-            return
+            data, why = b"", f"connection error: {exc}"
         if conn.draining:
             if not data:
                 self.close(conn)
-            return
-        if not data:
-            self.drop(conn, "connection closed")
-            return
-        if conn.kind in ("foreign", "upstream"):
+        elif not data:
+            self.drop(conn, why)
+        elif conn.kind in ("foreign", "upstream"):
             self.handler.on_relay(conn, data)
-            return
+        else:
+            self._handle(conn, data)
+
+    def _handle(self, conn: Conn, data: bytes, earlier: list[dict[str, Any]] | None = None) -> None:
+        """The messages ``data`` completes (after those read ``earlier``), each to the handler."""
         try:
-            msgs = conn.frames.feed(data)
+            msgs = (earlier or []) + conn.frames.feed(data)
         except wire.ProtocolError as exc:
             self.drop(conn, str(exc))
             return
-        self._handle(conn, msgs)
-
-    def _handle(self, conn: Conn, msgs: list[dict[str, Any]]) -> None:
         for msg in msgs:
             if conn.sock.fileno() < 0 or conn.closing:
                 break
