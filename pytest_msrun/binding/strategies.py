@@ -168,20 +168,17 @@ class Planner:
             )
             return None
         chosen: dict[int, int] = {}
-        if not self.dry_run:
-            wanted = [self._affinity_node(i) for i in range(self.n)]
-            missing = {w for w in wanted if w is not None and w not in usable}
-            if missing:
-                self.warnings.append(
-                    f"Device affinity NUMA nodes {sorted(missing)} are unavailable or memoryless. Only usable NUMA "
-                    f"nodes {usable} will be used for numactl binding."
-                )
-            for i, node in enumerate(wanted):
-                if node is not None and node in usable and node not in chosen.values():
-                    chosen[i] = node
-            affine = {w for w in wanted if w is not None}
-        else:
-            affine = set()
+        wanted = [] if self.dry_run else [self._affinity_node(i) for i in range(self.n)]
+        missing = {w for w in wanted if w is not None and w not in usable}
+        if missing:
+            self.warnings.append(
+                f"Device affinity NUMA nodes {sorted(missing)} are unavailable or memoryless. Only usable NUMA "
+                f"nodes {usable} will be used for numactl binding."
+            )
+        for i, node in enumerate(wanted):
+            if node is not None and node in usable and node not in chosen.values():
+                chosen[i] = node
+        affine = {w for w in wanted if w is not None}
         free = [n for n in usable if n not in chosen.values() and n not in affine]
         free += [n for n in usable if n not in chosen.values() and n not in free]
         for i in range(self.n):
