@@ -141,11 +141,7 @@ def device_growths(sample: Any) -> dict[str, int]:
     found = sample.get("devices") if isinstance(sample, dict) else None
     if not isinstance(found, dict):
         return {}
-    out = {}
-    for name, values in found.items():
-        if isinstance(values, list) and len(values) == 4:
-            out[str(name)] = _int(values[2]) - _int(values[0])
-    return out
+    return {str(k): _int(v[2]) - _int(v[0]) for k, v in found.items() if isinstance(v, list) and len(v) == 4}
 
 
 def judge(sample: Any, bound: int) -> list[str]:
