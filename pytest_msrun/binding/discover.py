@@ -8,6 +8,7 @@ effective cpuset - never a count of ``/proc/cpuinfo`` lines, which in a containe
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -97,10 +98,8 @@ def numa_nodes(root: str = "/") -> list[NumaNode]:
         meminfo = _read(root, f"{base}/{name}/meminfo") or ""
         for line in meminfo.splitlines():
             if "MemTotal:" in line:
-                try:
+                with contextlib.suppress(ValueError, IndexError):
                     memory_mb = int(line.split()[-2]) // 1024
-                except (ValueError, IndexError):
-                    pass
         distances = [int(x) for x in (_read(root, f"{base}/{name}/distance") or "").split() if x.isdigit()]
         nodes.append(
             NumaNode(
@@ -170,10 +169,8 @@ def nvidia_devices(root: str = "/", nvml: Callable[[], Any] | None = None) -> li
             except Exception:
                 affinity = []
             node, local = _pci_numa_and_cpus(root, bus)
-            try:
+            with contextlib.suppress(Exception):
                 node = int(module.nvmlDeviceGetNumaNodeId(handle))
-            except Exception:
-                pass
             out.append(
                 Device(
                     kind="cuda",
@@ -187,10 +184,8 @@ def nvidia_devices(root: str = "/", nvml: Callable[[], Any] | None = None) -> li
             )
         return out
     finally:
-        try:
+        with contextlib.suppress(Exception):
             module.nvmlShutdown()
-        except Exception:
-            pass
 
 
 def _nvidia_from_sysfs(root: str) -> list[Device]:
