@@ -61,8 +61,7 @@ def read_binding(pid: int) -> KernelBinding | None:
         with open(f"/proc/{pid}/numa_maps") as fh:
             first = fh.readline().split()
         if len(first) > 1:
-            kind, _, rest = first[1].partition(":")
-            policy = kind
+            policy, _, rest = first[1].partition(":")
             nodes = parse_id_list(rest) if rest else None
     except (OSError, RangeSyntaxError):
         pass
