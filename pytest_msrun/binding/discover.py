@@ -34,12 +34,10 @@ def _read(root: str, path: str) -> str | None:
 
 
 def _ids(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return parse_id_list(text)
-    except RangeSyntaxError:
-        return None
+    if text is not None:
+        with contextlib.suppress(RangeSyntaxError):
+            return parse_id_list(text)
+    return None
 
 
 def cgroup_cpuset(root: str = "/") -> CgroupInfo | None:
@@ -164,10 +162,9 @@ def nvidia_devices(root: str = "/", nvml: Callable[[], Any] | None = None) -> li
             bus = bus.decode() if isinstance(bus, bytes) else str(bus)
             uuid = module.nvmlDeviceGetUUID(handle)
             name = module.nvmlDeviceGetName(handle)
-            try:
+            affinity: list[int] = []
+            with contextlib.suppress(Exception):
                 affinity = _mask_to_cpus(list(module.nvmlDeviceGetCpuAffinity(handle, words)))
-            except Exception:
-                affinity = []
             node, local = _pci_numa_and_cpus(root, bus)
             with contextlib.suppress(Exception):
                 node = int(module.nvmlDeviceGetNumaNodeId(handle))
