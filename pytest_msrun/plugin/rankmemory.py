@@ -16,6 +16,7 @@ judged as ``--msrun-leaks`` says) and :func:`past_max` says when a world must en
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
@@ -81,12 +82,10 @@ def devices(modules: Any = None) -> dict[str, list[int]]:
 
 def _trim() -> None:
     """Give freed heap back to the system (glibc), so that what the allocator keeps is not counted."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         import ctypes
 
         ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 class Watch:
