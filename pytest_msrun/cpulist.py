@@ -38,13 +38,10 @@ def parse_id_list(text: str, what: str = "CPU", max_id: int = MAX_ID) -> list[in
 
 def format_id_list(ids: Iterable[int]) -> str:
     """``[0, 1, 2, 3, 8]`` -> ``"0-3,8"`` (consecutive runs collapsed)."""
-    values = sorted(set(int(i) for i in ids))
-    parts: list[str] = []
-    i = 0
-    while i < len(values):
-        j = i
-        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
-            j += 1
-        parts.append(str(values[i]) if i == j else f"{values[i]}-{values[j]}")
-        i = j + 1
-    return ",".join(parts)
+    runs: list[list[int]] = []  # [first, last] of each run
+    for value in sorted({int(i) for i in ids}):
+        if runs and value == runs[-1][1] + 1:
+            runs[-1][1] = value
+        else:
+            runs.append([value, value])
+    return ",".join(str(first) if first == last else f"{first}-{last}" for first, last in runs)

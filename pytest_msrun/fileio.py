@@ -94,7 +94,7 @@ class WholeFile:
             self.fh = os.fdopen(fd, "wb")
         except BaseException:
             os.close(fd)
-            self._remove()
+            self._discard()
             raise
         return self.fh
 
@@ -105,24 +105,23 @@ class WholeFile:
                 self.fh.close()
             except OSError:
                 pass
-            self._remove()
-            if isinstance(value, OSError) and value.filename is None:  # a write: say which file
-                value.filename = self.path
+            self._discard(value)
             return
         try:
             self.fh.close()
             os.replace(self.tmp, self.path)
         except BaseException as exc:
-            self._remove()
-            if isinstance(exc, OSError) and exc.filename is None:
-                exc.filename = self.path
+            self._discard(exc)
             raise
 
-    def _remove(self) -> None:
+    def _discard(self, exc: object = None) -> None:
+        """The temporary file removed; an :class:`OSError` that names no file (a write) names ``path``."""
         try:
             os.unlink(self.tmp)
         except OSError:
             pass
+        if isinstance(exc, OSError) and exc.filename is None:
+            exc.filename = self.path
 
 
 def _new_temp(path: str, mode: int) -> tuple[int, str]:
@@ -252,11 +251,7 @@ def private_dir(path: str, *, tighten: bool = False) -> str:
         if not parent or parent == path:
             raise
         private_dir(parent)
-        try:
-            os.mkdir(path, 0o700)
-            return path
-        except FileExistsError:  # made meanwhile (another rank): checked below
-            pass
+        return private_dir(path, tighten=tighten)  # made meanwhile (another rank): checked there
     check_private_dir(path, tighten=tighten)
     return path
 

@@ -48,18 +48,11 @@ class Mount:
 
 def _unescape(field: str) -> str:
     """mountinfo's octal escapes (a space is ``\\040``)."""
-    if "\\" not in field:
-        return field
-    out, i = [], 0
-    while i < len(field):
-        code = field[i + 1 : i + 4]
-        if field[i] == "\\" and len(code) == 3 and code.isdigit():
-            out.append(chr(int(code, 8)))
-            i += 4
-        else:
-            out.append(field[i])
-            i += 1
-    return "".join(out)
+    head, *parts = field.split("\\")
+    for part in parts:
+        code = part[:3]
+        head += chr(int(code, 8)) + part[3:] if len(code) == 3 and code.isdigit() else "\\" + part
+    return head
 
 
 def mounts(mountinfo: str | None = None) -> list[Mount]:

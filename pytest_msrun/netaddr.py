@@ -169,14 +169,7 @@ def family_of(ip: str) -> int:
 
 def is_local_address(ip: str) -> bool:
     """True when a socket can be bound to ``ip`` on this host."""
-    sock = _socket.socket(family_of(ip), _socket.SOCK_STREAM)
-    try:
-        sock.bind(sockaddr(ip, 0))
-    except OSError:
-        return False
-    finally:
-        sock.close()
-    return True
+    return port_is_free(ip, 0)
 
 
 def source_ip_towards(ip: str, port: int = 8117) -> str:

@@ -171,11 +171,7 @@ def _build(cls: type, frozen: bool, eq: bool) -> type:
 @dataclass_transform(field_specifiers=(field,))
 def record(cls: Any = None, *, frozen: bool = False, eq: bool = True) -> Any:
     """``@record`` / ``@record(frozen=True, eq=False)``: like ``@dataclasses.dataclass``."""
-
-    def wrap(c: type) -> type:
-        return _build(c, frozen, eq)
-
-    return wrap if cls is None else wrap(cls)
+    return (lambda c: _build(c, frozen, eq)) if cls is None else _build(cls, frozen, eq)
 
 
 def fields(obj: Any) -> tuple[str, ...]:

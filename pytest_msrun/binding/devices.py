@@ -32,10 +32,7 @@ def _variable(topology: Topology | None, env: Mapping[str, str]) -> str | None:
     kind = topology.device_kind if topology is not None else None
     if kind:
         return VISIBLE_VARS[kind]
-    for var in ("ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES"):
-        if var in env:
-            return var
-    return None
+    return next((var for var in ("ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES") if var in env), None)
 
 
 def worker_devices(

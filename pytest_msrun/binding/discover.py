@@ -8,6 +8,7 @@ effective cpuset - never a count of ``/proc/cpuinfo`` lines, which in a containe
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -33,12 +34,10 @@ def _read(root: str, path: str) -> str | None:
 
 
 def _ids(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        return parse_id_list(text)
-    except RangeSyntaxError:
-        return None
+    if text is not None:
+        with contextlib.suppress(RangeSyntaxError):
+            return parse_id_list(text)
+    return None
 
 
 def cgroup_cpuset(root: str = "/") -> CgroupInfo | None:
@@ -97,10 +96,8 @@ def numa_nodes(root: str = "/") -> list[NumaNode]:
         meminfo = _read(root, f"{base}/{name}/meminfo") or ""
         for line in meminfo.splitlines():
             if "MemTotal:" in line:
-                try:
+                with contextlib.suppress(ValueError, IndexError):
                     memory_mb = int(line.split()[-2]) // 1024
-                except (ValueError, IndexError):
-                    pass
         distances = [int(x) for x in (_read(root, f"{base}/{name}/distance") or "").split() if x.isdigit()]
         nodes.append(
             NumaNode(
@@ -165,15 +162,12 @@ def nvidia_devices(root: str = "/", nvml: Callable[[], Any] | None = None) -> li
             bus = bus.decode() if isinstance(bus, bytes) else str(bus)
             uuid = module.nvmlDeviceGetUUID(handle)
             name = module.nvmlDeviceGetName(handle)
-            try:
+            affinity: list[int] = []
+            with contextlib.suppress(Exception):
                 affinity = _mask_to_cpus(list(module.nvmlDeviceGetCpuAffinity(handle, words)))
-            except Exception:
-                affinity = []
             node, local = _pci_numa_and_cpus(root, bus)
-            try:
+            with contextlib.suppress(Exception):
                 node = int(module.nvmlDeviceGetNumaNodeId(handle))
-            except Exception:
-                pass
             out.append(
                 Device(
                     kind="cuda",
@@ -187,10 +181,8 @@ def nvidia_devices(root: str = "/", nvml: Callable[[], Any] | None = None) -> li
             )
         return out
     finally:
-        try:
+        with contextlib.suppress(Exception):
             module.nvmlShutdown()
-        except Exception:
-            pass
 
 
 def _nvidia_from_sysfs(root: str) -> list[Device]:

@@ -75,15 +75,6 @@ class BindSpec:
         return out
 
 
-def _bool_word(value: str) -> bool | None:
-    low = value.strip().lower()
-    if low == "true":
-        return True
-    if low == "false":
-        return False
-    return None
-
-
 def _legacy_dict(obj: dict[str, Any], unit: str) -> BindSpec:
     entries: dict[str, list[str]] = {}
     for key, val in obj.items():
@@ -220,10 +211,9 @@ def _load_bind_file(value: str) -> BindSpec:
 
 def parse_bind_value(value: str, flag: str) -> BindSpec:
     """Parse one ``--bind_core``/``--bind_numa`` value; raise :class:`BindFlagError` on bad input."""
-    word = _bool_word(value)
-    if word is not None:
-        return BindSpec(kind="auto" if word else "off")
     text = value.strip()
+    if text.lower() in ("true", "false"):
+        return BindSpec(kind="auto" if text.lower() == "true" else "off")
     if flag == "bind_numa" and not text.startswith("{"):
         return _load_bind_file(text)
     import json

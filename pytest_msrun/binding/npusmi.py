@@ -65,13 +65,8 @@ def parse_device_table(text: str) -> list[NpuChip]:
         if not name or name.lower() == "mcu":
             continue
         rows.append(row)
-    id_col = None
-    for col in ID_COLUMNS:
-        if col in header:
-            values = [r.get(col, "") for r in rows]
-            if all(v.isdigit() for v in values) and len(set(values)) == len(values):
-                id_col = col
-                break
+    numbers = {col: [r.get(col, "") for r in rows] for col in ID_COLUMNS if col in header}
+    id_col = next((c for c, v in numbers.items() if all(x.isdigit() for x in v) and len(set(v)) == len(v)), None)
     if id_col is None:
         raise NpuSmiError("'npu-smi info -m' has no column that numbers every chip uniquely")
     return [

@@ -168,20 +168,17 @@ class Planner:
             )
             return None
         chosen: dict[int, int] = {}
-        if not self.dry_run:
-            wanted = [self._affinity_node(i) for i in range(self.n)]
-            missing = {w for w in wanted if w is not None and w not in usable}
-            if missing:
-                self.warnings.append(
-                    f"Device affinity NUMA nodes {sorted(missing)} are unavailable or memoryless. Only usable NUMA "
-                    f"nodes {usable} will be used for numactl binding."
-                )
-            for i, node in enumerate(wanted):
-                if node is not None and node in usable and node not in chosen.values():
-                    chosen[i] = node
-            affine = {w for w in wanted if w is not None}
-        else:
-            affine = set()
+        wanted = [] if self.dry_run else [self._affinity_node(i) for i in range(self.n)]
+        missing = {w for w in wanted if w is not None and w not in usable}
+        if missing:
+            self.warnings.append(
+                f"Device affinity NUMA nodes {sorted(missing)} are unavailable or memoryless. Only usable NUMA "
+                f"nodes {usable} will be used for numactl binding."
+            )
+        for i, node in enumerate(wanted):
+            if node is not None and node in usable and node not in chosen.values():
+                chosen[i] = node
+        affine = {w for w in wanted if w is not None}
         free = [n for n in usable if n not in chosen.values() and n not in affine]
         free += [n for n in usable if n not in chosen.values() and n not in free]
         for i in range(self.n):
@@ -191,14 +188,11 @@ class Planner:
 
     # ------------------------------------------------------------------ legacy flags
     def _dict_entry(self, spec: BindSpec, flag: str, key: str | None, unit: str) -> tuple[str | None, list[int] | None]:
-        if spec.kind != "dict" or key is None or key not in spec.entries:
-            return None, None
-        items = spec.entries[key]
+        items = spec.entries.get(key, []) if spec.kind == "dict" and key is not None else []
         if not items:
             return None, None
         text = ",".join(items)
-        where = f"--{flag}['{key}']"
-        return text, self._check(flag, where, text, unit)
+        return text, self._check(flag, f"--{flag}['{key}']", text, unit)
 
     def legacy(self) -> BindingPlan:
         core_parts: list[tuple[str | None, list[int] | None]] = [(None, None)] * self.n
@@ -232,8 +226,7 @@ class Planner:
         workers = []
         for i in range(self.n):
             place = self._compose(core_parts[i], node_parts[i], auto_numa=auto_nodes is not None)
-            cpu_list = env_lists[i]
-            if cpu_list is not None and place.bound and (self.core.kind == "auto" or self.numa.kind == "auto"):
+            if (cpu_list := env_lists[i]) is not None and place.bound:  # a list only where a flag is automatic
                 place.env["MSRUN_CPU_LIST"] = cpu_list
             place.device = self._device_label(i)
             workers.append(place)
@@ -312,14 +305,13 @@ class Planner:
                 self._check("bind_numa", f"bind_memory.{key}", text, "NUMA")
         if self.t.devices:
             known = {d.index for d in self.t.devices}
-            for section in (bind_cpu, bind_memory):
-                for key in section:
-                    if key != "scheduler" and int(key[len("device") :]) not in known:
-                        raise BindingError(
-                            "bind_numa",
-                            f"Device ID {key[len('device') :]} in key '{key}' exceeds the devices here "
-                            f"(device ids: {', '.join(str(i) for i in sorted(known))})",
-                        )
+            for key in [*bind_cpu, *bind_memory]:
+                if key != "scheduler" and int(key[len("device") :]) not in known:
+                    raise BindingError(
+                        "bind_numa",
+                        f"Device ID {key[len('device') :]} in key '{key}' exceeds the devices here "
+                        f"(device ids: {', '.join(str(i) for i in sorted(known))})",
+                    )
         local_keys = {self.key_of(i) for i in range(self.n)}
         unknown = sorted(k for k in set(bind_cpu) | set(bind_memory) if k != "scheduler" and k not in local_keys)
         if unknown:

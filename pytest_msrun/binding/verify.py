@@ -7,6 +7,7 @@ cpuset's limit, reported too). Reads wait until the process has exec'd past the 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -57,15 +58,12 @@ def read_binding(pid: int) -> KernelBinding | None:
     except OSError:
         return None
     policy, nodes = "?", None
-    try:
+    with contextlib.suppress(OSError, RangeSyntaxError):
         with open(f"/proc/{pid}/numa_maps") as fh:
             first = fh.readline().split()
         if len(first) > 1:
-            kind, _, rest = first[1].partition(":")
-            policy = kind
+            policy, _, rest = first[1].partition(":")
             nodes = parse_id_list(rest) if rest else None
-    except (OSError, RangeSyntaxError):
-        pass
     return KernelBinding(
         cpus=_status_field(status, "Cpus_allowed_list"),
         mem_policy=policy,

@@ -119,12 +119,6 @@ def msrun_tmp_path(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
     return _job_shared_dir(request.node.nodeid, request.node.name)
 
 
-def _current_test() -> tuple[str, str]:
-    """The node id and name of the test running now (pytest's ``PYTEST_CURRENT_TEST``)."""
-    nodeid = os.environ.get("PYTEST_CURRENT_TEST", "session").rsplit(" (", 1)[0]
-    return nodeid, nodeid.rsplit("::", 1)[-1]
-
-
 @pytest.fixture(scope="session")
 def msrun(tmp_path_factory: pytest.TempPathFactory) -> MsrunContext:
     """Rank, sizes, environment, log dir, shared tmp dir and collectives of this test's job."""
@@ -133,8 +127,9 @@ def msrun(tmp_path_factory: pytest.TempPathFactory) -> MsrunContext:
     outside: list[Path] = []
 
     def shared_dir() -> Path:
-        if in_job:
-            return _job_shared_dir(*_current_test())
+        if in_job:  # the test running now: pytest's PYTEST_CURRENT_TEST
+            nodeid = os.environ.get("PYTEST_CURRENT_TEST", "session").rsplit(" (", 1)[0]
+            return _job_shared_dir(nodeid, nodeid.rsplit("::", 1)[-1])
         if not outside:  # a world of one: a directory of this session
             outside.append(tmp_path_factory.mktemp("msrun_shared"))
         return outside[0]

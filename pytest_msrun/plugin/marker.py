@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import pytest
@@ -15,20 +15,6 @@ from pytest_msrun.engine.simselect import SelectionError, select_ranks
 MARKER = "msrun"
 DEFAULT_TIMEOUT = 300.0
 PARAM = "_msrun_worker_num"
-KNOWN = (
-    "worker_num",
-    "local_worker_num",
-    "timeout",
-    "bind_core",
-    "bind_numa",
-    "sim_level",
-    "sim_rank_id",
-    "sim_ranks",
-    "scheduler",
-    "env",
-    "devices",
-    "isolated",
-)
 MARKER_HELP = (
     "msrun(worker_num=2, local_worker_num=None, timeout=None, bind_core=False, bind_numa=False, "
     "sim_level=None, sim_rank_id=None, sim_ranks=None, scheduler='auto', env=None, devices=0, isolated=False): "
@@ -69,6 +55,9 @@ class MsrunSpec:
             sizes.append(min(self.local_worker_num or self.worker_num, left))
             left -= sizes[-1]
         return sizes
+
+
+KNOWN = tuple(f.name for f in fields(MsrunSpec))  # the marker's arguments: the spec's fields, in order
 
 
 def _positive_int(name: str, value: Any, where: str) -> int:

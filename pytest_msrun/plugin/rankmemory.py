@@ -16,6 +16,7 @@ judged as ``--msrun-leaks`` says) and :func:`past_max` says when a world must en
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import re
@@ -81,12 +82,10 @@ def devices(modules: Any = None) -> dict[str, list[int]]:
 
 def _trim() -> None:
     """Give freed heap back to the system (glibc), so that what the allocator keeps is not counted."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         import ctypes
 
         ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 class Watch:
@@ -141,11 +140,7 @@ def device_growths(sample: Any) -> dict[str, int]:
     found = sample.get("devices") if isinstance(sample, dict) else None
     if not isinstance(found, dict):
         return {}
-    out = {}
-    for name, values in found.items():
-        if isinstance(values, list) and len(values) == 4:
-            out[str(name)] = _int(values[2]) - _int(values[0])
-    return out
+    return {str(k): _int(v[2]) - _int(v[0]) for k, v in found.items() if isinstance(v, list) and len(v) == 4}
 
 
 def judge(sample: Any, bound: int) -> list[str]:

@@ -29,11 +29,9 @@ MAX_SECTION = 1 << 20
 
 def log_file() -> str | None:
     """The rank's log (its stdout), when stdout is a regular file."""
-    try:
+    with contextlib.suppress(OSError):
         if stat.S_ISREG(os.fstat(1).st_mode):
             return os.readlink("/proc/self/fd/1")
-    except OSError:
-        pass
     return None
 
 
@@ -75,12 +73,9 @@ class StandardStreams:
     each phase of a test."""
 
     def __init__(self) -> None:
-        self.saved: dict[int, int] = {}  # fd -> a private copy of it
-        self.identity: dict[int, tuple[int, int] | None] = {}
-        for fd in (1, 2):
-            self.identity[fd] = _identity(fd)
-            if self.identity[fd] is not None:
-                self.saved[fd] = os.dup(fd)  # close-on-exec by default
+        self.identity: dict[int, tuple[int, int] | None] = {fd: _identity(fd) for fd in (1, 2)}
+        # fd -> a private copy of it (close-on-exec by default)
+        self.saved: dict[int, int] = {fd: os.dup(fd) for fd, found in self.identity.items() if found is not None}
         self.originals: dict[str, Any] = {name: getattr(sys, name) for name in STREAMS}
         self.writers: dict[str, IO[str] | None] = dict.fromkeys(STREAMS)
         self.repaired: list[str] = []  # what was put back, for the phase's report
@@ -92,11 +87,9 @@ class StandardStreams:
         """The descriptors this holds (a warm world's leak check does not count them)."""
         out = set(self.saved.values())
         for writer in self.writers.values():
-            try:
+            with contextlib.suppress(OSError, ValueError):
                 if writer is not None and not writer.closed:
                     out.add(writer.fileno())
-            except (OSError, ValueError):
-                pass
         return out
 
     def _writer(self, name: str, fd: int) -> IO[str] | None:
