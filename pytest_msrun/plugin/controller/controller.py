@@ -161,7 +161,7 @@ class Controller:
             trace_dir=_trace_dir(config),
             cluster=cluster,
             inventory=self.inventory,
-            timeout=default_timeout(config),
+            default_timeout=default_timeout(config),
             exit_timeout=float(_setting(config, "exit_timeout", DEFAULT_EXIT_TIMEOUT)),
         )
         self.worlds = WorldPool(

@@ -164,9 +164,7 @@ class ForkServer:
 
     def _receive(self, timeout: float) -> dict[str, Any] | None:
         sock = self._sock
-        if sock is None:
-            return None
-        if not wait_readable(sock.fileno(), timeout):
+        if sock is None or not wait_readable(sock.fileno(), timeout):
             return None
         data = sock.recv(1 << 16)
         if not data:
@@ -231,11 +229,9 @@ class ForkServer:
 
 def template_env() -> dict[str, str]:
     """The template's environment: this process's, as a rank's interpreter starts with it."""
-    env = dict(os.environ)
+    env = {name: value for name, value in os.environ.items() if name not in SESSION_VARS}
     # as every rank has it (msrun sets it): a fork must stand for a fresh rank's interpreter
     env["PYTHONUNBUFFERED"] = "1"
-    for name in SESSION_VARS:
-        env.pop(name, None)
     return env
 
 
