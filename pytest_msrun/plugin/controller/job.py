@@ -93,6 +93,12 @@ class Launched:
         return all(p.poll() is not None for p in self.procs)
 
 
+def has_control_plane(spec: MsrunSpec) -> bool:
+    """Whether ``spec``'s job has msrun's control plane - and so may run in a world, warm or forking
+    (dry runs and ``scheduler='task'`` jobs are fresh jobs)."""
+    return spec.sim_level is None and spec.scheduler != "task"
+
+
 RANK_CLOCK = 86400  # seconds: the job's --cluster_time_out, far beyond any test's timeout
 
 
@@ -344,9 +350,6 @@ class TestJob:
             return ""
         return "\n".join(Path(p).read_text(errors="replace") for p in logs).strip()
 
-    def has_control_plane(self) -> bool:
-        return self.spec.sim_level is None and self.spec.scheduler != "task"
-
     # ---------------------------------------------------------------- helpers
     def _statuses(self) -> list[JobStatus | None]:
         """msrun's status file(s), one per node (None: not written)."""
@@ -370,7 +373,7 @@ class TestJob:
         without the report it wrote), the control plane's view, every rank's stacks."""
         running = self.running_ranks()
         cutoff = records.sizes(report_dir, ranks)
-        state = query_state(self.master_host, self.ports[0], self.token) if self.has_control_plane() else None
+        state = query_state(self.master_host, self.ports[0], self.token) if has_control_plane(self.spec) else None
         return {"running": running, "cutoff": cutoff, "state": state, "stacks": self.collect_stacks()}
 
     def running_ranks(self) -> list[int]:
@@ -463,11 +466,8 @@ def _read(path: str) -> str:
 def _catches(pid: int, sig: int) -> bool:
     """Whether process ``pid`` handles ``sig`` now (``SigCgt`` in its status): a rank still starting
     up has not registered its stack dump yet, and SIGUSR1's default action would kill it."""
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith("SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
     return False

@@ -22,11 +22,11 @@ import pytest
 from pytest_msrun.control.door import Tally
 from pytest_msrun.plugin import envscope
 from pytest_msrun.plugin.controller.attempts import WarmAttempt
-from pytest_msrun.plugin.controller.job import JobRun
+from pytest_msrun.plugin.controller.job import JobRun, has_control_plane
 from pytest_msrun.plugin.controller.jobs import Jobs, node_path, static_skip
 from pytest_msrun.plugin.controller.keeping import NEVER, Budget, Schedule, survives, victims
 from pytest_msrun.plugin.controller.pool import DeviceShortage, ResourcePool
-from pytest_msrun.plugin.controller.world import FORKING, WarmTest, World, eligible, world_key, world_need
+from pytest_msrun.plugin.controller.world import FORKING, WarmTest, World, world_key, world_need
 from pytest_msrun.plugin.marker import MarkerError, MsrunSpec, spec_for
 
 
@@ -111,7 +111,7 @@ class WorldPool:
                 spec = spec_for(item)
             except MarkerError:
                 spec = None
-            if spec is not None and eligible(spec):
+            if spec is not None and has_control_plane(spec):
                 # isolated: each test in processes of its own, forked from the world's ranks
                 forking = spec.isolated or not self.warm
                 key = world_key(self._world_spec(spec), spec.devices) + ((FORKING,) if forking else ())
