@@ -170,7 +170,7 @@ class Controller:
             # a world started ahead inside a Slurm allocation would hold a step's CPUs while idle
             prefetch=prefetch == "on" and cluster is None,
             memory=memory_bounds(config),
-            max_ranks=_max_ranks(config, self.xdist_worker),
+            max_ranks=_max_ranks(config),
         )
         self.runner = Runner(self.jobs, self.worlds, leaks_fail=self.leaks == "error")
 
@@ -344,12 +344,12 @@ class Controller:
                 self.config.hook.pytest_runtest_logreport(report=report)
 
 
-def _max_ranks(config: pytest.Config, xdist_worker: bool) -> int:
-    """``--msrun-max-ranks`` (ini ``msrun_max_ranks``): N, or auto - :func:`.keeping.default_ranks`."""
+def _max_ranks(config: pytest.Config) -> int:
+    """``--msrun-max-ranks`` (ini ``msrun_max_ranks``): N, or auto - :func:`.keeping.default_ranks`
+    (shared by an xdist worker's peers)."""
     value = str(_setting(config, "max_ranks", "auto")).strip()
     if value == "auto":
-        workers = int(getattr(config, "workerinput", {}).get("workercount", 1)) if xdist_worker else 1
-        return default_ranks(workers)
+        return default_ranks(int(getattr(config, "workerinput", {}).get("workercount", 1)))
     if not value.isdigit() or int(value) < 1:
         raise pytest.UsageError(f"--msrun-max-ranks / msrun_max_ranks = {value!r}: use auto or a positive count")
     return int(value)

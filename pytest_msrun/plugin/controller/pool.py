@@ -55,10 +55,7 @@ class DeviceInventory:
 
 def _split_ids(text: str) -> list[str]:
     out: list[str] = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
+    for item in filter(None, (part.strip() for part in text.split(","))):
         lo, dash, hi = item.partition("-")
         if dash and lo.isdigit() and hi.isdigit():
             out.extend(str(i) for i in range(int(lo), int(hi) + 1))

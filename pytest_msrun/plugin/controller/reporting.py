@@ -122,11 +122,10 @@ class Reporter:
             self._warn(item, MsrunMemoryWarning(f"{item.nodeid} ended its warm world:\n  " + "\n  ".join(record.notes)))
         if teardown:  # junitxml writes the properties of a test's last report: the earlier phases' too
             have = {name for name, _ in teardown[-1].user_properties}
-            for report in setup_call:
-                for name, value in report.user_properties:
-                    if name.startswith("msrun_") and name not in have:
-                        teardown[-1].user_properties.append((name, value))
-                        have.add(name)
+            for name, value in (prop for report in setup_call for prop in report.user_properties):
+                if name.startswith("msrun_") and name not in have:
+                    teardown[-1].user_properties.append((name, value))
+                    have.add(name)
         if self.timelines and teardown:
             entry = test_entry(merger, record, final, [*setup_call, *teardown], attempt.mode)
             self._attach_timeline(teardown[-1], {**entry, "world": attempt.world_dir, "trace": trace})
