@@ -396,11 +396,9 @@ class TestJob:
             if stopped(end.pid, or_its_child=True):
                 stacks[rank] = f"msrun: {STOPPED_WORDS}\n"  # it cannot answer: why it has no stack
             elif _catches(end.pid, signal.SIGUSR1):
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(end.pid, signal.SIGUSR1)
                     asked.append(rank)
-                except (ProcessLookupError, PermissionError):
-                    pass
 
         def dump(rank: int) -> str:
             return _read(stacks_path(str(self.paths.report_dir), rank))

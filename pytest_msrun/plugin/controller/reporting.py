@@ -9,6 +9,7 @@ marked ``rerun``.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -148,14 +149,12 @@ class Reporter:
         """The test's timeline on its last report: for the HTML page, and pytest-html's extras."""
         setattr(report, REPORT_ATTR, entry)
         if self.config.pluginmanager.hasplugin("html"):
-            try:
+            with contextlib.suppress(ImportError):
                 from pytest_html import extras  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
                 from pytest_msrun.plugin.reports.htmlpage import render_test
 
                 report.extras = [*getattr(report, "extras", []), extras.html(render_test(entry))]  # type: ignore[attr-defined]
-            except ImportError:
-                pass
 
     def _warn(self, item: pytest.Item, warning: pytest.PytestWarning) -> None:
         """``warning`` as if the test raised it, at its line."""

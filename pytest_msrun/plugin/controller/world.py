@@ -404,11 +404,10 @@ class World:
             sel.close()
         return replies, False
 
-    def await_ends(self, exit_timeout: float, absent: set[int] | None = None) -> list[int]:
+    def await_ends(self, exit_timeout: float, absent: set[int]) -> list[int]:
         """A forking world's children ending after their test, as processes do (threads joined,
         exit handlers run): the ranks whose child did not end within ``exit_timeout`` s. A child
         that ended as a fresh job's rank would not ended its template too (the world is dead)."""
-        absent = absent or set()
         replies, timed_out = self.exchange(None, "ended", time.monotonic() + exit_timeout, without=absent)
         self.template_rss = {r: reply["rss"] for r, reply in replies.items() if isinstance(reply.get("rss"), int)}
         for reply in replies.values():
