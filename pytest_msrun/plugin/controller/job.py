@@ -270,7 +270,6 @@ class TestJob:
         session ended - ``exit_timeout`` seconds more without every process gone (a hang at exit)."""
         started = time.time()
         launched = self.launch()
-        procs = launched.procs
         timed_out = False
         hung: list[int] = []
         try:
@@ -279,7 +278,7 @@ class TestJob:
             finished = FinishWatch(str(self.paths.report_dir), self.expected_ranks())
             exit_deadline: float | None = None
             while True:
-                alive = [p for p in procs if p.poll() is None]  # one look: a process may end any time
+                alive = [p for p in launched.procs if p.poll() is None]  # one look: a process may end any time
                 if not alive:
                     break
                 now = clock()

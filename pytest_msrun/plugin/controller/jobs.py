@@ -92,8 +92,7 @@ class Jobs:
 
     def test_dir(self, item: pytest.Item) -> Path:
         factory = self.config._tmp_path_factory  # type: ignore[attr-defined]
-        path: Path = factory.mktemp(f"msrun-{safe_name(item.nodeid)}", numbered=True)
-        return path
+        return Path(factory.mktemp(f"msrun-{safe_name(item.nodeid)}", numbered=True))
 
     def trace_of(self, item: pytest.Item, tag: str) -> str:
         """The trace file of ``item``'s job ``tag`` (its directory's name, or ``refused``); "": none kept."""

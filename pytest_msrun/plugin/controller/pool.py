@@ -77,10 +77,9 @@ def _nvml_count() -> int:
         return 0
 
 
-def inventory(setting: str, env: dict[str, str] | None = None) -> DeviceInventory:
+def inventory(setting: str) -> DeviceInventory:
     """Devices from ``--msrun-devices``: ``none``, ``cuda:0,1``, ``ascend:0-7`` or ``auto``
     (``ASCEND_RT_VISIBLE_DEVICES``, then ``CUDA_VISIBLE_DEVICES``, then NVML's count)."""
-    env = dict(os.environ) if env is None else env
     setting = (setting or "auto").strip()
     if setting == "none":
         return DeviceInventory()
@@ -89,10 +88,10 @@ def inventory(setting: str, env: dict[str, str] | None = None) -> DeviceInventor
         if kind not in ("cuda", "ascend") or not ids:
             raise ValueError(f"--msrun-devices={setting!r}: use none, auto, cuda:<ids> or ascend:<ids>")
         return DeviceInventory(kind, _split_ids(ids))
-    if env.get("ASCEND_RT_VISIBLE_DEVICES", "").strip():
-        return DeviceInventory("ascend", _split_ids(env["ASCEND_RT_VISIBLE_DEVICES"]))
-    if env.get("CUDA_VISIBLE_DEVICES") is not None:
-        return DeviceInventory("cuda", _split_ids(env["CUDA_VISIBLE_DEVICES"]))
+    if os.environ.get("ASCEND_RT_VISIBLE_DEVICES", "").strip():
+        return DeviceInventory("ascend", _split_ids(os.environ["ASCEND_RT_VISIBLE_DEVICES"]))
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        return DeviceInventory("cuda", _split_ids(os.environ["CUDA_VISIBLE_DEVICES"]))
     if shutil.which("nvidia-smi") or os.path.exists("/dev/nvidiactl"):
         count = _nvml_count()
         if count:
