@@ -11,6 +11,7 @@ turns it into reports. A fresh job runs whole in the first step; a warm world in
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Union
@@ -95,16 +96,14 @@ class WarmAttempt:
             source = end.log or (log.log if log is not None else "")
             if span is None or not source:
                 continue
-            try:
+            with contextlib.suppress(OSError):
                 with open(source, "rb") as fh:
                     fh.seek(span[0])
                     part = fh.read() if span[1] is None else fh.read(max(0, span[1] - span[0]))
                 private_dir(str(folder))
-                target = folder / f"worker_{rank}.log"
-                write_whole(str(target), part)
-            except OSError:
-                continue
-            own[rank] = str(target)
+                target = str(folder / f"worker_{rank}.log")
+                write_whole(target, part)
+                own[rank] = target
         return own
 
 

@@ -68,7 +68,9 @@ def _report_options(config: pytest.Config) -> tuple[str, SessionReport | None]:
     where = os.path.dirname(os.path.abspath(report))
     if not os.path.isdir(where):
         raise pytest.UsageError(f"--msrun-report={report}: the directory {where} does not exist")
-    _refuse_unsafe(f"--msrun-report={report}", unsafe_directory(report))
+    problem = unsafe_directory(report)
+    if problem:  # the page in a place someone else could replace it
+        raise pytest.UsageError(f"--msrun-report={report}: {problem}")
     if hasattr(config, "workerinput"):  # an xdist worker: the controller process writes the page
         return detail, None
     return detail, SessionReport(report, config)
@@ -84,7 +86,9 @@ def _trace_dir(config: pytest.Config) -> str:
         return ""
     path = os.path.abspath(value)
     flag = f"--msrun-trace={value}" if config.getoption("msrun_trace") else f"--msrun-report={page} (its traces)"
-    _refuse_unsafe(flag, unsafe_output_dir(path))
+    problem = unsafe_output_dir(path)
+    if problem:
+        raise pytest.UsageError(f"{flag}: {problem}")
     try:
         make_dirs(path)
     except OSError as exc:
@@ -98,12 +102,6 @@ def _setting(config: pytest.Config, name: str, default: Any, choices: tuple[str,
     if choices and value not in choices:
         raise pytest.UsageError(f"msrun_{name} = {value!r} in the ini file: use {' or '.join(choices)}")
     return value
-
-
-def _refuse_unsafe(flag: str, problem: str) -> None:
-    """An output the user chose in a place someone else could replace it: a usage error, with the fix."""
-    if problem:
-        raise pytest.UsageError(f"{flag}: {problem}")
 
 
 def memory_bounds(config: pytest.Config) -> tuple[int, int]:
@@ -161,7 +159,7 @@ class Controller:
             trace_dir=_trace_dir(config),
             cluster=cluster,
             inventory=self.inventory,
-            timeout=default_timeout(config),
+            default_timeout=default_timeout(config),
             exit_timeout=float(_setting(config, "exit_timeout", DEFAULT_EXIT_TIMEOUT)),
         )
         self.worlds = WorldPool(
@@ -172,7 +170,7 @@ class Controller:
             # a world started ahead inside a Slurm allocation would hold a step's CPUs while idle
             prefetch=prefetch == "on" and cluster is None,
             memory=memory_bounds(config),
-            max_ranks=_max_ranks(config, self.xdist_worker),
+            max_ranks=_max_ranks(config),
         )
         self.runner = Runner(self.jobs, self.worlds, leaks_fail=self.leaks == "error")
 
@@ -274,10 +272,20 @@ class Controller:
 
     def run_item(self, item: pytest.Item, nextitem: pytest.Item | None) -> None:
         """Run ``item`` on its ranks and report it, phase by phase - again, as a whole job on a
-        new world, while pytest-rerunfailures grants the failing test reruns."""
+        new world, while pytest-rerunfailures grants the failing test reruns (a failure that may be
+        rerun is reported as that plugin does: outcome ``rerun``)."""
         reruns = self._reruns(item)
-        for attempt_no in range(reruns + 1):
-            if not self._run_once(item, nextitem, rerun=attempt_no < reruns, count=attempt_no):
+        for count in range(reruns + 1):
+            attempt = self.runner.start(item, nextitem)
+            self._report_late_ends()  # a world found ended when this test reached it: on its last test
+            number = count if count < reruns else None
+            setup_call = self.reporter.setup_call(item, attempt.record, number)
+            rerun_now = any(r.outcome == "rerun" for r in setup_call)  # failed already: no world kept for it
+            record = self.runner.finish(attempt, item, nextitem, rerun_now)
+            final, again = self.reporter.final(item, attempt, record, setup_call, number)
+            if self.runner.done(attempt, item, final):  # its job ended: its trace is complete
+                self.traces.flush(attempt.trace)
+            if not again:
                 return
 
     def _reruns(self, item: pytest.Item) -> int:
@@ -290,21 +298,6 @@ class Controller:
             return int(get_reruns_count(item) or 0)
         except Exception:  # its internals moved: no reruns rather than a broken session
             return 0
-
-    def _run_once(self, item: pytest.Item, nextitem: pytest.Item | None, rerun: bool, count: int) -> bool:
-        """One run of ``item``: the runner's attempt, reported phase by phase. With ``rerun`` a
-        failure is reported as pytest-rerunfailures does (outcome ``rerun``) and True returned: run
-        it again. False: the test is reported."""
-        attempt = self.runner.start(item, nextitem)
-        self._report_late_ends()  # a world found ended when this test reached it: on its last test
-        number = count if rerun else None
-        setup_call = self.reporter.setup_call(item, attempt.record, number)
-        rerun_now = any(r.outcome == "rerun" for r in setup_call)  # failed already: no world kept for it
-        record = self.runner.finish(attempt, item, nextitem, rerun_now)
-        final, again = self.reporter.final(item, attempt, record, setup_call, number)
-        if self.runner.done(attempt, item, final):  # its job ended: its trace is complete
-            self.traces.flush(attempt.trace)
-        return again
 
     # pytest-timeout (when installed): a marked test's timeout is its job's, on the job's clock (from
     # the test's start, not its world's), ending in the grouped hang report; its own timer, which
@@ -351,12 +344,12 @@ class Controller:
                 self.config.hook.pytest_runtest_logreport(report=report)
 
 
-def _max_ranks(config: pytest.Config, xdist_worker: bool) -> int:
-    """``--msrun-max-ranks`` (ini ``msrun_max_ranks``): N, or auto - :func:`.keeping.default_ranks`."""
+def _max_ranks(config: pytest.Config) -> int:
+    """``--msrun-max-ranks`` (ini ``msrun_max_ranks``): N, or auto - :func:`.keeping.default_ranks`
+    (shared by an xdist worker's peers)."""
     value = str(_setting(config, "max_ranks", "auto")).strip()
     if value == "auto":
-        workers = int(getattr(config, "workerinput", {}).get("workercount", 1)) if xdist_worker else 1
-        return default_ranks(workers)
+        return default_ranks(int(getattr(config, "workerinput", {}).get("workercount", 1)))
     if not value.isdigit() or int(value) < 1:
         raise pytest.UsageError(f"--msrun-max-ranks / msrun_max_ranks = {value!r}: use auto or a positive count")
     return int(value)

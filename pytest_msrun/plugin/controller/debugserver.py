@@ -228,13 +228,10 @@ class DebugServer:
             with contextlib.suppress(OSError):
                 session.sock.shutdown(socket.SHUT_WR)
             return
-        try:
+        with contextlib.suppress(OSError):
             session.sock.setblocking(True)
             session.sock.sendall(data)
-        except OSError:
-            pass
-        finally:
-            session.sock.setblocking(False)
+        session.sock.setblocking(False)
 
     def _say(self, line: str) -> None:
         _write_all(self.stdout, ("\n" + line + "\n").encode("utf-8", "replace"))

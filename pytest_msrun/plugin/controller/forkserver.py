@@ -94,11 +94,7 @@ class ForkedProcess:
 class ForkServer:
     """The template process of one session, started on first use; :meth:`start_msrun` forks an msrun."""
 
-    def __init__(
-        self,
-        preload: Callable[[], tuple[list[str], list[str]]],
-        log_path: Callable[[], str],
-    ) -> None:
+    def __init__(self, preload: Callable[[], tuple[list[str], list[str]]], log_path: Callable[[], str]) -> None:
         self.preload = preload  # what the template imports (modules, plugins), asked when it starts
         self.log_path = log_path  # where its output goes, asked when it starts
         self._early = False  # a template forked from this process at its start, not yet begun
@@ -164,9 +160,7 @@ class ForkServer:
 
     def _receive(self, timeout: float) -> dict[str, Any] | None:
         sock = self._sock
-        if sock is None:
-            return None
-        if not wait_readable(sock.fileno(), timeout):
+        if sock is None or not wait_readable(sock.fileno(), timeout):
             return None
         data = sock.recv(1 << 16)
         if not data:
@@ -231,11 +225,9 @@ class ForkServer:
 
 def template_env() -> dict[str, str]:
     """The template's environment: this process's, as a rank's interpreter starts with it."""
-    env = dict(os.environ)
+    env = {name: value for name, value in os.environ.items() if name not in SESSION_VARS}
     # as every rank has it (msrun sets it): a fork must stand for a fresh rank's interpreter
     env["PYTHONUNBUFFERED"] = "1"
-    for name in SESSION_VARS:
-        env.pop(name, None)
     return env
 
 
@@ -313,15 +305,10 @@ class ForkServerHooks:
 
 def session_fork_server(config: pytest.Config) -> ForkServer:
     """The session's fork server (started with the first marked test collected)."""
-
-    def log_path() -> str:
-        factory = config._tmp_path_factory  # type: ignore[attr-defined]
-        return str(factory.getbasetemp() / "msrun-fork-server.log")
-
-    def preload() -> tuple[list[str], list[str]]:  # what the ranks load
-        return preload_for(config, options.unused_rank_plugins(config))
-
-    return ForkServer(preload, log_path)
+    return ForkServer(
+        lambda: preload_for(config, options.unused_rank_plugins(config)),  # what the ranks load
+        lambda: str(config._tmp_path_factory.getbasetemp() / "msrun-fork-server.log"),  # type: ignore[attr-defined]
+    )
 
 
 def preload_for(config: pytest.Config, skip: list[str]) -> tuple[list[str], list[str]]:
@@ -330,12 +317,10 @@ def preload_for(config: pytest.Config, skip: list[str]) -> tuple[list[str], list
     (``-p no:NAME`` given to ranks)."""
     names = ["pytest", "pytest_msrun.pytest_plugin", "pytest_msrun.plugin.rank.rank", "pytest_msrun.plugin.rank.serve"]
     names += ["pytest_msrun.plugin.rank.forked", module_of("msrun"), *RANK_MODULES]
-    plugins: list[str] = []
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
-        return names, plugins
-    for plugin, _dist in config.pluginmanager.list_plugin_distinfo():
-        name = getattr(plugin, "__name__", None)
-        plugin_name = config.pluginmanager.get_name(plugin)
-        if isinstance(name, str) and plugin_name not in skip and name not in names:
-            plugins.append(name)
-    return names, plugins
+        return names, []
+    manager = config.pluginmanager
+    loaded = [
+        (getattr(plugin, "__name__", None), manager.get_name(plugin)) for plugin, _ in manager.list_plugin_distinfo()
+    ]
+    return names, [name for name, key in loaded if isinstance(name, str) and key not in skip and name not in names]

@@ -21,9 +21,11 @@ from pytest_msrun.plugin.marker import MARKER
 
 
 def one_rank_env() -> dict[str, str]:
-    env = {"RANK_SIZE": "1", "MS_WORKER_NUM": "1", "PYTHONUNBUFFERED": "1"}
-    env.update(
-        childenv.rank_vars(
+    return {
+        "RANK_SIZE": "1",
+        "MS_WORKER_NUM": "1",
+        "PYTHONUNBUFFERED": "1",
+        **childenv.rank_vars(
             local_index=0,
             rank=0,
             world_size=1,
@@ -32,9 +34,8 @@ def one_rank_env() -> dict[str, str]:
             node_count=1,
             master_ip="127.0.0.1",
             dist_port=free_port("127.0.0.1"),
-        )
-    )
-    return env
+        ),
+    }
 
 
 class InProcessPlugin:

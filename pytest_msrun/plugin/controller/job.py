@@ -33,7 +33,7 @@ from pytest_msrun.engine.config import TRACE_ENV, LaunchConfig
 from pytest_msrun.engine.plan import job_ranks
 from pytest_msrun.engine.processes import term_grace
 from pytest_msrun.engine.slurm import Allocation
-from pytest_msrun.engine.status import STATUS_FILE, node_status_file, read_status
+from pytest_msrun.engine.status import STATUS_FILE, JobStatus, node_status_file, read_status
 from pytest_msrun.fileio import private_dir
 from pytest_msrun.plugin.controller.debugserver import DebugServer, paused_clock
 from pytest_msrun.plugin.controller.forkserver import SESSION_VARS, ForkServer
@@ -91,6 +91,12 @@ class Launched:
 
     def ended(self) -> bool:
         return all(p.poll() is not None for p in self.procs)
+
+
+def has_control_plane(spec: MsrunSpec) -> bool:
+    """Whether ``spec``'s job has msrun's control plane - and so may run in a world, warm or forking
+    (dry runs and ``scheduler='task'`` jobs are fresh jobs)."""
+    return spec.sim_level is None and spec.scheduler != "task"
 
 
 RANK_CLOCK = 86400  # seconds: the job's --cluster_time_out, far beyond any test's timeout
@@ -186,7 +192,7 @@ class TestJob:
         node, which Slurm picked (known from its msrun's status file once it started)."""
         if self.cluster is None:
             return "127.0.0.1"
-        status = read_status(str(self.log_dir), self._status_names()[0])
+        status = self._statuses()[0]
         return status.host if status is not None and status.host else self.cluster.nodes[0]
 
     def flags(self, cfg: LaunchConfig, *, for_user: bool = False) -> list[str]:
@@ -264,7 +270,6 @@ class TestJob:
         session ended - ``exit_timeout`` seconds more without every process gone (a hang at exit)."""
         started = time.time()
         launched = self.launch()
-        procs = launched.procs
         timed_out = False
         hung: list[int] = []
         try:
@@ -273,7 +278,7 @@ class TestJob:
             finished = FinishWatch(str(self.paths.report_dir), self.expected_ranks())
             exit_deadline: float | None = None
             while True:
-                alive = [p for p in procs if p.poll() is None]  # one look: a process may end any time
+                alive = [p for p in launched.procs if p.poll() is None]  # one look: a process may end any time
                 if not alive:
                     break
                 now = clock()
@@ -291,11 +296,9 @@ class TestJob:
             self.stop(launched)
             raise
         facts = self.at_deadline(str(self.paths.report_dir), self.expected_ranks()) if timed_out else {}
-        if timed_out or hung:
-            facts = facts or {"stacks": self.collect_stacks()}
-            self.stop(launched)
-        for pump in launched.pumps:
-            pump.join(timeout=5)
+        if hung:
+            facts = {"stacks": self.collect_stacks()}
+        self.stop(launched)  # (every msrun ended: its output pumps joined)
         facts.update(timed_out=timed_out, exit_hung=hung, exit_timeout=exit_timeout, ranks=self.rank_ends())
         run = self.outcome(launched, timeout, started, self.reproduce_lines(timeout), **facts)
         if not timed_out and not hung:
@@ -320,7 +323,7 @@ class TestJob:
 
     def started(self) -> bool:
         """Whether any msrun of the job started (wrote its status file)."""
-        return any(read_status(str(self.log_dir), name) is not None for name in self._status_names())
+        return any(status is not None for status in self._statuses())
 
     def no_room(self, timeout: float, logs: list[str]) -> str:
         """Why a Slurm step of this job never started within ``timeout`` s: srun waited all along
@@ -342,30 +345,25 @@ class TestJob:
         (none written, or one saying so), never from an exit status a rank may share."""
         if all(code == 0 for code in exit_codes):
             return ""
-        statuses = [read_status(str(self.log_dir), name) for name in self._status_names()]
-        if all(s is not None and s.state != "error" for s in statuses):
+        if all(s is not None and s.state != "error" for s in self._statuses()):
             return ""
         return "\n".join(Path(p).read_text(errors="replace") for p in logs).strip()
 
-    def has_control_plane(self) -> bool:
-        return self.spec.sim_level is None and self.spec.scheduler != "task"
-
     # ---------------------------------------------------------------- helpers
-    def _status_names(self) -> list[str]:
-        return [STATUS_FILE] if self.nodes == 1 else [node_status_file(i) for i in range(self.nodes)]
+    def _statuses(self) -> list[JobStatus | None]:
+        """msrun's status file(s), one per node (None: not written)."""
+        names = [STATUS_FILE] if self.nodes == 1 else [node_status_file(i) for i in range(self.nodes)]
+        return [read_status(str(self.log_dir), name) for name in names]
 
     def rank_ends(self) -> dict[int, RankEnd]:
         """How each rank's process ended, from msrun's status file(s)."""
-        out: dict[int, RankEnd] = {}
-        for name in self._status_names():
-            status = read_status(str(self.log_dir), name)
-            if status is None:
-                continue
-            for proc in status.workers:
-                if proc.rank is None:
-                    continue
-                out[proc.rank] = RankEnd.of(proc, status.stop_reason, status.host)
-        return out
+        return {
+            proc.rank: RankEnd.of(proc, status.stop_reason, status.host)
+            for status in self._statuses()
+            if status is not None
+            for proc in status.workers
+            if proc.rank is not None
+        }
 
     def at_deadline(self, report_dir: str, ranks: list[int]) -> dict[str, Any]:
         """Where every rank is at a test's deadline, as facts of its :class:`JobRun`: the ranks still
@@ -374,7 +372,7 @@ class TestJob:
         without the report it wrote), the control plane's view, every rank's stacks."""
         running = self.running_ranks()
         cutoff = records.sizes(report_dir, ranks)
-        state = query_state(self.master_host, self.ports[0], self.token) if self.has_control_plane() else None
+        state = query_state(self.master_host, self.ports[0], self.token) if has_control_plane(self.spec) else None
         return {"running": running, "cutoff": cutoff, "state": state, "stacks": self.collect_stacks()}
 
     def running_ranks(self) -> list[int]:
@@ -397,22 +395,16 @@ class TestJob:
             if stopped(end.pid, or_its_child=True):
                 stacks[rank] = f"msrun: {STOPPED_WORDS}\n"  # it cannot answer: why it has no stack
             elif _catches(end.pid, signal.SIGUSR1):
-                try:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.kill(end.pid, signal.SIGUSR1)
                     asked.append(rank)
-                except (ProcessLookupError, PermissionError):
-                    pass
 
-        def dumped(rank: int) -> bool:
-            return bool(_read(stacks_path(str(self.paths.report_dir), rank)).strip())
+        def dump(rank: int) -> str:
+            return _read(stacks_path(str(self.paths.report_dir), rank))
 
-        if wait_until(lambda: all(dumped(rank) for rank in asked), STACK_WAIT, 0.05):
+        if wait_until(lambda: all(dump(rank).strip() for rank in asked), STACK_WAIT, 0.05):
             time.sleep(0.05)  # let the last writer finish its dump
-        for rank in asked:
-            text = _read(stacks_path(str(self.paths.report_dir), rank))
-            if text.strip():
-                stacks[rank] = text
-        return stacks
+        return {**stacks, **{rank: text for rank in asked if (text := dump(rank)).strip()}}
 
     def stop(self, launched: Launched) -> None:
         """Tear a launched job down: msrun's own teardown on SIGTERM, SIGKILL of its session after
@@ -446,11 +438,8 @@ class FinishWatch:
         if now < self.next:
             return False
         self.next = now + self.every
-        for rank, path in list(self.paths.items()):
-            if not _ends_with_finish(path):
-                return False
-            del self.paths[rank]
-        return True
+        self.paths = {rank: path for rank, path in self.paths.items() if not _ends_with_finish(path)}
+        return not self.paths
 
 
 def _ends_with_finish(path: str) -> bool:
@@ -474,11 +463,8 @@ def _read(path: str) -> str:
 def _catches(pid: int, sig: int) -> bool:
     """Whether process ``pid`` handles ``sig`` now (``SigCgt`` in its status): a rank still starting
     up has not registered its stack dump yet, and SIGUSR1's default action would kill it."""
-    try:
-        with open(f"/proc/{pid}/status") as fh:
-            for line in fh:
-                if line.startswith("SigCgt:"):
-                    return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open(f"/proc/{pid}/status") as fh:
+        for line in fh:
+            if line.startswith("SigCgt:"):
+                return bool(int(line.split()[1], 16) >> (sig - 1) & 1)
     return False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -49,31 +50,19 @@ def static_skip(item: pytest.Item) -> str | None:
     return skipped.reason if skipped is not None else None
 
 
+@dataclass
 class Jobs:
     """Makes the jobs of one pytest session (``args``: the options every rank's pytest gets)."""
 
-    def __init__(
-        self,
-        config: pytest.Config,
-        *,
-        args: list[str],
-        trace_dir: str,
-        cluster: Allocation | None,
-        inventory: DeviceInventory,
-        timeout: float,
-        exit_timeout: float,
-        debug: DebugServer,
-        forks: ForkServer | None,
-    ) -> None:
-        self.config = config
-        self.forks = forks  # the session's fork server (None: every msrun is spawned)
-        self.debug = debug  # the ranks' debugger (breakpoint(), --pdb)
-        self.args = args
-        self.trace_dir = trace_dir
-        self.cluster = cluster
-        self.inventory = inventory
-        self.default_timeout = timeout
-        self.exit_timeout = exit_timeout  # s the ranks may take to exit once their sessions ended
+    config: pytest.Config
+    args: list[str]
+    trace_dir: str
+    cluster: Allocation | None
+    inventory: DeviceInventory
+    default_timeout: float
+    exit_timeout: float  # s the ranks may take to exit once their sessions ended
+    debug: DebugServer  # the ranks' debugger (breakpoint(), --pdb)
+    forks: ForkServer | None  # the session's fork server (None: every msrun is spawned)
 
     def timeout(self, spec: MsrunSpec) -> float:
         return spec.timeout or self.default_timeout
@@ -103,8 +92,7 @@ class Jobs:
 
     def test_dir(self, item: pytest.Item) -> Path:
         factory = self.config._tmp_path_factory  # type: ignore[attr-defined]
-        path: Path = factory.mktemp(f"msrun-{safe_name(item.nodeid)}", numbered=True)
-        return path
+        return Path(factory.mktemp(f"msrun-{safe_name(item.nodeid)}", numbered=True))
 
     def trace_of(self, item: pytest.Item, tag: str) -> str:
         """The trace file of ``item``'s job ``tag`` (its directory's name, or ``refused``); "": none kept."""

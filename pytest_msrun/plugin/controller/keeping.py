@@ -10,6 +10,7 @@ look at the machine: an idle world costs memory and processes, not CPU.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 import os
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -103,11 +104,8 @@ def default_ranks(workers: int = 1) -> int:
 
 def _mem_available() -> int | None:
     """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo", encoding="ascii") as fh:
+        for line in fh:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     return None

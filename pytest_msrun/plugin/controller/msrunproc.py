@@ -7,6 +7,7 @@ by tearing its job down - if the controller dies.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -66,11 +67,9 @@ def _pump_rank_lines(stream: IO[bytes], log_fh: IO[bytes]) -> None:
     try:
         for line in iter(stream.readline, b""):
             log_fh.write(line)
-            if line.startswith(b"[rank ") or line.startswith(b"[local "):
-                try:
+            if line.startswith((b"[rank ", b"[local ")):
+                with contextlib.suppress(OSError, ValueError, AttributeError):
                     sys.stdout.buffer.write(line)
                     sys.stdout.flush()
-                except (OSError, ValueError, AttributeError):
-                    pass
     finally:
         log_fh.close()

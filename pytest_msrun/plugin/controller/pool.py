@@ -55,10 +55,7 @@ class DeviceInventory:
 
 def _split_ids(text: str) -> list[str]:
     out: list[str] = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            continue
+    for item in filter(None, (part.strip() for part in text.split(","))):
         lo, dash, hi = item.partition("-")
         if dash and lo.isdigit() and hi.isdigit():
             out.extend(str(i) for i in range(int(lo), int(hi) + 1))
@@ -80,10 +77,9 @@ def _nvml_count() -> int:
         return 0
 
 
-def inventory(setting: str, env: dict[str, str] | None = None) -> DeviceInventory:
+def inventory(setting: str) -> DeviceInventory:
     """Devices from ``--msrun-devices``: ``none``, ``cuda:0,1``, ``ascend:0-7`` or ``auto``
     (``ASCEND_RT_VISIBLE_DEVICES``, then ``CUDA_VISIBLE_DEVICES``, then NVML's count)."""
-    env = dict(os.environ) if env is None else env
     setting = (setting or "auto").strip()
     if setting == "none":
         return DeviceInventory()
@@ -92,10 +88,10 @@ def inventory(setting: str, env: dict[str, str] | None = None) -> DeviceInventor
         if kind not in ("cuda", "ascend") or not ids:
             raise ValueError(f"--msrun-devices={setting!r}: use none, auto, cuda:<ids> or ascend:<ids>")
         return DeviceInventory(kind, _split_ids(ids))
-    if env.get("ASCEND_RT_VISIBLE_DEVICES", "").strip():
-        return DeviceInventory("ascend", _split_ids(env["ASCEND_RT_VISIBLE_DEVICES"]))
-    if env.get("CUDA_VISIBLE_DEVICES") is not None:
-        return DeviceInventory("cuda", _split_ids(env["CUDA_VISIBLE_DEVICES"]))
+    if os.environ.get("ASCEND_RT_VISIBLE_DEVICES", "").strip():
+        return DeviceInventory("ascend", _split_ids(os.environ["ASCEND_RT_VISIBLE_DEVICES"]))
+    if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+        return DeviceInventory("cuda", _split_ids(os.environ["CUDA_VISIBLE_DEVICES"]))
     if shutil.which("nvidia-smi") or os.path.exists("/dev/nvidiactl"):
         count = _nvml_count()
         if count:
@@ -152,29 +148,25 @@ def default_pool_dir() -> str:
     return os.path.join(base, "msrun-pool")
 
 
-def _is_pid(value: object) -> bool:
-    return type(value) is int and 0 < value <= PID_LIMIT  # (os.kill overflows on a larger one)
-
-
-def _finite(value: object) -> bool:
-    return type(value) in (int, float) and math.isfinite(value)  # type: ignore[arg-type]
-
-
 def _entry(part: str, entry: object) -> dict[str, Any] | None:
     """An entry of ``part`` as the pool writes it, or None: its owner's pid and a time, then a
     lease's TCP ports and device names, or a wait's count of devices."""
-    if not isinstance(entry, dict) or not _is_pid(entry.get("pid")) or not _finite(entry.get("ts", 0)):
+    if not isinstance(entry, dict):
+        return None
+    pid, ts = entry.get("pid"), entry.get("ts", 0)
+    if type(pid) is not int or not 0 < pid <= PID_LIMIT:  # (os.kill overflows on a larger one)
+        return None
+    if type(ts) not in (int, float) or not math.isfinite(ts):
         return None
     if part == "waiting":
         count = entry.get("devices", 0)
-        ok = type(count) is int and count >= 0
-        return {"pid": entry["pid"], "devices": count, "ts": entry.get("ts", 0)} if ok else None
+        return {"pid": pid, "devices": count, "ts": ts} if type(count) is int and count >= 0 else None
     ports, devices = entry.get("ports", []), entry.get("devices", [])
     if not isinstance(ports, list) or not all(type(p) is int and 0 < p <= 65535 for p in ports):
         return None  # (any TCP port: a session with another MSRUN_PORT_RANGE shares the file)
     if not isinstance(devices, list) or not all(isinstance(d, str) for d in devices):
         return None
-    return {"pid": entry["pid"], "ports": ports, "devices": devices, "ts": entry.get("ts", 0)}
+    return {"pid": pid, "ports": ports, "devices": devices, "ts": ts}
 
 
 def clean_state(data: object) -> dict[str, dict[str, dict[str, Any]]]:
@@ -185,12 +177,8 @@ def clean_state(data: object) -> dict[str, dict[str, dict[str, Any]]]:
         return state
     for part in state:
         entries = data.get(part)
-        if not isinstance(entries, dict):
-            continue
-        for key, entry in entries.items():
-            good = _entry(part, entry)
-            if good is not None and isinstance(key, str):
-                state[part][key] = good
+        goods = {key: _entry(part, entry) for key, entry in entries.items()} if isinstance(entries, dict) else {}
+        state[part] = {key: good for key, good in goods.items() if good is not None and isinstance(key, str)}
     return state
 
 
@@ -258,14 +246,9 @@ class ResourcePool:
                         key != waiter and w["ts"] < since for key, w in state["waiting"].items()
                     )
                     if len(free) >= devices and not earlier:
-                        picked = self._pick_ports(ports, used_ports)
-                        lease = Lease(uuid.uuid4().hex, picked, free[:devices])
-                        state["leases"][lease.lease_id] = {
-                            "pid": os.getpid(),
-                            "ports": lease.ports,
-                            "devices": lease.devices,
-                            "ts": time.time(),
-                        }
+                        lease = Lease(uuid.uuid4().hex, self._pick_ports(ports, used_ports), free[:devices])
+                        entry = {"pid": os.getpid(), "ports": lease.ports, "devices": lease.devices, "ts": time.time()}
+                        state["leases"][lease.lease_id] = entry
                         state["waiting"].pop(waiter, None)
                         self._save(state)
                         return lease

@@ -9,6 +9,7 @@ marked ``rerun``.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -122,11 +123,10 @@ class Reporter:
             self._warn(item, MsrunMemoryWarning(f"{item.nodeid} ended its warm world:\n  " + "\n  ".join(record.notes)))
         if teardown:  # junitxml writes the properties of a test's last report: the earlier phases' too
             have = {name for name, _ in teardown[-1].user_properties}
-            for report in setup_call:
-                for name, value in report.user_properties:
-                    if name.startswith("msrun_") and name not in have:
-                        teardown[-1].user_properties.append((name, value))
-                        have.add(name)
+            for name, value in (prop for report in setup_call for prop in report.user_properties):
+                if name.startswith("msrun_") and name not in have:
+                    teardown[-1].user_properties.append((name, value))
+                    have.add(name)
         if self.timelines and teardown:
             entry = test_entry(merger, record, final, [*setup_call, *teardown], attempt.mode)
             self._attach_timeline(teardown[-1], {**entry, "world": attempt.world_dir, "trace": trace})
@@ -149,14 +149,12 @@ class Reporter:
         """The test's timeline on its last report: for the HTML page, and pytest-html's extras."""
         setattr(report, REPORT_ATTR, entry)
         if self.config.pluginmanager.hasplugin("html"):
-            try:
+            with contextlib.suppress(ImportError):
                 from pytest_html import extras  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
                 from pytest_msrun.plugin.reports.htmlpage import render_test
 
                 report.extras = [*getattr(report, "extras", []), extras.html(render_test(entry))]  # type: ignore[attr-defined]
-            except ImportError:
-                pass
 
     def _warn(self, item: pytest.Item, warning: pytest.PytestWarning) -> None:
         """``warning`` as if the test raised it, at its line."""

@@ -35,7 +35,7 @@ from pytest_msrun.control.door import Admitted, Door, Tally
 from pytest_msrun.netaddr import rank_listener
 from pytest_msrun.plugin import envscope, rankmemory
 from pytest_msrun.plugin.controller.debugserver import paused_clock
-from pytest_msrun.plugin.controller.job import JobRun, Launched, TestJob, TestPaths
+from pytest_msrun.plugin.controller.job import JobRun, Launched, TestJob, TestPaths, has_control_plane
 from pytest_msrun.plugin.links import FORK_ENV, WORLD_ENV, WORLD_TOKEN_ENV, Channel
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.rule.outcomes import RankEnd
@@ -66,12 +66,6 @@ def world_key(spec: MsrunSpec, devices: int) -> tuple[Any, ...]:
 def world_need(key: tuple[Any, ...]) -> tuple[int, int]:
     """The ranks and devices a world of ``key`` holds while it lives."""
     return int(key[0]), int(key[5])
-
-
-def eligible(spec: MsrunSpec) -> bool:
-    """Whether a test may run in a world - warm, or forking when it is to be isolated (dry runs and
-    ``scheduler='task'`` jobs are fresh jobs)."""
-    return spec.sim_level is None and spec.scheduler != "task"
 
 
 FORKING = "forking"  # the last element of a forking world's key
@@ -376,15 +370,15 @@ class World:
                     next_check = now + STUCK_FIRST_CHECK
                 elif release and replies and not self.declared and next_check is not None and now >= next_check:
                     next_check = now + STUCK_CHECK
-                    if self.job.has_control_plane():
+                    if has_control_plane(self.job.spec):
                         self.declared = release_waiters(self.job, self.ranks, set(replies), released)
                 if self.launched.exited():
                     self.dead = "the world's job ended (a rank died)"
                     break
                 waiting = [rank for rank in live if rank not in replies and rank not in self.lost]
-                ready = [rank for rank in waiting if self.channels[rank].pending]
-                if not ready:
-                    ready = [key.data for key, _ in sel.select(timeout=0.05)]
+                ready = [rank for rank in waiting if self.channels[rank].pending] or [
+                    key.data for key, _ in sel.select(timeout=0.05)
+                ]
                 for rank in ready:
                     try:
                         reply = self.channels[rank].receive()
@@ -410,11 +404,10 @@ class World:
             sel.close()
         return replies, False
 
-    def await_ends(self, exit_timeout: float, absent: set[int] | None = None) -> list[int]:
+    def await_ends(self, exit_timeout: float, absent: set[int]) -> list[int]:
         """A forking world's children ending after their test, as processes do (threads joined,
         exit handlers run): the ranks whose child did not end within ``exit_timeout`` s. A child
         that ended as a fresh job's rank would not ended its template too (the world is dead)."""
-        absent = absent or set()
         replies, timed_out = self.exchange(None, "ended", time.monotonic() + exit_timeout, without=absent)
         self.template_rss = {r: reply["rss"] for r, reply in replies.items() if isinstance(reply.get("rss"), int)}
         for reply in replies.values():

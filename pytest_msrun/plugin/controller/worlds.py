@@ -12,6 +12,7 @@ calls back into it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -22,11 +23,11 @@ import pytest
 from pytest_msrun.control.door import Tally
 from pytest_msrun.plugin import envscope
 from pytest_msrun.plugin.controller.attempts import WarmAttempt
-from pytest_msrun.plugin.controller.job import JobRun
+from pytest_msrun.plugin.controller.job import JobRun, has_control_plane
 from pytest_msrun.plugin.controller.jobs import Jobs, node_path, static_skip
 from pytest_msrun.plugin.controller.keeping import NEVER, Budget, Schedule, survives, victims
 from pytest_msrun.plugin.controller.pool import DeviceShortage, ResourcePool
-from pytest_msrun.plugin.controller.world import FORKING, WarmTest, World, eligible, world_key, world_need
+from pytest_msrun.plugin.controller.world import FORKING, WarmTest, World, world_key, world_need
 from pytest_msrun.plugin.marker import MarkerError, MsrunSpec, spec_for
 
 
@@ -111,7 +112,7 @@ class WorldPool:
                 spec = spec_for(item)
             except MarkerError:
                 spec = None
-            if spec is not None and eligible(spec):
+            if spec is not None and has_control_plane(spec):
                 # isolated: each test in processes of its own, forked from the world's ranks
                 forking = spec.isolated or not self.warm
                 key = world_key(self._world_spec(spec), spec.devices) + ((FORKING,) if forking else ())
@@ -280,21 +281,19 @@ class WorldPool:
         if not self.prefetch:
             return
         plan, start = self._ahead(item, nextitem)
-        for at in range(start, len(plan.starts.keys)):
-            other = plan.starts.keys[at]
-            if other is None or other == key:
-                continue
-            spec = spec_for(plan.items[at])
-            if other in self.live or spec is None or not self.budget.fits([*self._needs().values(), world_need(other)]):
-                return
-            busy = sum(w.job.spec.worker_num for k, w in self.live.items() if k == key or not w.connected)
-            if busy + spec.worker_num > _cpus():  # no CPU left to start it beside them
-                return
-            try:
-                self.live[other] = self._start_world(plan.items[at], spec, other, 0)
-            except DeviceShortage:
-                pass
+        at = next((i for i in range(start, len(plan.starts.keys)) if plan.starts.keys[i] not in (None, key)), None)
+        if at is None:
             return
+        other, spec = plan.starts.keys[at], spec_for(plan.items[at])
+        if other is None or other in self.live or spec is None:
+            return
+        if not self.budget.fits([*self._needs().values(), world_need(other)]):
+            return
+        busy = sum(w.job.spec.worker_num for k, w in self.live.items() if k == key or not w.connected)
+        if busy + spec.worker_num > _cpus():  # no CPU left to start it beside them
+            return
+        with contextlib.suppress(DeviceShortage):
+            self.live[other] = self._start_world(plan.items[at], spec, other, 0)
 
     def after(self, item: pytest.Item, key: tuple, next_id: str | None) -> None:
         world = self.live.get(key)
