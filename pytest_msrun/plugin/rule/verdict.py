@@ -375,10 +375,8 @@ class Judge:
             return "timeout"
         if self.facts.stopped_by_msrun(rank):
             return "stopped"
-        end = self.facts.end(rank)
-        if end.returncode is None:
-            return "no record"
-        return self._crash_word(end.returncode)
+        code = self.facts.end(rank).returncode
+        return "no record" if code is None else self._crash_word(code)
 
     @staticmethod
     def _crash_word(code: int) -> str:
