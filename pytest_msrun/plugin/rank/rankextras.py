@@ -210,9 +210,8 @@ class ExtrasRecorder:
     @pytest.hookimpl(wrapper=True)
     def pytest_report_teststatus(self, report: pytest.TestReport, config: pytest.Config) -> Generator[None, Any, Any]:
         status = yield
-        if type(report).__name__ != "SubtestReport":
-            return status
-        if self.rank_plugin.current is not None and isinstance(status, tuple) and len(status) == 3:
+        subtest = type(report).__name__ == "SubtestReport" and self.rank_plugin.current is not None
+        if subtest and isinstance(status, tuple) and len(status) == 3:
             return (status[0], "", status[2])  # its letter would land in the test's own output
         return status
 

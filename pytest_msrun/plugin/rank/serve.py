@@ -162,12 +162,8 @@ class Snapshot:
         if dict(os.environ) != expected:
             os.environ.clear()
             os.environ.update(expected)
-        try:
-            if os.getcwd() == self.cwd:
-                return
-        except OSError:
-            pass
-        os.chdir(self.cwd)
+        if self._cwd_changed():
+            os.chdir(self.cwd)
 
 
 @contextlib.contextmanager
@@ -210,13 +206,6 @@ def _memory(snapshot: Snapshot, msg: dict[str, Any]) -> dict[str, Any]:
         return {}
     bound = bounds[0] if isinstance(bounds[0], int) else 0
     return {"memory": snapshot.memory.end(bound)}
-
-
-def _group_state() -> int | None:
-    """The builtin control plane's collective counter of this rank (None: not in a group); ranks
-    that may go on together have equal ones."""
-    group = forked.cluster_group()
-    return None if group is None else int(group.seq)
 
 
 def _group_fds() -> set[int]:
@@ -269,11 +258,7 @@ def _children() -> list[int]:
     except OSError:
         return out
     for task in tasks:
-        try:
-            with open(f"/proc/self/task/{task}/children") as fh:
-                out += [int(p) for p in fh.read().split()]
-        except OSError:
-            continue
+        out += [int(p) for p in (_proc(f"/proc/self/task/{task}/children") or "").split()]
     return [pid for pid in out if not _ended(pid)]
 
 
@@ -281,19 +266,21 @@ def _ended(pid: int) -> bool:
     """Whether ``pid`` (a child) has ended - a zombie not yet waited for. It is left to whoever
     started it (a fixture's ``Popen`` still reads its status); an adopted orphan's goes to msrun
     with the rank."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rpartition(")")[2].split()[0] in ("Z", "X")
-    except (OSError, IndexError):
-        return True
+    fields = (_proc(f"/proc/{pid}/stat") or "").rpartition(")")[2].split()
+    return not fields or fields[0] in ("Z", "X")
 
 
 def _comm(pid: int) -> str:
+    return (_proc(f"/proc/{pid}/comm") or "?").strip()
+
+
+def _proc(path: str) -> str | None:
+    """A /proc file's text (None: it cannot be read - the process or task has ended)."""
     try:
-        with open(f"/proc/{pid}/comm") as fh:
-            return fh.read().strip()
+        with open(path) as fh:
+            return fh.read()
     except OSError:
-        return "?"
+        return None
 
 
 class LateNext:
@@ -384,8 +371,11 @@ class WorldServer:
             item.ihook.pytest_runtest_protocol(item=item, nextitem=self.next)
 
     def _done(self, leaks: list[str], lingering: bool) -> dict[str, Any]:
-        plugin = self.rank_plugin
-        return {"failed": plugin.test_failed, "leaks": leaks, "lingering": lingering, "group": _group_state()}
+        """``group``: the builtin control plane's collective counter of this rank (None: not in a
+        group); ranks that may go on together have equal ones."""
+        group = forked.cluster_group()
+        state = None if group is None else int(group.seq)
+        return {"failed": self.rank_plugin.test_failed, "leaks": leaks, "lingering": lingering, "group": state}
 
     def _run(self, item: pytest.Item, msg: dict[str, Any]) -> dict[str, Any]:
         plugin = self.rank_plugin

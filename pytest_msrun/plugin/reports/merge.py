@@ -309,6 +309,7 @@ class Merger:
         self, phase: PhaseVerdict, present: dict[int, pytest.TestReport], window: tuple[float, float]
     ) -> pytest.TestReport:
         sections: list[tuple[str, str]] = []
+        shown_stacks: set[int] = set()
         issues = phase.issues
         died = [i.rank for i in issues if i.report is None]
         if phase.message:  # a rule's own failure (a mix of skip and run)
@@ -324,7 +325,6 @@ class Merger:
             else:
                 root = None
                 crash = self._crash_location(headline)
-            shown_stacks: set[int] = set()
         elif self.run.timed_out and not reported:
             stuck = sorted(i.rank for i in issues)
             headline = (
@@ -334,7 +334,6 @@ class Merger:
             )
             root = self.hang_text(stuck)
             crash = self._crash_location(f"msrun job timed out after {self.run.timeout:g} s")
-            shown_stacks = set()
             for issue in issues[:MAX_RANK_SECTIONS]:
                 sections.append((f"rank {issue.rank}", self._issue_text(issue)))
                 shown_stacks.add(issue.rank)
@@ -359,7 +358,7 @@ class Merger:
             else:
                 root = self._issue_text(first)
                 crash = self._crash_location(self._issue_summary(first))
-            shown_stacks = {first.rank}
+            shown_stacks.add(first.rank)
             for other in issues[1 : 1 + MAX_RANK_SECTIONS]:
                 text = self._issue_text(other) if self.style == "all" else self._issue_summary(other)
                 sections.append((f"rank {other.rank}", text))

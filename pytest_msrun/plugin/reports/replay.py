@@ -88,12 +88,8 @@ class Replay:
     # ------------------------------------------------------------------ subtests
     def subtest_reports(self) -> list[pytest.TestReport]:
         per_rank = {rank: subtests_of(test) for rank, test in self.tests.items()}
-        out = []
-        for entry in merge_subtests({r: s for r, s in per_rank.items() if s}):
-            report = self._subtest_report(entry)
-            if report is not None:
-                out.append(report)
-        return out
+        reports = (self._subtest_report(entry) for entry in merge_subtests({r: s for r, s in per_rank.items() if s}))
+        return [report for report in reports if report is not None]
 
     def _from_data(self, data: Mapping[str, Any]) -> Any:
         clean = {k: v for k, v in data.items() if k != "_ts"}
@@ -226,14 +222,9 @@ class Replay:
             from pytest_benchmark.stats import Metadata  # type: ignore[import-untyped,import-not-found,unused-ignore]
         except ImportError:
             return 0
-        added = 0
-        for rank, test in self.tests.items():
-            for record in test.benchmarks:
-                meta = _metadata(Metadata, record, rank)
-                if meta is not None:
-                    session.benchmarks.append(meta)
-                    added += 1
-        return added
+        metas = [_metadata(Metadata, record, rank) for rank, test in self.tests.items() for record in test.benchmarks]
+        session.benchmarks += [meta for meta in metas if meta is not None]
+        return sum(meta is not None for meta in metas)
 
 
 def _metadata(metadata_class: Any, record: Mapping[str, Any], rank: int) -> Any:

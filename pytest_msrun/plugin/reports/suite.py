@@ -198,9 +198,7 @@ def _dry_run_report(directory: str, status: JobStatus, summary: dict[str, Any]) 
     if not logs:
         return None
     table = render(directory, logs, ends)
-    code = status.exit_code or 0
-    verdict = 0 if table.passed else (code or 1)
-    return JobReport(table.text, verdict)
+    return JobReport(table.text, 0 if table.passed else (status.exit_code or 1))
 
 
 def _explained(status: JobStatus, ends: dict[int, RankEnd]) -> bool:

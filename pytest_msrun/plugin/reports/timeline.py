@@ -50,17 +50,13 @@ def _rank_spans(record: TestRecord, rank: int) -> list[dict[str, Any]]:
 
 def _waited_for(ranks: list[dict[str, Any]]) -> None:
     """Mark each collective with the rank(s) that entered it last: those the others waited for."""
+    spans = [(lane["rank"], span) for lane in ranks for span in lane["spans"] if span["kind"] == "collective"]
     entered: dict[str, dict[int, float]] = {}
-    for lane in ranks:
-        for span in lane["spans"]:
-            if span["kind"] == "collective":
-                entered.setdefault(span["name"], {})[lane["rank"]] = span["start"]
-    for lane in ranks:
-        for span in lane["spans"]:
-            if span["kind"] == "collective":
-                who = entered[span["name"]]
-                last = max(who.values())
-                span["waited_for"] = sorted(r for r, t in who.items() if t == last)
+    for rank, span in spans:
+        entered.setdefault(span["name"], {})[rank] = span["start"]
+    for _, span in spans:
+        who = entered[span["name"]]
+        span["waited_for"] = sorted(r for r, t in who.items() if t == max(who.values()))
 
 
 def test_entry(

@@ -183,8 +183,7 @@ class TestVerdict:
 
     @property
     def first_issue(self) -> RankIssue | None:
-        issues = self.issues
-        return issues[0] if issues else None
+        return next(iter(self.issues), None)
 
     @property
     def failing_ranks(self) -> list[int]:

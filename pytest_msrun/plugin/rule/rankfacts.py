@@ -51,9 +51,8 @@ class RankFacts:
         self.job_ended = job_ended
         self.final = set(ranks if final is None else final)
         self.failed_elsewhere = failed_elsewhere
-        self.leaks = {
-            r: list(items) for r, items in (leaks or {}).items() if items
-        }  # as failures (--msrun-leaks=error)
+        # as failures (--msrun-leaks=error)
+        self.leaks = {r: list(items) for r, items in (leaks or {}).items() if items}
         self.refusal = refusal  # the job never ran: a bad marker, a skip, no room, msrun's launch error
         self.running = frozenset(running or ()) if timed_out else frozenset()
 
@@ -90,8 +89,7 @@ class RankFacts:
         if phase == "setup":
             return True
         if phase == "call":
-            setup = reports.get("setup")
-            return setup is not None and setup.get("outcome") == "passed"
+            return (reports.get("setup") or {}).get("outcome") == "passed"
         return "setup" in reports and ("teardown" in reports or not self.end(rank).held)
 
     def rank_timed_out(self, rank: int) -> bool:
@@ -127,8 +125,7 @@ class RankFacts:
         return RankIssue(rank, "died", self.end_at(rank), summary, phase=phase)
 
     def stopped_by_msrun(self, rank: int) -> bool:
-        end = self.end(rank)
-        return end.terminated_by_msrun and not self.rank_timed_out(rank)
+        return self.end(rank).terminated_by_msrun and not self.rank_timed_out(rank)
 
     def end_problem(self, rank: int) -> RankIssue | None:
         """How ``rank``'s process ended badly after it reported every phase it was due (or None)."""

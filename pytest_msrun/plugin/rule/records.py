@@ -282,9 +282,8 @@ def load_rank_log(path: str, rank: int, cutoff: int | None = None, cutoff_ts: fl
             else:
                 one.reports[when] = data
                 one.stamps[when] = float(record.get("ts", 0.0))
-        elif kind == "phase_end":
-            if isinstance(record.get("offset"), int):
-                test(record.get("nodeid")).log_end = record["offset"]
+        elif kind == "phase_end" and isinstance(record.get("offset"), int):
+            test(record.get("nodeid")).log_end = record["offset"]
         elif kind == "collectives":
             spans, when = record.get("spans"), str(record.get("when"))
             if isinstance(spans, list):

@@ -116,11 +116,7 @@ def suite_records(logs: dict[int, RankLog], ends: dict[int, RankEnd], ended: flo
     ranks ran them, each as a record: every rank's records and process end; a rank's end answers to
     the last test it ran; a rank msrun stopped is excused when a failure is reported anywhere."""
     ranks = sorted(logs)
-    order: list[str] = []
-    for rank in ranks:
-        for nodeid in [*(logs[rank].collected or []), *logs[rank].tests]:
-            if nodeid not in order:
-                order.append(nodeid)
+    order = dict.fromkeys(nodeid for rank in ranks for nodeid in [*(logs[rank].collected or []), *logs[rank].tests])
     run = JobRun([], [], False, 0.0, ended, ended, ranks=ends)
     elsewhere = failed_anywhere(logs, ends)  # what may explain msrun stopping a rank
     last = {rank: logs[rank].last_test for rank in ranks}
@@ -134,9 +130,7 @@ def failed_anywhere(logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> bool:
     """Whether the suite's record holds a failure that can explain msrun stopping ranks - a failed
     report or collection, a timeout, a hang at exit, a process that ended badly by itself - read
     from the record (each test is then judged once, knowing it)."""
-    for log in logs.values():
-        if log.reported_failure() or log.exit_hang is not None:
-            return True
-        if any(test.timeout is not None for test in log.tests.values()):
-            return True
-    return any(end.returncode not in (0, None) and not end.terminated_by_msrun for end in ends.values())
+    return any(
+        log.reported_failure() or log.exit_hang is not None or any(t.timeout is not None for t in log.tests.values())
+        for log in logs.values()
+    ) or any(end.returncode not in (0, None) and not end.terminated_by_msrun for end in ends.values())

@@ -209,18 +209,15 @@ class Judge:
     def _kind(self, rank: int) -> _Kind | None:
         """This rank's own outcome when nothing failed on it (None: something did)."""
         test = self.facts.test(rank)
-        reports = test.reports
-        setup, call = reports.get("setup"), reports.get("call")
+        setup, call = test.reports.get("setup"), test.reports.get("call")
         if setup is None or any(fails(rep) for phase in ("setup", "call") for rep in test.all_reports(phase)):
             return None
-        if setup.get("outcome") == "skipped":
-            word = "xfailed" if "wasxfail" in setup else "skipped"
-            return _Kind(word, "setup", setup, longrepr_text(setup))
-        if setup.get("outcome") != "passed" or call is None:
-            return None
-        outcome = call.get("outcome")
+        phase, report = ("setup", setup) if setup.get("outcome") != "passed" else ("call", call or {})
+        outcome = report.get("outcome")
         if outcome == "skipped":
-            return _Kind("xfailed" if "wasxfail" in call else "skipped", "call", call, longrepr_text(call))
+            return _Kind("xfailed" if "wasxfail" in report else "skipped", phase, report, longrepr_text(report))
+        if phase == "setup" or call is None:
+            return None
         if outcome == "failed":  # not a failure (checked above): a strict xfail that passed
             return _Kind("xpass_strict", "call", call)
         if outcome == "passed":
@@ -277,9 +274,6 @@ class Judge:
         if not kinds:
             return {}
 
-        def first(ranks: list[int]) -> int:
-            return min(ranks, key=lambda r: (self.facts.test(r).stamps.get(kinds[r].phase, 0.0), r))
-
         by: dict[str, list[int]] = {}
         for rank, kind in kinds.items():
             by.setdefault(kind.word, []).append(rank)
@@ -310,7 +304,8 @@ class Judge:
             return {phase: PhaseVerdict(phase, "skipped", present[phase], skip_reason=kinds[lowest].reason)}
         if by.get("xfailed"):
             phase = decided_in(by["xfailed"])
-            rank = first([r for r in by["xfailed"] if kinds[r].phase == phase])
+            xfailed = [r for r in by["xfailed"] if kinds[r].phase == phase]
+            rank = min(xfailed, key=lambda r: (self.facts.test(r).stamps.get(phase, 0.0), r))
             report = kinds[rank].report or {}
             return {phase: PhaseVerdict(phase, "skipped", present[phase], wasxfail=str(report.get("wasxfail", "")))}
         if len(by.get("xpass_strict", [])) == len(kinds):  # pytest's own failure, from the lowest rank
@@ -356,8 +351,7 @@ class Judge:
                 return "failed" if phase == "call" else "error"
             if died == phase:
                 return self._died_cell(rank)
-        end = self.end_issue.get(rank)
-        if end is not None:
+        if rank in self.end_issue:
             return self._exit_cell(rank)
         if rank in self.facts.leaks:
             return "error"
@@ -381,10 +375,8 @@ class Judge:
             return "timeout"
         if self.facts.stopped_by_msrun(rank):
             return "stopped"
-        end = self.facts.end(rank)
-        if end.returncode is None:
-            return "no record"
-        return self._crash_word(end.returncode)
+        code = self.facts.end(rank).returncode
+        return "no record" if code is None else self._crash_word(code)
 
     @staticmethod
     def _crash_word(code: int) -> str:
