@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from pytest_msrun.plugin import env as roles
-from pytest_msrun.plugin import envscope
+from pytest_msrun.plugin import envscope, options
 from pytest_msrun.plugin.fixtures import local_rank, msrun, msrun_tmp_path, rank, world_size
 from pytest_msrun.plugin.marker import MARKER_HELP, PARAM, MarkerError, worker_nums
 
@@ -214,6 +214,14 @@ def _stdout_is_a_file() -> bool:
         return stat.S_ISREG(os.fstat(1).st_mode) and stat.S_ISREG(os.fstat(2).st_mode)
     except OSError:
         return False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """A rank takes over the controller's options before any plugin is configured: a plugin's
+    ``pytest_configure`` may read them, whichever plugin was registered first."""
+    if roles.role() in (roles.RANK, roles.FOREIGN):
+        options.apply(config)
 
 
 @pytest.hookimpl(tryfirst=True)

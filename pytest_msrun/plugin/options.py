@@ -15,9 +15,11 @@ writes, debugging, distribution, caching), and values JSON cannot carry.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
+from importlib.metadata import entry_points
 from typing import Any
 
 import pytest
@@ -123,10 +125,22 @@ def apply(config: pytest.Config, env: dict[str, str] | None = None) -> list[str]
 RANK_BLOCKED = ("no:lfplugin", "no:nfplugin", "no:stepwiseplugin", "no:xdist")
 
 
+@functools.cache
+def _entry_modules() -> dict[str, str]:
+    return {ep.name: ep.value.split(":")[0] for ep in entry_points(group="pytest11")}
+
+
+def plugin_loaded(config: pytest.Config, name: str) -> bool:
+    """Whether the installed plugin ``name`` (its entry point's name) is active, however it was
+    loaded: ``-p MODULE`` (as where autoloading is off) registers it under its module's name."""
+    manager = config.pluginmanager
+    return manager.has_plugin(name) or manager.has_plugin(_entry_modules().get(name, name))
+
+
 def unused_rank_plugins(config: pytest.Config) -> list[str]:
     """Plugins the ranks need not load: hypothesis's, when no collected test module imported
     hypothesis (its plugin is installed with it and costs every rank ~0.3 s to start)."""
-    if "hypothesis" in sys.modules or not config.pluginmanager.has_plugin("hypothesispytest"):
+    if "hypothesis" in sys.modules or not plugin_loaded(config, "hypothesispytest"):
         return []
     return ["hypothesispytest"]
 

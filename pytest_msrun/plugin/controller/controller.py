@@ -146,7 +146,7 @@ class Controller:
         self.debug = DebugServer(post_mortem=usepdb, terminal=terminal, steps=cluster is not None)
         self.traces = TraceNotes()  # each test's spans and verdict, added to its job's trace at the job's end
         # each test's timeline rides on its teardown report (the HTML page, pytest-html's extras)
-        timelines = self.html is not None or config.pluginmanager.hasplugin("html")
+        timelines = self.html is not None or options.plugin_loaded(config, "html")
         self.reporter = Reporter(config, self.style, self.leaks, timelines, self.traces)
         self.forks = (config.stash.get(EARLY, None) or session_fork_server(config)) if forking == "on" else None
         if self.forks is not None:  # its session hooks: when it starts, what it says, its end
@@ -225,7 +225,7 @@ class Controller:
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         """Under pytest-randomly, marked tests of one world shape run together (in their shuffled
         order): an order shuffled across shapes would start a world for nearly every test."""
-        if not config.pluginmanager.hasplugin("randomly"):
+        if not options.plugin_loaded(config, "randomly"):
             return
         blocks: dict[Any, list[pytest.Item]] = {}  # in the order each first came
         for item in items:
@@ -236,7 +236,7 @@ class Controller:
     def pytest_report_header(self, config: pytest.Config) -> str | list[str] | None:
         lines = not_carried(config)
         seed = getattr(config.option, "randomly_seed", None)
-        if config.pluginmanager.hasplugin("randomly") and isinstance(seed, int):
+        if options.plugin_loaded(config, "randomly") and isinstance(seed, int):
             lines.append(
                 f"msrun: pytest-randomly: marked tests run grouped by world shape; rank r of a job reseeds "
                 f"with {seed} + r (every rank collects in the order of {seed})"
@@ -290,7 +290,7 @@ class Controller:
 
     def _reruns(self, item: pytest.Item) -> int:
         """How often pytest-rerunfailures reruns ``item`` when it fails (0 without the plugin)."""
-        if not self.config.pluginmanager.hasplugin("rerunfailures"):
+        if not options.plugin_loaded(self.config, "rerunfailures"):
             return 0
         try:
             from pytest_rerunfailures import get_reruns_count  # type: ignore[import-untyped,import-not-found,unused-ignore]

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from pytest_msrun.plugin.controller.attempts import Attempt, TestRecord
+from pytest_msrun.plugin.options import plugin_loaded
 from pytest_msrun.plugin.reports.merge import Merger
 from pytest_msrun.plugin.reports.replay import Replay
 from pytest_msrun.plugin.reports.timeline import REPORT_ATTR, test_entry
@@ -148,7 +149,7 @@ class Reporter:
     def _attach_timeline(self, report: pytest.TestReport, entry: dict[str, Any]) -> None:
         """The test's timeline on its last report: for the HTML page, and pytest-html's extras."""
         setattr(report, REPORT_ATTR, entry)
-        if self.config.pluginmanager.hasplugin("html"):
+        if plugin_loaded(self.config, "html"):
             with contextlib.suppress(ImportError):
                 from pytest_html import extras  # type: ignore[import-untyped,import-not-found,unused-ignore]
 

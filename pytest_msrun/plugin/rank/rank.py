@@ -71,8 +71,6 @@ class RankPlugin:
         self.rank = current_rank()
         self.world = current_world()
         self.controlled = bool(env.get(REPORT_DIR_ENV))
-        # the controller's options (its job's, or a reproduce line's), before any other plugin is configured
-        options.apply(config)
         self.randomly_seed = self._common_seed(config)
         self.log = log_file() if log_capture else None  # capture through the log
         self.streams = StandardStreams() if self.log is not None else None  # kept whole across tests
@@ -246,7 +244,7 @@ class RankPlugin:
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
         """pytest-rerunfailures in a rank the controller runs: no rank reruns a test on its own
         (the others would not, and wait in its collectives); the controller reruns the whole job."""
-        if not (self.controlled and item.config.pluginmanager.hasplugin("rerunfailures")):
+        if not (self.controlled and options.plugin_loaded(item.config, "rerunfailures")):
             return None
         try:
             from pytest_rerunfailures import get_reruns_count  # type: ignore[import-untyped,import-not-found,unused-ignore]
@@ -279,7 +277,7 @@ class RankPlugin:
         self._write("collected", nodeids=[item.nodeid for item in session.items])
         config = session.config
         seed = getattr(config.option, "randomly_seed", None)
-        if config.pluginmanager.hasplugin("randomly") and isinstance(seed, int):
+        if options.plugin_loaded(config, "randomly") and isinstance(seed, int):
             # the same order on every rank (collection is done); now each rank its own random
             # streams: pytest-randomly reseeds random, numpy, ... before each test with seed + rank
             config.option.randomly_seed = seed + self.rank

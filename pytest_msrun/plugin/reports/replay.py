@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 
+from pytest_msrun.plugin.options import plugin_loaded
 from pytest_msrun.plugin.reports.extras import (
     MergedSubtest,
     attribute_label,
@@ -282,5 +283,5 @@ def not_carried(config: pytest.Config) -> list[str]:
     return [
         f"msrun: {text}"
         for dest, plugin, text in NOT_CARRIED
-        if config.pluginmanager.hasplugin(plugin) and getattr(config.option, dest, None)
+        if plugin_loaded(config, plugin) and getattr(config.option, dest, None)
     ]

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from pytest_msrun.fileio import WholeFile, private_dir
+from pytest_msrun.plugin.options import plugin_loaded
 
 LOG_LIMIT = 16 * 1024 * 1024  # bytes of a rank log copied beside the page (its end, when longer)
 
@@ -53,7 +54,7 @@ def environment(config: pytest.Config) -> dict[str, str]:
         "directory": str(config.invocation_params.dir),
     }
     seed = getattr(config.option, "randomly_seed", None)
-    if config.pluginmanager.hasplugin("randomly") and isinstance(seed, int):
+    if plugin_loaded(config, "randomly") and isinstance(seed, int):
         env["random seed"] = f"{seed} (pytest-randomly: --randomly-seed={seed} repeats this order)"
     return env
 
