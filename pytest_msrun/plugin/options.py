@@ -49,6 +49,8 @@ SESSION_ONLY = frozenset(
         # on the rank's command line already (they act before configuration)
         "plugins", "inifilename", "rootdir", "override_ini", "pythonwarnings", "capture", "importmode",
         "confcutdir", "noconftest",
+        # reports of other plugins: the controller's copy writes them, from the merged results
+        "json_report", "json_report_file", "ctrf", "allure_report_dir", "clean_alluredir",
         # pytest-benchmark: the controller shows, saves and compares every rank's measurements
         "benchmark_save", "benchmark_autosave", "benchmark_save_data", "benchmark_json", "benchmark_compare",
         "benchmark_compare_fail", "benchmark_histogram", "benchmark_cprofile_dump",

@@ -46,10 +46,27 @@ class MergedReports:
         return item.stash.get(MERGED, None)
 
 
+def observed(item: pytest.Item, when: str) -> None:
+    """The phase's hook wrappers (pytest-json-report's, allure's, ...) see it pass as around a plain
+    test's; the hook's other implementations - what runs a test, pytest's runner first - are left
+    out: the ranks ran it. A wrapper's fault is its own."""
+    manager, name = item.config.pluginmanager, f"pytest_runtest_{when}"
+    keep = {id(i.plugin) for i in getattr(item.ihook, name).get_hookimpls() if i.hookwrapper or i.wrapper}
+    if keep:
+        caller = manager.subset_hook_caller(name, [p for p in manager.get_plugins() if id(p) not in keep])
+        with contextlib.suppress(Exception, pytest.skip.Exception, pytest.fail.Exception):
+            caller(item=item, **({"nextitem": None} if when == "teardown" else {}))
+
+
 def made(item: pytest.Item, report: pytest.TestReport) -> pytest.TestReport:
-    """``report`` as the controller's makereport hook makes it (its plugins' wrappers around it);
-    a plugin's fault there leaves the report as it was."""
+    """``report`` as the controller's makereport hook makes it (its plugins' wrappers around it),
+    after its phase was observed; a plugin's fault there leaves the report as it was."""
     from _pytest.runner import CallInfo
+
+    for key in ("stdout", "stderr"):  # the phase's capture on the item, where pytest's runner leaves it for plugins
+        head = f"Captured {key} {report.when}"  # every rank's, tagged (``... [rank 1]``)
+        item.add_report_section(report.when, key, "".join(c for n, c in report.sections if n.startswith(head)))
+    observed(item, report.when)
 
     start, stop = float(getattr(report, "start", 0.0)), float(getattr(report, "stop", 0.0))
     call: CallInfo[None] = CallInfo(
