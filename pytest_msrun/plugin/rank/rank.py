@@ -242,17 +242,12 @@ class RankPlugin:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
-        """pytest-rerunfailures in a rank the controller runs: no rank reruns a test on its own
-        (the others would not, and wait in its collectives); the controller reruns the whole job."""
-        if not (self.controlled and options.plugin_loaded(item.config, "rerunfailures")):
+        """In a rank the controller runs, a test runs once, by pytest's own protocol: a plugin that
+        takes the protocol over to run it again or elsewhere (pytest-rerunfailures, flaky,
+        pytest-forked) would do so on this rank alone while the others wait in its collectives;
+        the controller reruns whole jobs."""
+        if not self.controlled:
             return None
-        try:
-            from pytest_rerunfailures import get_reruns_count  # type: ignore[import-untyped,import-not-found,unused-ignore]
-
-            if not get_reruns_count(item):
-                return None  # nothing to rerun: pytest's own protocol, untouched
-        except Exception:
-            pass
         from _pytest.runner import runtestprotocol
 
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)

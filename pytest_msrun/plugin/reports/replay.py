@@ -255,8 +255,22 @@ def _metadata(metadata_class: Any, record: Mapping[str, Any], rank: int) -> Any:
     return meta
 
 
-# Plugins whose work in a rank does not come back (option dest, plugin name, what the user is told).
+# Plugins whose work in a rank does not come back (option dest - "": whenever the plugin is active -,
+# plugin name, what the user is told).
 NOT_CARRIED = (
+    (
+        "",
+        "flaky",
+        "flaky's reruns do not apply to marked tests (a rank cannot rerun a test alone while the others "
+        "wait in its collectives): pytest-rerunfailures' do (--reruns, @pytest.mark.flaky), as whole jobs",
+    ),
+    (
+        "",
+        "syrupy",
+        "syrupy: snapshots that marked tests assert are checked in their ranks, unseen by this session's "
+        "syrupy: run them with --snapshot-disable-unused (else it counts them unused: a passing run exits 1, "
+        "and --snapshot-update deletes them)",
+    ),
     (
         "benchmark_cprofile",
         "benchmark",
@@ -283,5 +297,5 @@ def not_carried(config: pytest.Config) -> list[str]:
     return [
         f"msrun: {text}"
         for dest, plugin, text in NOT_CARRIED
-        if plugin_loaded(config, plugin) and getattr(config.option, dest, None)
+        if plugin_loaded(config, plugin) and (not dest or getattr(config.option, dest, None))
     ]
