@@ -48,12 +48,14 @@ TIERS = {
 CGROUP_TIER = "cgroup"
 CGROUP_MODES = {"v2": "cgroup v2", "freezer": "cgroup v1 freezer"}
 REQUIRE_ENV = "MSRUN_TEST_REQUIRE"
+# ``plugins``: the compatibility matrix's plugins (.ci/compat.txt; tests/test_compat_matrix.py).
+COMPAT_TIER = "plugins"
 
 
 def known_tiers() -> list[str]:
     from labfixtures import LAB_TIERS
 
-    return [*TIERS, *LAB_TIERS, CGROUP_TIER]
+    return [*TIERS, *LAB_TIERS, CGROUP_TIER, COMPAT_TIER]
 
 
 def required_tiers() -> set[str]:
