@@ -533,6 +533,29 @@ def test_an_import_error_in_a_rank_shows_the_tests_line_only(pytester: pytest.Py
     result.stdout.fnmatch_lines([">*import no_such_module_here*", "E*ModuleNotFoundError: No module named*"])
 
 
+def test_a_module_only_ranks_cannot_import_names_the_rank_that_ended_the_world(pytester: pytest.Pytester) -> None:
+    """A warm world whose ranks fail to collect the module ends before they connect: the test runs
+    as a fresh job and says which rank ended the world, and how (it said only that msrun ended)."""
+    pytester.makepyfile(
+        test_ranks_only="""
+        import os
+        import pytest
+
+        if os.environ.get("RANK") == "1":
+            raise SyntaxError("rank 1 cannot import this module")
+
+        @pytest.mark.msrun(worker_num=2)
+        def test_a():
+            pass
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--msrun-worlds=warm")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(
+        ["*its warm world did not start (the world's msrun ended before every rank connected: rank 1 exited*"]
+    )
+
+
 def test_dry_run_suite_prints_the_table_at_once(pytester: pytest.Pytester) -> None:
     """``pmsrun --sim_level=1 … pytest``: the simulated ranks' table, and its exit status, without
     waiting for other nodes' status files (a dry run's ranks are listed by their records)."""

@@ -230,8 +230,12 @@ class World:
         clock = paused_clock(self.job.debug)  # a breakpoint() while the ranks collect
         try:
             while len(self.channels) < len(self.ranks):
-                if self.launched.exited():
-                    return "the world's msrun ended before every rank connected"
+                if self.launched.exited():  # said with the first rank that ended it (a collection error, say)
+                    ends = sorted(self.job.rank_ends().items())
+                    first = [
+                        f"rank {r} {e.describe(False)}" for r, e in ends if e.returncode and not e.terminated_by_msrun
+                    ]
+                    return "the world's msrun ended before every rank connected" + (f": {first[0]}" if first else "")
                 if clock() > deadline:
                     return "the world's ranks did not all connect in time"
                 for admitted in self.door.serve(0.05):
