@@ -6,13 +6,14 @@ Source of the choice: hugovk/top-pypi-packages, ``top-pypi-packages-30-days.min.
 pytest plugin (a ``pytest11`` entry point), in that order, leaving out pytest-runner (no plugin) and
 those that need what CI cannot give them - a browser download (pytest-playwright), a database server
 (pytest-postgresql), recorded network traffic (pytest-recording) - and pytest-forked (1.7.5 fails
-every forked test under pytest 9.2, marked or not); then pytest-dependency (rank 3045), whose users
-asked. ``rank`` is the distribution's place among all of PyPI's.
+every forked test under pytest 9.2, marked or not); then four further down that keep files or
+decide on other tests' results: pytest-retry, pytest-snapshot, pytest-dependency, pytest-regressions.
+``rank`` is the distribution's place among all of PyPI's.
 
 A case is equivalent when both runs end with the same exit status, the same outcome counts, the same
 assertion lines of each failure, and the same facts of the plugin's own artifacts (``facts``): what a
-user would compare. Where a plugin cannot be supported, ``unsupported`` is the message the plugin
-gives at session start, and the case checks that message instead.
+user would compare. Where a plugin cannot be (fully) supported, ``message`` is what msrun says of it
+at session start, and the case checks that message too.
 """
 
 from __future__ import annotations
@@ -70,6 +71,14 @@ def _allure(d: Path) -> Any:
 
 def _snapshots(d: Path) -> Any:
     return sorted((p.relative_to(d).as_posix(), p.read_text()) for p in (d / "__snapshots__").rglob("*.ambr"))
+
+
+def _snapshot_dir(d: Path) -> Any:
+    return sorted((p.relative_to(d).as_posix(), p.read_text()) for p in (d / "snaps").rglob("*") if p.is_file())
+
+
+def _regressions(d: Path) -> Any:
+    return sorted((p.relative_to(d).as_posix(), p.read_text()) for p in (d / "test_case").rglob("*.yml"))
 
 
 def _coverage(d: Path) -> Any:
@@ -310,6 +319,18 @@ def one():
 def test_lazy(value):
     assert value == 1
 """, uses="`lf()` in `parametrize`"),
+    Case("pytest-retry", 2441, "pytest_retry.retry_plugin",
+         "import os\nimport pytest\n" + FAILS_ONCE.format(decorator="@pytest.mark.flaky(retries=1)"),
+         uses="`@pytest.mark.flaky(retries=1)`"),
+    Case("pytest-snapshot", 2944, "pytest_snapshot.plugin", """
+def test_snap(snapshot):
+    snapshot.snapshot_dir = "snaps"
+    snapshot.assert_match("abc\\n", "out.txt")
+""", args=("--snapshot-update",), runs=2, facts=_snapshot_dir, uses="`snapshot.assert_match`, written then checked"),
+    Case("pytest-regressions", 5349, "pytest_regressions.plugin", """
+def test_regression(data_regression):
+    data_regression.check({"a": 1, "b": [1, 2]})
+""", runs=2, facts=_regressions, uses="`data_regression`, written then checked"),
     Case("pytest-dependency", 3045, "pytest_dependency", """
 import pytest
 
