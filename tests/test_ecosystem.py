@@ -602,3 +602,19 @@ def test_a_warm_tests_log_paths_point_at_its_own_folder(pytester: pytest.Pyteste
     assert "/msrun-test_second" in log and log.endswith("/logs/worker_1.log"), line
     text = Path(log).read_text()
     assert "second test on rank 1" in text and "first test on rank 1" not in text
+
+
+def test_a_plugin_is_found_by_its_entry_point_on_python_3_9_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``importlib.metadata.entry_points()`` is a dict of groups on Python 3.9 (no ``group=``); the
+    lookup of a plugin's module by its entry point's name reads both shapes."""
+    from importlib.metadata import EntryPoint
+
+    from pytest_msrun.plugin import options
+
+    randomly = EntryPoint("randomly", "pytest_randomly", "pytest11")
+    monkeypatch.setattr(options, "entry_points", lambda: {"pytest11": [randomly], "console_scripts": []})
+    options._entry_modules.cache_clear()
+    try:
+        assert options._entry_modules() == {"randomly": "pytest_randomly"}
+    finally:
+        options._entry_modules.cache_clear()

@@ -129,7 +129,9 @@ RANK_BLOCKED = ("no:lfplugin", "no:nfplugin", "no:stepwiseplugin", "no:xdist")
 
 @functools.cache
 def _entry_modules() -> dict[str, str]:
-    return {ep.name: ep.value.split(":")[0] for ep in entry_points(group="pytest11")}
+    found: Any = entry_points()  # Python 3.9: a dict of groups; later, selectable by group
+    group = found.select(group="pytest11") if hasattr(found, "select") else found.get("pytest11", ())
+    return {ep.name: ep.value.split(":")[0] for ep in group}
 
 
 def plugin_loaded(config: pytest.Config, name: str) -> bool:
