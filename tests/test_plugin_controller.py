@@ -93,6 +93,31 @@ def test_dash_s_shows_rank_output_live(pytester, tracked):
     assert sum("test session starts" in line for line in result.stdout.lines) == 1
 
 
+@pytest.mark.parametrize("worlds", ["warm", "fresh"])
+def test_dash_s_shows_a_tests_lines_before_its_result(pytester, tracked, worlds):
+    """Under ``-s`` each test's lines come before its progress mark, as a plain test's do: a warm
+    world's msrun relays the ranks' logs as it polls them, so the controller waits (bounded) for it
+    to catch up before reporting (they came after every test's mark)."""
+    pytester.makepyfile(
+        test_order="""
+        import pytest
+
+        @pytest.mark.msrun(worker_num=2)
+        def test_a(rank):
+            for i in range(3):
+                print(f"a{i} from rank {rank}")
+
+        @pytest.mark.msrun(worker_num=2)
+        def test_b(rank):
+            print(f"b from rank {rank}")
+    """
+    )
+    result = pytester.runpytest_subprocess("-s", "-p", "no:randomly", f"--msrun-worlds={worlds}")
+    result.assert_outcomes(passed=2)
+    in_order = r"test_order\.py (\[rank [01]\] a\d from rank [01]\n){6}\.(\[rank [01]\] b from rank [01]\n){2}\."
+    assert re.search(in_order, result.stdout.str()), result.stdout.str()
+
+
 @pytest.mark.parametrize("style", ["line", "no"])
 def test_terse_tb_styles_show_a_marked_failure_as_briefly_as_a_plain_one(pytester, tracked, style):
     """``--tb=line`` shows a failure's own lines and its one line; ``--tb=no`` nothing: a marked test

@@ -85,6 +85,7 @@ class Launched:
     procs: list[Process] = field(default_factory=list)
     logs: list[str] = field(default_factory=list)
     pumps: list[threading.Thread] = field(default_factory=list)
+    relayed: dict[int, int] | None = None  # with -s: each rank's bytes of log its msrun has shown (msrunproc)
 
     def exited(self) -> bool:
         return any(p.poll() is not None for p in self.procs)
@@ -250,13 +251,13 @@ class TestJob:
         """Start the job's msrun invocations (nothing waits for them)."""
         commands = self.commands()
         env = {**self.env(), **(extra_env or {})}
-        out = Launched()
+        out = Launched(relayed={} if self.live_output else None)
         forks = self.forks if self.cluster is None else None  # a step's msruns start on its nodes
         try:
             for node, cmd in enumerate(commands):
                 log_path = str(self.paths.job_dir / (f"msrun_node{node}.log" if len(commands) > 1 else "msrun.log"))
                 out.logs.append(log_path)
-                popen, pump = start_msrun(cmd, env, log_path, live_output=self.live_output, forks=forks)
+                popen, pump = start_msrun(cmd, env, log_path, relayed=out.relayed, forks=forks)
                 out.procs.append(popen)
                 if pump is not None:
                     out.pumps.append(pump)

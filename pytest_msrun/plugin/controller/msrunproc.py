@@ -24,10 +24,12 @@ Process = Union[subprocess.Popen, ForkedProcess]  # an msrun: spawned, or forked
 
 
 def start_msrun(
-    cmd: list[str], env: dict[str, str], log_path: str, *, live_output: bool, forks: ForkServer | None
+    cmd: list[str], env: dict[str, str], log_path: str, *, relayed: dict[int, int] | None, forks: ForkServer | None
 ) -> tuple[Process, threading.Thread | None]:
-    """Start one msrun (``cmd``) with ``env``, its output in ``log_path``: its process, and the
-    thread pumping its output when ``live_output``. Why its ranks are not forked is noted once."""
+    """Start one msrun (``cmd``) with ``env``, its output in ``log_path``: its process, and - given
+    ``relayed`` (``-s``) - the thread pumping its output live, counting there each rank's bytes of
+    log shown. Why its ranks are not forked is noted once."""
+    live_output = relayed is not None
     if forks is not None and forks.origin:  # the ranks' environment: this one, with what msrun gives every child
         differ = template.differences({**env, "PYTHONUNBUFFERED": "1"}, forks.origin)
         if differ:
@@ -51,7 +53,7 @@ def start_msrun(
             )
         if live_output:
             reader, read_fd = os.fdopen(read_fd, "rb"), -1
-            pump = threading.Thread(target=_pump_rank_lines, args=(reader, log_fh), daemon=True)
+            pump = threading.Thread(target=_pump_rank_lines, args=(reader, log_fh, relayed), daemon=True)
             pump.start()
         return proc, pump
     finally:
@@ -62,8 +64,9 @@ def start_msrun(
                 os.close(fd)
 
 
-def _pump_rank_lines(stream: IO[bytes], log_fh: IO[bytes]) -> None:
-    """With ``-s``: show the ranks' tailed lines live, keep msrun's whole output in its log."""
+def _pump_rank_lines(stream: IO[bytes], log_fh: IO[bytes], relayed: dict[int, int]) -> None:
+    """With ``-s``: show the ranks' tailed lines live (counting in ``relayed`` each rank's bytes of
+    log shown: msrun tails a log from its start, a line at a time), keep msrun's output in its log."""
     try:
         for line in iter(stream.readline, b""):
             log_fh.write(line)
@@ -71,5 +74,8 @@ def _pump_rank_lines(stream: IO[bytes], log_fh: IO[bytes]) -> None:
                 with contextlib.suppress(OSError, ValueError, AttributeError):
                     sys.stdout.buffer.write(line)
                     sys.stdout.flush()
+                rank, sep, rest = line[6:].partition(b"] ")
+                if line.startswith(b"[rank ") and sep and rank.isdigit():
+                    relayed[int(rank)] = relayed.get(int(rank), 0) + len(rest)
     finally:
         log_fh.close()

@@ -119,6 +119,7 @@ def teardown(called: Called, next_id: str | None, exit_timeout: float) -> TornDo
     message = {"t": "teardown", "next": next_id, "keep": keep}
     world.template_rss = {}  # a forking world's, once its children ended after this test
     replies, timed_out = world.exchange(message, "done", test.deadline, release=True, held=test.held)
+    world.shown()
     leaks = {r: list(reply.get("leaks") or []) for r, reply in replies.items() if reply.get("leaks")}
     for rank, reply in replies.items():  # what the test grew each rank by: one more thing left behind
         grown = rankmemory.judge(reply.get("memory"), world.memory[0])
@@ -315,6 +316,7 @@ class World:
         replies, timed_out = self.exchange(
             msg, "called", deadline, release=True, released=left, failure_grace=True, held=test.held
         )
+        self.shown()
         refusals = [str(r.get("why")) for r in replies.values() if r.get("t") == "unforkable"]
         absent = frozenset(rank for rank, r in replies.items() if r.get("t") in ("missing", "unforkable"))
         if absent:
@@ -407,6 +409,14 @@ class World:
         finally:
             sel.close()
         return replies, False
+
+    def shown(self, seconds: float = 1.0) -> None:
+        """With ``-s``: wait (bounded) until msrun has shown every line the ranks wrote so far (its
+        tail polls their logs), so a test's lines come before its result, as a plain test's do."""
+        relayed = self.launched.relayed
+        if relayed is not None:
+            logs = {rank: self.job.log_dir / f"worker_{rank}.log" for rank in self.ranks}
+            wait_until(lambda: all(relayed.get(r, 0) >= _whole_lines(str(p)) for r, p in logs.items()), seconds)
 
     def await_ends(self, exit_timeout: float, absent: set[int]) -> list[int]:
         """A forking world's children ending after their test, as processes do (threads joined,
@@ -521,3 +531,15 @@ def release_waiters(job: TestJob, ranks: list[int], finished: set[int], why: str
     if not stuck_in_init and not any(waits_for_finished(c.get("ranks", [])) for c in state.get("collectives", [])):
         return False
     return declare_finished(host, port, token, sorted(finished), why, timeout=1.0)
+
+
+def _whole_lines(path: str) -> int:
+    """The bytes of ``path`` up to its last newline (0 where it cannot be read)."""
+    try:
+        with open(path, "rb") as fh:
+            start = max(0, fh.seek(0, os.SEEK_END) - 65536)
+            fh.seek(start)
+            tail = fh.read()
+    except OSError:
+        return 0
+    return start + tail.rfind(b"\n") + 1 if b"\n" in tail else start
