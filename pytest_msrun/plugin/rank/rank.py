@@ -248,12 +248,9 @@ class RankPlugin:
         the controller reruns whole jobs."""
         if not self.controlled:
             return None
-        from _pytest.runner import runtestprotocol
+        from _pytest import runner
 
-        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        runtestprotocol(item, nextitem=nextitem)
-        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
-        return True
+        return runner.pytest_runtest_protocol(item, nextitem)  # pytest's own, ahead of any other plugin's
 
     def _common_seed(self, config: pytest.Config) -> int | None:
         """pytest-randomly's seed, the same on every rank: the controller's, the one given, or one
