@@ -76,6 +76,10 @@ class Planner:
         except VisibleDevicesError as exc:
             raise BindingError("bind_numa" if numa.enabled else "bind_core", str(exc)) from None
 
+    def plan(self) -> BindingPlan:
+        """Placements for the scheduler and the local workers."""
+        return self.unified() if self.numa.kind == "unified" else self.legacy()
+
     # ------------------------------------------------------------------ checks
     def _check(self, flag: str, where: str, text: str, unit: str) -> list[int]:
         """The CPU or NUMA node ids ``text`` names; :class:`BindingError` naming those not usable here."""
@@ -348,21 +352,3 @@ class Planner:
         if mem is not None:
             return self._numactl(["--membind", mem], None, mems, "json memory", False)
         return Placement(how="not bound")
-
-
-def plan_bindings(
-    topology: Topology,
-    core: BindSpec,
-    numa: BindSpec,
-    local_workers: int,
-    env: Mapping[str, str],
-    tools: Mapping[str, str | None],
-    dry_run: bool = False,
-) -> BindingPlan | None:
-    """Placements for the scheduler and ``local_workers`` workers, or None without binding flags."""
-    if not core.enabled and not numa.enabled:
-        return None
-    planner = Planner(topology, core, numa, local_workers, env, tools, dry_run)
-    if numa.kind == "unified":
-        return planner.unified()
-    return planner.legacy()

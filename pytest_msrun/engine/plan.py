@@ -257,9 +257,9 @@ def job_context(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, layout
     if cfg.bind_core.enabled or cfg.bind_numa.enabled:
         if facts.topology is None:
             raise ValueError("binding needs the node's topology in NodeFacts")
-        from pytest_msrun.binding.strategies import plan_bindings  # binding only: not on every start path
+        from pytest_msrun.binding.strategies import Planner  # binding only: not on every start path
 
-        binding = plan_bindings(
+        binding = Planner(
             facts.topology,
             cfg.bind_core,
             cfg.bind_numa,
@@ -267,7 +267,7 @@ def job_context(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, layout
             facts.base_env,
             facts.tools,
             dry_run=cfg.dry_run,
-        )
+        ).plan()
     log_base = "worker"
     if cfg.worker_log_name:
         log_base = cfg.worker_log_name.replace("{ip}", facts.source_ip).replace("{hostname}", facts.hostname)
