@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 
 from pytest_msrun.cpulist import RangeSyntaxError, format_id_list, parse_id_list
 from pytest_msrun.record import record
+from pytest_msrun.waiting import wait_until
 
 WRAPPERS = ("taskset", "numactl", "setpriv")
 
@@ -37,18 +37,16 @@ def _status_field(text: str, name: str) -> list[int] | None:
 
 def past_wrappers(pid: int) -> bool:
     """Wait (up to a second) until ``pid`` runs the task itself rather than taskset/numactl/setpriv."""
-    deadline = time.monotonic() + 1.0
-    while True:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                argv0 = fh.read().split(b"\0", 1)[0].decode(errors="replace")
-        except OSError:
-            return False
-        if argv0 and os.path.basename(argv0) not in WRAPPERS:  # empty while an exec is in progress
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.005)
+
+    def past() -> bool:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            argv0 = fh.read().split(b"\0", 1)[0].decode(errors="replace")
+        return bool(argv0) and os.path.basename(argv0) not in WRAPPERS  # empty while an exec is in progress
+
+    try:
+        return wait_until(past, 1.0, 0.005)
+    except OSError:  # gone
+        return False
 
 
 def read_binding(pid: int) -> KernelBinding | None:
