@@ -28,23 +28,16 @@ class WorkerDevice:
     device: Device | None
 
 
-def _variable(topology: Topology | None, env: Mapping[str, str]) -> str | None:
-    kind = topology.device_kind if topology is not None else None
-    if kind:
-        return VISIBLE_VARS[kind]
-    return next((var for var in ("ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES") if var in env), None)
-
-
-def worker_devices(
-    topology: Topology | None, env: Mapping[str, str], count: int, logical: bool = False
-) -> list[WorkerDevice]:
+def worker_devices(topology: Topology, env: Mapping[str, str], count: int, logical: bool = False) -> list[WorkerDevice]:
     """Device of each of ``count`` local workers. ``logical``: dry run - worker i is device i."""
-    devices = topology.devices if topology is not None else []
+    devices = topology.devices
     if logical:
         return [WorkerDevice(i, i, None) for i in range(count)]
-    var = _variable(topology, env)
+    kind = topology.device_kind
+    wanted = (VISIBLE_VARS[kind],) if kind else ("ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+    var = next((v for v in wanted if v in env), None)
     tokens: list[str] | None = None
-    if var and var in env:
+    if var is not None:
         text = env[var].strip()
         tokens = [t.strip() for t in text.split(",")] if text else []
         if any(not t for t in tokens):
