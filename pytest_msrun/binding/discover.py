@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pytest_msrun.binding.npusmi import NpuSmiError, parse_board_pcie, parse_device_table, run_npu_smi
-from pytest_msrun.binding.topology import CgroupInfo, Device, NumaNode, Topology
+from pytest_msrun.binding.topology import TOPOLOGY_ENV, CgroupInfo, Device, NumaNode, Topology
 from pytest_msrun.cpulist import RangeSyntaxError, parse_id_list
 from pytest_msrun.fileio import open_output
 from pytest_msrun.fsinfo import mounts
@@ -261,8 +261,6 @@ def discover(root: str = "/", affinity: set[int] | None = None, devices: bool = 
 
 def load_topology(env: dict[str, str] | None = None) -> Topology:
     """``MSRUN_TOPOLOGY`` (a snapshot file) if set, else live discovery."""
-    from pytest_msrun.binding.topology import TOPOLOGY_ENV
-
     path = (env if env is not None else os.environ).get(TOPOLOGY_ENV, "")
     if path:
         return Topology.load(path)
