@@ -252,13 +252,6 @@ def private_dir(path: str, *, tighten: bool = False) -> str:
             raise
         private_dir(parent)
         return private_dir(path, tighten=tighten)  # made meanwhile (another rank): checked there
-    check_private_dir(path, tighten=tighten)
-    return path
-
-
-def check_private_dir(path: str, *, tighten: bool = False) -> None:
-    """Raise :class:`UnsafePath` unless ``path`` is a directory (not a link) of this user's that no
-    one else can write (see :func:`private_dir`)."""
     try:
         fd = os.open(path, _DIR)
     except OSError as exc:
@@ -286,6 +279,7 @@ def check_private_dir(path: str, *, tighten: bool = False) -> None:
             )
     finally:
         os.close(fd)
+    return path
 
 
 def make_dirs(path: str) -> str:
