@@ -17,13 +17,6 @@ class AddressError(ValueError):
     """``--master_addr`` cannot be used."""
 
 
-def strip_brackets(addr: str) -> str:
-    """``[::1]`` -> ``::1`` (one pair of surrounding brackets, as msrun does)."""
-    if addr.startswith("[") and addr.endswith("]"):
-        return addr[1:-1]
-    return addr
-
-
 NAME_FIX = "give an IP address or a resolvable host name"
 
 
@@ -32,7 +25,9 @@ def resolve_master_addr(addr: str) -> str:
     literal keeps its ``%zone`` (the interface it is reached through), which must name an interface
     of this host through which the address can be bound or reached; :class:`AddressError` says
     why not and what to give instead."""
-    host = strip_brackets(addr.strip())
+    host = addr.strip()
+    if host.startswith("[") and host.endswith("]"):  # [::1]: one pair of brackets goes, as msrun does
+        host = host[1:-1]
     if not host:
         raise AddressError(f"the address is empty; {NAME_FIX}")
     ip, sep, zone = host.partition("%")
