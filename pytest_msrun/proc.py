@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 def state(pid: int) -> str:
     """Process ``pid``'s state letter on this host (``R``, ``S``, ``T`` stopped, ``Z``...; "" if gone)."""
@@ -38,8 +40,6 @@ STOPPED_WORDS = "stopped (SIGSTOP, SIGTSTP or a tracer): it could run nothing, n
 
 def descendants(pid: int) -> list[int]:
     """``pid`` and every process below it on this host, from ``/proc/<pid>/task/*/children``."""
-    import os
-
     out, todo = [], [pid]
     while todo:
         current = todo.pop()
@@ -59,8 +59,6 @@ def descendants(pid: int) -> list[int]:
 
 def holds_socket(pid: int, inode: int) -> bool:
     """Whether process ``pid`` has the socket ``inode`` open."""
-    import os
-
     target = f"socket:[{inode}]"
     try:
         names = os.listdir(f"/proc/{pid}/fd")
