@@ -129,7 +129,7 @@ def is_full(path: str) -> bool:
     return blocks < 2 or (st.f_files > 0 and st.f_ffree == 0)
 
 
-def describe_write_error(path: str, exc: OSError, flag: str = "--log_dir") -> str:
+def describe_write_error(path: str, exc: OSError, flag: str) -> str:
     """``path``: the error, and for a full file system (or quota) where it is and what to do
     (``flag``: the option that chose the path)."""
     from pytest_msrun.fileio import UnsafePath
