@@ -154,21 +154,20 @@ def pytest_load_initial_conftests(early_config: pytest.Config, parser: pytest.Pa
     ends, so a rank that crashes loses it. A rank's stdout and stderr are already its log file:
     tests write there directly and each phase's part of the log becomes its captured output.
     """
-    if os.environ.get(envscope.TRACK_ENV) and roles.detect(os.environ) == roles.RANK:
+    role = roles.detect(os.environ)
+    if os.environ.get(envscope.TRACK_ENV) and role == roles.RANK:
         envscope.track(os.environ.pop(envscope.TRACK_ENV).split(","))  # a world's rank: what collection reads
-    if os.environ.get("MSRUN_COV") and roles.detect(os.environ) == roles.RANK:
+    if os.environ.get("MSRUN_COV") and role == roles.RANK:
         from pytest_msrun.plugin.covdata import start_in_rank
 
         start_in_rank(dict(os.environ))  # the controller runs --cov: measured before conftests load
-    if roles.detect(os.environ) == roles.CONTROLLER:
+    if role == roles.CONTROLLER:
         from pytest_msrun.plugin.controller.earlytemplate import fork_session
 
         fork_session(early_config)  # before any conftest, coverage or capture starts
         _keep_terminal(early_config)
     ns = early_config.known_args_namespace
-    use = (
-        roles.detect(os.environ) == roles.RANK and getattr(ns, "capture", "fd") in ("fd", "sys") and _stdout_is_a_file()
-    )
+    use = role == roles.RANK and getattr(ns, "capture", "fd") in ("fd", "sys") and _stdout_is_a_file()
     early_config.stash[LOG_CAPTURE] = use
     if use:
         ns.capture = "no"
