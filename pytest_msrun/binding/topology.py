@@ -81,16 +81,12 @@ class Topology:
     def allowed(self) -> set[int]:
         return set(self.cpus_allowed)
 
-    def node(self, node_id: int) -> NumaNode | None:
-        return next((n for n in self.numa_nodes if n.id == node_id), None)
-
     def node_of_cpu(self, cpu: int) -> int | None:
         return next((n.id for n in self.numa_nodes if cpu in n.cpus), None)
 
     def node_allowed_cpus(self, node_id: int) -> list[int]:
-        node = self.node(node_id)
         allowed = self.allowed
-        return [c for c in node.cpus if c in allowed] if node else []
+        return [c for n in self.numa_nodes if n.id == node_id for c in n.cpus if c in allowed]
 
     def usable_nodes(self) -> list[int]:
         """Nodes numactl can bind: some allowed CPU, local memory, allowed by the cpuset."""
@@ -104,7 +100,7 @@ class Topology:
     def allowed_cores(self) -> list[list[int]]:
         """Physical cores (their allowed hardware threads), ordered by lowest thread id."""
         allowed = self.allowed
-        cores = [[c for c in core if c in allowed] for core in self.cores] if self.cores else []
+        cores = [[c for c in core if c in allowed] for core in self.cores]
         cores = [c for c in cores if c]
         covered = {c for core in cores for c in core}
         cores += [[c] for c in self.cpus_allowed if c not in covered]  # CPUs no core lists
