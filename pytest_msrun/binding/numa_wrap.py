@@ -51,7 +51,6 @@ def main(argv: list[str] | None = None) -> int:
     _say(f"numactl is not installed: binding CPUs {cpus[0]}..{cpus[-1]} only; memory is NOT bound")
     os.sched_setaffinity(0, cpus)
     os.execvp(args[0], args)
-    return 127  # not reached
 
 
 if __name__ == "__main__":
