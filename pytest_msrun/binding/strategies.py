@@ -35,10 +35,6 @@ class Placement:
     device: str = ""
     how: str = ""
 
-    @property
-    def bound(self) -> bool:
-        return bool(self.prefix) or self.in_child_cpus is not None
-
 
 @record
 class BindingPlan:
@@ -230,7 +226,8 @@ class Planner:
         workers = []
         for i in range(self.n):
             place = self._compose(core_parts[i], node_parts[i], auto_numa=auto_nodes is not None)
-            if (cpu_list := env_lists[i]) is not None and place.bound:  # a list only where a flag is automatic
+            bound = place.prefix or place.in_child_cpus is not None
+            if (cpu_list := env_lists[i]) is not None and bound:  # a list only where a flag is automatic
                 place.env["MSRUN_CPU_LIST"] = cpu_list
             place.device = self._device_label(i)
             workers.append(place)
