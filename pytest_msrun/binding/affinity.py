@@ -15,10 +15,16 @@ from pytest_msrun.binding.devices import worker_devices
 from pytest_msrun.binding.topology import Topology
 
 
-def gpu_cpus(gpu_index: int, topology: Topology, env: Mapping[str, str]) -> list[int]:
-    """The allowed CPUs affine to logical GPU ``gpu_index``."""
-    wd = worker_devices(topology, env, gpu_index + 1)[gpu_index]
-    dev = wd.device
+def set_numa_affinity(
+    gpu_index: int, verbose: bool = False, topology: Topology | None = None, env: Mapping[str, str] | None = None
+) -> list[int]:
+    """Bind the calling process to the CPUs affine to logical GPU ``gpu_index``; return them."""
+    if topology is None:
+        from pytest_msrun.binding.discover import load_topology
+
+        topology = load_topology()
+    env = os.environ if env is None else env
+    dev = worker_devices(topology, env, gpu_index + 1)[gpu_index].device
     if dev is None:
         raise ValueError(
             f"no GPU for logical index {gpu_index} (visible: {env.get('CUDA_VISIBLE_DEVICES', 'all')}, "
@@ -30,18 +36,6 @@ def gpu_cpus(gpu_index: int, topology: Topology, env: Mapping[str, str]) -> list
         cpus = topology.node_allowed_cpus(dev.numa_node)
     if not cpus:
         raise ValueError(f"{dev.label} ({dev.pci_bus_id}) has no CPU affinity this process may use")
-    return cpus
-
-
-def set_numa_affinity(
-    gpu_index: int, verbose: bool = False, topology: Topology | None = None, env: Mapping[str, str] | None = None
-) -> list[int]:
-    """Bind the calling process to the CPUs affine to logical GPU ``gpu_index``; return them."""
-    if topology is None:
-        from pytest_msrun.binding.discover import load_topology
-
-        topology = load_topology()
-    cpus = gpu_cpus(gpu_index, topology, os.environ if env is None else env)
     if verbose:
         before = sorted(os.sched_getaffinity(0))
         print(f"before: {len(before)} visible cpu cores: {before}")
