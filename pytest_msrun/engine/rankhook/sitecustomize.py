@@ -99,24 +99,19 @@ def _trace_start():
     pid, ts = 1000 + int(rank), int(time.time() * 1_000_000)
     line = f'{{"name":"python started","ph":"i","s":"t","pid":{pid},"tid":0,"ts":{ts}}}\n'
     # every rank of the node appends to one file (control/tracelog.RANKS_FILE): one write() of one
-    # line with O_APPEND, which lands whole, after the others' lines
-    fd = _open_append(os.path.join(spool, "ranks.jsonl"))
+    # line with O_APPEND, which lands whole, after the others' lines. Opened as the package's
+    # fileio.open_output_fd opens: not through a link, not blocking on a FIFO, and only a regular
+    # file of this user's with one name.
+    path = os.path.join(spool, "ranks.jsonl")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+    fd = os.open(path, flags, 0o600)
     try:
+        st = os.fstat(fd)
+        if not ((st.st_mode & 0o170000) == 0o100000 and st.st_uid == os.geteuid() and st.st_nlink == 1):
+            raise OSError(f"{path} is not a regular file of this user's with one name")
         os.write(fd, line.encode())
     finally:
         os.close(fd)
-
-
-def _open_append(path):
-    """``path`` opened to append: not through a link, not blocking on a FIFO, and only a regular
-    file of this user's with one name (the package's fileio.open_output_fd, inlined)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
-    fd = os.open(path, flags, 0o600)
-    st = os.fstat(fd)
-    if not ((st.st_mode & 0o170000) == 0o100000 and st.st_uid == os.geteuid() and st.st_nlink == 1):
-        os.close(fd)
-        raise OSError(f"{path} is not a regular file of this user's with one name")
-    return fd
 
 
 def _leave():
