@@ -180,33 +180,27 @@ def normalise_unified(obj: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def file_hash(path: str) -> str:
-    """SHA-256 of the file text, read as msrun does (text mode, re-encoded UTF-8)."""
-    import hashlib
-
-    with open(path, encoding="utf-8") as fh:
-        return hashlib.sha256(fh.read().encode("utf-8")).hexdigest()
-
-
 def _load_bind_file(value: str) -> BindSpec:
     path = os.path.abspath(value)
     if not os.path.exists(path):
         raise BindFlagError(f"bind_numa json file {value!r} does not exist")
     if not os.path.isfile(path):
         raise BindFlagError(f"bind_numa json path {value!r} is not a file")
+    import hashlib
     import json
 
     try:
         with open(path, encoding="utf-8") as fh:
-            obj = json.load(fh)
+            text = fh.read()
+        obj = json.loads(text)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BindFlagError(f"failed to load bind_numa json file {value!r}: {exc}") from None
     if not isinstance(obj, dict):
         raise BindFlagError(f"bind_numa json file {value!r} should be a JSON object")
     if not any(k in obj for k in UNIFIED_KEYS):
         raise BindFlagError(f"bind_numa json file {value!r} has no 'bind_config'; see the unified JSON format")
-    unified = normalise_unified(obj)
-    return BindSpec(kind="unified", unified=unified, file=path, file_hash=file_hash(path))
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()  # as msrun hashes it: the text, re-encoded UTF-8
+    return BindSpec(kind="unified", unified=normalise_unified(obj), file=path, file_hash=digest)
 
 
 def parse_bind_value(value: str, flag: str) -> BindSpec:
