@@ -35,7 +35,7 @@ def resolve_master_addr(addr: str) -> str:
     if literal is not None:
         if sep:
             return check_zone(literal, zone)
-        if is_link_local(literal):
+        if ":" in literal and int(literal.split(":")[0] or "0", 16) & 0xFFC0 == 0xFE80:  # link-local: fe80::/10
             raise AddressError(
                 f"a link-local address is reached through one interface, which it does not name; give "
                 f"{literal}%<interface> ({link_local_hint()})"
@@ -93,15 +93,6 @@ def interface_names() -> list[str]:
         return [str(name) for _, name in _socket.if_nameindex()]
     except OSError:
         return []
-
-
-def is_link_local(ip: str) -> bool:
-    """True for an IPv6 link-local (``fe80::/10``) literal."""
-    try:
-        packed = _socket.inet_pton(_socket.AF_INET6, ip.partition("%")[0])
-    except (OSError, ValueError):
-        return False
-    return packed[0] == 0xFE and packed[1] & 0xC0 == 0x80
 
 
 def link_local_hint() -> str:
