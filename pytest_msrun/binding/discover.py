@@ -124,11 +124,6 @@ def cores_and_packages(cpus: list[int], root: str = "/") -> tuple[list[list[int]
     return sorted(cores.values(), key=min), packages
 
 
-def _mask_to_cpus(words: list[int]) -> list[int]:
-    """NVML's CPU-affinity words (64 bits each, lowest word first) -> CPU ids."""
-    return [w * 64 + bit for w, word in enumerate(words) for bit in range(64) if word >> bit & 1]
-
-
 def normalise_bus_id(bus_id: str) -> str:
     """``00000000:18:00.0`` (NVML) -> ``0000:18:00.0`` (sysfs), lower case."""
     bus_id = bus_id.strip().lower()
@@ -163,8 +158,9 @@ def nvidia_devices(root: str = "/", nvml: Callable[[], Any] | None = None) -> li
             uuid = module.nvmlDeviceGetUUID(handle)
             name = module.nvmlDeviceGetName(handle)
             affinity: list[int] = []
-            with contextlib.suppress(Exception):
-                affinity = _mask_to_cpus(list(module.nvmlDeviceGetCpuAffinity(handle, words)))
+            with contextlib.suppress(Exception):  # 64-bit words, lowest CPUs first
+                mask = module.nvmlDeviceGetCpuAffinity(handle, words)
+                affinity = [w * 64 + bit for w, word in enumerate(mask) for bit in range(64) if word >> bit & 1]
             node, local = _pci_numa_and_cpus(root, bus)
             with contextlib.suppress(Exception):
                 node = int(module.nvmlDeviceGetNumaNodeId(handle))
