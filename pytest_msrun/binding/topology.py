@@ -136,7 +136,9 @@ class Topology:
         return json.dumps(self.to_json(), indent=2) + "\n"
 
     @classmethod
-    def from_json(cls, data: dict[str, Any], source: str = "") -> Topology:
+    def load(cls, path: str) -> Topology:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
         if data.get("schema") != SCHEMA:
             raise ValueError(f"not a topology snapshot (schema {data.get('schema')!r}, expected {SCHEMA!r})")
         cg = data.get("cgroup")
@@ -177,13 +179,7 @@ class Topology:
                 for d in data.get("devices", [])
             ],
             hostname=data.get("hostname", ""),
-            source=source or data.get("source", "snapshot"),
+            source=f"snapshot:{os.path.basename(path)}",
             description=data.get("description", ""),
             raw=dict(data.get("raw") or {}),
         )
-
-    @classmethod
-    def load(cls, path: str) -> Topology:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
-        return cls.from_json(data, source=f"snapshot:{os.path.basename(path)}")
