@@ -21,9 +21,8 @@ class VisibleDevicesError(ValueError):
 
 @record
 class WorkerDevice:
-    """Local worker ``local_index`` and the device it drives (``device`` None when unknown)."""
+    """The device a local worker drives (``device`` None when unknown)."""
 
-    local_index: int
     physical_id: int | None
     device: Device | None
 
@@ -32,7 +31,7 @@ def worker_devices(topology: Topology, env: Mapping[str, str], count: int, logic
     """Device of each of ``count`` local workers. ``logical``: dry run - worker i is device i."""
     devices = topology.devices
     if logical:
-        return [WorkerDevice(i, i, None) for i in range(count)]
+        return [WorkerDevice(i, None) for i in range(count)]
     kind = topology.device_kind
     wanted = (VISIBLE_VARS[kind],) if kind else ("ASCEND_RT_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
     var = next((v for v in wanted if v in env), None)
@@ -46,10 +45,10 @@ def worker_devices(topology: Topology, env: Mapping[str, str], count: int, logic
     for i in range(count):
         if tokens is None:
             dev = next((d for d in devices if d.index == i), None)
-            out.append(WorkerDevice(i, i if (dev is not None or not devices) else None, dev))
+            out.append(WorkerDevice(i if (dev is not None or not devices) else None, dev))
             continue
         if i >= len(tokens):
-            out.append(WorkerDevice(i, None, None))  # more workers than visible devices
+            out.append(WorkerDevice(None, None))  # more workers than visible devices
             continue
         tok = tokens[i]
         if tok.isdigit():
@@ -60,15 +59,15 @@ def worker_devices(topology: Topology, env: Mapping[str, str], count: int, logic
                     f"{var}={env.get(var or '')!r}: device {idx} does not exist here (devices: "
                     f"{', '.join(str(d.index) for d in devices)})"
                 )
-            out.append(WorkerDevice(i, idx, dev))
+            out.append(WorkerDevice(idx, dev))
         elif tok.startswith("GPU-") and var == "CUDA_VISIBLE_DEVICES":
             matches = [d for d in devices if d.uuid and d.uuid.startswith(tok)]
             if devices and len(matches) != 1:
                 raise VisibleDevicesError(f"CUDA_VISIBLE_DEVICES item {tok!r} matches {len(matches)} GPUs by UUID")
             dev = matches[0] if matches else None
-            out.append(WorkerDevice(i, dev.index if dev else None, dev))
+            out.append(WorkerDevice(dev.index if dev else None, dev))
         elif tok.startswith("MIG-") and var == "CUDA_VISIBLE_DEVICES":
-            out.append(WorkerDevice(i, None, None))  # a MIG slice: its parent GPU is not known here
+            out.append(WorkerDevice(None, None))  # a MIG slice: its parent GPU is not known here
         else:
             raise VisibleDevicesError(f"{var} item {tok!r} is neither a device index nor a GPU UUID")
     return out
