@@ -136,9 +136,7 @@ def normalise_unified(obj: dict[str, Any]) -> dict[str, Any]:
         raise BindFlagError(f"unknown key(s) {sorted(extra)} in 'bind_config'")
 
     def keyed(section: str) -> dict[str, Any]:
-        raw = obj.get(section, {})
-        if raw is None:
-            raw = {}
+        raw = {} if obj.get(section) is None else obj[section]
         if not isinstance(raw, dict):
             raise BindFlagError(f"'{section}' must be a JSON object keyed by 'deviceN' or 'scheduler'")
         out: dict[str, Any] = {}
