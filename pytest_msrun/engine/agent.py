@@ -145,7 +145,7 @@ class Agent:
         supervise; else start, register while the workers start up (their connections wait in
         the listener), supervise.
         """
-        stage = Stage.REGISTERING if plan.ranks_pending else Stage.STARTING
+        stage = Stage.REGISTERING if plan.layout.pending else Stage.STARTING
         if stage is Stage.STARTING:
             if not ranks_said:
                 self._ranks_known(plan)
@@ -262,7 +262,7 @@ class Agent:
 
     def _place_trace(self, plan: LaunchPlan) -> None:
         """Where this node's trace events go, once the link (if any) is up."""
-        if self.node.trace is not None and (self.node.link is not None or not plan.ranks_pending):
+        if self.node.trace is not None and (self.node.link is not None or not plan.layout.pending):
             index = self.node.assignment.node_index if self.node.assignment else max(0, self.node.cfg.node_rank)
             self.node.trace.place(index, plan.scheduler is not None, self.node.link)
 
@@ -308,7 +308,7 @@ class Agent:
         for msg, defer in self.unsaid:  # a worker that ended before this node registered
             self._tell(msg, defer)
         self.unsaid = []
-        if plan.ranks_pending:  # the control plane places this node's workers next
+        if plan.layout.pending:  # the control plane places this node's workers next
             if self.node.detached:
                 self.ending.console_done(0)
             self.stage = Stage.ASSIGNING

@@ -60,9 +60,6 @@ OWNED_VARS = (
     "MSRUN_ERROR_FILE",
     *sorted(INTERNAL_VARS),
 )
-# What a dry-run worker gets from the launcher, as MindSpore's msrun exports it (plus the
-# variables every child of this launcher gets: PYTHONUNBUFFERED and the MSRUN_* ones).
-DRY_RUN_VARS = ("MS_SIMULATION_LEVEL", "MS_WORKER_NUM", "RANK_SIZE", "RANK_ID", "DEVICE_ID", "MS_NODE_ID")
 # The role variable this launcher sets for the pytest plugin in each child (and nobody else sets):
 # a pytest process is one of this launcher's ranks only when it finds "worker" here.
 PLUGIN_ROLE_VAR = "MSRUN_PLUGIN_ROLE"

@@ -146,11 +146,6 @@ class LaunchPlan:
     sim_ranks: tuple[int, ...] = ()  # a dry run's selected ranks (all, not just the preview)
 
     @property
-    def ranks_pending(self) -> bool:
-        """The control plane assigns this node's ranks before its workers start."""
-        return self.layout.pending
-
-    @property
     def workers(self) -> list[ProcessSpec]:
         return [p for p in self.processes if p.role == Role.WORKER]
 

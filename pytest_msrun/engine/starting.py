@@ -142,7 +142,7 @@ class Starter:
             scheduler is None
             or listener is None
             or scheduler.argv[1:] != ["-S", "-m", SCHEDULER_MODULE]
-            or plan.ranks_pending
+            or plan.layout.pending
             or plan.config.dry_run
             or not plan.workers
         ):
