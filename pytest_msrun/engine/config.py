@@ -29,15 +29,10 @@ COMMAND_TASKS = ("python", "python3", "pytest")
 
 
 class ConfigError(ValueError):
-    """An invalid option: ``flag`` is the option name without dashes."""
+    """An invalid option: ``flag`` is the option name without dashes ("": the message names it)."""
 
     def __init__(self, flag: str, message: str) -> None:
-        super().__init__(message)
-        self.flag = flag
-        self.message = message
-
-    def __str__(self) -> str:
-        return f"argument --{self.flag}: {self.message}" if self.flag else self.message
+        super().__init__(f"argument --{flag}: {message}" if flag else message)
 
 
 SWITCHES = ("1", "0", "on", "off", "true", "false", "yes", "no", "")
