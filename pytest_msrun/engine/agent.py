@@ -64,14 +64,13 @@ class Agent:
         cfg: LaunchConfig,
         facts: NodeFacts,
         *,
+        guard: JobGuard,
         detached: bool = False,
         on_console_done: Callable[[int], None] | None = None,
-        guard: JobGuard | None = None,
     ) -> None:
-        guard = guard if guard is not None else JobGuard(facts.job_id, dict(os.environ))
         self.node = node = NodeRun(cfg, facts, guard, detached)
-        self.starter = Starter(node, self.emit, self._ranks_known)
-        self.ending = JobEnding(node, self.emit, on_console_done)
+        self.starter = Starter(node, self._ranks_known)
+        self.ending = JobEnding(node, on_console_done)
         self.unsaid: list[tuple[dict[str, Any], bool]] = []  # for the control plane, before registering
         self.stage = Stage.STARTING
         self._register_by = 0.0  # when registering gives up (--cluster_time_out)
@@ -87,11 +86,6 @@ class Agent:
 
             node.trace = TraceObserver(cfg.trace, facts.job_id, facts.hostname, max(0, cfg.node_rank))
             node.observers.append(node.trace)
-
-    # ------------------------------------------------------------------ public API (also for dryrun)
-    def emit(self, event: JobEvent, payload: Any = None) -> None:
-        for observer in self.node.observers:
-            observer.notify(event, payload)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> JobResult:
@@ -172,8 +166,6 @@ class Agent:
                 else:
                     plan = self.node.plan = assign(plan, self.node.assignment, self.node.facts.job_id)
                     self._ranks_known(plan)
-                    if plan.config.dry_run:
-                        return self._dry_run(plan)
                     todo = list(plan.workers)
                     self.stage = Stage.STARTING
             elif stage is Stage.STARTING:
@@ -367,7 +359,7 @@ class Agent:
         if event.kind is EventKind.EXITED and event.child is not None:
             child, spec = event.child, event.child.tag
             timeline.mark(f"{spec.label} ended ({child.returncode})")
-            self.emit(JobEvent.PROCESS_EXITED, child)
+            self.node.emit(JobEvent.PROCESS_EXITED, child)
             if spec.role == Role.WORKER and spec.rank is not None:
                 # Peers blocked in init() or a collective must not wait for a rank that is gone.
                 note = {"t": "exit", "rank": spec.rank, "how": processes.describe_returncode(child.returncode or 0)}

@@ -61,7 +61,7 @@ class DryRunSupervisor:
         self.finished += 1
         if self.tailer is not None and child.tag.tail:
             self.tailer.finish(child.tag.log_path)
-        agent.emit(JobEvent.PROCESS_EXITED, child)
+        agent.node.emit(JobEvent.PROCESS_EXITED, child)
         if child.returncode != 0:
             self.failed_ranks.append(child.tag.rank if child.tag.rank is not None else -1)
             if len(self.reasons) < self.DETAILED:
@@ -97,7 +97,7 @@ class DryRunSupervisor:
                     self.tailer.add(prefix_for(spec.rank, spec.local_index), spec.log_path)
             if not announced:
                 announced = True
-                agent.emit(JobEvent.SPAWNED, list(agent.node.group.children))
+                agent.node.emit(JobEvent.SPAWNED, list(agent.node.group.children))
             if agent.node.loop.signal_received is not None:
                 signalled = agent.node.loop.signal_received
                 break
