@@ -106,16 +106,13 @@ class DryRunSupervisor:
             for event in agent.node.loop.poll(1.0):
                 if event.kind is EventKind.EXITED and event.child is not None:
                     self._reap(event.child)
-        if signalled is not None:
-            ending = agent.node.policy.signalled(signalled)
-        elif self.failed_ranks:
-            ending = agent.node.policy.first_failure()
-        else:
-            ending = Ending(0, JobState.SUCCEEDED)
-        if self.failed_ranks or signalled is not None:
-            self._print_summary()
-        else:
+        if signalled is None and not self.failed_ranks:
             console.out(f"msrun: dry run: all {self.total} simulated rank(s) passed")
+            ending = Ending(0, JobState.SUCCEEDED)
+        else:
+            self._print_summary()
+            policy = agent.node.policy
+            ending = policy.signalled(signalled) if signalled is not None else policy.first_failure()
         return agent.ending.conclude(ending, self.summary())
 
     def summary(self) -> dict[str, Any]:
