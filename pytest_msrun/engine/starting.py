@@ -140,7 +140,7 @@ class Starter:
             or not plan.workers
         ):
             return False
-        from pytest_msrun.engine.earlystart import FirstStarted, holdable
+        from pytest_msrun.engine.earlystart import HOLD_ENV, FirstStarted, holdable
 
         entering = self.node.guard.entering
         waiting = entering is not None and entering.done.locked()
@@ -159,7 +159,8 @@ class Starter:
                 if not waiting:
                     first.children.append(self.start(spec, announce=False))
                 elif entering is not None and entering.done.locked():
-                    first.children.append(self.start(spec, first.env(), (first.read_fd,), held=True))
+                    child = self.start(spec, {HOLD_ENV: str(first.read_fd)}, (first.read_fd,), held=True)
+                    first.children.append(child)
                 else:
                     break
         finally:

@@ -72,8 +72,7 @@ class LogTailer:
         """Start tailing another file (one process of a job that starts processes over time)."""
         with self.lock:
             self.files.append(_Tailed(prefix, path))
-        if self.ended is None:
-            self.start()
+        self.start()  # (once)
 
     def finish(self, path: str) -> None:
         """Copy the rest of ``path`` now and stop tailing it (its process exited)."""
