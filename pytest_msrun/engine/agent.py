@@ -40,8 +40,6 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["Agent", "JobResult"]
-
 REGISTER_RETRY = 0.2  # s between two attempts to reach the control plane
 
 

@@ -174,7 +174,6 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str], job_id: str) -> NodeFac
     except AddressError as exc:
         raise ConfigError("", f"--master_addr={cfg.master_addr}: {exc}") from None
     argv = task_argv(cfg.task_script, cfg.task_script_args, must_exist=not cfg.print_plan)
-    python = task_python(argv)
     topology, tools = binding_facts(cfg, env)
     mode = SchedulerMode.NONE if cfg.dry_run else SchedulerMode(cfg.scheduler)
     try:
@@ -196,7 +195,7 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str], job_id: str) -> NodeFac
         hostname=os.uname().nodename,  # gethostname(2) reads the same, without importing socket
         source_ip=source_ip_towards(master_ip, cfg.master_port),
         task_argv=argv,
-        task_python=python,
+        task_python=task_python(argv),
         python=sys.executable,
         scheduler_mode=mode,
         job_id=job_id,

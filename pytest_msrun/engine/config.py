@@ -35,9 +35,6 @@ class ConfigError(ValueError):
         super().__init__(f"argument --{flag}: {message}" if flag else message)
 
 
-SWITCHES = ("1", "0", "on", "off", "true", "false", "yes", "no", "")
-
-
 def check_environment(env: dict[str, str]) -> None:
     """Every variable msrun reads, parsed once before anything starts: :class:`ConfigError` names
     the first malformed one and what it takes (so no part of the job dies of it later)."""
@@ -65,7 +62,7 @@ def check_environment(env: dict[str, str]) -> None:
         raise ConfigError("", f"MSRUN_CGROUP={cgroup!r}: must be auto, v2, freezer or off")
     for name in ("MSRUN_ERROR_FILES", "MSRUN_SLURM"):
         value = env.get(name, "").strip().lower()
-        if value not in SWITCHES:
+        if value not in ("1", "0", "on", "off", "true", "false", "yes", "no", ""):
             raise ConfigError("", f"{name}={value!r}: must be 1 or 0 (on/off)")
 
 
