@@ -134,7 +134,8 @@ class Starter:
         during the wait. Whether any started."""
         scheduler = plan.scheduler
         if (
-            scheduler is None  # (one of msrun's own control plane is listened for: see ports.claim)
+            scheduler is None
+            or listener is None
             or scheduler.argv[1:] != ["-S", "-m", SCHEDULER_MODULE]
             or plan.layout.pending
             or not plan.workers
