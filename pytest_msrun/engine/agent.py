@@ -142,7 +142,10 @@ class Agent:
             if not ranks_said:
                 self._ranks_known(plan)
             if plan.config.dry_run:
-                return self._dry_run(plan)
+                from pytest_msrun.engine.dryrun import DryRunSupervisor
+
+                collect_from_now()
+                return DryRunSupervisor(self, plan).run()
         self.stage = stage
         started = {id(c.tag) for c in self.node.group.children}  # held workers started already
         todo = [spec for spec in plan.workers if id(spec) not in started]
@@ -237,12 +240,6 @@ class Agent:
                 node_status_file(index) if index >= 0 else f"msrun_status_{self.node.facts.hostname}.json"
             )
         self._place_trace(plan)
-
-    def _dry_run(self, plan: LaunchPlan) -> JobResult:
-        from pytest_msrun.engine.dryrun import DryRunSupervisor
-
-        collect_from_now()
-        return DryRunSupervisor(self, plan).run()
 
     def _supervising(self) -> None:
         self.stage = Stage.SUPERVISING
