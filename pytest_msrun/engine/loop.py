@@ -37,7 +37,6 @@ class EventKind(Enum):
 class Event:
     kind: EventKind
     child: Child | None = None
-    signum: int = 0
     message: dict[str, Any] = field(default_factory=dict)
     reason: str = ""
 
@@ -133,7 +132,7 @@ class EventLoop:
                 if source.reap():
                     events.append(Event(EventKind.EXITED, child=source))
         if self.signal_received is not None:
-            events.append(Event(EventKind.SIGNALLED, signum=self.signal_received))
+            events.append(Event(EventKind.SIGNALLED))  # which one: signal_received
         events.sort(key=lambda e: e.kind is not EventKind.MESSAGE)
         return events
 
