@@ -29,13 +29,10 @@ if TYPE_CHECKING:
     from typing import Any
 
 
-TEMPLATE_MODULE = "pytest_msrun.engine.template"
-
-
 def _template() -> Any:
     """The fork server's module when this msrun is a fork of one (None: a plain msrun, which then
     never imports it - it is not on ``pmsrun``'s start path)."""
-    module = sys.modules.get(TEMPLATE_MODULE)
+    module = sys.modules.get("pytest_msrun.engine.template")
     return module if module is not None and module.is_template() else None
 
 
