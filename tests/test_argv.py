@@ -177,8 +177,8 @@ def configs(folder) -> st.SearchStrategy:
 @given(data=st.data())
 def test_a_configurations_command_line_reads_back_as_it(data, bind_folder):
     from pytest_msrun.engine.argv import flags_of
-    from pytest_msrun.engine.cli import config_of
+    from pytest_msrun.engine.cli import config_from_args, parse_args
 
     cfg = data.draw(configs(bind_folder))
-    read = config_of(flags_of(cfg), {})
+    read, _ = config_from_args(parse_args(flags_of(cfg)), {})
     assert {**vars(read), "given": None} == {**vars(cfg), "given": None}

@@ -289,14 +289,14 @@ def test_a_log_dir_that_cannot_be_made_exits_2(msrun, env_dump, tmp_path):
     "value,expected", [("True", True), ("true", True), ("1", True), ("False", False), ("0", False)]
 )
 def test_join_spellings(value, expected):
-    from pytest_msrun.engine.cli import build_parser
+    from pytest_msrun.engine.cliparser import build_parser
 
     ns = build_parser().parse_args([f"--join={value}", "x.py"])
     assert ns.join is expected
 
 
 def test_task_args_pass_through_verbatim():
-    from pytest_msrun.engine.cli import build_parser
+    from pytest_msrun.engine.cliparser import build_parser
 
     ns = build_parser().parse_args(["--worker_num=2", "s.py", "--join=True", "--worker_num", "9", "-x"])
     assert ns.task_script == "s.py"
@@ -305,7 +305,7 @@ def test_task_args_pass_through_verbatim():
 
 
 def test_help_lists_all_fifteen_flags():
-    from pytest_msrun.engine.cli import build_parser
+    from pytest_msrun.engine.cliparser import build_parser
 
     text = build_parser().format_help()
     for flag in (

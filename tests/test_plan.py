@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 
 from pytest_msrun.binding.flags import parse_bind_value
-from pytest_msrun.engine.childenv import DRY_RUN_VARS
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.plan import NodeFacts, RankAssignment, assign, build_plan
 
 PY = sys.executable
+# What a dry-run worker gets from the launcher, as MindSpore's msrun exports it
+DRY_RUN_VARS = ("MS_SIMULATION_LEVEL", "MS_WORKER_NUM", "RANK_SIZE", "RANK_ID", "DEVICE_ID", "MS_NODE_ID")
 
 
 def facts(**kw) -> NodeFacts:
@@ -84,7 +85,7 @@ def test_node_rank_ignored_on_single_node():
 
 def test_multi_node_builtin_waits_for_the_control_plane():
     plan = build_plan(cfg(worker_num=8, local_worker_num=4, node_rank=1), facts())
-    assert plan.ranks_pending and all(w.rank is None for w in plan.workers)
+    assert plan.layout.pending and all(w.rank is None for w in plan.workers)
     plan = assign(plan, RankAssignment(3, 1, 2))
     assert [w.rank for w in plan.workers] == [3, 4, 5, 6]
     assert [w.log_path for w in plan.workers] == [f"worker_{r}.log" for r in (3, 4, 5, 6)]
@@ -125,7 +126,7 @@ def test_task_and_mindspore_scheduler_commands():
 @pytest.mark.parametrize("mode", ["auto", "mindspore"])
 def test_control_plane_modes_assign_ranks_before_start(mode):
     pending = build_plan(cfg(worker_num=8, local_worker_num=4), facts(scheduler_mode=mode))
-    assert pending.ranks_pending
+    assert pending.layout.pending
 
 
 OURS = {"PYTHONUNBUFFERED", "MSRUN_JOB_ID", "MSRUN_SCHEDULER", "MSRUN_LOG_DIR"}

@@ -40,8 +40,6 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-__all__ = ["Agent", "JobResult"]
-
 REGISTER_RETRY = 0.2  # s between two attempts to reach the control plane
 
 
@@ -64,14 +62,13 @@ class Agent:
         cfg: LaunchConfig,
         facts: NodeFacts,
         *,
+        guard: JobGuard,
         detached: bool = False,
         on_console_done: Callable[[int], None] | None = None,
-        guard: JobGuard | None = None,
     ) -> None:
-        guard = guard if guard is not None else JobGuard(facts.job_id, dict(os.environ))
         self.node = node = NodeRun(cfg, facts, guard, detached)
-        self.starter = Starter(node, self.emit, self._ranks_known)
-        self.ending = JobEnding(node, self.emit, on_console_done)
+        self.starter = Starter(node, self._ranks_known)
+        self.ending = JobEnding(node, on_console_done)
         self.unsaid: list[tuple[dict[str, Any], bool]] = []  # for the control plane, before registering
         self.stage = Stage.STARTING
         self._register_by = 0.0  # when registering gives up (--cluster_time_out)
@@ -87,11 +84,6 @@ class Agent:
 
             node.trace = TraceObserver(cfg.trace, facts.job_id, facts.hostname, max(0, cfg.node_rank))
             node.observers.append(node.trace)
-
-    # ------------------------------------------------------------------ public API (also for dryrun)
-    def emit(self, event: JobEvent, payload: Any = None) -> None:
-        for observer in self.node.observers:
-            observer.notify(event, payload)
 
     # ------------------------------------------------------------------ the run
     def run(self) -> JobResult:
@@ -145,12 +137,15 @@ class Agent:
         supervise; else start, register while the workers start up (their connections wait in
         the listener), supervise.
         """
-        stage = Stage.REGISTERING if plan.ranks_pending else Stage.STARTING
+        stage = Stage.REGISTERING if plan.layout.pending else Stage.STARTING
         if stage is Stage.STARTING:
             if not ranks_said:
                 self._ranks_known(plan)
             if plan.config.dry_run:
-                return self._dry_run(plan)
+                from pytest_msrun.engine.dryrun import DryRunSupervisor
+
+                collect_from_now()
+                return DryRunSupervisor(self, plan).run()
         self.stage = stage
         started = {id(c.tag) for c in self.node.group.children}  # held workers started already
         todo = [spec for spec in plan.workers if id(spec) not in started]
@@ -172,8 +167,6 @@ class Agent:
                 else:
                     plan = self.node.plan = assign(plan, self.node.assignment, self.node.facts.job_id)
                     self._ranks_known(plan)
-                    if plan.config.dry_run:
-                        return self._dry_run(plan)
                     todo = list(plan.workers)
                     self.stage = Stage.STARTING
             elif stage is Stage.STARTING:
@@ -248,12 +241,6 @@ class Agent:
             )
         self._place_trace(plan)
 
-    def _dry_run(self, plan: LaunchPlan) -> JobResult:
-        from pytest_msrun.engine.dryrun import DryRunSupervisor
-
-        collect_from_now()
-        return DryRunSupervisor(self, plan).run()
-
     def _supervising(self) -> None:
         self.stage = Stage.SUPERVISING
         if self.node.several_nodes:
@@ -262,7 +249,7 @@ class Agent:
 
     def _place_trace(self, plan: LaunchPlan) -> None:
         """Where this node's trace events go, once the link (if any) is up."""
-        if self.node.trace is not None and (self.node.link is not None or not plan.ranks_pending):
+        if self.node.trace is not None and (self.node.link is not None or not plan.layout.pending):
             index = self.node.assignment.node_index if self.node.assignment else max(0, self.node.cfg.node_rank)
             self.node.trace.place(index, plan.scheduler is not None, self.node.link)
 
@@ -308,7 +295,7 @@ class Agent:
         for msg, defer in self.unsaid:  # a worker that ended before this node registered
             self._tell(msg, defer)
         self.unsaid = []
-        if plan.ranks_pending:  # the control plane places this node's workers next
+        if plan.layout.pending:  # the control plane places this node's workers next
             if self.node.detached:
                 self.ending.console_done(0)
             self.stage = Stage.ASSIGNING
@@ -367,7 +354,7 @@ class Agent:
         if event.kind is EventKind.EXITED and event.child is not None:
             child, spec = event.child, event.child.tag
             timeline.mark(f"{spec.label} ended ({child.returncode})")
-            self.emit(JobEvent.PROCESS_EXITED, child)
+            self.node.emit(JobEvent.PROCESS_EXITED, child)
             if spec.role == Role.WORKER and spec.rank is not None:
                 # Peers blocked in init() or a collective must not wait for a rank that is gone.
                 note = {"t": "exit", "rank": spec.rank, "how": processes.describe_returncode(child.returncode or 0)}

@@ -13,13 +13,10 @@ reads the same way.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 
 from pytest_msrun.binding.flags import BindSpec, parse_bind_value
 from pytest_msrun.engine.config import SCHEDULER_MODES, SIM_LEVELS, LaunchConfig, parse_join
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Any
 
 UNSET = object()  # a flag's value before defaults are applied: tells given flags from defaults
 
@@ -77,23 +74,10 @@ def _ambiguous(arg: str) -> bool:
     return prefix not in OPTION_STRINGS and sum(o.startswith(prefix) for o in OPTION_STRINGS) > 1
 
 
-class Arguments:
-    """The parsed command line: an attribute per flag (``UNSET`` where not given), ``task_script``,
-    ``task_script_args`` and ``print_plan`` - what ``argparse.Namespace`` holds for msrun."""
-
-    def __init__(self, **values: object) -> None:
-        self.__dict__.update(values)
-
-    def __repr__(self) -> str:
-        return f"Arguments({self.__dict__!r})"
-
-    if TYPE_CHECKING:
-
-        def __getattr__(self, name: str) -> Any: ...
-
-
-def parse_plain(argv: Sequence[str]) -> Arguments | None:
-    """The command line read as ``argparse`` would read it, or None when it is not plain."""
+def parse_plain(argv: Sequence[str]) -> SimpleNamespace | None:
+    """The command line read as ``argparse`` would read it - an attribute per flag (``UNSET``
+    where not given), ``task_script``, ``task_script_args`` and ``print_plan`` - or None when it
+    is not plain."""
     if "--" in argv:
         return None
     values: dict[str, object] = dict.fromkeys(CONVERTERS, UNSET)
@@ -103,7 +87,7 @@ def parse_plain(argv: Sequence[str]) -> Arguments | None:
         if not arg.startswith("--"):
             if not arg or arg.startswith("-") or any(map(_ambiguous, argv[i + 1 :])):
                 return None
-            return Arguments(**values, print_plan=False, task_script=arg, task_script_args=list(argv[i + 1 :]))
+            return SimpleNamespace(**values, print_plan=False, task_script=arg, task_script_args=list(argv[i + 1 :]))
         name, eq, value = arg[2:].partition("=")
         convert = CONVERTERS.get(name)
         if convert is None:
@@ -133,8 +117,8 @@ def bind_text(spec: BindSpec) -> str:
     return json.dumps(spec.entries if spec.kind == "dict" else spec.unified, separators=(",", ":"))
 
 
-def flags_of(cfg: Any) -> list[str]:
-    """The msrun command line of ``cfg`` (a :class:`~.config.LaunchConfig`): its flags - worker
+def flags_of(cfg: LaunchConfig) -> list[str]:
+    """The msrun command line of ``cfg``: its flags - worker
     counts always, every other flag whose value is not msrun's default - then the task and its
     arguments. msrun reads it back as ``cfg`` (tested in tests/test_argv.py)."""
     out = [f"--worker_num={cfg.worker_num}", f"--local_worker_num={cfg.local_worker_num}"]

@@ -60,9 +60,6 @@ OWNED_VARS = (
     "MSRUN_ERROR_FILE",
     *sorted(INTERNAL_VARS),
 )
-# What a dry-run worker gets from the launcher, as MindSpore's msrun exports it (plus the
-# variables every child of this launcher gets: PYTHONUNBUFFERED and the MSRUN_* ones).
-DRY_RUN_VARS = ("MS_SIMULATION_LEVEL", "MS_WORKER_NUM", "RANK_SIZE", "RANK_ID", "DEVICE_ID", "MS_NODE_ID")
 # The role variable this launcher sets for the pytest plugin in each child (and nobody else sets):
 # a pytest process is one of this launcher's ranks only when it finds "worker" here.
 PLUGIN_ROLE_VAR = "MSRUN_PLUGIN_ROLE"
@@ -99,17 +96,6 @@ def common_vars(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, rank_s
     return out
 
 
-def dry_run_rank_vars(*, local_index: int, rank: int | None, node_id: int | None) -> dict[str, str]:
-    """A simulated worker's rank variables, exactly msrun's: no local or torch-style sizes, because
-    MindSpore reads ``LOCAL_RANK``/``LOCAL_RANK_SIZE`` before ``init()`` and msrun never sets them."""
-    out = {"DEVICE_ID": str(local_index)}
-    if rank is not None:
-        out["RANK_ID"] = str(rank)
-    if node_id is not None:
-        out["MS_NODE_ID"] = str(node_id)
-    return out
-
-
 def cluster_vars(role: str, master_ip: str, master_port: int, topo_timeout: int) -> dict[str, str]:
     """MindSpore's dynamic-cluster variables (absent in dry runs)."""
     return {
@@ -128,8 +114,8 @@ def rank_vars(
     local_world_size: int,
     node_index: int | None,
     node_count: int | None,
-    master_ip: str | None,
-    dist_port: int | None,
+    master_ip: str,
+    dist_port: int,
 ) -> dict[str, str]:
     """Per-worker rank variables, msrun-style and torch-style."""
     out = {"DEVICE_ID": str(local_index), "LOCAL_RANK": str(local_index), "WORLD_SIZE": str(world_size)}
@@ -140,7 +126,6 @@ def rank_vars(
         out["GROUP_RANK"] = str(node_index)
     if node_count is not None:
         out["GROUP_WORLD_SIZE"] = str(node_count)
-    if master_ip is not None and dist_port is not None:
-        out["MASTER_ADDR"] = master_ip
-        out["MASTER_PORT"] = str(dist_port)
+    out["MASTER_ADDR"] = master_ip
+    out["MASTER_PORT"] = str(dist_port)
     return out

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 import pytest_msrun
 from pytest_msrun.binding.flags import BindingError
 from pytest_msrun.engine import console, timeline
-from pytest_msrun.engine.argv import DEFAULTS, UNSET, Arguments, parse_plain
+from pytest_msrun.engine.argv import DEFAULTS, UNSET, parse_plain
 from pytest_msrun.engine.config import ConfigError, LaunchConfig, check_environment, trace_path, validate
 from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.jobtoken import TokenError, job_token
@@ -22,22 +22,16 @@ from pytest_msrun.pathsearch import which
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import argparse
+    from types import SimpleNamespace
     from typing import Union
 
     from pytest_msrun.binding.topology import Topology
     from pytest_msrun.engine.slurm import Inferred
 
-    Namespace = Union[Arguments, argparse.Namespace]
+    Namespace = Union[SimpleNamespace, argparse.Namespace]
 
 # The directory that holds the pytest_msrun package (the scheduler runs with -S, without site).
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(pytest_msrun.__file__)))
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """msrun's flags for ``argparse`` (imported only when a command line needs it)."""
-    from pytest_msrun.engine.cliparser import build_parser as build
-
-    return build()
 
 
 def parse_args(argv: Sequence[str]) -> Namespace:
@@ -46,6 +40,8 @@ def parse_args(argv: Sequence[str]) -> Namespace:
     plain = parse_plain(argv)
     if plain is not None:
         return plain
+    from pytest_msrun.engine.cliparser import build_parser  # argparse: only when a command line needs it
+
     parser = build_parser()
     ns = parser.parse_args(argv)
     for name in DEFAULTS:
@@ -132,13 +128,6 @@ def infer_from_slurm(ns: Namespace, given: frozenset[str], env: Mapping[str, str
     return Inferred(step=step, flags=flags)
 
 
-def config_of(argv: list[str], env: dict[str, str]) -> LaunchConfig:
-    """The configuration an msrun command line (flags, task, its arguments) describes, as msrun
-    reads it, without looking at the machine. Invalid input raises :class:`ConfigError` or exits 2."""
-    cfg, _ = config_from_args(parse_args(argv), env)
-    return cfg
-
-
 def binding_facts(cfg: LaunchConfig, env: dict[str, str]) -> tuple[Topology | None, dict[str, str | None]]:
     """Topology (``MSRUN_TOPOLOGY`` snapshot, else live) and tool paths - read only when binding."""
     if not (cfg.bind_core.enabled or cfg.bind_numa.enabled):
@@ -185,7 +174,6 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str], job_id: str) -> NodeFac
     except AddressError as exc:
         raise ConfigError("", f"--master_addr={cfg.master_addr}: {exc}") from None
     argv = task_argv(cfg.task_script, cfg.task_script_args, must_exist=not cfg.print_plan)
-    python = task_python(argv)
     topology, tools = binding_facts(cfg, env)
     mode = SchedulerMode.NONE if cfg.dry_run else SchedulerMode(cfg.scheduler)
     try:
@@ -207,7 +195,7 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str], job_id: str) -> NodeFac
         hostname=os.uname().nodename,  # gethostname(2) reads the same, without importing socket
         source_ip=source_ip_towards(master_ip, cfg.master_port),
         task_argv=argv,
-        task_python=python,
+        task_python=task_python(argv),
         python=sys.executable,
         scheduler_mode=mode,
         job_id=job_id,
@@ -222,14 +210,12 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str], job_id: str) -> NodeFac
     )
 
 
-def plan_from_args(
-    argv: list[str] | None, env: dict[str, str], job_id: str
-) -> tuple[LaunchConfig, NodeFacts, LaunchPlan]:
+def plan_from_args(argv: list[str], env: dict[str, str], job_id: str) -> tuple[LaunchConfig, NodeFacts, LaunchPlan]:
     """Everything msrun decides before it starts anything: flags, validation, facts, the plan.
 
     Bad input ends here: one ``msrun: error: argument --flag: ...`` line and ``SystemExit(2)``.
     """
-    ns = parse_args(sys.argv[1:] if argv is None else argv)
+    ns = parse_args(argv)
     try:
         check_environment(env)
         cfg, notes = config_from_args(ns, env)
@@ -242,15 +228,16 @@ def plan_from_args(
         if not cfg.print_plan:
             probe_numactl(plan.processes, facts.topology)
     except (ConfigError, BindingError) as exc:
+        from pytest_msrun.engine.cliparser import build_parser
+
         # msrun's usage line and ``msrun: error: message`` on stderr; exit status 2
         build_parser().error(str(exc) if isinstance(exc, ConfigError) else f"argument --{exc.flag}: {exc}")
     return cfg, facts, plan
 
 
-def main(argv: list[str] | None = None, guard: JobGuard | None = None, job_id: str = "") -> int:
+def main(argv: list[str], guard: JobGuard | None, job_id: str) -> int:
     """msrun. ``guard``: the job's watchdog and cgroup, started before this module was imported
     (see :mod:`pytest_msrun.entry`); started here when not."""
-    job_id = job_id or os.urandom(8).hex()
     env = dict(os.environ)
     try:
         cfg, facts, plan = plan_from_args(argv, env, job_id)
@@ -258,7 +245,7 @@ def main(argv: list[str] | None = None, guard: JobGuard | None = None, job_id: s
         if cfg.print_plan:
             sys.stdout.write(plan.dumps() + "\n")
             return 0
-        if guard is None:  # the entry point guessed "not a launch" (or was not used)
+        if guard is None:  # the entry point guessed "not a launch"
             guard = JobGuard(job_id, env)
         if not cfg.join:
             from pytest_msrun.engine.detach import launch_detached

@@ -29,18 +29,10 @@ COMMAND_TASKS = ("python", "python3", "pytest")
 
 
 class ConfigError(ValueError):
-    """An invalid option: ``flag`` is the option name without dashes."""
+    """An invalid option: ``flag`` is the option name without dashes ("": the message names it)."""
 
     def __init__(self, flag: str, message: str) -> None:
-        super().__init__(message)
-        self.flag = flag
-        self.message = message
-
-    def __str__(self) -> str:
-        return f"argument --{self.flag}: {self.message}" if self.flag else self.message
-
-
-SWITCHES = ("1", "0", "on", "off", "true", "false", "yes", "no", "")
+        super().__init__(f"argument --{flag}: {message}" if flag else message)
 
 
 def check_environment(env: dict[str, str]) -> None:
@@ -70,7 +62,7 @@ def check_environment(env: dict[str, str]) -> None:
         raise ConfigError("", f"MSRUN_CGROUP={cgroup!r}: must be auto, v2, freezer or off")
     for name in ("MSRUN_ERROR_FILES", "MSRUN_SLURM"):
         value = env.get(name, "").strip().lower()
-        if value not in SWITCHES:
+        if value not in ("1", "0", "on", "off", "true", "false", "yes", "no", ""):
             raise ConfigError("", f"{name}={value!r}: must be 1 or 0 (on/off)")
 
 
@@ -103,8 +95,8 @@ class LaunchConfig:
     print_plan: bool = False
     dist_port: int = -1
     trace: str = ""  # --trace / MSRUN_TRACE: the job's Chrome trace file, absolute ("" = not traced)
-    # the flags given on the command line (the others hold their defaults); None: all given
-    given: frozenset[str] | None = None
+    # the flags given on the command line (the others hold their defaults)
+    given: frozenset[str] = frozenset()
     # the flags taken from the Slurm step msrun runs in (pytest_msrun.engine.slurm.Inferred)
     slurm: Inferred | None = None
 
@@ -115,10 +107,6 @@ class LaunchConfig:
     @property
     def multi_node(self) -> bool:
         return self.local_worker_num < self.worker_num
-
-    def was_given(self, flag: str) -> bool:
-        """Whether ``--flag`` was given (a config built in code counts every flag as given)."""
-        return self.given is None or flag in self.given
 
     def tail_ranks(self) -> list[int] | None:
         """Ranks whose logs are tailed; ``None`` = every local worker."""
@@ -154,7 +142,8 @@ def trace_path(flag: str, env: Mapping[str, str]) -> str:
 
 
 def validate(cfg: LaunchConfig) -> list[str]:
-    """Check every option; return warnings. Raises :class:`ConfigError` on the first bad value."""
+    """Check every option (what the parser's types and choices admit: a config read from a command
+    line); return warnings. Raises :class:`ConfigError` on the first bad value."""
     warnings: list[str] = []
     if not cfg.task_script:
         raise ConfigError("", "the following arguments are required: task_script")
@@ -186,7 +175,7 @@ def validate(cfg: LaunchConfig) -> list[str]:
             f"{MAX_LOCAL_WORKERS} per node (a dry run, --sim_level, runs any number in waves)",
         )
     if cfg.local_worker_num > cfg.worker_num:
-        if not cfg.was_given("local_worker_num"):
+        if "local_worker_num" not in cfg.given:
             raise ConfigError(
                 "local_worker_num",
                 f"{cfg.local_worker_num} (the default) exceeds --worker_num={cfg.worker_num}; pass "
@@ -216,8 +205,6 @@ def validate(cfg: LaunchConfig) -> list[str]:
         )
     if not cfg.multi_node and cfg.node_rank not in (-1, 0):
         warnings.append(f"All workers will be spawned on this node, so 'node_rank': [{cfg.node_rank}] will be ignored.")
-    if cfg.sim_level != -1 and cfg.sim_level not in SIM_LEVELS:
-        raise ConfigError("sim_level", f"invalid choice: {cfg.sim_level} (choose from 0, 1, 2, 3)")
     if cfg.sim_rank_id != -1:
         if cfg.sim_level == -1:
             raise ConfigError("sim_rank_id", "needs --sim_level (a single simulated rank is a dry run)")
@@ -236,8 +223,6 @@ def validate(cfg: LaunchConfig) -> list[str]:
             raise ConfigError("sim_select", str(exc)) from None
     if cfg.sim_concurrency < 0:
         raise ConfigError("sim_concurrency", f"{cfg.sim_concurrency} is negative; use 0 (CPU count) or more")
-    if cfg.scheduler not in SCHEDULER_MODES:
-        raise ConfigError("scheduler", f"invalid choice: {cfg.scheduler!r} (choose from {', '.join(SCHEDULER_MODES)})")
     if cfg.rank_table_file and not os.path.isfile(cfg.rank_table_file):
         raise ConfigError("rank_table_file", f"{cfg.rank_table_file!r} does not exist or is not a file")
     try:
@@ -282,6 +267,4 @@ def validate(cfg: LaunchConfig) -> list[str]:
         raise ConfigError("", f"{where}: {problem}")
     if cfg.task_script.endswith(".py") and not cfg.print_plan and not os.path.isfile(cfg.task_script):
         raise ConfigError("", f"task_script {cfg.task_script!r} not found (cwd {os.getcwd()})")
-    if cfg.bind_core.kind == "unified":
-        raise ConfigError("bind_core", "the unified JSON format belongs to --bind_numa")
     return warnings

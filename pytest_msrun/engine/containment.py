@@ -102,11 +102,11 @@ class JobCgroup:
         with suppress(OSError):
             _write(os.path.join(self.home, "cgroup.procs"), "0")
 
-    def kill_others(self, spare: set[int] | None = None, rounds: int = 200) -> list[int]:
+    def kill_others(self, spare: set[int]) -> list[int]:
         """SIGKILL every member but this process (and ``spare``) until none is left; the pids hit."""
-        keep = {os.getpid(), *(spare or ())}
+        keep = {os.getpid(), *spare}
         hit: list[int] = []
-        for _ in range(rounds):
+        for _ in range(200):
             others = [p for p in self.members() if p not in keep]
             if not others:
                 break
@@ -135,16 +135,14 @@ class JobCgroup:
         return f"cgroup {self.kind} {kill} {self.path}"
 
 
-def create(
-    job_id: str, env: dict[str, str] | None = None, made: Callable[[JobCgroup], None] | None = None
-) -> JobCgroup | None:
+def create(job_id: str, env: dict[str, str], made: Callable[[JobCgroup], None] | None = None) -> JobCgroup | None:
     """Create the job's cgroup below this process's own and move this process into it.
 
     ``made`` is told each cgroup created, before this process moves in (the watchdog must know
     it from then on: it removes it if msrun dies). None where no cgroup can be created or entered
     (no cgroup filesystem, no delegation, not root, or ``MSRUN_CGROUP=off``).
     """
-    want = (os.environ if env is None else env).get(CGROUP_ENV, "auto").strip().lower()
+    want = env.get(CGROUP_ENV, "auto").strip().lower()
     if want in ("off", "0", "no", "false"):
         return None
     mounts, own = _mounts(), _own_paths()
@@ -178,16 +176,15 @@ def create(
     return None
 
 
-def sweep_stale(home: str) -> list[str]:
+def sweep_stale(home: str) -> None:
     """Remove the empty job cgroups in ``home`` whose msrun is gone: left where msrun and its
     watchdog were killed together (Slurm cancelling a step SIGKILLs every process of it, and then
     no one removes the cgroup); the next msrun below the same cgroup clears them. A cgroup with
-    members, or whose msrun still runs (it may not have moved in yet), is kept. The removed paths."""
+    members, or whose msrun still runs (it may not have moved in yet), is kept."""
     try:
         names = os.listdir(home)
     except OSError:
-        return []
-    removed = []
+        return
     for name in names:
         owner = name.rpartition("-")[2]
         if not name.startswith("msrun-") or not owner.isdigit() or int(owner) == os.getpid():
@@ -196,8 +193,6 @@ def sweep_stale(home: str) -> list[str]:
             continue
         with suppress(OSError):
             os.rmdir(os.path.join(home, name))  # fails unless empty: a cgroup with members stays
-            removed.append(os.path.join(home, name))
-    return removed
 
 
 class Entering:
@@ -206,9 +201,7 @@ class Entering:
     SWITCH_INTERVAL = 0.0002  # while it runs: the main thread imports and must not keep the GIL 5 ms at a time
     THREAD_END = 0.2  # s to wait for the thread to be gone once it is done (it ends at once when let run)
 
-    def __init__(
-        self, job_id: str, env: dict[str, str] | None = None, made: Callable[[JobCgroup], None] | None = None
-    ) -> None:
+    def __init__(self, job_id: str, env: dict[str, str], made: Callable[[JobCgroup], None] | None = None) -> None:
         import _thread  # not threading: this runs before msrun has imported anything
         import sys
 
@@ -220,7 +213,7 @@ class Entering:
         self.threads_before = _thread._count()
         _thread.start_new_thread(self._run, (job_id, env, made))
 
-    def _run(self, job_id: str, env: dict[str, str] | None, made: Callable[[JobCgroup], None] | None) -> None:
+    def _run(self, job_id: str, env: dict[str, str], made: Callable[[JobCgroup], None] | None) -> None:
         try:
             self.result = create(job_id, env, made)
         except Exception:  # never fatal: the job then runs with the environment sweep
@@ -306,8 +299,6 @@ class Watchdog:
     def __init__(self) -> None:
         self.pid: int | None = None
         self.pipe: int | None = None  # the write end, in this process
-
-    def start(self) -> None:
         read_end, write_end = os.pipe()
         null = os.open(os.devnull, os.O_WRONLY | os.O_CLOEXEC)
         try:
@@ -352,7 +343,6 @@ class JobGuard:
     def __init__(self, job_id: str, env: dict[str, str]) -> None:
         self.job_id = job_id
         self.watchdog = Watchdog()
-        self.watchdog.start()
         self.watchdog.job(job_id)
         # made: told on the entering thread, before msrun moves in, so that msrun dying at any point
         # from then on (SIGKILL while it plans) leaves no cgroup behind

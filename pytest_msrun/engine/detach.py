@@ -40,13 +40,8 @@ def launch_detached(cfg: LaunchConfig, facts: NodeFacts, guard: JobGuard) -> int
     guard.hand_off()
     heldsignals.let_in()  # the supervisor answers signals to the job; this process just waits
     os.close(write_fd)
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = os.read(read_fd, 16)
-        if not chunk:
-            break
-        data += chunk
-    os.close(read_fd)
+    with open(read_fd, "rb") as fh:
+        data = fh.readline()  # the status line, or nothing: the supervisor died before it said one
     try:
         return int(data.strip() or b"1")
     except ValueError:

@@ -61,7 +61,7 @@ class DryRunSupervisor:
         self.finished += 1
         if self.tailer is not None and child.tag.tail:
             self.tailer.finish(child.tag.log_path)
-        agent.emit(JobEvent.PROCESS_EXITED, child)
+        agent.node.emit(JobEvent.PROCESS_EXITED, child)
         if child.returncode != 0:
             self.failed_ranks.append(child.tag.rank if child.tag.rank is not None else -1)
             if len(self.reasons) < self.DETAILED:
@@ -97,7 +97,7 @@ class DryRunSupervisor:
                     self.tailer.add(prefix_for(spec.rank, spec.local_index), spec.log_path)
             if not announced:
                 announced = True
-                agent.emit(JobEvent.SPAWNED, list(agent.node.group.children))
+                agent.node.emit(JobEvent.SPAWNED, list(agent.node.group.children))
             if agent.node.loop.signal_received is not None:
                 signalled = agent.node.loop.signal_received
                 break
@@ -106,16 +106,13 @@ class DryRunSupervisor:
             for event in agent.node.loop.poll(1.0):
                 if event.kind is EventKind.EXITED and event.child is not None:
                     self._reap(event.child)
-        if signalled is not None:
-            ending = agent.node.policy.signalled(signalled)
-        elif self.failed_ranks:
-            ending = agent.node.policy.first_failure()
-        else:
-            ending = Ending(0, JobState.SUCCEEDED)
-        if self.failed_ranks or signalled is not None:
-            self._print_summary()
-        else:
+        if signalled is None and not self.failed_ranks:
             console.out(f"msrun: dry run: all {self.total} simulated rank(s) passed")
+            ending = Ending(0, JobState.SUCCEEDED)
+        else:
+            self._print_summary()
+            policy = agent.node.policy
+            ending = policy.signalled(signalled) if signalled is not None else policy.first_failure()
         return agent.ending.conclude(ending, self.summary())
 
     def summary(self) -> dict[str, Any]:

@@ -103,9 +103,6 @@ class FirstStarted:
         # close-on-exec: a child gets the read end only when it is passed to it
         self.read_fd, self.write_fd = os.pipe() if held else (-1, -1)
 
-    def env(self) -> dict[str, str]:
-        return {HOLD_ENV: str(self.read_fd)}
-
     def spawned(self) -> None:
         """Every worker to start first has started: msrun no longer needs the read end."""
         if self.read_fd >= 0:

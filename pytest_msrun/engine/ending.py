@@ -13,6 +13,7 @@ from pytest_msrun.engine.noderun import NodeRun
 from pytest_msrun.engine.observers import JobEvent, JobResult
 from pytest_msrun.engine.policy import EXIT_LAUNCH_ERROR, Ending
 from pytest_msrun.engine.status import JobStatus, ProcessStatus
+from pytest_msrun.record import asdict
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -21,16 +22,10 @@ if TYPE_CHECKING:
 
 class JobEnding:
     """Ending this node's run: a part the :class:`~.agent.Agent` owns. ``node``: the run it ends;
-    ``emit``: the job's events; ``on_console_done``: called once msrun's caller may go on."""
+    ``on_console_done``: called once msrun's caller may go on."""
 
-    def __init__(
-        self,
-        node: NodeRun,
-        emit: Callable[[JobEvent, Any], None],
-        on_console_done: Callable[[int], None] | None,
-    ) -> None:
+    def __init__(self, node: NodeRun, on_console_done: Callable[[int], None] | None) -> None:
         self.node = node
-        self.emit = emit
         self.on_console_done = on_console_done
 
     def console_done(self, code: int) -> None:
@@ -44,7 +39,7 @@ class JobEnding:
         graceful = ending.state is JobState.SUCCEEDED
         self.node.status_line.clear()
         timeline.mark(f"ending: {ending.state}")
-        self.emit(JobEvent.ENDING, ending)
+        self.node.emit(JobEvent.ENDING, ending)
         self.teardown(graceful)
         timeline.mark("torn down")
         if self.node.tailer is not None:
@@ -55,7 +50,7 @@ class JobEnding:
         result.status = self.snapshot(ending.state, ending.code, extra, ending.reason)
         if self.node.cfg.join and not self.node.detached:
             self._job_end_reports(result)
-        self.emit(JobEvent.ENDED, result)
+        self.node.emit(JobEvent.ENDED, result)
         timeline.mark("reported")
         self._finish_trace()
         if self.node.link is not None:
@@ -114,7 +109,7 @@ class JobEnding:
                 )
                 for c in self.node.group.children
             ],
-            failures=[f.to_json() for f in sorted(self.node.policy.reported(), key=lambda f: f.at)],
+            failures=[asdict(f) for f in sorted(self.node.policy.reported(), key=lambda f: f.at)],
             stop_reason=reason,
             containment=self.node.guard.describe(),
             notices=list(self.node.notices),
@@ -137,7 +132,7 @@ class JobEnding:
         result = JobResult(code, JobState.ERROR, [], [])
         if self.node.group.children:  # something had started: say how it ended
             result.status = self.snapshot(JobState.ERROR, code, reason=message)
-            self.emit(JobEvent.ENDED, result)
+            self.node.emit(JobEvent.ENDED, result)
         self._finish_trace()
         self.console_done(code)
         return result

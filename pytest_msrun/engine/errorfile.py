@@ -16,7 +16,7 @@ import os
 from collections.abc import Mapping
 
 from pytest_msrun.engine import suppress
-from pytest_msrun.record import asdict, record
+from pytest_msrun.record import record
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -37,9 +37,6 @@ class RankError:
     traceback: str
     time: float
     pid: int
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
     @property
     def headline(self) -> str:

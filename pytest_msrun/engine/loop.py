@@ -21,19 +21,9 @@ from pytest_msrun.record import field, record
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from typing import Any, Protocol
+    from typing import Any
 
-    class Link(Protocol):
-        """What the loop needs of a control-plane link."""
-
-        def fileno(self) -> int: ...
-
-        def read(self) -> list[dict[str, Any]]: ...
-
-        def buffered(self) -> bool: ...
-
-
-HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    from pytest_msrun.engine.link import ControlLink
 
 
 class EventKind(Enum):
@@ -47,7 +37,6 @@ class EventKind(Enum):
 class Event:
     kind: EventKind
     child: Child | None = None
-    signum: int = 0
     message: dict[str, Any] = field(default_factory=dict)
     reason: str = ""
 
@@ -60,7 +49,7 @@ class EventLoop:
         self.sources: dict[int, Any] = {}  # fd -> "signal", "link" or the Child whose pidfd it is
         self.signal_received: int | None = None
         self.children: list[Child] = []  # watched without a pidfd (SIGCHLD)
-        self.link: Link | None = None
+        self.link: ControlLink | None = None
         self._wake_r = self._wake_w = -1
         self._old_handlers: dict[int, Any] = {}
         self._old_wakeup = -1
@@ -70,7 +59,7 @@ class EventLoop:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._old_wakeup = signal.set_wakeup_fd(self._wake_w, warn_on_full_buffer=False)
-        for sig in (*HANDLED_SIGNALS, signal.SIGCHLD):
+        for sig in (*heldsignals.HELD, signal.SIGCHLD):
             self._old_handlers[sig] = signal.signal(sig, self._on_signal)
         self._register(self._wake_r, "signal")
         heldsignals.let_in()  # one that came while msrun started is answered now
@@ -109,7 +98,7 @@ class EventLoop:
         self.children.append(child)
         child.reap()  # it may have exited before SIGCHLD could be watched for
 
-    def attach(self, link: Link) -> None:
+    def attach(self, link: ControlLink) -> None:
         self.link = link
         self._register(link.fileno(), "link")
 
@@ -143,7 +132,7 @@ class EventLoop:
                 if source.reap():
                     events.append(Event(EventKind.EXITED, child=source))
         if self.signal_received is not None:
-            events.append(Event(EventKind.SIGNALLED, signum=self.signal_received))
+            events.append(Event(EventKind.SIGNALLED))  # which one: signal_received
         events.sort(key=lambda e: e.kind is not EventKind.MESSAGE)
         return events
 

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from pytest_msrun.engine import ranknotes
     from pytest_msrun.engine.earlystart import FirstStarted
     from pytest_msrun.engine.link import ControlLink
-    from pytest_msrun.engine.observers import Observer
+    from pytest_msrun.engine.observers import JobEvent, Observer
     from pytest_msrun.engine.tail import LogTailer
     from pytest_msrun.engine.trace import TraceObserver
 
@@ -51,6 +51,11 @@ class NodeRun:
         self.tailer: LogTailer | None = None
         self.control_sock: Any = None  # this end of a socketpair to the control plane msrun forked
         self.deadlines: ranknotes.DeadlineWatch | None = None  # the workers' own deadlines, watched
+
+    def emit(self, event: JobEvent, payload: Any = None) -> None:
+        """Tell every observer of the run what happened."""
+        for observer in self.observers:
+            observer.notify(event, payload)
 
     @property
     def several_nodes(self) -> bool:

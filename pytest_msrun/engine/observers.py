@@ -33,7 +33,7 @@ class JobEvent(Enum):
     PROCESS_EXITED = "process exited"  # payload: the Child
     SPAWNED = "spawned"  # every process of this node started; payload: the children
     ENDING = "ending"  # payload: the Ending msrun acts on
-    ENDED = "ended"  # payload: the JobResult
+    ENDED = "ended"  # payload: the JobResult, its status set
 
 
 @record
@@ -122,7 +122,7 @@ class StatusObserver:
             return  # a node that never joined the job writes nothing into a shared log directory
         if event is JobEvent.SPAWNED:
             write_status(self.log_dir, self.snapshot(JobState.RUNNING, None), name)
-        elif event is JobEvent.ENDED and payload.status is not None:
+        elif event is JobEvent.ENDED:
             write_status(self.log_dir, payload.status, name)
 
 

@@ -146,11 +146,6 @@ class LaunchPlan:
     sim_ranks: tuple[int, ...] = ()  # a dry run's selected ranks (all, not just the preview)
 
     @property
-    def ranks_pending(self) -> bool:
-        """The control plane assigns this node's ranks before its workers start."""
-        return self.layout.pending
-
-    @property
     def workers(self) -> list[ProcessSpec]:
         return [p for p in self.processes if p.role == Role.WORKER]
 
@@ -320,9 +315,11 @@ def worker_spec(cfg: LaunchConfig, facts: NodeFacts, layout: Layout, ctx: JobCon
     """Local worker ``i``: its rank (if known), environment, log, binding."""
     rank = None if layout.offset is None else layout.offset + i
     exported = dict(ctx.common)
-    if cfg.dry_run:
-        node_id = rank if layout.single_rank is None else None  # msrun sets no MS_NODE_ID for --sim_rank_id
-        exported.update(childenv.dry_run_rank_vars(local_index=i, rank=rank, node_id=node_id))
+    if cfg.dry_run:  # a dry run's ranks are known; exactly msrun's variables: no local or torch-style
+        # sizes, because MindSpore reads LOCAL_RANK/LOCAL_RANK_SIZE before init() and msrun never sets them
+        exported.update(DEVICE_ID=str(i), RANK_ID=str(rank))
+        if layout.single_rank is None:  # msrun sets no MS_NODE_ID for --sim_rank_id
+            exported["MS_NODE_ID"] = str(rank)
     else:
         exported.update(childenv.cluster_vars("MS_WORKER", facts.master_ip, facts.master_port, cfg.cluster_time_out))
         exported.update(

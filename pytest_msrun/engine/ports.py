@@ -4,7 +4,7 @@ With the builtin control plane the scheduler port is bound here, by msrun itself
 the scheduler process: agents can register at once, a busy port is a usage error before anything
 starts, and two jobs can never both pass a check and then collide. Another agent of a multi-node
 job on this host may already hold it: this node then joins as a worker-only node - and while it
-cannot reach a scheduler there, it tries to host one itself (:func:`claim_again`): the port may
+cannot reach a scheduler there, it tries to host one itself (``Starter.host_if_free``): the port may
 have been held by something else for a moment, or lost by every node at once (two sockets that
 enter ``listen`` together on Linux can both be refused), and then no node would host it.
 """
@@ -38,14 +38,6 @@ class Ports:
     hosts_scheduler: bool
     listener: _socket.socket | None = None  # the scheduler's, bound and listening
     contested: bool = False  # the port was taken on this host: this node may host it once free
-
-
-def claim_again(facts: NodeFacts) -> _socket.socket | None:
-    """The scheduler's port, listening, if it can be had now (a contested port: see :func:`claim`)."""
-    try:
-        return listen_socket(facts.master_ip, facts.master_port)
-    except OSError:
-        return None
 
 
 def claim(cfg: LaunchConfig, facts: NodeFacts) -> Ports:

@@ -17,10 +17,11 @@ from pytest_msrun.engine.kinds import Role
 from pytest_msrun.engine.noderun import NodeRun
 from pytest_msrun.engine.observers import BindingsObserver, JobEvent
 from pytest_msrun.engine.plan import SCHEDULER_MODULE, LaunchPlan, ProcessSpec, build_plan
-from pytest_msrun.engine.ports import EXIT_USAGE, LaunchError, claim_again
+from pytest_msrun.engine.ports import EXIT_USAGE, LaunchError
 from pytest_msrun.engine.processes import Child, Launch
 from pytest_msrun.engine.tail import LogTailer, prefix_for
 from pytest_msrun.fileio import make_dirs
+from pytest_msrun.netaddr import listen_socket
 from pytest_msrun.record import replace
 
 TYPE_CHECKING = False
@@ -28,13 +29,10 @@ if TYPE_CHECKING:
     from typing import Any
 
 
-TEMPLATE_MODULE = "pytest_msrun.engine.template"
-
-
 def _template() -> Any:
     """The fork server's module when this msrun is a fork of one (None: a plain msrun, which then
     never imports it - it is not on ``pmsrun``'s start path)."""
-    module = sys.modules.get(TEMPLATE_MODULE)
+    module = sys.modules.get("pytest_msrun.engine.template")
     return module if module is not None and module.is_template() else None
 
 
@@ -51,16 +49,10 @@ def collect_from_now() -> None:
 
 class Starter:
     """Starting this node's processes: a part the :class:`~.agent.Agent` owns. ``node``: the run
-    it starts them for; ``emit``: the job's events; ``ranks_known``: told once the ranks are."""
+    it starts them for; ``ranks_known``: told once the ranks are."""
 
-    def __init__(
-        self,
-        node: NodeRun,
-        emit: Callable[[JobEvent, Any], None],
-        ranks_known: Callable[[LaunchPlan], None],
-    ) -> None:
+    def __init__(self, node: NodeRun, ranks_known: Callable[[LaunchPlan], None]) -> None:
         self.node = node
-        self.emit = emit
         self.ranks_known = ranks_known
         self._spawn_said = False
         self._fork_refusals: set[str] = set()  # why workers were spawned rather than forked (each said once)
@@ -77,7 +69,7 @@ class Starter:
     ) -> Child:
         """Start one process of the plan (``call``: in a fork of msrun, see :meth:`start_scheduler`;
         ``held``: before msrun is in the job's cgroup; ``announce=False`` or ``held``: its line
-        comes later - see :meth:`_start_first`)."""
+        comes later - see :meth:`start_first`)."""
         if spec.error_file:
             errorfile.clear(spec.error_file)
         trace_env = self.node.trace.child_env if self.node.trace is not None else {}
@@ -102,7 +94,7 @@ class Starter:
         child = self.node.group.start(launch, spec, held=held)
         timeline.mark(f"started {spec.label}")
         if announce and not held:
-            self.emit(JobEvent.PROCESS_STARTED, child)
+            self.node.emit(JobEvent.PROCESS_STARTED, child)
         return child
 
     def _fork_refusal(self, spec: ProcessSpec, env: dict[str, str]) -> str:
@@ -132,7 +124,7 @@ class Starter:
     def start_first(self, plan: LaunchPlan, listener: Any) -> bool:
         """Start workers before the control plane, for up to :data:`SPAWN_SLICE` s, so that their
         interpreters start up while msrun still prepares the control plane (announced after it,
-        in msrun's order of lines: :meth:`_announce_first`). Only when the ranks are known and the
+        in msrun's order of lines: :meth:`announce_first`). Only when the ranks are known and the
         control plane is msrun's own, on a port msrun already listens on (a worker that connects
         first waits in the listener's queue). While msrun still waits to be inside the job's
         cgroup, only workers that can be held until then (Python ones: :mod:`.earlystart`), only
@@ -142,12 +134,11 @@ class Starter:
             scheduler is None
             or listener is None
             or scheduler.argv[1:] != ["-S", "-m", SCHEDULER_MODULE]
-            or plan.ranks_pending
-            or plan.config.dry_run
+            or plan.layout.pending
             or not plan.workers
         ):
             return False
-        from pytest_msrun.engine.earlystart import FirstStarted, holdable
+        from pytest_msrun.engine.earlystart import HOLD_ENV, FirstStarted, holdable
 
         entering = self.node.guard.entering
         waiting = entering is not None and entering.done.locked()
@@ -166,7 +157,8 @@ class Starter:
                 if not waiting:
                     first.children.append(self.start(spec, announce=False))
                 elif entering is not None and entering.done.locked():
-                    first.children.append(self.start(spec, first.env(), (first.read_fd,), held=True))
+                    child = self.start(spec, {HOLD_ENV: str(first.read_fd)}, (first.read_fd,), held=True)
+                    first.children.append(child)
                 else:
                     break
         finally:
@@ -198,7 +190,7 @@ class Starter:
             self.node.group.children.remove(scheduler)
             self.node.group.children.insert(0, scheduler)
         for child in first.children:
-            self.emit(JobEvent.PROCESS_STARTED, child)
+            self.node.emit(JobEvent.PROCESS_STARTED, child)
 
     def start_slice(self, todo: list[ProcessSpec]) -> bool:
         """Start workers for up to :data:`SPAWN_SLICE` s (at least one); whether any are left.
@@ -220,7 +212,7 @@ class Starter:
         collect_from_now()
         if self.node.cfg.bind_core.enabled or self.node.cfg.bind_numa.enabled:
             self.node.observers.append(BindingsObserver(self.node.facts.hostname, self.node.facts.topology))
-        self.emit(JobEvent.SPAWNED, list(self.node.group.children))
+        self.node.emit(JobEvent.SPAWNED, list(self.node.group.children))
         workers = {
             c.tag.rank: c.pid for c in self.node.group.children if c.tag.role == Role.WORKER and c.tag.rank is not None
         }
@@ -299,8 +291,9 @@ class Starter:
         started: if the port is free now, this node starts the scheduler there (and registers over
         its fork's socketpair next) - else every node of the job on this host could wait for a
         scheduler none of them hosts. The plan, with the scheduler when it started."""
-        listener = claim_again(self.node.facts)
-        if listener is None:
+        try:
+            listener = listen_socket(self.node.facts.master_ip, self.node.facts.master_port)
+        except OSError:
             return plan
         hosting = build_plan(self.node.cfg, self.node.facts, hosts_scheduler=True)
         assert hosting.scheduler is not None

@@ -7,11 +7,7 @@ import time
 
 from pytest_msrun.engine.errorfile import RankError
 from pytest_msrun.engine.processes import describe_returncode
-from pytest_msrun.record import asdict, record
-
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Any
+from pytest_msrun.record import record
 
 TAIL_LINES = 20
 
@@ -28,9 +24,6 @@ class Failure:
     pid: int | None = None
     host: str = ""
     error: RankError | None = None  # its uncaught exception, from its error file
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
     def headline(self) -> str:
         where = f", pid {self.pid}" if self.pid else ""

@@ -46,12 +46,11 @@ class _Tailed:
 
 
 class LogTailer:
-    """Copies new lines of several files to ``out`` (stdout by default) until stopped."""
+    """Copies new lines of several files to stdout, every 50 ms, until stopped."""
 
-    def __init__(self, files: list[tuple[str, str]], interval: float = 0.05, out: BinaryIO | None = None) -> None:
+    def __init__(self, files: list[tuple[str, str]]) -> None:
         self.files = [_Tailed(prefix, path) for prefix, path in files]
-        self.interval = interval
-        self.out = out if out is not None else sys.stdout.buffer
+        self.out = sys.stdout.buffer
         self.stopping = _thread.allocate_lock()  # held until stop(): the thread waits on it
         self.stopping.acquire()
         self.ended: Any = None  # held by the thread while it runs (None: never started)
@@ -73,8 +72,7 @@ class LogTailer:
         """Start tailing another file (one process of a job that starts processes over time)."""
         with self.lock:
             self.files.append(_Tailed(prefix, path))
-        if self.ended is None:
-            self.start()
+        self.start()  # (once)
 
     def finish(self, path: str) -> None:
         """Copy the rest of ``path`` now and stop tailing it (its process exited)."""
@@ -86,7 +84,7 @@ class LogTailer:
 
     def _run(self) -> None:
         try:
-            while not self.stopping.acquire(timeout=self.interval):
+            while not self.stopping.acquire(timeout=0.05):
                 self._pump(final=False)
         finally:
             self.ended.release()

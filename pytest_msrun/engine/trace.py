@@ -159,11 +159,10 @@ class TraceObserver:
             self.add(tracelog.span("launch", tracelog.MSRUN_PID, self.node, self.started, time.time()))
         elif event is JobEvent.ENDING:
             self._ending(payload)
-        elif event is JobEvent.ENDED:
-            if payload.status is not None:  # what msrun's teardown stopped ended without an event
-                for proc in payload.status.processes:
-                    rank = proc.rank if proc.role == str(Role.WORKER) else None
-                    self._exited(rank, proc.name, proc, proc.terminated_by_msrun)
+        elif event is JobEvent.ENDED:  # what msrun's teardown stopped ended without an event
+            for proc in payload.status.processes:
+                rank = proc.rank if proc.role == str(Role.WORKER) else None
+                self._exited(rank, proc.name, proc, proc.terminated_by_msrun)
             self.mark(_ended(payload), {"exit code": payload.exit_code})
         if event in (JobEvent.SPAWNED, JobEvent.ENDING, JobEvent.ENDED):  # exits go in batches (:meth:`ship`)
             self.ship()
