@@ -454,9 +454,6 @@ class Scheduler:
         return ip is not None and is_local_address(ip)
 
     # ---------------------------------------------------------------- the job's end
-    def clients(self) -> list[Conn]:
-        return [c for c in self.transport.conns.values() if c.kind in CLIENT_KINDS]
-
     def abort(self, reason: str, code: int | None) -> None:
         if self.exit_code is not None:
             return
@@ -465,7 +462,8 @@ class Scheduler:
         self.tell_write_failures()
         self.event(f"abort: {reason}"[:200], {"reason": reason, "code": code}, scope="g")
         self.abort_msg = {"t": "abort", "reason": reason, "code": code}
-        self.transport.broadcast(self.clients(), self.abort_msg)
+        clients = [c for c in self.transport.conns.values() if c.kind in CLIENT_KINDS]
+        self.transport.broadcast(clients, self.abort_msg)
         self.finish(1)
 
     def finish(self, code: int) -> None:

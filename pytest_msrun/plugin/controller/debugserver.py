@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pytest_msrun.control import wire
-from pytest_msrun.control.door import Admitted, Door, Tally
+from pytest_msrun.control.door import Admitted, Door, Tally, unregister
 from pytest_msrun.netaddr import rank_listener
 from pytest_msrun.plugin.links import DEBUG_ENV, DEBUG_NONE_ENV, DEBUG_PDB_ENV, DEBUG_TOKEN_ENV
 
@@ -155,12 +155,10 @@ class DebugServer:
                     except Exception as exc:  # noqa: BLE001 - that connection's fault, not the server's end
                         if tag == "rank" and active is not None:
                             self._say(f"msrun: the ranks' debugger dropped {active.what}: {exc!r}")
-                            with contextlib.suppress(KeyError, ValueError):
-                                sel.unregister(active.sock)
+                            unregister(sel, active.sock)
                             active.sock.close()
                             active = None
                 door.expire()
-                door.resume()
         except Exception as exc:  # noqa: BLE001 - the debugger must never break the session
             self._say(f"msrun: the ranks' debugger stopped: {exc!r}")
         finally:
@@ -200,8 +198,7 @@ class DebugServer:
 
     def _end(self, session: Session, sel: selectors.BaseSelector) -> None:
         for obj in (session.sock, self.stdin):
-            with contextlib.suppress(KeyError, ValueError):
-                sel.unregister(obj)
+            unregister(sel, obj)
         session.sock.close()
         self._say(f"msrun: rank {session.hello.get('rank')} goes on; the job's timeout runs again")
 
