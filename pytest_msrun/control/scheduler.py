@@ -65,8 +65,6 @@ def log(msg: str) -> None:
     try:
         while data:
             data = data[os.write(1, data) :]
-    except InterruptedError:
-        pass
     except OSError as exc:
         if not LOG_FAILURE:
             LOG_FAILURE.append(exc)

@@ -245,8 +245,6 @@ def _write_all(fd: int, data: bytes) -> None:
     while data:
         try:
             n = os.write(fd, data)
-        except InterruptedError:
-            continue
         except OSError:
             return
         data = data[n:]
