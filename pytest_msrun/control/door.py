@@ -213,11 +213,6 @@ class Door:
         :data:`SUMMARY_EVERY` s; ``force``: now, e.g. at the end)."""
         return self.tally.summary(self.now(), force)
 
-    @property
-    def dropped(self) -> dict[str, int]:
-        """Strangers dropped so far, by reason."""
-        return dict(self.tally.totals)
-
     def close(self) -> None:
         """Close every stranger's connection and the listener (the listener exists no more)."""
         if self.closed:
