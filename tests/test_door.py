@@ -244,11 +244,11 @@ def test_strangers_are_summed_up_once_per_address_per_window(door, monkeypatch):
         if i % 50 == 0:
             admitted += door.serve(0)
     _serve_until(door, admitted, lambda: sum(door.tally.totals.values()) >= 1000)
-    assert door.summary() == []  # the window is still open
-    lines = door.summary(force=True)
+    assert door.tally.summary(door.now()) == []  # the window is still open
+    lines = door.tally.summary(door.now(), force=True)
     assert len(lines) == 1 and lines[0].startswith("dropped 1000 connection(s) from 127.0.0.1"), lines
     assert "500 a hello whose nonce is not hex digits" in lines[0] and "500 a malformed frame" in lines[0]
-    assert door.summary(force=True) == []
+    assert door.tally.summary(door.now(), force=True) == []
 
 
 def test_an_unauthenticated_door_welcomes_a_hello(door):

@@ -372,7 +372,7 @@ class Scheduler:
     def tell_drops(self, now_or_never: bool = False) -> None:
         """Strangers dropped at the door, summed up per address at most once a minute (and before
         the job ends), on every node's console: never a line per connection."""
-        for line in self.transport.door.summary(force=now_or_never):
+        for line in self.transport.door.tally.summary(self.transport.clock.now, force=now_or_never):
             self.notice(f"{line}; this job's own clients retry")
 
     # ---------------------------------------------------------------- the transport's handler
