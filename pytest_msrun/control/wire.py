@@ -75,10 +75,15 @@ def load_json() -> None:
     _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
-def encode(msg: dict[str, Any]) -> bytes:
+def dumps(obj: Any) -> str:
+    """``obj`` as compact JSON (the frames', the trace's)."""
     if _dumps is None:
         load_json()
-    body = _dumps(msg).encode("utf-8")
+    return _dumps(obj)
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    body = dumps(msg).encode("utf-8")
     return HEADER.pack(len(body)) + body
 
 
