@@ -43,7 +43,7 @@ class ForeignClients:
         self.max_waiting = transport.door.max_pending
         # request id -> (client, agents still to answer, its peer address for the count of strangers)
         self.waiting: dict[int, tuple[Any, set[Any], str]] = {}
-        self.by_conn: dict[Any, int] = {}
+        self.by_conn: dict[Any, int] = {}  # the clients being attributed (their bytes are kept, not relayed)
         self.next_id = 0
 
     def arrive(self, conn: Any) -> None:
@@ -74,10 +74,6 @@ class ForeignClients:
         conn.deadline = self.transport.clock.now + self.timeout
         self.waiting[self.next_id] = (conn, set(agents), ip)
         self.by_conn[conn] = self.next_id
-
-    def holds(self, conn: Any) -> bool:
-        """Whether ``conn`` is still being attributed (its bytes are kept, not relayed)."""
-        return conn in self.by_conn
 
     def keep(self, conn: Any, data: bytes) -> None:
         """Bytes a client sent while it is being attributed: kept, within :data:`WAIT_BYTES`."""

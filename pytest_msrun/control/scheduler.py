@@ -410,7 +410,7 @@ class Scheduler:
             self.relay.unpair(conn)
 
     def on_relay(self, conn: Conn, data: bytes) -> None:
-        if self.foreign is not None and self.foreign.holds(conn):
+        if self.foreign is not None and conn in self.foreign.by_conn:
             self.foreign.keep(conn, data)
         elif self.relay is not None:
             self.relay.relay(conn, data)
