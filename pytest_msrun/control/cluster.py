@@ -417,10 +417,7 @@ def broadcast_object(obj: Any = None, src: int = 0, timeout: float | None = None
 def _keep_connection_until_exit() -> None:
     group = _group
     if group is not None and group.channel is not None:
-        try:
-            group.channel.sock.detach()  # the fd stays open until the process exits
-        except OSError:
-            pass
+        group.channel.sock.detach()  # the fd stays open until the process exits
 
 
 def note_call(test: str, entered: bool, outcome: str = "") -> None:
