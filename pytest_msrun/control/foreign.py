@@ -51,7 +51,7 @@ class ForeignClients:
         try:
             peer, here = conn.sock.getpeername(), conn.sock.getsockname()
         except OSError:
-            self.transport.drop_stranger(conn, "MindSpore-protocol client gone before it was attributed")
+            self.transport.drop_stranger(conn, "MindSpore-protocol client gone before it was attributed", "unknown")
             return
         ip = str(peer[0]).split("%", 1)[0]
         from pytest_msrun.netaddr import is_local_address, local_peer_uid
@@ -60,11 +60,11 @@ class ForeignClients:
             if local_peer_uid(conn.sock) == os.getuid():
                 self.accept(conn)
             else:
-                self.transport.drop_stranger(conn, "MindSpore-protocol client of another user (or of no one known)")
+                self.transport.drop_stranger(conn, "MindSpore-protocol client of another user (or of no one known)", ip)
             return
         agents = self.agents_at(ip)
         if not agents:
-            self.transport.drop_stranger(conn, "MindSpore-protocol client on a host that is not this job's node")
+            self.transport.drop_stranger(conn, "MindSpore-protocol client on a host that is not this job's node", ip)
             return
         if len(self.waiting) >= self.max_waiting:
             self._fail(next(iter(self.waiting)), "shed (too many MindSpore-protocol clients being attributed)")
@@ -116,7 +116,8 @@ class ForeignClients:
                 self._fail(request, f"MindSpore-protocol client not attributed within {self.timeout:g} s")
 
     def _fail(self, request: int, why: str) -> None:
-        self.transport.drop_stranger(self._forget(request)[0], why)
+        conn, _, ip = self._forget(request)
+        self.transport.drop_stranger(conn, why, ip)
 
     def _forget(self, request: int) -> tuple[Any, set[Any], str]:
         entry = self.waiting.pop(request)

@@ -169,13 +169,9 @@ class Transport:
         finally:
             self.close(conn)
 
-    def drop_stranger(self, conn: Conn, why: str) -> None:
-        """Drop a connection that proved nothing (a foreign client not of this job): counted by the
-        door with the strangers (``why``: the door's words, not the stranger's), never logged alone."""
-        try:
-            ip = str(conn.sock.getpeername()[0])
-        except OSError:
-            ip = "unknown"
+    def drop_stranger(self, conn: Conn, why: str, ip: str) -> None:
+        """Drop a connection that proved nothing (a foreign client not of this job, from ``ip``): counted
+        by the door with the strangers (``why``: the door's words, not the stranger's), never logged alone."""
         self.door.tally.add(ip, why)
         self.drop(conn, why)
 
