@@ -104,10 +104,6 @@ class ClockOffset:
             self.rtt = rtt
             self.offset = theirs - (sent + received) / 2
 
-    @property
-    def known(self) -> bool:
-        return self.rtt != float("inf")
-
 
 def encode(events: list[dict[str, Any]]) -> str:
     """Events as the spool's JSON lines (one per event, no trailing newline)."""
