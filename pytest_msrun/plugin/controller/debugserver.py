@@ -79,7 +79,6 @@ class DebugServer:
         if not self._address and self.tty:
             # ranks of Slurm steps reach this host where srun ran (only the session's token is served)
             self.server, address = rank_listener(self.steps, backlog=128)
-            self.server.setblocking(False)
             self._wake_r, self._wake_w = os.pipe()
             self.thread = threading.Thread(target=self._loop, name="msrun-debug", daemon=True)
             self.thread.start()
