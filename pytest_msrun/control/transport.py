@@ -186,9 +186,8 @@ class Transport:
     def refuse(self, conn: Conn, reason: str) -> None:
         """Tell an authenticated client why it cannot be served, then close its connection."""
         self.log(f"refused {conn.peer}: {reason}")
-        conn.out += wire.encode({"t": "refused", "reason": reason})
-        conn.closing = True
-        self.flush(conn)
+        conn.closing = True  # once the refusal is out
+        self.send(conn, {"t": "refused", "reason": reason})
 
     # ---------------------------------------------------------------- connections in
     def enter(self, admitted: Admitted) -> None:
