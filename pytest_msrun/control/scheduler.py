@@ -112,10 +112,8 @@ class Agents:
             self.sched.event("every node registered: ranks assigned", {"nodes": len(self.registry.nodes)})
 
     def message(self, conn: Conn, msg: dict[str, Any]) -> None:
-        node = self.by_conn.get(conn)
-        if node is None:
-            return
-        kind, sched = msg["t"], self.sched
+        """A registered agent's message (one refused or malformed at its hello is closing: it sends none)."""
+        node, kind, sched = self.by_conn[conn], msg["t"], self.sched
         if kind == "hb":  # echoed with this clock's time: the node estimates its clock's offset
             at = msg.get("at")
             reply: dict[str, Any] = {"t": "hb"}
