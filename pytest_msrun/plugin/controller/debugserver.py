@@ -24,7 +24,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from pytest_msrun.control import wire
 from pytest_msrun.control.door import Admitted, Door, Tally, unregister
@@ -36,19 +35,12 @@ MAX_QUEUED = 1024  # ranks waiting their turn at most (they hold the token: the 
 NO_TTY = "no terminal (stdin is not a tty)"
 
 
-@dataclass
-class Session:
-    """A rank that asked for the debugger: its connection and what it said."""
-
-    sock: socket.socket
-    hello: dict
-
-    @property
-    def what(self) -> str:
-        rank, where = self.hello.get("rank"), self.hello.get("where", "?")
-        if self.hello.get("stop") == "post_mortem":
-            return f"--pdb: the failure of rank {rank} at {where}"
-        return f"breakpoint() in rank {rank} at {where}"
+def _what(hello: dict) -> str:
+    """The stop a rank's hello asks the debugger for."""
+    rank, where = hello.get("rank"), hello.get("where", "?")
+    if hello.get("stop") == "post_mortem":
+        return f"--pdb: the failure of rank {rank} at {where}"
+    return f"breakpoint() in rank {rank} at {where}"
 
 
 class DebugServer:
@@ -130,8 +122,8 @@ class DebugServer:
             self.server, token=self.token, kinds=("debug",), timeout=HELLO_WAIT, selector=sel, tally=self.strangers
         )
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        queue: list[Session] = []
-        active: Session | None = None
+        queue: list[Admitted] = []
+        active: Admitted | None = None
         try:
             while True:
                 if active is None and queue:
@@ -153,7 +145,7 @@ class DebugServer:
                             self._from_user(active, sel)
                     except Exception as exc:  # noqa: BLE001 - that connection's fault, not the server's end
                         if tag == "rank" and active is not None:
-                            self._say(f"msrun: the ranks' debugger dropped {active.what}: {exc!r}")
+                            self._say(f"msrun: the ranks' debugger dropped {_what(active.hello)}: {exc!r}")
                             unregister(sel, active.sock)
                             active.sock.close()
                             active = None
@@ -168,15 +160,14 @@ class DebugServer:
             sel.close()
 
     @staticmethod
-    def _session(admitted: Admitted) -> Session | None:
+    def _session(admitted: Admitted) -> Admitted | None:
         """A rank in (it proved the token): its session, once its hello holds only short scalars."""
-        hello = admitted.hello
-        if not all(isinstance(v, (str, int, float, bool, type(None))) for v in hello.values()):
+        if not all(isinstance(v, (str, int, float, bool, type(None))) for v in admitted.hello.values()):
             admitted.sock.close()
             return None
-        return Session(admitted.sock, hello)
+        return admitted
 
-    def _start(self, session: Session, sel: selectors.BaseSelector) -> Session | None:
+    def _start(self, session: Admitted, sel: selectors.BaseSelector) -> Admitted | None:
         sock = session.sock
         sock.setblocking(True)
         try:
@@ -188,20 +179,20 @@ class DebugServer:
         self.sessions += 1
         nodeid = session.hello.get("nodeid") or ""
         self._say(
-            f"msrun: {session.what}{' (' + nodeid + ')' if nodeid else ''}: pdb here; the job's timeout is "
+            f"msrun: {_what(session.hello)}{' (' + nodeid + ')' if nodeid else ''}: pdb here; the job's timeout is "
             "paused until the rank goes on (c: continue; q: quit)"
         )
         sel.register(sock, selectors.EVENT_READ, "rank")
         sel.register(self.stdin, selectors.EVENT_READ, "stdin")
         return session
 
-    def _end(self, session: Session, sel: selectors.BaseSelector) -> None:
+    def _end(self, session: Admitted, sel: selectors.BaseSelector) -> None:
         for obj in (session.sock, self.stdin):
             unregister(sel, obj)
         session.sock.close()
         self._say(f"msrun: rank {session.hello.get('rank')} goes on; the job's timeout runs again")
 
-    def _from_rank(self, session: Session) -> bool:
+    def _from_rank(self, session: Admitted) -> bool:
         """Relay what the rank's pdb wrote; False once the rank closed its end."""
         try:
             data = session.sock.recv(1 << 16)
@@ -214,7 +205,7 @@ class DebugServer:
         _write_all(self.stdout, data)
         return True
 
-    def _from_user(self, session: Session, sel: selectors.BaseSelector) -> None:
+    def _from_user(self, session: Admitted, sel: selectors.BaseSelector) -> None:
         try:
             data = os.read(self.stdin, 4096)
         except OSError:
