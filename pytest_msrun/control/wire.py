@@ -249,7 +249,7 @@ class Channel:
         """:meth:`connect` and :meth:`handshake`, tried again while the server cannot be reached or
         drops this client before its welcome (strangers may crowd its door; a loaded server may not
         run for a while) - backing off - until ``deadline`` (``time.monotonic()``); then the last
-        error (:class:`Unreachable` when no connection opened). :class:`AuthError` at once."""
+        error (:class:`Unreachable` when it could not connect). :class:`AuthError` at once."""
         backoff = 0.05
         while True:
             try:
