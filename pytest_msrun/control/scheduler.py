@@ -550,9 +550,7 @@ class Scheduler:
             pass
 
     def run(self) -> int:
-        self._wake_r, wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(wake_w, False)
+        self._wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)
