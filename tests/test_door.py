@@ -147,7 +147,7 @@ def test_hostile_hellos_are_counted_by_the_doors_words_only(door, lines):
             "a hello whose nonce is not hex digits",
             "closed before it proved the token",
         }
-        assert set(door.dropped) <= allowed, door.dropped
+        assert set(door.tally.totals) <= allowed, door.tally.totals
     finally:
         for s in socks:
             s.close()
@@ -175,7 +175,7 @@ def test_a_wrong_token_is_told_so_and_counted(door):
     _serve_until(door, admitted, lambda: not t.is_alive())
     assert result[0][0] == "error" and isinstance(result[0][1], wire.AuthError), result
     assert "bad token" in str(result[0][1])
-    assert door.dropped == {"refused: bad token": 1} and not admitted
+    assert door.tally.totals == {"refused: bad token": 1} and not admitted
 
 
 def test_a_client_that_answered_is_read_before_anyone_is_shed():
@@ -195,7 +195,7 @@ def test_a_client_that_answered_is_read_before_anyone_is_shed():
         _serve_until(d, admitted, lambda: not client.is_alive())
         assert [a.hello["rank"] for a in admitted] == [0] and result[0][0] == "in"
         assert len(d.strangers) <= d.max_pending
-        assert d.dropped.get("shed (more than 128 strangers from one address)", 0) >= d.max_pending // 2
+        assert d.tally.totals.get("shed (more than 128 strangers from one address)", 0) >= d.max_pending // 2
         result[0][1].close()
     finally:
         _close_all(admitted)
@@ -243,12 +243,12 @@ def test_strangers_are_summed_up_once_per_address_per_window(door, monkeypatch):
         s.close()
         if i % 50 == 0:
             admitted += door.serve(0)
-    _serve_until(door, admitted, lambda: sum(door.dropped.values()) >= 1000)
-    assert door.summary() == []  # the window is still open
-    lines = door.summary(force=True)
+    _serve_until(door, admitted, lambda: sum(door.tally.totals.values()) >= 1000)
+    assert door.tally.summary(door.now()) == []  # the window is still open
+    lines = door.tally.summary(door.now(), force=True)
     assert len(lines) == 1 and lines[0].startswith("dropped 1000 connection(s) from 127.0.0.1"), lines
     assert "500 a hello whose nonce is not hex digits" in lines[0] and "500 a malformed frame" in lines[0]
-    assert door.summary(force=True) == []
+    assert door.tally.summary(door.now(), force=True) == []
 
 
 def test_an_unauthenticated_door_welcomes_a_hello(door):

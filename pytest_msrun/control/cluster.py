@@ -18,7 +18,6 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
-import random
 import socket
 import threading
 import time
@@ -287,18 +286,6 @@ def is_initialized() -> bool:
     return _group is not None
 
 
-def _connect(host: str, port: int, deadline: float) -> wire.Channel:
-    last: Exception | None = None
-    while True:
-        try:
-            return wire.Channel.connect(host, port, timeout=max(0.1, min(5.0, deadline - time.monotonic())))
-        except OSError as exc:
-            last = exc
-        if time.monotonic() >= deadline:
-            raise ClusterError(f"cannot reach the scheduler at {host}:{port}: {last}")
-        time.sleep(0.05)
-
-
 def init(timeout: float | None = None) -> None:
     """Join the job's communication group (blocks until every rank joined)."""
     global _group
@@ -332,23 +319,15 @@ def init(timeout: float | None = None) -> None:
             topo = _env_int("MS_TOPO_TIMEOUT", 600, env)
             timeout = None if topo < 0 else float(topo)
         deadline = time.monotonic() + (timeout if timeout is not None else 10**9)
-        backoff = 0.05
-        host = os.uname().nodename  # the control plane names the process holding a rank when another asks
-        hello = {"t": "hello", "kind": "rank", "rank": rank, "world": world, "pid": os.getpid(), "host": host}
-        while True:
-            channel = _connect(env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"]), deadline)
-            try:
-                channel.handshake(hello, env.get("MSRUN_JOB_TOKEN", ""), max(0.1, deadline - time.monotonic()))
-                break
-            except (OSError, socket.timeout, wire.ProtocolError) as exc:
-                # Dropped before its welcome (a flood of other connections, a scheduler that
-                # could not run for a while): again, backing off, until the cluster timeout;
-                # refused (another token): at once.
-                channel.close()
-                if isinstance(exc, wire.AuthError) or time.monotonic() >= deadline:
-                    raise ClusterError(f"init() failed on rank {rank}: {exc}") from None
-                time.sleep(min(backoff, max(0.0, deadline - time.monotonic())) * (0.5 + random.random()))
-                backoff = min(2.0, backoff * 2)
+        node = os.uname().nodename  # the control plane names the process holding a rank when another asks
+        hello = {"t": "hello", "kind": "rank", "rank": rank, "world": world, "pid": os.getpid(), "host": node}
+        host, port = env["MS_SCHED_HOST"], int(env["MS_SCHED_PORT"])
+        try:
+            channel = wire.Channel.join(host, port, hello, env.get("MSRUN_JOB_TOKEN", ""), deadline)
+        except wire.Unreachable as exc:
+            raise ClusterError(f"cannot reach the scheduler at {host}:{port}: {exc.__cause__}") from None
+        except (OSError, wire.ProtocolError) as exc:
+            raise ClusterError(f"init() failed on rank {rank}: {exc}") from None
         try:
             while True:
                 try:
@@ -438,10 +417,7 @@ def broadcast_object(obj: Any = None, src: int = 0, timeout: float | None = None
 def _keep_connection_until_exit() -> None:
     group = _group
     if group is not None and group.channel is not None:
-        try:
-            group.channel.sock.detach()  # the fd stays open until the process exits
-        except OSError:
-            pass
+        group.channel.sock.detach()  # the fd stays open until the process exits
 
 
 def note_call(test: str, entered: bool, outcome: str = "") -> None:

@@ -17,7 +17,7 @@ stranger's, and the door alone serves it:
   descriptors, the oldest stranger makes room, or accepting pauses.
 * **A fault boundary.** Whatever goes wrong while one stranger is served costs that connection.
 * **Counted, not logged.** Strangers dropped are counted by peer address and reason (reasons are the
-  door's words, never the stranger's); :meth:`Door.summary` gives at most one line per address per
+  door's words, never the stranger's); :meth:`Tally.summary` gives at most one line per address per
   :data:`SUMMARY_EVERY` seconds (and :data:`SUMMARY_ADDRESSES` addresses), never a traceback.
 
 A listener may also take a foreign protocol (MindSpore's RPC, whose first bytes are a magic): such
@@ -103,7 +103,9 @@ class Tally:
         counts = self.window.setdefault(ip, {})
         counts[why] = counts.get(why, 0) + 1
 
-    def summary(self, now: float, force: bool) -> list[str]:
+    def summary(self, now: float, force: bool = False) -> list[str]:
+        """Lines summing up the strangers dropped since the last summary (at most one per address per
+        :data:`SUMMARY_EVERY` s; ``force``: now, e.g. at the end)."""
         if not self.window or (now - self.since < SUMMARY_EVERY and not force):
             return []
         span = max(1, round(now - self.since))
@@ -187,7 +189,7 @@ class Door:
     def expire(self, silent: Callable[[], bool] | None = None) -> list[Admitted]:
         """Drop the strangers past their deadline; a silent one (no byte sent) leaves as foreign
         when ``silent()`` says a foreign protocol is being served (its clients may speak later).
-        Accepting resumes once a pause is over (:meth:`resume`)."""
+        Accepting resumes once a pause for want of file descriptors is over."""
         now = self.now()
         admitted: list[Admitted] = []
         for stranger in [s for s in self.strangers if now > s.deadline]:
@@ -199,24 +201,10 @@ class Door:
                 self._drop(stranger, f"no hello within {self.timeout:g} s")
             else:
                 self._drop(stranger, f"no answer to the challenge within {self.timeout:g} s")
-        self.resume()
-        return admitted
-
-    def resume(self) -> None:
-        """Accept again once a pause for want of file descriptors is over."""
         if self.paused_until and time.monotonic() >= self.paused_until and not self.closed:
             self.paused_until = 0.0
             self.sel.register(self.listener, selectors.EVENT_READ, self)
-
-    def summary(self, force: bool = False) -> list[str]:
-        """Lines summing up the strangers dropped since the last summary (at most one per address per
-        :data:`SUMMARY_EVERY` s; ``force``: now, e.g. at the end)."""
-        return self.tally.summary(self.now(), force)
-
-    @property
-    def dropped(self) -> dict[str, int]:
-        """Strangers dropped so far, by reason."""
-        return dict(self.tally.totals)
+        return admitted
 
     def close(self) -> None:
         """Close every stranger's connection and the listener (the listener exists no more)."""

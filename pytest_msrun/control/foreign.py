@@ -43,7 +43,7 @@ class ForeignClients:
         self.max_waiting = transport.door.max_pending
         # request id -> (client, agents still to answer, its peer address for the count of strangers)
         self.waiting: dict[int, tuple[Any, set[Any], str]] = {}
-        self.by_conn: dict[Any, int] = {}
+        self.by_conn: dict[Any, int] = {}  # the clients being attributed (their bytes are kept, not relayed)
         self.next_id = 0
 
     def arrive(self, conn: Any) -> None:
@@ -51,7 +51,7 @@ class ForeignClients:
         try:
             peer, here = conn.sock.getpeername(), conn.sock.getsockname()
         except OSError:
-            self.transport.drop_stranger(conn, "MindSpore-protocol client gone before it was attributed")
+            self.transport.drop_stranger(conn, "MindSpore-protocol client gone before it was attributed", "unknown")
             return
         ip = str(peer[0]).split("%", 1)[0]
         from pytest_msrun.netaddr import is_local_address, local_peer_uid
@@ -60,11 +60,11 @@ class ForeignClients:
             if local_peer_uid(conn.sock) == os.getuid():
                 self.accept(conn)
             else:
-                self.transport.drop_stranger(conn, "MindSpore-protocol client of another user (or of no one known)")
+                self.transport.drop_stranger(conn, "MindSpore-protocol client of another user (or of no one known)", ip)
             return
         agents = self.agents_at(ip)
         if not agents:
-            self.transport.drop_stranger(conn, "MindSpore-protocol client on a host that is not this job's node")
+            self.transport.drop_stranger(conn, "MindSpore-protocol client on a host that is not this job's node", ip)
             return
         if len(self.waiting) >= self.max_waiting:
             self._fail(next(iter(self.waiting)), "shed (too many MindSpore-protocol clients being attributed)")
@@ -74,10 +74,6 @@ class ForeignClients:
         conn.deadline = self.transport.clock.now + self.timeout
         self.waiting[self.next_id] = (conn, set(agents), ip)
         self.by_conn[conn] = self.next_id
-
-    def holds(self, conn: Any) -> bool:
-        """Whether ``conn`` is still being attributed (its bytes are kept, not relayed)."""
-        return conn in self.by_conn
 
     def keep(self, conn: Any, data: bytes) -> None:
         """Bytes a client sent while it is being attributed: kept, within :data:`WAIT_BYTES`."""
@@ -120,7 +116,8 @@ class ForeignClients:
                 self._fail(request, f"MindSpore-protocol client not attributed within {self.timeout:g} s")
 
     def _fail(self, request: int, why: str) -> None:
-        self.transport.drop_stranger(self._forget(request)[0], why)
+        conn, _, ip = self._forget(request)
+        self.transport.drop_stranger(conn, why, ip)
 
     def _forget(self, request: int) -> tuple[Any, set[Any], str]:
         entry = self.waiting.pop(request)

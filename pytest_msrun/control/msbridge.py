@@ -247,7 +247,6 @@ class MindSporeBridge:
     def adopt(self, conn: Any) -> None:
         """Relay ``conn`` (a MindSpore client whose first bytes are in ``conn.pending``)."""
         self.start()
-        conn.kind = "foreign"
         self.waiting.append(conn)
         self.connect_waiting()
 

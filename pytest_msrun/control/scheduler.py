@@ -65,8 +65,6 @@ def log(msg: str) -> None:
     try:
         while data:
             data = data[os.write(1, data) :]
-    except InterruptedError:
-        pass
     except OSError as exc:
         if not LOG_FAILURE:
             LOG_FAILURE.append(exc)
@@ -114,10 +112,8 @@ class Agents:
             self.sched.event("every node registered: ranks assigned", {"nodes": len(self.registry.nodes)})
 
     def message(self, conn: Conn, msg: dict[str, Any]) -> None:
-        node = self.by_conn.get(conn)
-        if node is None:
-            return
-        kind, sched = msg["t"], self.sched
+        """A registered agent's message (one refused or malformed at its hello is closing: it sends none)."""
+        node, kind, sched = self.by_conn[conn], msg["t"], self.sched
         if kind == "hb":  # echoed with this clock's time: the node estimates its clock's offset
             at = msg.get("at")
             reply: dict[str, Any] = {"t": "hb"}
@@ -374,7 +370,7 @@ class Scheduler:
     def tell_drops(self, now_or_never: bool = False) -> None:
         """Strangers dropped at the door, summed up per address at most once a minute (and before
         the job ends), on every node's console: never a line per connection."""
-        for line in self.transport.door.summary(force=now_or_never):
+        for line in self.transport.door.tally.summary(self.transport.clock.now, force=now_or_never):
             self.notice(f"{line}; this job's own clients retry")
 
     # ---------------------------------------------------------------- the transport's handler
@@ -412,7 +408,7 @@ class Scheduler:
             self.relay.unpair(conn)
 
     def on_relay(self, conn: Conn, data: bytes) -> None:
-        if self.foreign is not None and self.foreign.holds(conn):
+        if self.foreign is not None and conn in self.foreign.by_conn:
             self.foreign.keep(conn, data)
         elif self.relay is not None:
             self.relay.relay(conn, data)
@@ -454,9 +450,6 @@ class Scheduler:
         return ip is not None and is_local_address(ip)
 
     # ---------------------------------------------------------------- the job's end
-    def clients(self) -> list[Conn]:
-        return [c for c in self.transport.conns.values() if c.kind in CLIENT_KINDS]
-
     def abort(self, reason: str, code: int | None) -> None:
         if self.exit_code is not None:
             return
@@ -465,7 +458,8 @@ class Scheduler:
         self.tell_write_failures()
         self.event(f"abort: {reason}"[:200], {"reason": reason, "code": code}, scope="g")
         self.abort_msg = {"t": "abort", "reason": reason, "code": code}
-        self.transport.broadcast(self.clients(), self.abort_msg)
+        clients = [c for c in self.transport.conns.values() if c.kind in CLIENT_KINDS]
+        self.transport.broadcast(clients, self.abort_msg)
         self.finish(1)
 
     def finish(self, code: int) -> None:
@@ -556,9 +550,7 @@ class Scheduler:
             pass
 
     def run(self) -> int:
-        self._wake_r, wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(wake_w, False)
+        self._wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             signal.signal(sig, self._on_signal)

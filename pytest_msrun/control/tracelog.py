@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 
+from pytest_msrun.control.wire import dumps as _dumps
 from pytest_msrun.fileio import open_output, write_whole
 
 TYPE_CHECKING = False
@@ -26,16 +27,6 @@ if TYPE_CHECKING:
 SPOOL_ENV = "MSRUN_TRACE_SPOOL"  # the directory a traced job's processes append their events to
 RANKS_FILE = "ranks.jsonl"  # in the spool: the line each rank's Python appends when it starts (the rank hook)
 MSRUN_PID, CONTROL_PID, RANK_PID = 1, 2, 1000
-_encode: Any = None  # one encoder (json.dumps with options builds one per call), made at its first use
-
-
-def _dumps(obj: Any) -> str:
-    global _encode
-    if _encode is None:
-        import json  # (and re) not on msrun's start path: a job that is not traced never needs it
-
-        _encode = json.JSONEncoder(separators=(",", ":")).encode
-    return _encode(obj)
 
 
 def us(t: float) -> int:
@@ -112,10 +103,6 @@ class ClockOffset:
         if 0 <= rtt < self.rtt:
             self.rtt = rtt
             self.offset = theirs - (sent + received) / 2
-
-    @property
-    def known(self) -> bool:
-        return self.rtt != float("inf")
 
 
 def encode(events: list[dict[str, Any]]) -> str:

@@ -169,13 +169,9 @@ class Transport:
         finally:
             self.close(conn)
 
-    def drop_stranger(self, conn: Conn, why: str) -> None:
-        """Drop a connection that proved nothing (a foreign client not of this job): counted by the
-        door with the strangers (``why``: the door's words, not the stranger's), never logged alone."""
-        try:
-            ip = str(conn.sock.getpeername()[0])
-        except OSError:
-            ip = "unknown"
+    def drop_stranger(self, conn: Conn, why: str, ip: str) -> None:
+        """Drop a connection that proved nothing (a foreign client not of this job, from ``ip``): counted
+        by the door with the strangers (``why``: the door's words, not the stranger's), never logged alone."""
         self.door.tally.add(ip, why)
         self.drop(conn, why)
 
@@ -190,9 +186,8 @@ class Transport:
     def refuse(self, conn: Conn, reason: str) -> None:
         """Tell an authenticated client why it cannot be served, then close its connection."""
         self.log(f"refused {conn.peer}: {reason}")
-        conn.out += wire.encode({"t": "refused", "reason": reason})
-        conn.closing = True
-        self.flush(conn)
+        conn.closing = True  # once the refusal is out
+        self.send(conn, {"t": "refused", "reason": reason})
 
     # ---------------------------------------------------------------- connections in
     def enter(self, admitted: Admitted) -> None:

@@ -27,7 +27,7 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-    from typing_extensions import TypeGuard
+    from typing_extensions import Self, TypeGuard
 
 try:  # constant-time comparison without importing hmac/hashlib (OpenSSL) on the start-up path
     from _operator import _compare_digest as compare_digest
@@ -75,10 +75,15 @@ def load_json() -> None:
     _dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
-def encode(msg: dict[str, Any]) -> bytes:
+def dumps(obj: Any) -> str:
+    """``obj`` as compact JSON (the frames', the trace's)."""
     if _dumps is None:
         load_json()
-    body = _dumps(msg).encode("utf-8")
+    return _dumps(obj)
+
+
+def encode(msg: dict[str, Any]) -> bytes:
+    body = dumps(msg).encode("utf-8")
     return HEADER.pack(len(body)) + body
 
 
@@ -199,6 +204,10 @@ class AuthError(ConnectionError):
     """The other side does not know this job's token (or did not prove it)."""
 
 
+class Unreachable(ConnectionError):
+    """No connection to the server could be opened in time (``__cause__``: the last attempt's error)."""
+
+
 def pack_data(raw: bytes) -> str:
     import base64
 
@@ -226,7 +235,7 @@ class Channel:
         self.eof = False
 
     @classmethod
-    def connect(cls, host: str, port: int, timeout: float) -> Channel:
+    def connect(cls, host: str, port: int, timeout: float) -> Self:
         # an ASCII host as bytes: a str host makes getaddrinfo import the IDNA codec (~1 ms)
         address: Any = (host.encode() if host.isascii() else host, port)  # getaddrinfo takes bytes too
         import socket
@@ -234,6 +243,33 @@ class Channel:
         sock = socket.create_connection(address, timeout=timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return cls(sock)
+
+    @classmethod
+    def join(cls, host: str, port: int, hello: dict[str, Any], token: str, deadline: float) -> Self:
+        """:meth:`connect` and :meth:`handshake`, tried again while the server cannot be reached or
+        drops this client before its welcome (strangers may crowd its door; a loaded server may not
+        run for a while) - backing off - until ``deadline`` (``time.monotonic()``); then the last
+        error (:class:`Unreachable` when it could not connect). :class:`AuthError` at once."""
+        backoff = 0.05
+        while True:
+            try:
+                channel = cls.connect(host, port, max(0.1, min(5.0, deadline - time.monotonic())))
+            except OSError as exc:
+                if time.monotonic() >= deadline:
+                    raise Unreachable(f"cannot reach {host}:{port}: {exc}") from exc
+                time.sleep(0.05)
+                continue
+            try:
+                channel.handshake(hello, token, max(0.1, deadline - time.monotonic()))
+                return channel
+            except (OSError, ProtocolError) as exc:
+                channel.close()
+                if isinstance(exc, AuthError) or time.monotonic() >= deadline:
+                    raise
+            import random
+
+            time.sleep(min(backoff, max(0.0, deadline - time.monotonic())) * (0.5 + random.random()))
+            backoff = min(2.0, backoff * 2)
 
     def fileno(self) -> int:
         return self.sock.fileno()

@@ -6,7 +6,6 @@ a rank joining its world.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from typing import Any
 
@@ -46,27 +45,7 @@ class Channel(wire.Channel):
 def join_world(address: tuple[str, int], token: str, rank: int, timeout: float = 30.0) -> Channel:
     """Connect to the controller's world door and prove the world's token as ``rank``; tried again
     while the door sheds or drops this connection (strangers may crowd it), until ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        try:
-            channel = Channel(socket.create_connection(address, timeout=max(0.1, left)))
-        except OSError:
-            if left <= 0:
-                raise
-            time.sleep(0.05)
-            continue
-        # Two messages in a row (a forked child's "done", its template's "ended") must not wait
-        # for the first one's delayed acknowledgement (Nagle: 40 ms a test)
-        channel.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            channel.handshake({"t": "hello", "kind": "world", "rank": rank, "pid": os.getpid()}, token, max(0.1, left))
-            channel.sock.settimeout(None)
-            return channel
-        except wire.AuthError:
-            channel.close()
-            raise
-        except (OSError, wire.ProtocolError):
-            channel.close()
-            if time.monotonic() >= deadline:
-                raise
+    hello = {"t": "hello", "kind": "world", "rank": rank, "pid": os.getpid()}
+    channel = Channel.join(address[0], address[1], hello, token, time.monotonic() + timeout)
+    channel.sock.settimeout(None)
+    return channel

@@ -24,10 +24,9 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from pytest_msrun.control import wire
-from pytest_msrun.control.door import Admitted, Door, Tally
+from pytest_msrun.control.door import Admitted, Door, Tally, unregister
 from pytest_msrun.netaddr import rank_listener
 from pytest_msrun.plugin.links import DEBUG_ENV, DEBUG_NONE_ENV, DEBUG_PDB_ENV, DEBUG_TOKEN_ENV
 
@@ -36,19 +35,12 @@ MAX_QUEUED = 1024  # ranks waiting their turn at most (they hold the token: the 
 NO_TTY = "no terminal (stdin is not a tty)"
 
 
-@dataclass
-class Session:
-    """A rank that asked for the debugger: its connection and what it said."""
-
-    sock: socket.socket
-    hello: dict
-
-    @property
-    def what(self) -> str:
-        rank, where = self.hello.get("rank"), self.hello.get("where", "?")
-        if self.hello.get("stop") == "post_mortem":
-            return f"--pdb: the failure of rank {rank} at {where}"
-        return f"breakpoint() in rank {rank} at {where}"
+def _what(hello: dict) -> str:
+    """The stop a rank's hello asks the debugger for."""
+    rank, where = hello.get("rank"), hello.get("where", "?")
+    if hello.get("stop") == "post_mortem":
+        return f"--pdb: the failure of rank {rank} at {where}"
+    return f"breakpoint() in rank {rank} at {where}"
 
 
 class DebugServer:
@@ -79,7 +71,6 @@ class DebugServer:
         if not self._address and self.tty:
             # ranks of Slurm steps reach this host where srun ran (only the session's token is served)
             self.server, address = rank_listener(self.steps, backlog=128)
-            self.server.setblocking(False)
             self._wake_r, self._wake_w = os.pipe()
             self.thread = threading.Thread(target=self._loop, name="msrun-debug", daemon=True)
             self.thread.start()
@@ -131,8 +122,8 @@ class DebugServer:
             self.server, token=self.token, kinds=("debug",), timeout=HELLO_WAIT, selector=sel, tally=self.strangers
         )
         sel.register(self._wake_r, selectors.EVENT_READ, "wake")
-        queue: list[Session] = []
-        active: Session | None = None
+        queue: list[Admitted] = []
+        active: Admitted | None = None
         try:
             while True:
                 if active is None and queue:
@@ -154,13 +145,11 @@ class DebugServer:
                             self._from_user(active, sel)
                     except Exception as exc:  # noqa: BLE001 - that connection's fault, not the server's end
                         if tag == "rank" and active is not None:
-                            self._say(f"msrun: the ranks' debugger dropped {active.what}: {exc!r}")
-                            with contextlib.suppress(KeyError, ValueError):
-                                sel.unregister(active.sock)
+                            self._say(f"msrun: the ranks' debugger dropped {_what(active.hello)}: {exc!r}")
+                            unregister(sel, active.sock)
                             active.sock.close()
                             active = None
                 door.expire()
-                door.resume()
         except Exception as exc:  # noqa: BLE001 - the debugger must never break the session
             self._say(f"msrun: the ranks' debugger stopped: {exc!r}")
         finally:
@@ -171,15 +160,14 @@ class DebugServer:
             sel.close()
 
     @staticmethod
-    def _session(admitted: Admitted) -> Session | None:
+    def _session(admitted: Admitted) -> Admitted | None:
         """A rank in (it proved the token): its session, once its hello holds only short scalars."""
-        hello = admitted.hello
-        if not all(isinstance(v, (str, int, float, bool, type(None))) for v in hello.values()):
+        if not all(isinstance(v, (str, int, float, bool, type(None))) for v in admitted.hello.values()):
             admitted.sock.close()
             return None
-        return Session(admitted.sock, hello)
+        return admitted
 
-    def _start(self, session: Session, sel: selectors.BaseSelector) -> Session | None:
+    def _start(self, session: Admitted, sel: selectors.BaseSelector) -> Admitted | None:
         sock = session.sock
         sock.setblocking(True)
         try:
@@ -191,21 +179,20 @@ class DebugServer:
         self.sessions += 1
         nodeid = session.hello.get("nodeid") or ""
         self._say(
-            f"msrun: {session.what}{' (' + nodeid + ')' if nodeid else ''}: pdb here; the job's timeout is "
+            f"msrun: {_what(session.hello)}{' (' + nodeid + ')' if nodeid else ''}: pdb here; the job's timeout is "
             "paused until the rank goes on (c: continue; q: quit)"
         )
         sel.register(sock, selectors.EVENT_READ, "rank")
         sel.register(self.stdin, selectors.EVENT_READ, "stdin")
         return session
 
-    def _end(self, session: Session, sel: selectors.BaseSelector) -> None:
+    def _end(self, session: Admitted, sel: selectors.BaseSelector) -> None:
         for obj in (session.sock, self.stdin):
-            with contextlib.suppress(KeyError, ValueError):
-                sel.unregister(obj)
+            unregister(sel, obj)
         session.sock.close()
         self._say(f"msrun: rank {session.hello.get('rank')} goes on; the job's timeout runs again")
 
-    def _from_rank(self, session: Session) -> bool:
+    def _from_rank(self, session: Admitted) -> bool:
         """Relay what the rank's pdb wrote; False once the rank closed its end."""
         try:
             data = session.sock.recv(1 << 16)
@@ -218,7 +205,7 @@ class DebugServer:
         _write_all(self.stdout, data)
         return True
 
-    def _from_user(self, session: Session, sel: selectors.BaseSelector) -> None:
+    def _from_user(self, session: Admitted, sel: selectors.BaseSelector) -> None:
         try:
             data = os.read(self.stdin, 4096)
         except OSError:
@@ -248,8 +235,6 @@ def _write_all(fd: int, data: bytes) -> None:
     while data:
         try:
             n = os.write(fd, data)
-        except InterruptedError:
-            continue
         except OSError:
             return
         data = data[n:]

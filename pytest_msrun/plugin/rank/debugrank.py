@@ -45,38 +45,30 @@ def _place(path: str, line: int) -> str:
     return f"{path}:{line}"
 
 
-class Link:
-    """One open session with the controller: pdb's stdin and stdout (``head``: bytes of the user's
-    input read with the controller's answer)."""
+class Link(wire.Channel):
+    """One open session with the controller, pdb's stdin and stdout: raw bytes once the handshake's
+    frames are read (``frames.buf`` first holds the user's input read with the controller's answer)."""
 
-    def __init__(self, sock: Any, head: bytes = b"") -> None:
-        self.sock = sock
-        self.buffer = head
-
-    def send(self, text: str) -> None:
+    def write(self, text: str) -> None:
         try:
             self.sock.sendall(text.encode("utf-8", "replace"))
         except OSError:
             pass
 
     def readline(self) -> str:
-        while b"\n" not in self.buffer:
+        buf = self.frames.buf
+        while b"\n" not in buf:
             try:
                 data = self.sock.recv(4096)
             except OSError:
                 data = b""
             if not data:
-                line, self.buffer = self.buffer, b""
-                return line.decode("utf-8", "replace")
-            self.buffer += data
-        line, _, self.buffer = self.buffer.partition(b"\n")
-        return line.decode("utf-8", "replace") + "\n"
-
-    def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+                break
+            buf += data
+        end = buf.find(b"\n") + 1 or len(buf)
+        line = bytes(buf[:end])
+        del buf[:end]
+        return line.decode("utf-8", "replace")
 
 
 class _Stdio:
@@ -95,7 +87,7 @@ class _Stdio:
         else:
             if self.pending:
                 text, self.pending = self.pending + text, ""
-            link.send(text)
+            link.write(text)
         return len(text)
 
     def flush(self) -> None:
@@ -250,7 +242,7 @@ class RankDebugger:
         hello = {"t": "hello", "kind": "debug", "rank": self.rank, "stop": kind}
         hello.update(where=where[-2000:], nodeid=self.nodeid()[-4000:])
         try:
-            channel = wire.Channel.connect(address[0], address[1], timeout=CONNECT_TIMEOUT)
+            channel = Link.connect(address[0], address[1], timeout=CONNECT_TIMEOUT)
         except OSError as exc:
             return None, f"the controller's debugger cannot be reached ({exc})"
         try:
@@ -262,8 +254,7 @@ class RankDebugger:
         if reply.get("t") != "ok":
             channel.close()
             return None, "the controller's debugger refused this rank"
-        head = bytes(channel.frames.buf)  # what the user typed, read with the answer
-        return Link(channel.sock, head), ""
+        return channel, ""
 
 
 class DebuggerSkipped(UserWarning):
