@@ -72,14 +72,15 @@ def become_subreaper() -> bool:
     return _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
-def die_with_parent(sig: int) -> bool:
-    """This process gets ``sig`` when the thread that forked it ends (``PR_SET_PDEATHSIG``)."""
-    return _prctl(PR_SET_PDEATHSIG, int(sig))
+def die_with_parent(sig: int, parent: int = 0) -> None:
+    """This process gets ``sig`` when the thread that forked it ends (``PR_SET_PDEATHSIG``); given
+    its ``parent``'s pid, it ends at once (status ``128 + sig``) where that parent is gone already."""
+    _prctl(PR_SET_PDEATHSIG, int(sig))
+    if parent and os.getppid() != parent:
+        os._exit(128 + int(sig))
 
 
-def with_parent_death_signal(
-    argv: list[str], sig: signal.Signals = signal.SIGTERM
-) -> tuple[list[str], Callable[[], None] | None]:
+def with_parent_death_signal(argv: list[str], sig: signal.Signals) -> tuple[list[str], Callable[[], None] | None]:
     """``argv`` and a ``preexec_fn`` (or None) so the child gets ``sig`` when this thread's process dies.
 
     Used for processes that clean up after themselves on ``sig`` (msrun tears its job down on
@@ -93,15 +94,7 @@ def with_parent_death_signal(
     if _prctl_call is None:
         _prctl(0, 0)  # load libc in the parent: the child must not import or load anything
     parent = os.getpid()
-    signum = int(sig)
-    prctl = _prctl_call
-
-    def setup() -> None:  # runs in the forked child, before exec
-        prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
-        if os.getppid() != parent:
-            os._exit(128 + signum)
-
-    return list(argv), setup
+    return list(argv), lambda: die_with_parent(sig, parent)  # runs in the forked child, before exec
 
 
 def resolve(program: str, env: Mapping[str, str]) -> str:
@@ -212,6 +205,19 @@ def flush_std_streams() -> None:
     for stream in (sys.stdout, sys.stderr):
         with suppress(Exception):
             stream.flush()
+
+
+def run_exit_steps() -> None:
+    """What an interpreter does on its way out, before ``os._exit``: wait for its non-daemon
+    threads, run its ``atexit`` handlers, flush its standard streams."""
+    import atexit
+    import threading
+
+    with suppress(BaseException):
+        threading._shutdown()  # type: ignore[attr-defined]
+    with suppress(BaseException):
+        atexit._run_exitfuncs()
+    flush_std_streams()
 
 
 def block_signals_for_fork() -> set[int | signal.Signals]:
@@ -434,10 +440,10 @@ def close_inherited_descriptors() -> None:
                     os.set_inheritable(fd, False)
 
 
-def term_grace(env: Mapping[str, str] | None = None) -> float:
+def term_grace() -> float:
     """How long a process may take to end after SIGTERM (``MSRUN_TERM_TIMEOUT``, 5 s)."""
     try:
-        return max(0.0, float((os.environ if env is None else env).get("MSRUN_TERM_TIMEOUT", "5")))
+        return max(0.0, float(os.environ.get("MSRUN_TERM_TIMEOUT", "5")))
     except ValueError:
         return 5.0
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import sys
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import pytest
 
 from pytest_msrun.engine import template
-from pytest_msrun.engine.processes import become_fresh_child, block_signals_for_fork, die_with_parent
+from pytest_msrun.engine.processes import become_fresh_child, forked
 from pytest_msrun.plugin import options
 from pytest_msrun.plugin.controller.forkserver import (
     MARKED_BEFORE,
@@ -143,31 +142,23 @@ def fork_session(config: pytest.Config) -> None:
             if config.pluginmanager.get_name(p) in skip
             for name in [getattr(p, "__name__", ""), *distribution_modules(dist)]
         ],
-        "prepare": "rewriting-hook",
         "early": "eager" if eager else "lazy",
     }
     origin = template_env()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     parent = os.getpid()
-    blocked = block_signals_for_fork()
+
+    def be_template() -> int:  # in the fork
+        ours.close()
+        return _be_template(theirs, parent, origin, hello)
+
     try:
-        pid = os.fork()
+        pid = forked(be_template, os.fork)
     except OSError:
-        pid = -1
-    if pid == 0:  # the template
-        code = 1
-        try:
-            ours.close()
-            code = _be_template(theirs, parent, origin, hello)
-        except BaseException:
-            pass
-        finally:
-            os._exit(code)
-    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    theirs.close()
-    if pid < 0:
         ours.close()
         return
+    finally:
+        theirs.close()
     forks = session_fork_server(config)
     forks.adopt(ForkedProcess(pid, [sys.executable, "-m", template.__name__]), ours, origin)
     config.stash[EARLY] = forks
@@ -178,20 +169,13 @@ def _be_template(sock: socket.socket, parent: int, origin: dict[str, str], hello
     """In the fork: what a spawned template is at its start - its own session, signals, streams
     (/dev/null until the session sends its log) and environment, and no assertion-rewriting hook
     (each rank's pytest installs its own) - then the template's life."""
-    die_with_parent(signal.SIGKILL)
-    if os.getppid() != parent:
-        return 1
     null = os.open(os.devnull, os.O_RDWR)
     fd = sock.fileno()
     env = {**origin, template.FD_ENV: str(fd)}
     become_fresh_child(env, stdin_fd=null, stdout_fd=null, stderr_fd=null, keep_fds=(fd,))
-    os.set_inheritable(fd, True)  # kept across a start over (exec); never given to a fork
     sys.meta_path[:] = [hook for hook in sys.meta_path if type(hook).__name__ != "AssertionRewritingHook"]
     for name in hello.pop("forget", []):
         sys.modules.pop(name, None)
     sys.argv = [template.__file__]
     template.show_as([sys.executable, "-m", template.__name__], env)  # as the spawned one shows
-    try:
-        return template.serve(sock, parent, early=hello)
-    except (ConnectionError, KeyboardInterrupt):
-        return 0
+    return template.serve(sock, parent, early=hello)

@@ -143,7 +143,7 @@ class ForkServer:
             theirs.close()
         self._sock = ours
         preload, plugins = self.preload()
-        ours.send(json.dumps({"preload": preload, "plugins": plugins, "prepare": "rewriting-hook"}).encode())
+        ours.send(json.dumps({"preload": preload, "plugins": plugins}).encode())
 
     def begin(self) -> None:
         """Start the template now (its imports overlap what this session does meanwhile)."""

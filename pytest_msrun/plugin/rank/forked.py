@@ -97,15 +97,7 @@ def child_start() -> None:
 def child_exit(status: int) -> None:
     """End the child as the interpreter ends a process: its non-daemon threads are waited for,
     its exit handlers run, its output flushed - then ``status``."""
-    try:
-        threading._shutdown()  # type: ignore[attr-defined]
-    except BaseException:  # noqa: BLE001 - the process ends regardless
-        pass
-    try:
-        atexit._run_exitfuncs()
-    except BaseException:  # noqa: BLE001
-        pass
-    processes.flush_std_streams()
+    processes.run_exit_steps()
     _exit(status)
 
 
@@ -133,8 +125,9 @@ def dump_stacks_on_signals(stacks: Any) -> None:
 
 
 def wait_forwarding(pid: int, stacks: Any) -> tuple[int, int]:
-    """Wait for the child ``pid``: its wait status, and the terminating signal (SIGTERM) this
-    template got meanwhile (0 if none).
+    """Wait for the child ``pid``: its return code as ``subprocess`` reports it (the exit status,
+    or minus the signal), and the terminating signal (SIGTERM) this template got meanwhile (0 if
+    none).
 
     While it waits, the child is the rank: a stack request (SIGUSR1) is the child's to answer,
     and SIGTERM ends the child first - the template ends only after it (a template ending first
@@ -178,7 +171,7 @@ def wait_forwarding(pid: int, stacks: Any) -> tuple[int, int]:
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         if stacks is not None:
             dump_stacks_on_signals(stacks)
-    return status, (received[0] if received else 0)
+    return os.waitstatus_to_exitcode(status), (received[0] if received else 0)
 
 
 def raise_again(signum: int) -> None:
@@ -204,13 +197,8 @@ def read_info(fd: int) -> dict[str, Any]:
     return info if isinstance(info, dict) else {}
 
 
-def returncode(status: int) -> int:
-    """A wait status as ``subprocess`` reports it: the exit status, or minus the signal."""
-    return os.waitstatus_to_exitcode(status)
-
-
 def mirror(code: int) -> None:
-    """End this process as its child ended (``code`` as :func:`returncode` gives it): msrun then
+    """End this process as its child ended (``code`` as :func:`wait_forwarding` gives it): msrun then
     sees the rank end as the test's process did."""
     processes.flush_std_streams()
     if code < 0:
