@@ -57,19 +57,17 @@ def _load_prctl() -> Any:
         return ctypes.CDLL(None, use_errno=True).prctl
 
 
-def _prctl(option: int, arg: int) -> bool:
+def _prctl(option: int, arg: int) -> None:
     global _prctl_call
-    try:
+    with suppress(OSError, AttributeError):
         if _prctl_call is None:
             _prctl_call = _load_prctl()
-        return _prctl_call(option, arg, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+        _prctl_call(option, arg, 0, 0, 0)
 
 
-def become_subreaper() -> bool:
+def become_subreaper() -> None:
     """Make orphaned descendants re-parent to this process instead of init."""
-    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def die_with_parent(sig: int, parent: int = 0) -> None:
@@ -91,8 +89,7 @@ def with_parent_death_signal(argv: list[str], sig: signal.Signals) -> tuple[list
     setpriv = which("setpriv")
     if setpriv:
         return [setpriv, "--pdeathsig", sig.name[3:], "--", *argv], None
-    if _prctl_call is None:
-        _prctl(0, 0)  # load libc in the parent: the child must not import or load anything
+    _prctl(0, 0)  # libc loaded in the parent: the child must not import or load anything
     parent = os.getpid()
     return list(argv), lambda: die_with_parent(sig, parent)  # runs in the forked child, before exec
 

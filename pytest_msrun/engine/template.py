@@ -27,7 +27,7 @@ from pytest_msrun.engine import suppress
 from pytest_msrun.targets import resolve
 
 FD_ENV = "MSRUN_TEMPLATE_FD"  # the template's end of its socketpair (a descriptor number)
-_RESTART_ENV = "MSRUN_TEMPLATE_RESTART"  # what a template that started over imports (JSON)
+HELLO_ENV = "MSRUN_TEMPLATE_HELLO"  # what the template imports, and how it started (JSON; a start over's too)
 ENGINE_MODULES = (  # what msrun runs in a job: its launch path and the control plane it forks
     "pytest_msrun.engine.cli",
     "pytest_msrun.engine.agent",
@@ -303,7 +303,7 @@ def _preload(hello: dict) -> list[str]:
             if _threads() > 1:
                 import json
 
-                os.environ[_RESTART_ENV] = json.dumps({**hello, "skip": [*skip, name]})
+                os.environ[HELLO_ENV] = json.dumps({**hello, "skip": [*skip, name]})
                 os.execv(sys.executable, [sys.executable, "-m", "pytest_msrun.engine.template"])
 
     load([*hello["preload"], *ENGINE_MODULES])
@@ -355,10 +355,9 @@ def _await_session(sock: object, hello: dict) -> bool:
     return bool(data)
 
 
-def serve(sock: object, parent: int, early: dict | None = None) -> int:
-    """The template's life, as ``parent``'s child that ends with it: a first message naming what
-    to import (or ``early``'s, in a template forked from the session's own process), then one msrun
-    per request, until the requester closes its end."""
+def serve(sock: object, parent: int) -> int:
+    """The template's life, as ``parent``'s child that ends with it: the imports its hello names
+    (:data:`HELLO_ENV`), then one msrun per request, until the requester closes its end."""
     import gc
     import json
     import signal
@@ -370,17 +369,8 @@ def serve(sock: object, parent: int, early: dict | None = None) -> int:
     global _origin, _stamp
     die_with_parent(signal.SIGKILL, parent)
     os.set_inheritable(sock.fileno(), True)  # kept across a start over (exec); never given to a fork
-    restart = os.environ.pop(_RESTART_ENV, "")  # this template started over (see _preload)
+    hello = json.loads(os.environ.pop(HELLO_ENV))
     try:
-        if early is not None:
-            hello = early
-        elif restart:
-            hello = json.loads(restart)
-        else:
-            data, _, _, _ = socket.recv_fds(sock, REQUEST_LIMIT, 0)
-            if not data:
-                return 0
-            hello = json.loads(data)
         _origin = {k: v for k, v in os.environ.items() if k != FD_ENV}
         # "lazy": the session may have no job (its imports wait for its first); "eager": they start now
         if hello.get("early") == "lazy" and not _await_session(sock, hello):

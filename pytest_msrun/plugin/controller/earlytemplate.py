@@ -14,6 +14,7 @@ import json
 import os
 import socket
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -160,7 +161,8 @@ def fork_session(config: pytest.Config) -> None:
     finally:
         theirs.close()
     forks = session_fork_server(config)
-    forks.adopt(ForkedProcess(pid, [sys.executable, "-m", template.__name__]), ours, origin)
+    argv = [sys.executable, "-m", template.__name__]
+    forks.adopt(ForkedProcess(tag=None, pid=pid, started=time.time(), args=argv), ours, origin)
     config.stash[EARLY] = forks
     config.add_cleanup(forks.close)  # (where the session ended first, or had no controller)
 
@@ -178,4 +180,5 @@ def _be_template(sock: socket.socket, parent: int, origin: dict[str, str], hello
         sys.modules.pop(name, None)
     sys.argv = [template.__file__]
     template.show_as([sys.executable, "-m", template.__name__], env)  # as the spawned one shows
-    return template.serve(sock, parent, early=hello)
+    os.environ[template.HELLO_ENV] = json.dumps(hello)
+    return template.serve(sock, parent)

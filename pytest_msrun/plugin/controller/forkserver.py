@@ -17,17 +17,19 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from pytest_msrun.engine import template
-from pytest_msrun.engine.processes import with_parent_death_signal
+from pytest_msrun.engine.processes import Child, with_parent_death_signal
 from pytest_msrun.fileio import open_output
 from pytest_msrun.plugin import options
 from pytest_msrun.plugin.marker import MARKER
 from pytest_msrun.proc import wait_readable
+from pytest_msrun.record import field, record
 from pytest_msrun.targets import module_of
 
 READY_TIMEOUT = 120.0  # s the first request waits for the template's imports
@@ -42,53 +44,34 @@ SESSION_VARS = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURR
 REPLY_TIMEOUT = 30.0  # s a request waits for its pid (a fork: milliseconds)
 
 
-class ForkedProcess:
+@record(eq=False)
+class ForkedProcess(Child):
     """A child of this process that the fork server forked (``CLONE_PARENT``), with the part of
     :class:`subprocess.Popen` the plugin uses: ``poll``, ``wait``, ``kill``, ``pid``,
     ``returncode``, ``args``."""
 
-    def __init__(self, pid: int, args: list[str]) -> None:
-        self.pid = pid
-        self.args = args
-        self.returncode: int | None = None
-        try:
-            self._pidfd: int | None = os.pidfd_open(pid)
-        except (AttributeError, OSError):
-            self._pidfd = None
+    args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        with contextlib.suppress(AttributeError, OSError):
+            self.pidfd = os.pidfd_open(self.pid)
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # reaped elsewhere: its status is lost
-                pid, status = self.pid, 255 << 8
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-                self._close()
+        self.reap()
         return self.returncode
 
-    def wait(self, timeout: float | None = None) -> int:
-        if self.poll() is None and timeout is None:
-            _, status = os.waitpid(self.pid, 0)
-            self.returncode = os.waitstatus_to_exitcode(status)
-            self._close()
-        elif self.poll() is None and timeout is not None:
-            if self._pidfd is not None:
-                wait_readable(self._pidfd, max(0.0, timeout))
-            if self.poll() is None:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-        assert self.returncode is not None
-        return self.returncode
+    def wait(self, timeout: float | None = None) -> int | None:
+        if timeout is None:
+            with contextlib.suppress(ChildProcessError):  # (reaped elsewhere: reap() says so)
+                os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
+        elif self.peek_end(timeout) is None and not self.reap():
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.poll()
 
     def kill(self) -> None:
-        if self.poll() is None:  # unreaped: the pid is still this child's
+        if not self.reap():  # unreaped: the pid is still this child's
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
-
-    def _close(self) -> None:
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
 
 
 class ForkServer:
@@ -125,7 +108,9 @@ class ForkServer:
                 self.close()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.origin = template_env()
-        env = {**self.origin, template.FD_ENV: str(theirs.fileno())}
+        preload, plugins = self.preload()
+        hello = json.dumps({"preload": preload, "plugins": plugins})
+        env = {**self.origin, template.FD_ENV: str(theirs.fileno()), template.HELLO_ENV: hello}
         argv, preexec = with_parent_death_signal([sys.executable, "-m", template.__name__], signal.SIGKILL)
         try:
             with open_output(self.log_path(), binary=True) as log:
@@ -142,8 +127,6 @@ class ForkServer:
         finally:
             theirs.close()
         self._sock = ours
-        preload, plugins = self.preload()
-        ours.send(json.dumps({"preload": preload, "plugins": plugins}).encode())
 
     def begin(self) -> None:
         """Start the template now (its imports overlap what this session does meanwhile)."""
@@ -206,7 +189,7 @@ class ForkServer:
             more = f"forks nothing more: {reply.get('error') or 'no pid'}" if reply is not None else "did not answer"
             self._fail(f"the fork server {more}")
             return None
-        return ForkedProcess(pid, cmd)
+        return ForkedProcess(tag=None, pid=pid, started=time.time(), args=cmd)
 
     def close(self) -> None:
         """End the template: its socket closed (its end of file: it returns), then its process waited
