@@ -1,6 +1,6 @@
 """The one registry of functions a process has another run by name (``module:function``).
 
-A fork of msrun (its control plane, a forked worker), a fork server's request, a template's
+A fork of msrun (its control plane, a forked worker), a fork server's msrun, a template's
 preparation and a job-end reporter name their function by a key of :data:`TARGETS`;
 :func:`resolve` imports only what the table names, so no request, file or environment can make a
 process call anything else.

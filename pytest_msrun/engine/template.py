@@ -317,9 +317,9 @@ def _preload(hello: dict) -> list[str]:
 
 
 def _start_msrun(request: dict, fds: list[int], parent: int) -> int:
-    """Fork msrun for ``request`` (``call``: msrun's entry point as ``module:function``, called
-    with ``argv``; its environment, working directory; ``fds``: its stdin, stdout and stderr) as a
-    child of ``parent``; returns its pid."""
+    """Fork ``python -m pytest_msrun ...`` for ``request`` (its ``cmdline``, environment and
+    working directory; ``fds``: its stdin, stdout and stderr) as a child of ``parent``; returns
+    its pid."""
     import signal
 
     from pytest_msrun.engine.processes import become_fresh_child, die_with_parent, forked
@@ -328,13 +328,11 @@ def _start_msrun(request: dict, fds: list[int], parent: int) -> int:
         die_with_parent(signal.SIGTERM, parent)  # msrun tears its job down on SIGTERM, as spawned
         become_fresh_child(request["env"], stdin_fd=fds[0], stdout_fd=fds[1], stderr_fd=fds[2])
         os.chdir(request["cwd"])
-        if request.get("cmdline"):
-            show_as(list(request["cmdline"]), request["env"])
-        args = list(request["argv"])
-        main = resolve(str(request["call"]))  # a registered target only; its module imported
-        entry = sys.modules[main.__module__]
-        sys.argv = [str(request.get("argv0") or getattr(entry, "__file__", main.__module__)), *args]
-        return main(args)
+        cmd = list(request["cmdline"])
+        show_as(cmd, request["env"])
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        sys.argv = [os.path.join(package, "__main__.py"), *cmd[3:]]  # as python -m sets it
+        return resolve("msrun")(cmd[3:])
 
     return forked(run, clone_parent)
 

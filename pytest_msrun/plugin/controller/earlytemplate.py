@@ -130,28 +130,33 @@ def fork_session(config: pytest.Config) -> None:
         return
     skip = options.unused_rank_plugins(config)
     preload, plugins = preload_for(config, skip)
-    eager = _marked_before(config) is not False
-    hello = {
-        "preload": preload,
-        "plugins": plugins,
-        # the modules of plugins the ranks do not load, and the project's own: gone from the
-        # template, as from a started one (a rank imports them under its own environment)
-        "forget": project_modules(str(config.rootpath))
-        + [
-            name
-            for p, dist in config.pluginmanager.list_plugin_distinfo()
-            if config.pluginmanager.get_name(p) in skip
-            for name in [getattr(p, "__name__", ""), *distribution_modules(dist)]
-        ],
-        "early": "eager" if eager else "lazy",
-    }
+    hello = {"preload": preload, "plugins": plugins, "early": "lazy" if _marked_before(config) is False else "eager"}
+    # the modules of plugins the ranks do not load, and the project's own: gone from the template,
+    # as from a started one (a rank imports them under its own environment)
+    forget = project_modules(str(config.rootpath)) + [
+        name
+        for p, dist in config.pluginmanager.list_plugin_distinfo()
+        if config.pluginmanager.get_name(p) in skip
+        for name in [getattr(p, "__name__", ""), *distribution_modules(dist)]
+    ]
     origin = template_env()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     parent = os.getpid()
 
-    def be_template() -> int:  # in the fork
+    def be_template() -> int:
+        """In the fork: what a spawned template is at its start - its own session, signals,
+        streams (/dev/null until the session sends its log) and environment, and no
+        assertion-rewriting hook (each rank's pytest installs its own) - then the template's life."""
         ours.close()
-        return _be_template(theirs, parent, origin, hello)
+        null = os.open(os.devnull, os.O_RDWR)
+        env = {**origin, template.FD_ENV: str(theirs.fileno()), template.HELLO_ENV: json.dumps(hello)}
+        become_fresh_child(env, stdin_fd=null, stdout_fd=null, stderr_fd=null, keep_fds=(theirs.fileno(),))
+        sys.meta_path[:] = [hook for hook in sys.meta_path if type(hook).__name__ != "AssertionRewritingHook"]
+        for name in forget:
+            sys.modules.pop(name, None)
+        sys.argv = [template.__file__]
+        template.show_as([sys.executable, "-m", template.__name__], env)  # as the spawned one shows
+        return template.serve(theirs, parent)
 
     try:
         pid = forked(be_template, os.fork)
@@ -165,20 +170,3 @@ def fork_session(config: pytest.Config) -> None:
     forks.adopt(ForkedProcess(tag=None, pid=pid, started=time.time(), args=argv), ours, origin)
     config.stash[EARLY] = forks
     config.add_cleanup(forks.close)  # (where the session ended first, or had no controller)
-
-
-def _be_template(sock: socket.socket, parent: int, origin: dict[str, str], hello: dict[str, Any]) -> int:
-    """In the fork: what a spawned template is at its start - its own session, signals, streams
-    (/dev/null until the session sends its log) and environment, and no assertion-rewriting hook
-    (each rank's pytest installs its own) - then the template's life."""
-    null = os.open(os.devnull, os.O_RDWR)
-    fd = sock.fileno()
-    env = {**origin, template.FD_ENV: str(fd)}
-    become_fresh_child(env, stdin_fd=null, stdout_fd=null, stderr_fd=null, keep_fds=(fd,))
-    sys.meta_path[:] = [hook for hook in sys.meta_path if type(hook).__name__ != "AssertionRewritingHook"]
-    for name in hello.pop("forget", []):
-        sys.modules.pop(name, None)
-    sys.argv = [template.__file__]
-    template.show_as([sys.executable, "-m", template.__name__], env)  # as the spawned one shows
-    os.environ[template.HELLO_ENV] = json.dumps(hello)
-    return template.serve(sock, parent)

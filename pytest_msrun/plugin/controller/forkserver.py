@@ -171,10 +171,7 @@ class ForkServer:
         if self._broken or not self._await_ready():
             return None
         assert self._sock is not None
-        import pytest_msrun
-
-        argv0 = os.path.join(os.path.dirname(pytest_msrun.__file__), "__main__.py")  # as python -m sets it
-        request = {"call": "msrun", "argv0": argv0, "argv": cmd[3:], "cmdline": cmd, "env": env, "cwd": os.getcwd()}
+        request = {"cmdline": cmd, "env": env, "cwd": os.getcwd()}
         null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         try:
             socket.send_fds(self._sock, [json.dumps(request).encode()], [null, stdout, stderr])
