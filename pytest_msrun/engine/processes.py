@@ -142,11 +142,13 @@ def fork_call(
 
 
 def forked(body: Callable[[], int], fork: Callable[[], int]) -> int:
-    """Run ``body`` in a child that ``fork`` makes, with every signal blocked across the fork (see
-    :func:`fork_call`); returns its pid here. In the child ``body()``'s result is
-    the exit status (a ``SystemExit``'s as the interpreter computes it; another exception is
-    printed, and gives 1), after the standard streams are flushed."""
-    blocked = block_signals_for_fork()
+    """Run ``body`` in a child that ``fork`` makes, this process's streams flushed first (nothing
+    buffered may be written twice) and every signal blocked across the fork (see :func:`fork_call`);
+    returns its pid here. In the child ``body()``'s result is the exit status (a ``SystemExit``'s as
+    the interpreter computes it; another exception is printed, and gives 1), after the standard
+    streams are flushed."""
+    flush_std_streams()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     pid = -1
     try:
         pid = fork()
@@ -217,13 +219,6 @@ def run_exit_steps() -> None:
     flush_std_streams()
 
 
-def block_signals_for_fork() -> set[int | signal.Signals]:
-    """Flush this process's streams (nothing buffered may be written twice) and block every
-    signal; returns the mask to restore in the parent after the fork."""
-    flush_std_streams()
-    return signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
-
-
 def exit_code_of(exc: SystemExit) -> int:
     """The status ``SystemExit`` gives a process, as the interpreter computes it (a message is
     printed to stderr and gives 1)."""
@@ -244,7 +239,7 @@ def become_fresh_child(
     stderr_fd: int | None,
     keep_fds: tuple[int, ...] = (),
 ) -> None:
-    """In a forked child whose signals are blocked (:func:`block_signals_for_fork`): a session
+    """In a forked child whose signals are blocked (:func:`forked`): a session
     of its own, signals as a fresh interpreter started by this process has them and unblocked,
     fds 0-2 as given with fresh ``sys`` streams, every other descriptor closed but ``keep_fds``,
     ``os.environ`` = ``env``."""

@@ -64,8 +64,6 @@ def unforkable_session(config: pytest.Config) -> str:
     traced = monitoring is not None and any(monitoring.get_tool(i) for i in range(6))
     if traced or sys.gettrace() is not None or sys.getprofile() is not None:
         return "this process is traced (coverage, a profiler, a debugger)"
-    if not hasattr(os, "fork"):
-        return "this platform cannot fork"
     if template._threads() != 1:
         return "this process runs threads"
     return ""
@@ -117,13 +115,9 @@ def distribution_modules(dist: Any) -> list[str]:
 
 
 def fork_session(config: pytest.Config) -> None:
-    """At the session's start - every plugin imported (through pytest's assertion rewriting, as a
-    rank imports them), no conftest, nothing collected, no thread - fork this process as the
-    session's template (its :class:`ForkServer` kept in ``config.stash[EARLY]``): a rank then
-    skips an interpreter's start and every import without the template paying them first. Its
-    imports of msrun's modules start at once where the last session had marked tests (or no cache
-    says), else with the session's first job. Nothing is forked where the process is not clean
-    (:func:`unforkable_session`); a template is then spawned when first needed."""
+    """Fork this clean process (:func:`unforkable_session`) as the session's template, its
+    :class:`ForkServer` kept in ``config.stash[EARLY]``. Its imports of msrun's modules start at
+    once where the last session had marked tests (or no cache says), else with the first job."""
     global _sessions_seen
     _sessions_seen += 1
     if unforkable_session(config):
