@@ -28,6 +28,7 @@ from pytest_msrun.waiting import wait_until
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import subprocess
     from typing import Any
 
     from pytest_msrun.engine.containment import JobGuard
@@ -78,20 +79,24 @@ def die_with_parent(sig: int, parent: int = 0) -> None:
         os._exit(128 + int(sig))
 
 
-def with_parent_death_signal(argv: list[str], sig: signal.Signals) -> tuple[list[str], Callable[[], None] | None]:
-    """``argv`` and a ``preexec_fn`` (or None) so the child gets ``sig`` when this thread's process dies.
+def popen_dying_with_parent(argv: list[str], sig: signal.Signals, **popen: Any) -> subprocess.Popen:
+    """``subprocess.Popen(argv, **popen)`` in a session of its own with stdin from /dev/null, the
+    child getting ``sig`` when this thread's process dies.
 
     Used for processes that clean up after themselves on ``sig`` (msrun tears its job down on
     SIGTERM): whatever way their parent ends, ``kill -9`` included, they are told. util-linux's
     ``setpriv --pdeathsig`` sets it where installed (``subprocess`` keeps its fast path); else a
     ``preexec_fn`` does.
     """
-    setpriv = which("setpriv")
+    import subprocess
+
+    setpriv, preexec, parent = which("setpriv"), None, os.getpid()
     if setpriv:
-        return [setpriv, "--pdeathsig", sig.name[3:], "--", *argv], None
-    _prctl(0, 0)  # libc loaded in the parent: the child must not import or load anything
-    parent = os.getpid()
-    return list(argv), lambda: die_with_parent(sig, parent)  # runs in the forked child, before exec
+        argv = [setpriv, "--pdeathsig", sig.name[3:], "--", *argv]
+    else:
+        _prctl(0, 0)  # libc loaded in the parent: the child must not import or load anything
+        preexec = lambda: die_with_parent(sig, parent)  # noqa: E731 - runs in the forked child, before exec
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec, **popen)
 
 
 def resolve(program: str, env: Mapping[str, str]) -> str:

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from pytest_msrun.engine import template
-from pytest_msrun.engine.processes import Child, with_parent_death_signal
+from pytest_msrun.engine.processes import Child, popen_dying_with_parent
 from pytest_msrun.fileio import open_output
 from pytest_msrun.plugin import options
 from pytest_msrun.plugin.marker import MARKER
@@ -111,18 +111,11 @@ class ForkServer:
         preload, plugins = self.preload()
         hello = json.dumps({"preload": preload, "plugins": plugins})
         env = {**self.origin, template.FD_ENV: str(theirs.fileno()), template.HELLO_ENV: hello}
-        argv, preexec = with_parent_death_signal([sys.executable, "-m", template.__name__], signal.SIGKILL)
+        argv = [sys.executable, "-m", template.__name__]
         try:
             with open_output(self.log_path(), binary=True) as log:
-                self._proc = subprocess.Popen(
-                    argv,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    pass_fds=(theirs.fileno(),),
-                    start_new_session=True,
-                    preexec_fn=preexec,
+                self._proc = popen_dying_with_parent(
+                    argv, signal.SIGKILL, env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(theirs.fileno(),)
                 )
         finally:
             theirs.close()
