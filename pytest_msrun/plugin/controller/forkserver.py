@@ -30,7 +30,7 @@ from pytest_msrun.plugin import options
 from pytest_msrun.plugin.marker import MARKER
 from pytest_msrun.proc import wait_readable
 from pytest_msrun.record import field, record
-from pytest_msrun.targets import module_of
+from pytest_msrun.targets import TARGETS
 
 READY_TIMEOUT = 120.0  # s the first request waits for the template's imports
 # what every rank imports as it starts (its debugger's hooks, its extras' and call phase's plugins)
@@ -289,7 +289,7 @@ def preload_for(config: pytest.Config, skip: list[str]) -> tuple[list[str], list
     then the plugins loaded from installed distributions (entry points) but those in ``skip``
     (``-p no:NAME`` given to ranks)."""
     names = ["pytest", "pytest_msrun.pytest_plugin", "pytest_msrun.plugin.rank.rank", "pytest_msrun.plugin.rank.serve"]
-    names += ["pytest_msrun.plugin.rank.forked", module_of("msrun"), *RANK_MODULES]
+    names += ["pytest_msrun.plugin.rank.forked", TARGETS["msrun"].partition(":")[0], *RANK_MODULES]
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
         return names, []
     manager = config.pluginmanager
