@@ -33,7 +33,7 @@ import weakref
 from os import _exit  # taken now: a test that replaces os._exit does not change how a rank ends
 from typing import Any
 
-from pytest_msrun.engine import processes
+from pytest_msrun.engine import processes, suppress
 from pytest_msrun.plugin.rule.records import encode_json
 
 
@@ -102,12 +102,8 @@ def child_exit(status: int) -> None:
 
 
 def tell_parent(fd: int, info: dict[str, Any]) -> None:
-    try:
-        os.write(fd, encode_json(info).encode())
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    with suppress(OSError), os.fdopen(fd, "wb", buffering=0) as pipe:
+        pipe.write(encode_json(info).encode())
 
 
 # ---------------------------------------------------------------- in the template
@@ -182,19 +178,10 @@ def raise_again(signum: int) -> None:
 
 
 def read_info(fd: int) -> dict[str, Any]:
-    chunks = []
-    try:
-        while data := os.read(fd, 65536):
-            chunks.append(data)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-    try:
-        info = json.loads(b"".join(chunks) or b"{}")
-    except ValueError:
-        return {}
-    return info if isinstance(info, dict) else {}
+    """What the child told (:func:`tell_parent`); {} where it ended before it had told all."""
+    with os.fdopen(fd, "rb") as pipe, suppress(OSError, ValueError):
+        return json.loads(pipe.read() or b"{}")
+    return {}
 
 
 def mirror(code: int) -> None:
