@@ -244,10 +244,9 @@ def become_fresh_child(
     stderr_fd: int | None,
     keep_fds: tuple[int, ...] = (),
 ) -> None:
-    """In a forked child whose signals are blocked (:func:`forked`): a session
-    of its own, signals as a fresh interpreter started by this process has them and unblocked,
-    fds 0-2 as given with fresh ``sys`` streams, every other descriptor closed but ``keep_fds``,
-    ``os.environ`` = ``env``."""
+    """In a forked child whose signals are blocked (:func:`forked`): a session of its own, signals
+    as a fresh interpreter started by this process has them and unblocked, fds 0-2 as given with
+    fresh ``sys`` streams, every other descriptor closed but ``keep_fds``, ``os.environ`` = ``env``."""
     os.setsid()
     import gc
 

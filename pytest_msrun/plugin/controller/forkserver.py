@@ -61,10 +61,10 @@ class ForkedProcess(Child):
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int | None:
-        if timeout is None:
+        if timeout is None and not self.reap():  # unreaped: the pid is still this child's
             with contextlib.suppress(ChildProcessError):  # (reaped elsewhere: reap() says so)
                 os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
-        elif self.peek_end(timeout) is None and not self.reap():
+        elif timeout is not None and self.peek_end(timeout) is None and not self.reap():
             raise subprocess.TimeoutExpired(self.args, timeout)
         return self.poll()
 
