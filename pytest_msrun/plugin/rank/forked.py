@@ -158,10 +158,9 @@ def wait_forwarding(pid: int, stacks: Any) -> tuple[int, int]:
             faulthandler.unregister(signum)
         previous[signum] = signal.signal(signum, forward)
     try:
-        try:
-            _, status = os.waitpid(pid, 0)  # retried after a handler ran (PEP 475)
-        except ChildProcessError:
-            status = 0
+        _, status = os.waitpid(pid, 0)  # retried after a handler ran (PEP 475)
+    except ChildProcessError:
+        status = 0
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
