@@ -1,6 +1,6 @@
 """The one registry of functions a process has another run by name (``module:function``).
 
-A fork of msrun (its control plane, a forked worker), a fork server's request, a template's
+A fork of msrun (its control plane, a forked worker), a fork server's msrun, a template's
 preparation and a job-end reporter name their function by a key of :data:`TARGETS`;
 :func:`resolve` imports only what the table names, so no request, file or environment can make a
 process call anything else.
@@ -26,21 +26,11 @@ class UnknownTarget(LookupError):
     """A name that is not a key of :data:`TARGETS`."""
 
 
-def module_of(key: str) -> str:
-    """The module that holds target ``key``."""
-    return _target(key).partition(":")[0]
-
-
 def resolve(key: str) -> Callable[..., Any]:
     """The function registered as ``key`` (its module imported); :class:`UnknownTarget` else."""
     import importlib
 
-    module, _, function = _target(key).partition(":")
-    return getattr(importlib.import_module(module), function)
-
-
-def _target(key: str) -> str:
-    target = TARGETS.get(key) if isinstance(key, str) else None
-    if target is None:
+    if key not in TARGETS:
         raise UnknownTarget(f"{key!r} is not a registered target (pytest_msrun.targets.TARGETS)")
-    return target
+    module, _, function = TARGETS[key].partition(":")
+    return getattr(importlib.import_module(module), function)

@@ -248,9 +248,9 @@ def test_wait_forwarding_lets_the_child_end_first_and_keeps_the_stack_dumps(tmp_
                 os.killpg(os.getpgrp(), signal.SIGTERM)  # msrun ending the job
                 while True:
                     time.sleep(1)
-            status, terminated = forked.wait_forwarding(pid, stacks)
+            code, terminated = forked.wait_forwarding(pid, stacks)
             assert os.path.exists(os.path.join(out, "child-ended"))
-            print(forked.returncode(status), int(terminated), flush=True)
+            print(code, int(terminated), flush=True)
             os.kill(os.getpid(), signal.SIGUSR1)  # dumped, not the end of the template
             stacks.flush()
             print(open(stacks.name).read().count("Current thread") >= 1, flush=True)

@@ -28,6 +28,7 @@ from pytest_msrun.waiting import wait_until
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import subprocess
     from typing import Any
 
     from pytest_msrun.engine.containment import JobGuard
@@ -57,51 +58,45 @@ def _load_prctl() -> Any:
         return ctypes.CDLL(None, use_errno=True).prctl
 
 
-def _prctl(option: int, arg: int) -> bool:
+def _prctl(option: int, arg: int) -> None:
     global _prctl_call
-    try:
+    with suppress(OSError, AttributeError):
         if _prctl_call is None:
             _prctl_call = _load_prctl()
-        return _prctl_call(option, arg, 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
+        _prctl_call(option, arg, 0, 0, 0)
 
 
-def become_subreaper() -> bool:
+def become_subreaper() -> None:
     """Make orphaned descendants re-parent to this process instead of init."""
-    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
-def die_with_parent(sig: int) -> bool:
-    """This process gets ``sig`` when the thread that forked it ends (``PR_SET_PDEATHSIG``)."""
-    return _prctl(PR_SET_PDEATHSIG, int(sig))
+def die_with_parent(sig: int, parent: int = 0) -> None:
+    """This process gets ``sig`` when the thread that forked it ends (``PR_SET_PDEATHSIG``); given
+    its ``parent``'s pid, it ends at once (status ``128 + sig``) where that parent is gone already."""
+    _prctl(PR_SET_PDEATHSIG, int(sig))
+    if parent and os.getppid() != parent:
+        os._exit(128 + int(sig))
 
 
-def with_parent_death_signal(
-    argv: list[str], sig: signal.Signals = signal.SIGTERM
-) -> tuple[list[str], Callable[[], None] | None]:
-    """``argv`` and a ``preexec_fn`` (or None) so the child gets ``sig`` when this thread's process dies.
+def popen_dying_with_parent(argv: list[str], sig: signal.Signals, **popen: Any) -> subprocess.Popen:
+    """``subprocess.Popen(argv, **popen)`` in a session of its own with stdin from /dev/null, the
+    child getting ``sig`` when this thread's process dies.
 
     Used for processes that clean up after themselves on ``sig`` (msrun tears its job down on
     SIGTERM): whatever way their parent ends, ``kill -9`` included, they are told. util-linux's
     ``setpriv --pdeathsig`` sets it where installed (``subprocess`` keeps its fast path); else a
     ``preexec_fn`` does.
     """
-    setpriv = which("setpriv")
+    import subprocess
+
+    setpriv, preexec, parent = which("setpriv"), None, os.getpid()
     if setpriv:
-        return [setpriv, "--pdeathsig", sig.name[3:], "--", *argv], None
-    if _prctl_call is None:
-        _prctl(0, 0)  # load libc in the parent: the child must not import or load anything
-    parent = os.getpid()
-    signum = int(sig)
-    prctl = _prctl_call
-
-    def setup() -> None:  # runs in the forked child, before exec
-        prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
-        if os.getppid() != parent:
-            os._exit(128 + signum)
-
-    return list(argv), setup
+        argv = [setpriv, "--pdeathsig", sig.name[3:], "--", *argv]
+    else:
+        _prctl(0, 0)  # libc loaded in the parent: the child must not import or load anything
+        preexec = lambda: die_with_parent(sig, parent)  # noqa: E731 - runs in the forked child, before exec
+    return subprocess.Popen(argv, stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=preexec, **popen)
 
 
 def resolve(program: str, env: Mapping[str, str]) -> str:
@@ -152,11 +147,13 @@ def fork_call(
 
 
 def forked(body: Callable[[], int], fork: Callable[[], int]) -> int:
-    """Run ``body`` in a child that ``fork`` makes, with every signal blocked across the fork (see
-    :func:`fork_call`); returns its pid here. In the child ``body()``'s result is
-    the exit status (a ``SystemExit``'s as the interpreter computes it; another exception is
-    printed, and gives 1), after the standard streams are flushed."""
-    blocked = block_signals_for_fork()
+    """Run ``body`` in a child that ``fork`` makes, this process's streams flushed first (nothing
+    buffered may be written twice) and every signal blocked across the fork (see :func:`fork_call`);
+    returns its pid here. In the child ``body()``'s result is the exit status (a ``SystemExit``'s as
+    the interpreter computes it; another exception is printed, and gives 1), after the standard
+    streams are flushed."""
+    flush_std_streams()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
     pid = -1
     try:
         pid = fork()
@@ -214,11 +211,17 @@ def flush_std_streams() -> None:
             stream.flush()
 
 
-def block_signals_for_fork() -> set[int | signal.Signals]:
-    """Flush this process's streams (nothing buffered may be written twice) and block every
-    signal; returns the mask to restore in the parent after the fork."""
+def run_exit_steps() -> None:
+    """What an interpreter does on its way out, before ``os._exit``: wait for its non-daemon
+    threads, run its ``atexit`` handlers, flush its standard streams."""
+    import atexit
+    import threading
+
+    with suppress(BaseException):
+        threading._shutdown()  # type: ignore[attr-defined]
+    with suppress(BaseException):
+        atexit._run_exitfuncs()
     flush_std_streams()
-    return signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
 
 
 def exit_code_of(exc: SystemExit) -> int:
@@ -241,10 +244,9 @@ def become_fresh_child(
     stderr_fd: int | None,
     keep_fds: tuple[int, ...] = (),
 ) -> None:
-    """In a forked child whose signals are blocked (:func:`block_signals_for_fork`): a session
-    of its own, signals as a fresh interpreter started by this process has them and unblocked,
-    fds 0-2 as given with fresh ``sys`` streams, every other descriptor closed but ``keep_fds``,
-    ``os.environ`` = ``env``."""
+    """In a forked child whose signals are blocked (:func:`forked`): a session of its own, signals
+    as a fresh interpreter started by this process has them and unblocked, fds 0-2 as given with
+    fresh ``sys`` streams, every other descriptor closed but ``keep_fds``, ``os.environ`` = ``env``."""
     os.setsid()
     import gc
 
@@ -434,10 +436,10 @@ def close_inherited_descriptors() -> None:
                     os.set_inheritable(fd, False)
 
 
-def term_grace(env: Mapping[str, str] | None = None) -> float:
+def term_grace() -> float:
     """How long a process may take to end after SIGTERM (``MSRUN_TERM_TIMEOUT``, 5 s)."""
     try:
-        return max(0.0, float((os.environ if env is None else env).get("MSRUN_TERM_TIMEOUT", "5")))
+        return max(0.0, float(os.environ.get("MSRUN_TERM_TIMEOUT", "5")))
     except ValueError:
         return 5.0
 

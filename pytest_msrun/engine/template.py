@@ -27,7 +27,7 @@ from pytest_msrun.engine import suppress
 from pytest_msrun.targets import resolve
 
 FD_ENV = "MSRUN_TEMPLATE_FD"  # the template's end of its socketpair (a descriptor number)
-_RESTART_ENV = "MSRUN_TEMPLATE_RESTART"  # what a template that started over imports (JSON)
+HELLO_ENV = "MSRUN_TEMPLATE_HELLO"  # what the template imports, and how it started (JSON; a start over's too)
 ENGINE_MODULES = (  # what msrun runs in a job: its launch path and the control plane it forks
     "pytest_msrun.engine.cli",
     "pytest_msrun.engine.agent",
@@ -215,28 +215,20 @@ def run_module(env: dict[str, str], argv: list[str]) -> int:
     sys.path[0] = os.getcwd()  # what -m puts first
     sys.argv = ["-m", *argv[3:]]  # runpy puts the module's file first, as -m does
     sys.orig_argv = list(argv)
+    from pytest_msrun.engine.processes import exit_code_of, run_exit_steps
+
     code = 0
     try:
         import runpy
 
         runpy._run_module_as_main(argv[2])  # type: ignore[attr-defined]
     except SystemExit as exc:
-        from pytest_msrun.engine.processes import exit_code_of
-
         code = exit_code_of(exc)
     except BaseException:
         code = 1
         with suppress(Exception):
             sys.excepthook(*sys.exc_info())
-    # what an interpreter does on its way out, before os._exit: join non-daemon threads, run atexit
-    # handlers (fork_call, which runs this, flushes the standard streams after)
-    threading = sys.modules.get("threading")
-    if threading is not None:
-        with suppress(BaseException):
-            threading._shutdown()
-    import atexit
-
-    atexit._run_exitfuncs()
+    run_exit_steps()
     return code
 
 
@@ -290,31 +282,20 @@ def _threads() -> int:
 
 
 def _preload(hello: dict) -> list[str]:
-    """Import the hello's ``preload`` modules, then msrun's own, then - inside ``prepare``
-    (``module:function`` returning what ends it, or None where it cannot be made) - its
-    ``plugins``, but ``skip``; returns those that failed, with why (a fork imports them again).
+    """Import the hello's ``preload`` modules, then msrun's own, then - inside pytest's
+    assertion-rewriting hook (target ``rewriting-hook``: what ends it, or None where it cannot be
+    made) - its ``plugins``, but ``skip``; returns those that failed, with why (a fork imports them
+    again).
 
     A module whose import starts a thread (numpy's BLAS pool, say) cannot be in a template - a
     fork copies one thread and none of the locks the others hold: the template starts over
     without it (``exec`` of itself: the threads end), so that module is the ranks' own import."""
     import importlib
 
-    def names(key: str) -> list[str]:
-        return [n for n in hello.get(key) or [] if isinstance(n, str)]
+    skip, failed = hello.get("skip", []), []
 
-    skip, failed = names("skip"), []
-    prepare = str(hello.get("prepare") or "")
-    for group in ("preload", "plugins"):
-        done = None
-        # (a template forked from the session's process has its plugins imported: nothing to prepare)
-        if group == "plugins" and prepare and not all(n in sys.modules for n in names(group)):
-            done = resolve(prepare)()
-            if done is None:  # no such hook here: the ranks import the plugins themselves
-                break
-        todo = names(group) + (list(ENGINE_MODULES) if group == "preload" else [])
-        for name in todo:
-            if name in skip:
-                continue
+    def load(names: list[str]) -> None:
+        for name in (n for n in names if n not in skip):
             try:
                 importlib.import_module(name)
             except BaseException as exc:  # a plugin's import error is the rank's to report
@@ -322,34 +303,36 @@ def _preload(hello: dict) -> list[str]:
             if _threads() > 1:
                 import json
 
-                os.environ[_RESTART_ENV] = json.dumps({**hello, "skip": [*skip, name]})
+                os.environ[HELLO_ENV] = json.dumps({**hello, "skip": [*skip, name]})
                 os.execv(sys.executable, [sys.executable, "-m", "pytest_msrun.engine.template"])
-        if callable(done):
-            done()
+
+    load([*hello["preload"], *ENGINE_MODULES])
+    # (a template forked from the session's process has its plugins imported: nothing to prepare)
+    plugins = [n for n in hello["plugins"] if n not in sys.modules]
+    done = resolve("rewriting-hook")() if plugins else None
+    if done is not None:  # None: no such hook here, the ranks import the plugins themselves
+        load(plugins)
+        done()
     return failed
 
 
 def _start_msrun(request: dict, fds: list[int], parent: int) -> int:
-    """Fork msrun for ``request`` (``call``: msrun's entry point as ``module:function``, called
-    with ``argv``; its environment, working directory; ``fds``: its stdin, stdout and stderr) as a
-    child of ``parent``; returns its pid."""
+    """Fork ``python -m pytest_msrun ...`` for ``request`` (its ``cmdline``, environment and
+    working directory; ``fds``: its stdin, stdout and stderr) as a child of ``parent``; returns
+    its pid."""
     import signal
 
     from pytest_msrun.engine.processes import become_fresh_child, die_with_parent, forked
 
     def run() -> int:
-        die_with_parent(signal.SIGTERM)  # msrun tears its job down on SIGTERM, as spawned
-        if os.getppid() != parent:  # the requester is gone already
-            os._exit(128 + signal.SIGTERM)
+        die_with_parent(signal.SIGTERM, parent)  # msrun tears its job down on SIGTERM, as spawned
         become_fresh_child(request["env"], stdin_fd=fds[0], stdout_fd=fds[1], stderr_fd=fds[2])
         os.chdir(request["cwd"])
-        if request.get("cmdline"):
-            show_as(list(request["cmdline"]), request["env"])
-        args = list(request["argv"])
-        main = resolve(str(request["call"]))  # a registered target only; its module imported
-        entry = sys.modules[main.__module__]
-        sys.argv = [str(request.get("argv0") or getattr(entry, "__file__", main.__module__)), *args]
-        return main(args)
+        cmd = list(request["cmdline"])
+        show_as(cmd, request["env"])
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        sys.argv = [os.path.join(package, "__main__.py"), *cmd[3:]]  # as python -m sets it
+        return resolve("msrun")(cmd[3:])
 
     return forked(run, clone_parent)
 
@@ -370,83 +353,70 @@ def _await_session(sock: object, hello: dict) -> bool:
     return bool(data)
 
 
-def serve(sock: object, parent: int, early: dict | None = None) -> int:
-    """The template's life: a first message naming what to import (or ``early``'s, in a template
-    forked from the session's own process), then one msrun per request, until the requester
-    closes its end."""
+def serve(sock: object, parent: int) -> int:
+    """The template's life, as ``parent``'s child that ends with it: the imports its hello names
+    (:data:`HELLO_ENV`), then one msrun per request, until the requester closes its end."""
     import gc
     import json
-    import socket
-
-    assert isinstance(sock, socket.socket)
-    global _origin, _stamp
-    restart = os.environ.pop(_RESTART_ENV, "")  # this template started over (see _preload)
-    if early is not None:
-        hello = early
-    elif restart:
-        hello = json.loads(restart)
-    else:
-        data, _, _, _ = socket.recv_fds(sock, REQUEST_LIMIT, 0)
-        if not data:
-            return 0
-        hello = json.loads(data)
-    _origin = {k: v for k, v in os.environ.items() if k != FD_ENV}
-    # "lazy": the session may have no job (its imports wait for its first); "eager": they start now
-    if hello.get("early") == "lazy" and not _await_session(sock, hello):
-        return 0
-    failed = _preload(hello)
-    del os.environ[FD_ENV]
-    if hello.get("early") == "eager" and not _await_session(sock, hello):
-        return 0
-    _stamp = _take_stamp()
-    why = "" if _threads() == 1 else "an import started a thread (a fork copies only one)"
-    gc.collect()
-    gc.freeze()  # what the imports made stays shared with every fork (collections do not copy it)
-    how = "forked from the session's process" if hello.get("early") else "started"
-    print(f"fork server {os.getpid()}: {how}; {len(sys.modules)} modules imported", flush=True)
-    sock.send(json.dumps({"ready": True, "why": why, "failed": failed}).encode())
-    while True:  # (a signal does not interrupt a wait here: PEP 475)
-        data, fds, _, _ = socket.recv_fds(sock, REQUEST_LIMIT, 3)
-        if not data:
-            return 0
-        try:
-            request = json.loads(data)
-            problem = why or stale()
-            if problem:
-                reply: dict = {"error": problem}
-            elif len(fds) != 3:
-                reply = {"error": "a request carries stdin, stdout and stderr"}
-            else:
-                reply = {"pid": _start_msrun(request, fds, parent)}
-        except Exception as exc:  # this request's failure, not the template's end
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            for fd in fds:
-                with suppress(OSError):
-                    os.close(fd)
-        sock.send(json.dumps(reply).encode())
-
-
-def main() -> int:
     import signal
     import socket
 
     from pytest_msrun.engine.processes import die_with_parent
 
+    assert isinstance(sock, socket.socket)
+    global _origin, _stamp
+    die_with_parent(signal.SIGKILL, parent)
+    os.set_inheritable(sock.fileno(), True)  # kept across a start over (exec); never given to a fork
+    hello = json.loads(os.environ.pop(HELLO_ENV))
+    try:
+        _origin = {k: v for k, v in os.environ.items() if k != FD_ENV}
+        # "lazy": the session may have no job (its imports wait for its first); "eager": they start now
+        if hello.get("early") == "lazy" and not _await_session(sock, hello):
+            return 0
+        failed = _preload(hello)
+        del os.environ[FD_ENV]
+        if hello.get("early") == "eager" and not _await_session(sock, hello):
+            return 0
+        _stamp = _take_stamp()
+        why = "" if _threads() == 1 else "an import started a thread (a fork copies only one)"
+        gc.collect()
+        gc.freeze()  # what the imports made stays shared with every fork (collections do not copy it)
+        how = "forked from the session's process" if hello.get("early") else "started"
+        print(f"fork server {os.getpid()}: {how}; {len(sys.modules)} modules imported", flush=True)
+        sock.send(json.dumps({"ready": True, "why": why, "failed": failed}).encode())
+        while True:  # (a signal does not interrupt a wait here: PEP 475)
+            data, fds, _, _ = socket.recv_fds(sock, REQUEST_LIMIT, 3)
+            if not data:
+                return 0
+            try:
+                request = json.loads(data)
+                problem = why or stale()
+                if problem:
+                    reply: dict = {"error": problem}
+                elif len(fds) != 3:
+                    reply = {"error": "a request carries stdin, stdout and stderr"}
+                else:
+                    reply = {"pid": _start_msrun(request, fds, parent)}
+            except Exception as exc:  # this request's failure, not the template's end
+                reply = {"error": f"{type(exc).__name__}: {exc}"}
+            finally:
+                for fd in fds:
+                    with suppress(OSError):
+                        os.close(fd)
+            sock.send(json.dumps(reply).encode())
+    except (ConnectionError, KeyboardInterrupt):
+        return 0
+
+
+def main() -> int:
+    import socket
+
     parent = os.getppid()
-    die_with_parent(signal.SIGKILL)
-    if os.getppid() != parent:
-        return 1
     fd = os.environ.get(FD_ENV, "")
     if not fd.isdigit():
         print(f"{FD_ENV} is not set: this module is started by pytest-msrun's plugin", file=sys.stderr)
         return 2
-    sock = socket.socket(fileno=int(fd))
-    os.set_inheritable(sock.fileno(), True)  # kept across a start over (exec); never given to a fork
-    try:
-        return serve(sock, parent)
-    except (ConnectionError, KeyboardInterrupt):
-        return 0
+    return serve(socket.socket(fileno=int(fd)), parent)
 
 
 if __name__ == "__main__":  # run as the imported module, whose state msrun's forks read

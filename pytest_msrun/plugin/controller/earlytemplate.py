@@ -12,15 +12,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import sys
+import time
 from typing import Any
 
 import pytest
 
 from pytest_msrun.engine import template
-from pytest_msrun.engine.processes import become_fresh_child, block_signals_for_fork, die_with_parent
+from pytest_msrun.engine.processes import become_fresh_child, forked
 from pytest_msrun.plugin import options
 from pytest_msrun.plugin.controller.forkserver import (
     MARKED_BEFORE,
@@ -64,8 +64,6 @@ def unforkable_session(config: pytest.Config) -> str:
     traced = monitoring is not None and any(monitoring.get_tool(i) for i in range(6))
     if traced or sys.gettrace() is not None or sys.getprofile() is not None:
         return "this process is traced (coverage, a profiler, a debugger)"
-    if not hasattr(os, "fork"):
-        return "this platform cannot fork"
     if template._threads() != 1:
         return "this process runs threads"
     return ""
@@ -117,81 +115,52 @@ def distribution_modules(dist: Any) -> list[str]:
 
 
 def fork_session(config: pytest.Config) -> None:
-    """At the session's start - every plugin imported (through pytest's assertion rewriting, as a
-    rank imports them), no conftest, nothing collected, no thread - fork this process as the
-    session's template (its :class:`ForkServer` kept in ``config.stash[EARLY]``): a rank then
-    skips an interpreter's start and every import without the template paying them first. Its
-    imports of msrun's modules start at once where the last session had marked tests (or no cache
-    says), else with the session's first job. Nothing is forked where the process is not clean
-    (:func:`unforkable_session`); a template is then spawned when first needed."""
+    """Fork this clean process (:func:`unforkable_session`) as the session's template, its
+    :class:`ForkServer` kept in ``config.stash[EARLY]``. Its imports of msrun's modules start at
+    once where the last session had marked tests (or no cache says), else with the first job."""
     global _sessions_seen
     _sessions_seen += 1
     if unforkable_session(config):
         return
     skip = options.unused_rank_plugins(config)
     preload, plugins = preload_for(config, skip)
-    eager = _marked_before(config) is not False
-    hello = {
-        "preload": preload,
-        "plugins": plugins,
-        # the modules of plugins the ranks do not load, and the project's own: gone from the
-        # template, as from a started one (a rank imports them under its own environment)
-        "forget": project_modules(str(config.rootpath))
-        + [
-            name
-            for p, dist in config.pluginmanager.list_plugin_distinfo()
-            if config.pluginmanager.get_name(p) in skip
-            for name in [getattr(p, "__name__", ""), *distribution_modules(dist)]
-        ],
-        "prepare": "rewriting-hook",
-        "early": "eager" if eager else "lazy",
-    }
+    hello = {"preload": preload, "plugins": plugins, "early": "lazy" if _marked_before(config) is False else "eager"}
+    # the modules of plugins the ranks do not load, and the project's own: gone from the template,
+    # as from a started one (a rank imports them under its own environment)
+    forget = project_modules(str(config.rootpath)) + [
+        name
+        for p, dist in config.pluginmanager.list_plugin_distinfo()
+        if config.pluginmanager.get_name(p) in skip
+        for name in [getattr(p, "__name__", ""), *distribution_modules(dist)]
+    ]
     origin = template_env()
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     parent = os.getpid()
-    blocked = block_signals_for_fork()
+
+    def be_template() -> int:
+        """In the fork: what a spawned template is at its start - its own session, signals,
+        streams (/dev/null until the session sends its log) and environment, and no
+        assertion-rewriting hook (each rank's pytest installs its own) - then the template's life."""
+        ours.close()
+        null = os.open(os.devnull, os.O_RDWR)
+        env = {**origin, template.FD_ENV: str(theirs.fileno()), template.HELLO_ENV: json.dumps(hello)}
+        become_fresh_child(env, stdin_fd=null, stdout_fd=null, stderr_fd=null, keep_fds=(theirs.fileno(),))
+        sys.meta_path[:] = [hook for hook in sys.meta_path if type(hook).__name__ != "AssertionRewritingHook"]
+        for name in forget:
+            sys.modules.pop(name, None)
+        sys.argv = [template.__file__]
+        template.show_as([sys.executable, "-m", template.__name__], env)  # as the spawned one shows
+        return template.serve(theirs, parent)
+
     try:
-        pid = os.fork()
+        pid = forked(be_template, os.fork)
     except OSError:
-        pid = -1
-    if pid == 0:  # the template
-        code = 1
-        try:
-            ours.close()
-            code = _be_template(theirs, parent, origin, hello)
-        except BaseException:
-            pass
-        finally:
-            os._exit(code)
-    signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-    theirs.close()
-    if pid < 0:
         ours.close()
         return
+    finally:
+        theirs.close()
     forks = session_fork_server(config)
-    forks.adopt(ForkedProcess(pid, [sys.executable, "-m", template.__name__]), ours, origin)
+    argv = [sys.executable, "-m", template.__name__]
+    forks.adopt(ForkedProcess(tag=None, pid=pid, started=time.time(), args=argv), ours, origin)
     config.stash[EARLY] = forks
     config.add_cleanup(forks.close)  # (where the session ended first, or had no controller)
-
-
-def _be_template(sock: socket.socket, parent: int, origin: dict[str, str], hello: dict[str, Any]) -> int:
-    """In the fork: what a spawned template is at its start - its own session, signals, streams
-    (/dev/null until the session sends its log) and environment, and no assertion-rewriting hook
-    (each rank's pytest installs its own) - then the template's life."""
-    die_with_parent(signal.SIGKILL)
-    if os.getppid() != parent:
-        return 1
-    null = os.open(os.devnull, os.O_RDWR)
-    fd = sock.fileno()
-    env = {**origin, template.FD_ENV: str(fd)}
-    become_fresh_child(env, stdin_fd=null, stdout_fd=null, stderr_fd=null, keep_fds=(fd,))
-    os.set_inheritable(fd, True)  # kept across a start over (exec); never given to a fork
-    sys.meta_path[:] = [hook for hook in sys.meta_path if type(hook).__name__ != "AssertionRewritingHook"]
-    for name in hello.pop("forget", []):
-        sys.modules.pop(name, None)
-    sys.argv = [template.__file__]
-    template.show_as([sys.executable, "-m", template.__name__], env)  # as the spawned one shows
-    try:
-        return template.serve(sock, parent, early=hello)
-    except (ConnectionError, KeyboardInterrupt):
-        return 0

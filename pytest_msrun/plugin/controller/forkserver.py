@@ -17,18 +17,20 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from pytest_msrun.engine import template
-from pytest_msrun.engine.processes import with_parent_death_signal
+from pytest_msrun.engine.processes import Child, popen_dying_with_parent
 from pytest_msrun.fileio import open_output
 from pytest_msrun.plugin import options
 from pytest_msrun.plugin.marker import MARKER
 from pytest_msrun.proc import wait_readable
-from pytest_msrun.targets import module_of
+from pytest_msrun.record import field, record
+from pytest_msrun.targets import TARGETS
 
 READY_TIMEOUT = 120.0  # s the first request waits for the template's imports
 # what every rank imports as it starts (its debugger's hooks, its extras' and call phase's plugins)
@@ -42,53 +44,34 @@ SESSION_VARS = ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_CURR
 REPLY_TIMEOUT = 30.0  # s a request waits for its pid (a fork: milliseconds)
 
 
-class ForkedProcess:
+@record(eq=False)
+class ForkedProcess(Child):
     """A child of this process that the fork server forked (``CLONE_PARENT``), with the part of
     :class:`subprocess.Popen` the plugin uses: ``poll``, ``wait``, ``kill``, ``pid``,
     ``returncode``, ``args``."""
 
-    def __init__(self, pid: int, args: list[str]) -> None:
-        self.pid = pid
-        self.args = args
-        self.returncode: int | None = None
-        try:
-            self._pidfd: int | None = os.pidfd_open(pid)
-        except (AttributeError, OSError):
-            self._pidfd = None
+    args: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        with contextlib.suppress(AttributeError, OSError):
+            self.pidfd = os.pidfd_open(self.pid)
 
     def poll(self) -> int | None:
-        if self.returncode is None:
-            try:
-                pid, status = os.waitpid(self.pid, os.WNOHANG)
-            except ChildProcessError:  # reaped elsewhere: its status is lost
-                pid, status = self.pid, 255 << 8
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-                self._close()
+        self.reap()
         return self.returncode
 
-    def wait(self, timeout: float | None = None) -> int:
-        if self.poll() is None and timeout is None:
-            _, status = os.waitpid(self.pid, 0)
-            self.returncode = os.waitstatus_to_exitcode(status)
-            self._close()
-        elif self.poll() is None and timeout is not None:
-            if self._pidfd is not None:
-                wait_readable(self._pidfd, max(0.0, timeout))
-            if self.poll() is None:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-        assert self.returncode is not None
-        return self.returncode
+    def wait(self, timeout: float | None = None) -> int | None:
+        if timeout is None and not self.reap():  # unreaped: the pid is still this child's
+            with contextlib.suppress(ChildProcessError):  # (reaped elsewhere: reap() says so)
+                os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOWAIT)
+        elif timeout is not None and self.peek_end(timeout) is None and not self.reap():
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.poll()
 
     def kill(self) -> None:
-        if self.poll() is None:  # unreaped: the pid is still this child's
+        if not self.reap():  # unreaped: the pid is still this child's
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.pid, signal.SIGKILL)
-
-    def _close(self) -> None:
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
 
 
 class ForkServer:
@@ -125,25 +108,18 @@ class ForkServer:
                 self.close()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.origin = template_env()
-        env = {**self.origin, template.FD_ENV: str(theirs.fileno())}
-        argv, preexec = with_parent_death_signal([sys.executable, "-m", template.__name__], signal.SIGKILL)
+        preload, plugins = self.preload()
+        hello = json.dumps({"preload": preload, "plugins": plugins})
+        env = {**self.origin, template.FD_ENV: str(theirs.fileno()), template.HELLO_ENV: hello}
+        argv = [sys.executable, "-m", template.__name__]
         try:
             with open_output(self.log_path(), binary=True) as log:
-                self._proc = subprocess.Popen(
-                    argv,
-                    env=env,
-                    stdin=subprocess.DEVNULL,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    pass_fds=(theirs.fileno(),),
-                    start_new_session=True,
-                    preexec_fn=preexec,
+                self._proc = popen_dying_with_parent(
+                    argv, signal.SIGKILL, env=env, stdout=log, stderr=subprocess.STDOUT, pass_fds=(theirs.fileno(),)
                 )
         finally:
             theirs.close()
         self._sock = ours
-        preload, plugins = self.preload()
-        ours.send(json.dumps({"preload": preload, "plugins": plugins, "prepare": "rewriting-hook"}).encode())
 
     def begin(self) -> None:
         """Start the template now (its imports overlap what this session does meanwhile)."""
@@ -188,10 +164,7 @@ class ForkServer:
         if self._broken or not self._await_ready():
             return None
         assert self._sock is not None
-        import pytest_msrun
-
-        argv0 = os.path.join(os.path.dirname(pytest_msrun.__file__), "__main__.py")  # as python -m sets it
-        request = {"call": "msrun", "argv0": argv0, "argv": cmd[3:], "cmdline": cmd, "env": env, "cwd": os.getcwd()}
+        request = {"cmdline": cmd, "env": env, "cwd": os.getcwd()}
         null = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
         try:
             socket.send_fds(self._sock, [json.dumps(request).encode()], [null, stdout, stderr])
@@ -206,7 +179,7 @@ class ForkServer:
             more = f"forks nothing more: {reply.get('error') or 'no pid'}" if reply is not None else "did not answer"
             self._fail(f"the fork server {more}")
             return None
-        return ForkedProcess(pid, cmd)
+        return ForkedProcess(tag=None, pid=pid, started=time.time(), args=cmd)
 
     def close(self) -> None:
         """End the template: its socket closed (its end of file: it returns), then its process waited
@@ -316,7 +289,7 @@ def preload_for(config: pytest.Config, skip: list[str]) -> tuple[list[str], list
     then the plugins loaded from installed distributions (entry points) but those in ``skip``
     (``-p no:NAME`` given to ranks)."""
     names = ["pytest", "pytest_msrun.pytest_plugin", "pytest_msrun.plugin.rank.rank", "pytest_msrun.plugin.rank.serve"]
-    names += ["pytest_msrun.plugin.rank.forked", module_of("msrun"), *RANK_MODULES]
+    names += ["pytest_msrun.plugin.rank.forked", TARGETS["msrun"].partition(":")[0], *RANK_MODULES]
     if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):
         return names, []
     manager = config.pluginmanager

@@ -16,7 +16,7 @@ import threading
 from typing import IO, Union
 
 from pytest_msrun.engine import template
-from pytest_msrun.engine.processes import with_parent_death_signal
+from pytest_msrun.engine.processes import popen_dying_with_parent
 from pytest_msrun.fileio import open_output
 from pytest_msrun.plugin.controller.forkserver import ForkedProcess, ForkServer
 
@@ -41,16 +41,7 @@ def start_msrun(
         out = write_fd if live_output else log_fh.fileno()
         proc: Process | None = forks.start_msrun(cmd, env, out, log_fh.fileno()) if forks is not None else None
         if proc is None:
-            argv, preexec = with_parent_death_signal(cmd, signal.SIGTERM)
-            proc = subprocess.Popen(
-                argv,
-                env=env,
-                stdout=out,
-                stderr=log_fh,
-                start_new_session=True,
-                stdin=subprocess.DEVNULL,
-                preexec_fn=preexec,
-            )
+            proc = popen_dying_with_parent(cmd, signal.SIGTERM, env=env, stdout=out, stderr=log_fh)
         if live_output:
             reader, read_fd = os.fdopen(read_fd, "rb"), -1
             pump = threading.Thread(target=_pump_rank_lines, args=(reader, log_fh, relayed), daemon=True)

@@ -33,7 +33,7 @@ import weakref
 from os import _exit  # taken now: a test that replaces os._exit does not change how a rank ends
 from typing import Any
 
-from pytest_msrun.engine import processes
+from pytest_msrun.engine import processes, suppress
 from pytest_msrun.plugin.rule.records import encode_json
 
 
@@ -97,25 +97,13 @@ def child_start() -> None:
 def child_exit(status: int) -> None:
     """End the child as the interpreter ends a process: its non-daemon threads are waited for,
     its exit handlers run, its output flushed - then ``status``."""
-    try:
-        threading._shutdown()  # type: ignore[attr-defined]
-    except BaseException:  # noqa: BLE001 - the process ends regardless
-        pass
-    try:
-        atexit._run_exitfuncs()
-    except BaseException:  # noqa: BLE001
-        pass
-    processes.flush_std_streams()
+    processes.run_exit_steps()
     _exit(status)
 
 
 def tell_parent(fd: int, info: dict[str, Any]) -> None:
-    try:
-        os.write(fd, encode_json(info).encode())
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    with suppress(OSError), os.fdopen(fd, "wb", buffering=0) as pipe:
+        pipe.write(encode_json(info).encode())
 
 
 # ---------------------------------------------------------------- in the template
@@ -133,8 +121,9 @@ def dump_stacks_on_signals(stacks: Any) -> None:
 
 
 def wait_forwarding(pid: int, stacks: Any) -> tuple[int, int]:
-    """Wait for the child ``pid``: its wait status, and the terminating signal (SIGTERM) this
-    template got meanwhile (0 if none).
+    """Wait for the child ``pid``: its return code as ``subprocess`` reports it (the exit status,
+    or minus the signal), and the terminating signal (SIGTERM) this template got meanwhile (0 if
+    none).
 
     While it waits, the child is the rank: a stack request (SIGUSR1) is the child's to answer,
     and SIGTERM ends the child first - the template ends only after it (a template ending first
@@ -169,16 +158,15 @@ def wait_forwarding(pid: int, stacks: Any) -> tuple[int, int]:
             faulthandler.unregister(signum)
         previous[signum] = signal.signal(signum, forward)
     try:
-        try:
-            _, status = os.waitpid(pid, 0)  # retried after a handler ran (PEP 475)
-        except ChildProcessError:
-            status = 0
+        _, status = os.waitpid(pid, 0)  # retried after a handler ran (PEP 475)
+    except ChildProcessError:
+        status = 0
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         if stacks is not None:
             dump_stacks_on_signals(stacks)
-    return status, (received[0] if received else 0)
+    return os.waitstatus_to_exitcode(status), (received[0] if received else 0)
 
 
 def raise_again(signum: int) -> None:
@@ -189,28 +177,14 @@ def raise_again(signum: int) -> None:
 
 
 def read_info(fd: int) -> dict[str, Any]:
-    chunks = []
-    try:
-        while data := os.read(fd, 65536):
-            chunks.append(data)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-    try:
-        info = json.loads(b"".join(chunks) or b"{}")
-    except ValueError:
-        return {}
-    return info if isinstance(info, dict) else {}
-
-
-def returncode(status: int) -> int:
-    """A wait status as ``subprocess`` reports it: the exit status, or minus the signal."""
-    return os.waitstatus_to_exitcode(status)
+    """What the child told (:func:`tell_parent`); {} where it ended before it had told all."""
+    with os.fdopen(fd, "rb") as pipe, suppress(OSError, ValueError):
+        return json.loads(pipe.read() or b"{}")
+    return {}
 
 
 def mirror(code: int) -> None:
-    """End this process as its child ended (``code`` as :func:`returncode` gives it): msrun then
+    """End this process as its child ended (``code`` as :func:`wait_forwarding` gives it): msrun then
     sees the rank end as the test's process did."""
     processes.flush_std_streams()
     if code < 0:

@@ -409,9 +409,8 @@ class WorldServer:
             os.close(read_fd)
             self._child(item, msg, write_fd)  # never returns
         os.close(write_fd)
-        status, terminated = forked.wait_forwarding(pid, self.rank_plugin.stacks)
+        code, terminated = forked.wait_forwarding(pid, self.rank_plugin.stacks)
         info = forked.read_info(read_fd)
-        code = forked.returncode(status)
         if not info.get("done") or code != info.get("status"):
             forked.mirror(code)
         if info.get("quit"):
