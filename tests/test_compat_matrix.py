@@ -61,8 +61,7 @@ def run(case: Case, directory: Path, marked: bool) -> tuple[dict[str, Any], str]
         "pytest",
         "-p",
         "pytest_msrun.pytest_plugin",
-        "-p",
-        case.plugin,
+        *(("-p", case.plugin) if case.plugin else ()),
         *case.args,
         "test_case.py",
     ]

@@ -35,7 +35,7 @@ SESSION_ONLY = frozenset(
         # what runs: the rank is given its test
         "file_or_dir", "keyword", "markexpr", "deselect", "ignore", "ignore_glob", "continue_on_collection_errors",
         "collectonly", "exitfirst", "maxfail", "lf", "last_failed_no_failures", "failedfirst", "newfirst",
-        "cacheclear", "cacheshow", "stepwise", "stepwise_skip", "doctestmodules", "pyargs",
+        "cacheclear", "cacheshow", "stepwise", "stepwise_skip", "pyargs",
         # files and reports of the session
         "basetemp", "xmlpath", "junitprefix", "resultlog", "report_log", "htmlpath", "self_contained_html",
         "pastebin", "durations", "durations_min", "log_file", "log_file_level", "log_file_format",
@@ -171,7 +171,8 @@ def command_line(config: pytest.Config) -> list[str]:
     for override in getattr(opt, "override_ini", None) or []:
         if not override.startswith(("addopts=", "cache_dir=")):
             args += ["-o", override]
-    args.append(f"--capture={getattr(opt, 'capture', 'fd')}")
+    if getattr(opt, "capture", None):  # none under -p no:capture (a rank is given the same -p)
+        args.append(f"--capture={opt.capture}")
     if getattr(opt, "importmode", None):
         args.append(f"--import-mode={opt.importmode}")
     if getattr(opt, "confcutdir", None):
