@@ -3,7 +3,8 @@
 
 The options here are those a marked test once broke (``--setup-only`` ran it, ``--doctest-modules``
 left the ranks unable to find a module's doctests, ``-p no:capture`` gave the ranks an option they
-did not have) and a few whose effect depends on the ranks seeing the session's settings.
+did not have, ``-vv`` left a rank's assertion diff short) and a few whose effect depends on the
+ranks seeing the session's settings.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ HABITS = [
     ("--doctest-modules",),
     ("-p", "no:capture"),
     ("--runxfail",),
+    ("-vv",),
     ("-o", "xfail_strict=true", "-o", "python_functions=test_* check_*"),
     ("-W", "error::DeprecationWarning"),
     ("--maxfail=1",),

@@ -171,6 +171,10 @@ def command_line(config: pytest.Config) -> list[str]:
     for override in getattr(opt, "override_ini", None) or []:
         if not override.startswith(("addopts=", "cache_dir=")):
             args += ["-o", override]
+    # -v/-vv/-q act on assertion diffs, which a rank writes; "verbose" itself stays the session's
+    # (a rank's own terminal is its log): unless the ini says otherwise, diffs as for a plain test
+    if getattr(opt, "verbose", 0) and config.getini("verbosity_assertions") in ("auto", None, ""):
+        args += ["-o", f"verbosity_assertions={opt.verbose}"]
     if getattr(opt, "capture", None):  # none under -p no:capture (a rank is given the same -p)
         args.append(f"--capture={opt.capture}")
     if getattr(opt, "importmode", None):
