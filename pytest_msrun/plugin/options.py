@@ -123,8 +123,8 @@ def apply(config: pytest.Config, env: dict[str, str] | None = None) -> list[str]
     return applied
 
 
-# The cache's session plugins: the controller's session keeps --lf/--nf state, never a rank.
-RANK_BLOCKED = ("no:lfplugin", "no:nfplugin", "no:stepwiseplugin", "no:xdist")
+# The session's selection plugins: the controller keeps --lf/--nf and testmon's state, never a rank.
+RANK_BLOCKED = ("no:lfplugin", "no:nfplugin", "no:stepwiseplugin", "no:xdist", "no:pytest-testmon", "no:testmon")
 
 
 @functools.cache
@@ -164,7 +164,7 @@ def command_line(config: pytest.Config) -> list[str]:
     if config.inipath:
         args += ["-c", str(config.inipath)]
     for name in getattr(opt, "plugins", None) or []:
-        if name not in (*RANK_BLOCKED, "xdist"):
+        if f"no:{name.split('.')[0]}" not in RANK_BLOCKED:
             args += ["-p", name]
     for warning in getattr(opt, "pythonwarnings", None) or []:
         args += ["-W", warning]
