@@ -244,7 +244,8 @@ def pytest_configure(config: pytest.Config) -> None:
         from pytest_msrun.plugin.controller.inprocess import InProcessPlugin
 
         config.pluginmanager.register(InProcessPlugin(), "msrun-inprocess")
-    elif not getattr(config.option, "collectonly", False):
+    elif not (getattr(config.option, "collectonly", False) or getattr(config.option, "setuponly", False)):
+        # --setup-only and --setup-plan run no test, marked or not: pytest's own protocol shows the fixtures
         from pytest_msrun.plugin.controller.controller import Controller
 
         config.pluginmanager.register(Controller(config), "msrun-controller")

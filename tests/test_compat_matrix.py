@@ -51,6 +51,7 @@ def failure_lines(output: str) -> list[str]:
 def run(case: Case, directory: Path, marked: bool) -> tuple[dict[str, Any], str]:
     directory.mkdir()
     for name, text in case.files.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
         (directory / name).write_text(text)
     (directory / "test_case.py").write_text(case.test + ("\n" + MARK + "\n" if marked else ""))
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS")}
@@ -61,8 +62,7 @@ def run(case: Case, directory: Path, marked: bool) -> tuple[dict[str, Any], str]
         "pytest",
         "-p",
         "pytest_msrun.pytest_plugin",
-        "-p",
-        case.plugin,
+        *(("-p", case.plugin) if case.plugin else ()),
         *case.args,
         "test_case.py",
     ]

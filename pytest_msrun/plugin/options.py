@@ -35,7 +35,7 @@ SESSION_ONLY = frozenset(
         # what runs: the rank is given its test
         "file_or_dir", "keyword", "markexpr", "deselect", "ignore", "ignore_glob", "continue_on_collection_errors",
         "collectonly", "exitfirst", "maxfail", "lf", "last_failed_no_failures", "failedfirst", "newfirst",
-        "cacheclear", "cacheshow", "stepwise", "stepwise_skip", "doctestmodules", "pyargs",
+        "cacheclear", "cacheshow", "stepwise", "stepwise_skip", "pyargs",
         # files and reports of the session
         "basetemp", "xmlpath", "junitprefix", "resultlog", "report_log", "htmlpath", "self_contained_html",
         "pastebin", "durations", "durations_min", "log_file", "log_file_level", "log_file_format",
@@ -123,8 +123,8 @@ def apply(config: pytest.Config, env: dict[str, str] | None = None) -> list[str]
     return applied
 
 
-# The cache's session plugins: the controller's session keeps --lf/--nf state, never a rank.
-RANK_BLOCKED = ("no:lfplugin", "no:nfplugin", "no:stepwiseplugin", "no:xdist")
+# The session's selection plugins: the controller keeps --lf/--nf and testmon's state, never a rank.
+RANK_BLOCKED = ("no:lfplugin", "no:nfplugin", "no:stepwiseplugin", "no:xdist", "no:pytest-testmon", "no:testmon")
 
 
 @functools.cache
@@ -164,14 +164,19 @@ def command_line(config: pytest.Config) -> list[str]:
     if config.inipath:
         args += ["-c", str(config.inipath)]
     for name in getattr(opt, "plugins", None) or []:
-        if name not in (*RANK_BLOCKED, "xdist"):
+        if f"no:{name.split('.')[0]}" not in RANK_BLOCKED:
             args += ["-p", name]
     for warning in getattr(opt, "pythonwarnings", None) or []:
         args += ["-W", warning]
     for override in getattr(opt, "override_ini", None) or []:
         if not override.startswith(("addopts=", "cache_dir=")):
             args += ["-o", override]
-    args.append(f"--capture={getattr(opt, 'capture', 'fd')}")
+    # -v/-vv/-q act on assertion diffs, which a rank writes; "verbose" itself stays the session's
+    # (a rank's own terminal is its log): unless the ini says otherwise, diffs as for a plain test
+    if getattr(opt, "verbose", 0) and config.getini("verbosity_assertions") in ("auto", None, ""):
+        args += ["-o", f"verbosity_assertions={opt.verbose}"]
+    if getattr(opt, "capture", None):  # none under -p no:capture (a rank is given the same -p)
+        args.append(f"--capture={opt.capture}")
     if getattr(opt, "importmode", None):
         args.append(f"--import-mode={opt.importmode}")
     if getattr(opt, "confcutdir", None):

@@ -280,8 +280,15 @@ NOT_CARRIED = (
     (
         "memray",
         "memray",
-        "pytest-memray measures this process only: marked tests run in their ranks and are not measured "
-        "(--msrun-inprocess runs them here)",
+        "pytest-memray: marked tests are measured in their ranks (limit_memory and limit_leaks judge each "
+        "rank); its report shows this process only, and a warm world's ranks keep memray's descriptors open "
+        "(reported as left behind: --msrun-leaks=off)",
+    ),
+    (
+        "testmon",
+        "pytest-testmon",
+        "pytest-testmon traces this process only: marked tests run in their ranks (without testmon), so it "
+        "does not know what code they depend on and may deselect one whose code changed",
     ),
     (
         "profile",
