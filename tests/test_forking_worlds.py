@@ -243,6 +243,29 @@ def test_pytest_exit_in_a_forked_test_ends_its_rank_with_that_status(pytester, m
     assert re.search(r"rank 1 .*exited with code 3", text), text
 
 
+KILLED = """
+import os, signal
+
+import pytest
+
+
+@pytest.mark.msrun(worker_num=2, isolated=True)
+def test_killed(rank):
+    if rank == 1:
+        os.kill(os.getpid(), signal.{sig})
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGSEGV"])
+def test_a_forked_test_killed_by_a_signal_ends_its_rank_by_that_signal(pytester, monkeypatch, sig):
+    """The rank ends as its test's process did: killed by the signal (SIGKILL cannot be handled,
+    and its rank once exited 137 instead)."""
+    result = _run(pytester, monkeypatch, KILLED.format(sig=sig))
+    assert result.ret == 1
+    text = result.stdout.str()
+    assert re.search(rf"rank 1 .*(killed by|terminated by) {sig}", text), text
+
+
 SLOW_TO_END = """
 import os, signal, time
 from pathlib import Path

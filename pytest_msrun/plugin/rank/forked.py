@@ -189,13 +189,12 @@ def mirror(code: int) -> None:
     processes.flush_std_streams()
     if code < 0:
         signum = -code
-        try:
-            signal.signal(signum, signal.SIG_DFL)
-            if signum != signal.SIGKILL:
+        if signum not in (signal.SIGKILL, signal.SIGSTOP):  # neither can be handled nor blocked
+            with suppress(OSError, ValueError):
+                signal.signal(signum, signal.SIG_DFL)
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+        with suppress(OSError):
             os.kill(os.getpid(), signum)
-        except (OSError, ValueError):
-            pass
         _exit(128 + signum)
     _exit(code)
 
