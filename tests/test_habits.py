@@ -65,6 +65,14 @@ HABITS = [
     ("-W", "error::DeprecationWarning"),
     ("--maxfail=1",),
     ("--deselect", "test_case.py::test_fails", "-k", "not skips"),
+    ("--tb=line",),
+    ("-l", "--tb=long"),
+    ("--show-capture=no", "-rA"),
+    ("--import-mode=importlib",),
+    ("-p", "no:warnings"),
+    ("-o", "filterwarnings=error", "--strict-markers"),
+    ("--capture=tee-sys",),
+    ("-o", "verbosity_assertions=2", "-q"),
 ]
 
 
