@@ -69,8 +69,8 @@ def role() -> str:
     return _claimed if _claimed is not None else detect(os.environ)
 
 
-def env_int(name: str, default: int, env: Mapping[str, str] | None = None) -> int:
-    value = (os.environ if env is None else env).get(name, "")
+def env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
     try:
         return int(value) if value.strip() else default
     except ValueError:
