@@ -31,14 +31,6 @@ from pytest_msrun.plugin.controller.world import FORKING, WarmTest, World, world
 from pytest_msrun.plugin.marker import MarkerError, MsrunSpec, spec_for
 
 
-def _cpus() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 @dataclass
 class LateEnd:
     """A world ended after its last test was reported: ``run`` is how, ``why`` the reason."""
@@ -290,7 +282,7 @@ class WorldPool:
         if not self.budget.fits([*self._needs().values(), world_need(other)]):
             return
         busy = sum(w.job.spec.worker_num for k, w in self.live.items() if k == key or not w.connected)
-        if busy + spec.worker_num > _cpus():  # no CPU left to start it beside them
+        if busy + spec.worker_num > len(os.sched_getaffinity(0)):  # no CPU left to start it beside them
             return
         with contextlib.suppress(DeviceShortage):
             self.live[other] = self._start_world(plan.items[at], spec, other, 0)
