@@ -130,7 +130,8 @@ class Runner:
         ends, self.worlds.late = self.worlds.late, []
         for end in ends:
             world, last = end.world, end.last
-            run = dataclasses.replace(end.run, reproduce_lines=world.reproduce_lines(last), started=last.started)
+            lines = world.job.reproduce_lines(last.timeout, [last.nodeid], last.env)
+            run = dataclasses.replace(end.run, reproduce_lines=lines, started=last.started)
             test, said = self.reported.get(world.key, (None, frozenset()))
             record = TestRecord.load(end.item.nodeid, world.job.expected_ranks(), last.paths, run)
             yield end, record, said if test is last else frozenset()

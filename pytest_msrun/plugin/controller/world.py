@@ -35,7 +35,7 @@ from pytest_msrun.control.door import Admitted, Door, Tally
 from pytest_msrun.netaddr import rank_listener
 from pytest_msrun.plugin import envscope, rankmemory
 from pytest_msrun.plugin.controller.debugserver import paused_clock
-from pytest_msrun.plugin.controller.job import JobRun, Launched, TestJob, TestPaths, has_control_plane
+from pytest_msrun.plugin.controller.job import JobRun, Launched, TestJob, TestPaths
 from pytest_msrun.plugin.links import FORK_ENV, WORLD_ENV, WORLD_TOKEN_ENV, Channel
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.rule.outcomes import RankEnd
@@ -213,7 +213,6 @@ class World:
         self.retiring = ""  # why it ends after the current test
         self.lost: set[int] = set()  # ranks that left the world (their connection closed)
         self.declared = False  # the control plane was told ranks had finished a test
-        self.tests = 0
         self.last: WarmTest | None = None  # the last test it ran
         self.created = time.time()
         self.connected = False  # every rank connected (a world started ahead is not, until needed)
@@ -299,9 +298,8 @@ class World:
         """Send the test to every rank and wait until each finished its setup and call. A rank that
         leaves meanwhile while the job goes on (an ``os._exit(0)``) ends the world within this test,
         the others finishing it as in a fresh job, so the run is complete at once."""
-        self.tests += 1
         # the first test's setup starts the world - or, started ahead, waits for it from its request
-        started = max(self.created, self.claimed) if self.tests == 1 else time.time()
+        started = max(self.created, self.claimed) if self.last is None else time.time()
         deadline = time.monotonic() + timeout
         msg: dict[str, Any] = {"t": "run", "nodeid": nodeid, "report_dir": str(paths.report_dir)}
         msg["shared_dir"] = str(paths.shared_dir)
@@ -376,8 +374,7 @@ class World:
                     next_check = now + STUCK_FIRST_CHECK
                 elif release and replies and not self.declared and next_check is not None and now >= next_check:
                     next_check = now + STUCK_CHECK
-                    if has_control_plane(self.job.spec):
-                        self.declared = release_waiters(self.job, self.ranks, set(replies), released)
+                    self.declared = release_waiters(self.job, self.ranks, set(replies), released)
                 if self.launched.exited():
                     self.dead = "the world's job ended (a rank died)"
                     break
@@ -415,7 +412,7 @@ class World:
         tail polls their logs), so a test's lines come before its result, as a plain test's do."""
         relayed = self.launched.relayed
         if relayed is not None:
-            logs = {rank: self.job.log_dir / f"worker_{rank}.log" for rank in self.ranks}
+            logs = {rank: self.job.paths.log_dir / f"worker_{rank}.log" for rank in self.ranks}
             wait_until(lambda: all(relayed.get(r, 0) >= _whole_lines(str(p)) for r, p in logs.items()), seconds)
 
     def await_ends(self, exit_timeout: float, absent: set[int]) -> list[int]:
@@ -451,10 +448,6 @@ class World:
         ranks = {r: dataclasses.replace(end, held=True) if r in waiting else end for r, end in run.ranks.items()}
         return dataclasses.replace(run, ranks=ranks, **facts)
 
-    def reproduce_lines(self, test: WarmTest) -> list[str]:
-        """The command lines that run ``test`` alone, as this world ran it."""
-        return self.job.reproduce_lines(test.timeout, [test.nodeid], test.env)
-
     def job_run(self, test: WarmTest, timed_out: bool) -> JobRun:
         """The run to judge ``test`` by: each rank's end, or - the world living on - that it lives on."""
         ends = self.job.rank_ends()
@@ -462,7 +455,7 @@ class World:
         for rank, end in ends.items():
             if live and end.returncode is None and rank not in self.lost:
                 ends[rank] = RankEnd(pid=end.pid, log=end.log, host=end.host, alive=True)
-        reproduce = self.reproduce_lines(test)
+        reproduce = self.job.reproduce_lines(test.timeout, [test.nodeid], test.env)  # the test alone, as run here
         return self.job.outcome(self.launched, test.timeout, test.started, reproduce, timed_out=timed_out, ranks=ends)
 
     def ended_run(self, test: WarmTest, hung: list[int], exit_timeout: float, stacks: dict[int, str]) -> JobRun:
