@@ -50,7 +50,7 @@ class WarmAttempt:
         """The test's setup and call in ``world``, its own records and files in ``job_dir``."""
         self.nodeid = nodeid
         self.world = world
-        self.paths = paths = TestPaths(job_dir, world.job.log_dir)
+        self.paths = paths = TestPaths(job_dir, world.job.paths.log_dir)
         paths.make()
         self.ranks = ranks = world.job.expected_ranks()
         self.called: Called = world.begin(paths, nodeid, timeout, exit_timeout)
