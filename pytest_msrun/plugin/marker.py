@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -114,8 +115,6 @@ def spec_for(item: pytest.Item) -> MsrunSpec | None:
         if isinstance(value, (bool, str)):
             text = str(value)
         elif isinstance(value, dict):
-            import json
-
             text = json.dumps(value)
         else:
             raise MarkerError(f"{where}: msrun({flag}=...) must be a bool, a dict or a string, got {value!r}")
