@@ -170,7 +170,6 @@ def _past_max(world: World, resident: dict[int, int]) -> tuple[str, ...]:
 
 
 def _resident(replies: dict[int, dict[str, Any]]) -> dict[int, int]:
-    """Each rank's resident set after the test, from its memory sample."""
     samples = {rank: reply.get("memory") for rank, reply in replies.items()}
     return {r: s["after"] for r, s in samples.items() if isinstance(s, dict) and isinstance(s.get("after"), int)}
 
@@ -183,9 +182,9 @@ class World:
         key: tuple[Any, ...],
         job: TestJob,
         lease: Any,
-        test_envs: dict[str, dict[str, str]] | None = None,
-        memory: tuple[int, int] = (0, 0),
-        strangers: Tally | None = None,
+        test_envs: dict[str, dict[str, str]],
+        memory: tuple[int, int],
+        strangers: Tally,
     ) -> None:
         """``strangers``: where the world's door counts who it dropped (the session's, for its summary)."""
         self.key = key
@@ -195,7 +194,7 @@ class World:
         self.lease = lease
         self.forking = bool(key) and key[-1] == FORKING  # each test in a child forked for it
         # --msrun-env-scope=test: each test's own variables, set for it alone (node id -> variables)
-        self.test_envs = test_envs or {}
+        self.test_envs = test_envs
         self.env_read: set[str] = set()  # which of them a rank looked up while it collected
         self.token = os.urandom(16).hex()
         # a Slurm step's ranks reach this host where srun ran (only the world's token is let in)
@@ -492,7 +491,6 @@ class World:
         self._close()
 
     def _tell(self, msg: dict[str, Any], channels: Iterable[Channel] | None = None) -> None:
-        """Send ``msg`` to every rank still there (of ``channels``; default: all)."""
         for channel in self.channels.values() if channels is None else channels:
             with contextlib.suppress(OSError):
                 channel.send(msg)

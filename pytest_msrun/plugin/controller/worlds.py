@@ -73,7 +73,6 @@ class WorldPool:
         self.warm = mode == "warm"  # --msrun-worlds=warm: tests share worlds (fresh: each in a forked child)
         self.env_per_test = env_per_test  # tests differing only in env share a world
         self.prefetch = prefetch  # worlds, warm or forking
-        self.xdist_worker = hasattr(jobs.config, "workerinput")  # xdist hands this process its items one by one
         self.live: dict[tuple, World] = {}
         self.strangers = Tally(time.monotonic())  # dropped at the worlds' doors, for the session's summary
         self.last_item: dict[tuple, pytest.Item] = {}  # each live world's last test
@@ -128,7 +127,7 @@ class WorldPool:
         """The tests this process will run, as far as it knows them, and the position after
         ``item``: the rest of ``session.items`` where pytest's own loop runs them, else (xdist hands
         them out one by one; another plugin's loop) only ``nextitem``."""
-        if not self.xdist_worker:
+        if not hasattr(self.jobs.config, "workerinput"):  # not an xdist worker
             items = item.session.items
             stamp = (id(items), len(items), len(self.unforkable))
             if self._plan is None or self._plan[0] != stamp:
@@ -298,7 +297,6 @@ class WorldPool:
             self.expecting[key] = next_id
 
     def _drop(self, key: tuple) -> tuple[World, pytest.Item | None]:
-        """Forget the live world of ``key``: it and its last test."""
         self.expecting.pop(key, None)
         return self.live.pop(key), self.last_item.pop(key, None)
 
