@@ -52,7 +52,7 @@ class WarmAttempt:
         self.world = world
         self.paths = paths = TestPaths(job_dir, world.job.paths.log_dir)
         paths.make()
-        self.ranks = ranks = world.job.expected_ranks()
+        self.ranks = ranks = world.job.expected_ranks
         self.called: Called = world.begin(paths, nodeid, timeout, exit_timeout)
         self.next_id: str | None = None  # the test its world kept fixtures for, once torn down
         self.trace = world.job.trace

@@ -132,8 +132,8 @@ class TestJob:
         self.ports = ports
         self.rank_args = rank_args
         self.extra_env = extra_env
+        self.trace = extra_env.get(TRACE_ENV, "")  # the trace file its msrun writes ("": not traced)
         self.live_output = live_output
-        self._ranks: list[int] | None = None
         self.token = os.urandom(16).hex()
         sizes = spec.node_sizes()
         self.nodes = len(sizes)
@@ -142,6 +142,8 @@ class TestJob:
         self.cluster = (
             cluster if cluster is not None and len(set(sizes)) == 1 and len(cluster.nodes) >= self.nodes else None
         )
+        # the ranks whose results the job owes, as msrun plans its invocations
+        self.expected_ranks = sorted({rank for cfg in self.configs() for rank in job_ranks(cfg)})
         self.paths.make()
 
     def configs(self, nodeids: list[str] | None = None) -> list[LaunchConfig]:
@@ -174,17 +176,6 @@ class TestJob:
             )
             for node, size in enumerate(sizes)
         ]
-
-    @property
-    def trace(self) -> str:
-        """The trace file its msrun writes ("": not traced)."""
-        return self.extra_env.get(TRACE_ENV, "")
-
-    def expected_ranks(self) -> list[int]:
-        """The ranks whose results the job owes, as msrun plans its invocations."""
-        if self._ranks is None:
-            self._ranks = sorted({rank for cfg in self.configs() for rank in job_ranks(cfg)})
-        return self._ranks
 
     @property
     def master_host(self) -> str:
@@ -272,7 +263,7 @@ class TestJob:
             clock = paused_clock(self.debug)  # time in the debugger does not count
             deadline = clock() + timeout
             # the ranks whose records do not yet end with ``finish`` (their pytest session), looked at every 0.25 s
-            unfinished = [records_path(str(self.paths.report_dir), rank) for rank in self.expected_ranks()]
+            unfinished = [records_path(str(self.paths.report_dir), rank) for rank in self.expected_ranks]
             look = 0.0
             exit_deadline: float | None = None
             while True:
@@ -295,7 +286,7 @@ class TestJob:
         except BaseException:  # Ctrl+C or pytest.exit while waiting: leave nothing running
             self.stop(launched)
             raise
-        facts = self.at_deadline(str(self.paths.report_dir), self.expected_ranks()) if timed_out else {}
+        facts = self.at_deadline(str(self.paths.report_dir), self.expected_ranks) if timed_out else {}
         if hung:
             facts = {"stacks": self.collect_stacks()}
         self.stop(launched)  # (every msrun ended: its output pumps joined)

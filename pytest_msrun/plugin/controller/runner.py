@@ -79,7 +79,7 @@ class Runner:
         try:
             job = self.jobs.new(item, spec, lease.ports, lease.devices)
             run = dataclasses.replace(job.run(self.jobs.test_timeout(item, spec), self.jobs.exit_timeout), note=note)
-            return WholeAttempt("fresh", TestRecord.load(item.nodeid, job.expected_ranks(), job.paths, run), job.trace)
+            return WholeAttempt("fresh", TestRecord.load(item.nodeid, job.expected_ranks, job.paths, run), job.trace)
         finally:
             self.pool.release(lease)
 
@@ -133,7 +133,7 @@ class Runner:
             lines = world.job.reproduce_lines(last.timeout, [last.nodeid], last.env)
             run = dataclasses.replace(end.run, reproduce_lines=lines, started=last.started)
             test, said = self.reported.get(world.key, (None, frozenset()))
-            record = TestRecord.load(end.item.nodeid, world.job.expected_ranks(), last.paths, run)
+            record = TestRecord.load(end.item.nodeid, world.job.expected_ranks, last.paths, run)
             yield end, record, said if test is last else frozenset()
 
 
