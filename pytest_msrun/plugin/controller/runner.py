@@ -117,9 +117,8 @@ class Runner:
         if not isinstance(attempt, WarmAttempt):
             return True
         key = attempt.world.key
-        world = self.worlds.live.get(key)
-        if world is not None and world.last is not None:  # a late judgement repeats none of its failures
-            self.reported[key] = (world.last, frozenset(teardown_failures(final)))
+        if key in self.worlds.live:  # its world lives on: a late judgement repeats none of these failures
+            self.reported[key] = (attempt.world.last, frozenset(teardown_failures(final)))
         self.worlds.after(item, key, attempt.next_id)
         return key not in self.worlds.live
 

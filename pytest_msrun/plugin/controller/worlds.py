@@ -288,12 +288,10 @@ class WorldPool:
 
     def after(self, item: pytest.Item, key: tuple, next_id: str | None) -> None:
         world = self.live.get(key)
-        if world is None:
-            return
-        if world.dead:
+        if world is not None and world.dead:
             self._drop(key)
             self.resources.release(world.lease)
-        else:
+        elif world is not None:
             self.expecting[key] = next_id
 
     def _drop(self, key: tuple) -> tuple[World, pytest.Item | None]:
