@@ -96,10 +96,9 @@ class WarmAttempt:
             source = end.log or (log.log if log is not None else "")
             if span is None or not source:
                 continue
-            with contextlib.suppress(OSError):
-                with open(source, "rb") as fh:
-                    fh.seek(span[0])
-                    part = fh.read() if span[1] is None else fh.read(max(0, span[1] - span[0]))
+            with contextlib.suppress(OSError), open(source, "rb") as fh:
+                fh.seek(span[0])
+                part = fh.read() if span[1] is None else fh.read(max(0, span[1] - span[0]))
                 private_dir(str(folder))
                 target = str(folder / f"worker_{rank}.log")
                 write_whole(target, part)

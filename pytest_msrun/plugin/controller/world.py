@@ -32,6 +32,7 @@ from typing import Any
 
 from pytest_msrun.control import wire
 from pytest_msrun.control.door import Admitted, Door, Tally
+from pytest_msrun.control.observer import declare_finished, query_state
 from pytest_msrun.netaddr import rank_listener
 from pytest_msrun.plugin import envscope, rankmemory
 from pytest_msrun.plugin.controller.debugserver import paused_clock
@@ -216,10 +217,7 @@ class World:
         self.created = time.time()
         self.connected = False  # every rank connected (a world started ahead is not, until needed)
         self.claimed = 0.0  # when its first test asked for it (it may have been started ahead)
-
-    @property
-    def ranks(self) -> list[int]:
-        return list(range(self.job.spec.worker_num))
+        self.ranks = list(range(job.spec.worker_num))
 
     def connect(self, deadline: float) -> str:
         """Wait for every rank to connect; "" or why the world did not come up. Others who
@@ -507,8 +505,6 @@ def release_waiters(job: TestJob, ranks: list[int], finished: set[int], why: str
     """Ranks still in the test that wait - to form the group, or in a collective - only for ranks
     that finished it would wait forever (in a fresh job those ranks exit and the wait fails):
     tell the control plane, which fails those waits now. Whether it was told."""
-    from pytest_msrun.control.observer import declare_finished, query_state
-
     host, port, token = job.master_host, job.ports[0], job.token
     state = query_state(host, port, token, timeout=1.0)
     if not state:
