@@ -404,13 +404,13 @@ class World:
             sel.close()
         return replies, False
 
-    def shown(self, seconds: float = 1.0) -> None:
-        """With ``-s``: wait (bounded) until msrun has shown every line the ranks wrote so far (its
+    def shown(self) -> None:
+        """With ``-s``: wait (at most 1 s) until msrun has shown every line the ranks wrote so far (its
         tail polls their logs), so a test's lines come before its result, as a plain test's do."""
         relayed = self.launched.relayed
         if relayed is not None:
             logs = {rank: self.job.paths.log_dir / f"worker_{rank}.log" for rank in self.ranks}
-            wait_until(lambda: all(relayed.get(r, 0) >= _whole_lines(str(p)) for r, p in logs.items()), seconds)
+            wait_until(lambda: all(relayed.get(r, 0) >= _whole_lines(str(p)) for r, p in logs.items()), 1.0)
 
     def await_ends(self, exit_timeout: float, absent: set[int]) -> list[int]:
         """A forking world's children ending after their test, as processes do (threads joined,
@@ -425,14 +425,14 @@ class World:
             return []
         return sorted(set(self.channels) - set(replies) - self.lost - absent)
 
-    def _settle(self, rank: int, seconds: float = 10.0) -> None:
-        """Let a rank that left the world end its process, and msrun record how and act on it (its
+    def _settle(self, rank: int) -> None:
+        """Let a rank that left the world end its process (10 s at most), and msrun record how and act on it (its
         first-failure rule stops the others, as in a fresh job) - before the world is stopped, which
         would otherwise stop that rank too and hide why it left."""
         end = self.job.rank_ends().get(rank)
         if end is not None and end.pid:
             pid = end.pid
-            wait_until(lambda: not running(pid), seconds)
+            wait_until(lambda: not running(pid), 10.0)
         wait_until(self.launched.exited, 1.0)  # msrun reacts to an exit within milliseconds
 
     def stop_on_timeout(self, test: WarmTest, waiting: set[int]) -> JobRun:
