@@ -52,13 +52,12 @@ class WarmAttempt:
         self.world = world
         self.paths = paths = TestPaths(job_dir, world.job.paths.log_dir)
         paths.make()
-        self.ranks = ranks = world.job.expected_ranks
         self.called: Called = world.begin(paths, nodeid, timeout, exit_timeout)
         self.next_id: str | None = None  # the test its world kept fixtures for, once torn down
         self.trace = world.job.trace
         self.job_started = world.created
         self.world_dir = str(world.job.paths.job_dir)
-        record = TestRecord.load(nodeid, ranks, paths, self.called.run)
+        record = TestRecord.load(nodeid, world.job.expected_ranks, paths, self.called.run)
         # each rank's part of the log so far (setup and call); completed with the teardown in finish()
         self.record = replace(record, own_logs=self._own_logs(record))
 
@@ -80,7 +79,7 @@ class WarmAttempt:
     def finish(self, next_id: str | None, exit_timeout: float, leaks_fail: bool = False) -> TestRecord:
         self.next_id = next_id
         done = teardown(self.called, next_id, exit_timeout)
-        record = TestRecord.load(self.nodeid, self.ranks, self.paths, done.run)
+        record = TestRecord.load(self.nodeid, self.world.job.expected_ranks, self.paths, done.run)
         own_logs = self._own_logs(record)
         return replace(record, leaks=done.leaks, leaks_fail=leaks_fail, notes=list(done.notes), own_logs=own_logs)
 
