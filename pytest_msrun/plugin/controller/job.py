@@ -334,9 +334,7 @@ class TestJob:
     def launch_error(self, exit_codes: list[int | None], logs: list[str]) -> str:
         """msrun's console output when it could not start the job - judged from its status files
         (none written, or one saying so), never from an exit status a rank may share."""
-        if all(code == 0 for code in exit_codes):
-            return ""
-        if all(s is not None and s.state != "error" for s in self._statuses()):
+        if all(code == 0 for code in exit_codes) or all(s is not None and s.state != "error" for s in self._statuses()):
             return ""
         return "\n".join(Path(p).read_text(errors="replace") for p in logs).strip()
 
