@@ -72,7 +72,7 @@ class WarmAttempt:
             for rank, end in self.record.run.ranks.items()
             if end.returncode not in (None, 0) and not end.terminated_by_msrun
         }
-        if not causes or any(self.record.logs[r].started for r in causes if r in self.record.logs):
+        if any(self.record.logs[r].started for r in causes if r in self.record.logs):
             return []
         return sorted(causes)
 

@@ -51,7 +51,7 @@ STUCK_FIRST_CHECK = 0.05
 HELLO_TIMEOUT = 10.0  # s a connection to a world's door may take to prove its token
 
 
-def world_key(spec: MsrunSpec, devices: int) -> tuple[Any, ...]:
+def world_key(spec: MsrunSpec) -> tuple[Any, ...]:
     """What makes two marked tests able to share a world: everything that shapes the job."""
     return (
         spec.worker_num,
@@ -59,7 +59,7 @@ def world_key(spec: MsrunSpec, devices: int) -> tuple[Any, ...]:
         spec.scheduler,
         spec.bind_core,
         spec.bind_numa,
-        devices,
+        spec.devices,
         tuple(sorted(spec.env.items())),
     )
 
@@ -462,8 +462,7 @@ class World:
 
     # ---------------------------------------------------------------- the end
     def retire(self, why: str) -> None:
-        if not self.retiring:
-            self.retiring = why
+        self.retiring = self.retiring or why  # the first reason stands
 
     def end(self, test: WarmTest, exit_timeout: float) -> JobRun:
         """End the world after its last test, ``test``: ``quit`` (fixtures torn down, sessions end),
@@ -529,4 +528,4 @@ def _whole_lines(path: str) -> int:
             tail = fh.read()
     except OSError:
         return 0
-    return start + tail.rfind(b"\n") + 1 if b"\n" in tail else start
+    return start + tail.rfind(b"\n") + 1  # (rfind: -1 without one)

@@ -106,7 +106,7 @@ class WorldPool:
             if spec is not None and has_control_plane(spec):
                 # isolated: each test in processes of its own, forked from the world's ranks
                 forking = spec.isolated or not self.warm
-                key = world_key(self._world_spec(spec), spec.devices) + ((FORKING,) if forking else ())
+                key = world_key(self._world_spec(spec)) + ((FORKING,) if forking else ())
             self._keys[item.nodeid] = None if key in self.unforkable else key
         return self._keys[item.nodeid]
 
