@@ -219,9 +219,7 @@ class TestJob:
         return [prefix + shlex.join([*limit, *cmd]) for cmd in self.commands(nodeids, for_user=True)]
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(self.spec.env)
-        env.update(self.extra_env)
+        env = {**os.environ, **self.spec.env, **self.extra_env}
         env[REPORT_DIR_ENV] = str(self.paths.report_dir)
         env[SHARED_TMP_ENV] = str(self.paths.shared_dir)
         env[BASETEMP_ENV] = str(self.paths.basetemp)
