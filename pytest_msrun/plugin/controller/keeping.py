@@ -78,8 +78,6 @@ def survives(
     test from ``start`` on starts its world if none is live, making room with :func:`victims`
     (``need``: a key's :data:`Need`)."""
     alive = dict(live)
-    if key not in alive:
-        return False
     for i in range(start, end):
         other = schedule.keys[i]
         if other is None or other in alive:
