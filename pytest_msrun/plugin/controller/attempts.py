@@ -47,7 +47,6 @@ class WarmAttempt:
     mode = "warm"
 
     def __init__(self, nodeid: str, world: World, job_dir: Path, timeout: float, exit_timeout: float) -> None:
-        """The test's setup and call in ``world``, its own records and files in ``job_dir``."""
         self.nodeid = nodeid
         self.world = world
         self.paths = paths = TestPaths(job_dir, world.job.paths.log_dir)
