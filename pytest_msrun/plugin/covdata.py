@@ -96,9 +96,8 @@ def _hold_sigterm_while_saving() -> None:
 def _saved(action: Any) -> None:
     _saving.append(True)
     try:
-        action()
-    except Exception:
-        pass
+        with contextlib.suppress(Exception):
+            action()
     finally:
         _saving.pop()
     while _deferred and not _saving:

@@ -13,7 +13,7 @@ from inside a rank (``pytester.runpytest_subprocess``, say) is a controller agai
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping
 
 from pytest_msrun.engine.childenv import PLUGIN_ROLE_VAR
 
@@ -44,16 +44,15 @@ def detect(env: Mapping[str, str]) -> str:
     return CONTROLLER
 
 
-def claim(env: MutableMapping[str, str] | None = None) -> str:
+def claim() -> str:
     """Decide this process's role once (at pytest start-up) and consume the launcher's variable.
     A session started inside a rank's (``pytest.main()`` in a test) is not the rank: its marked
     tests run in place and it writes nothing, as in another launcher's job (:func:`release` at
     each session's end)."""
     global _claimed, _active
-    env = os.environ if env is None else env
     if _claimed is None:
-        _claimed = detect(env)
-    env.pop(PLUGIN_ROLE_VAR, None)
+        _claimed = detect(os.environ)
+    os.environ.pop(PLUGIN_ROLE_VAR, None)
     _active += 1
     return FOREIGN if _claimed == RANK and _active > 1 else _claimed
 
@@ -69,8 +68,8 @@ def role() -> str:
     return _claimed if _claimed is not None else detect(os.environ)
 
 
-def env_int(name: str, default: int, env: Mapping[str, str] | None = None) -> int:
-    value = (os.environ if env is None else env).get(name, "")
+def env_int(name: str, default: int) -> int:
+    value = os.environ.get(name, "")
     try:
         return int(value) if value.strip() else default
     except ValueError:

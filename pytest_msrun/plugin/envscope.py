@@ -61,14 +61,9 @@ JOB_SCOPED_PREFIXES = (
 )
 
 
-def job_scoped(key: str) -> bool:
-    """Whether ``key`` must be in the job's environment from its start (never set per test)."""
-    return key.upper().startswith(JOB_SCOPED_PREFIXES)
-
-
 def split(env: Mapping[str, str]) -> tuple[dict[str, str], dict[str, str]]:
     """``env`` as (the job's part, the test's part) under ``--msrun-env-scope=test``."""
-    job = {k: v for k, v in env.items() if job_scoped(k)}
+    job = {k: v for k, v in env.items() if k.upper().startswith(JOB_SCOPED_PREFIXES)}
     return job, {k: v for k, v in env.items() if k not in job}
 
 
@@ -131,18 +126,16 @@ def track(watched: Iterable[str]) -> None:
     _read.clear()
     if _watched and type(os.environ) is os._Environ:
         os.environ.__class__ = _Tracked
-    environb = getattr(os, "environb", None)
-    if _watched and environb is not None and type(environb) is os._Environ:
-        environb.__class__ = _TrackedBytes
+    if _watched and type(os.environb) is os._Environ:
+        os.environb.__class__ = _TrackedBytes
 
 
 def reads() -> list[str]:
     """The watched variables looked up since :func:`track`; tracking ends."""
     if type(os.environ) is _Tracked:
         os.environ.__class__ = os._Environ  # type: ignore[assignment]
-    environb = getattr(os, "environb", None)
-    if environb is not None and type(environb) is _TrackedBytes:
-        environb.__class__ = os._Environ  # type: ignore[assignment]
+    if type(os.environb) is _TrackedBytes:
+        os.environb.__class__ = os._Environ  # type: ignore[assignment]
     return sorted(_read)
 
 

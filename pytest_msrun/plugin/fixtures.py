@@ -123,7 +123,6 @@ def msrun_tmp_path(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
 def msrun(tmp_path_factory: pytest.TempPathFactory) -> MsrunContext:
     """Rank, sizes, environment, log dir, shared tmp dir and collectives of this test's job."""
     in_job = role() == RANK
-    log_dir = os.environ.get("MSRUN_LOG_DIR") if in_job else None
     outside: list[Path] = []
 
     def shared_dir() -> Path:
@@ -140,7 +139,7 @@ def msrun(tmp_path_factory: pytest.TempPathFactory) -> MsrunContext:
         local_rank=current_local_rank(),
         local_world_size=current_local_world(),
         shared_dir=shared_dir,
-        log_dir=Path(os.path.abspath(log_dir or ".")) if in_job else None,
+        log_dir=Path(os.path.abspath(os.environ.get("MSRUN_LOG_DIR") or ".")) if in_job else None,
         env={k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIXES) and k != "MSRUN_JOB_TOKEN"}
         if in_job
         else {},

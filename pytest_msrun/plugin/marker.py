@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -50,11 +51,8 @@ class MsrunSpec:
         A dry run is one invocation: simulated ranks need no nodes, only a selection."""
         if self.sim_level is not None:
             return [self.worker_num]
-        sizes, left = [], self.worker_num
-        while left > 0:
-            sizes.append(min(self.local_worker_num or self.worker_num, left))
-            left -= sizes[-1]
-        return sizes
+        per_node = self.local_worker_num or self.worker_num
+        return [min(per_node, self.worker_num - first) for first in range(0, self.worker_num, per_node)]
 
 
 KNOWN = tuple(f.name for f in fields(MsrunSpec))  # the marker's arguments: the spec's fields, in order
@@ -114,8 +112,6 @@ def spec_for(item: pytest.Item) -> MsrunSpec | None:
         if isinstance(value, (bool, str)):
             text = str(value)
         elif isinstance(value, dict):
-            import json
-
             text = json.dumps(value)
         else:
             raise MarkerError(f"{where}: msrun({flag}=...) must be a bool, a dict or a string, got {value!r}")

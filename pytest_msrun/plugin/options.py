@@ -91,13 +91,13 @@ def ship(config: pytest.Config, path: str) -> dict[str, str]:
     return {OPTIONS_ENV: path}
 
 
-def apply(config: pytest.Config, env: dict[str, str] | None = None) -> list[str]:
-    """In a rank: take over the shipped options this rank's pytest knows; return their names.
+def apply(config: pytest.Config) -> None:
+    """In a rank: take over the shipped options this rank's pytest knows.
     Options named but not to be read (a reproduce line whose job directory was rotated away) are
     a usage error: the rank would run without them, as another test than the one reported."""
-    path = (os.environ if env is None else env).get(OPTIONS_ENV)
+    path = os.environ.get(OPTIONS_ENV)
     if not path:
-        return []
+        return
     try:
         with open(path, encoding="utf-8") as fh:
             shipped = json.load(fh)
@@ -113,14 +113,11 @@ def apply(config: pytest.Config, env: dict[str, str] | None = None) -> list[str]
     config.stash[JUNITXML] = shipped.get(JUNITXML_KEY) is True
     config.stash[SETUPSHOW] = shipped.get(SETUPSHOW_KEY) is True
     known = vars(config.option)
-    applied = []
     for name, value in shippable(shipped).items():
         if name in known:
             if isinstance(known[name], tuple) and isinstance(value, list):
                 value = tuple(value)
             setattr(config.option, name, value)
-            applied.append(name)
-    return applied
 
 
 # The session's selection plugins: the controller keeps --lf/--nf and testmon's state, never a rank.

@@ -30,10 +30,7 @@ UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
 UNITS.update({"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40})
 SIZE = re.compile(r"\s*(\d{1,15}(?:\.\d{1,9})?)\s*([a-zA-Z]{0,3})\s*")
 USAGE = "use a size such as 200MB, 100MiB, 1GiB or a number of bytes (0: off)"
-try:
-    PAGE = os.sysconf("SC_PAGE_SIZE")
-except (AttributeError, ValueError, OSError):  # pragma: no cover - every Linux has it
-    PAGE = 4096
+PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def parse_size(text: str) -> int:

@@ -78,7 +78,6 @@ class StandardStreams:
         self.saved: dict[int, int] = {fd: os.dup(fd) for fd, found in self.identity.items() if found is not None}
         self.originals: dict[str, Any] = {name: getattr(sys, name) for name in STREAMS}
         self.writers: dict[str, IO[str] | None] = dict.fromkeys(STREAMS)
-        self.repaired: list[str] = []  # what was put back, for the phase's report
         self.stdin: Any = sys.stdin  # the rank's own, between phases
         for fd, name in ((1, "stdout"), (2, "stderr")):  # made now: not a test's leak
             self._writer(name, fd)
@@ -127,27 +126,18 @@ class StandardStreams:
         self.stdin = sys.stdin
         sys.stdin = DontReadFromInput()
 
-    def leave(self) -> list[str]:
-        """A phase ended: flush its writers, put back what a test changed; what was put back."""
-        repaired = []
+    def leave(self) -> None:
+        """A phase ended: flush its writers, put back what a test changed."""
         for fd, name in ((1, "stdout"), (2, "stderr")):
             writer = self.writers[name]
-            current = getattr(sys, name)
-            if current is not writer and current is not self.originals[name]:
-                repaired.append(f"sys.{name} (replaced by the test)")
             if writer is not None:
-                try:
+                with contextlib.suppress(OSError, ValueError):  # closed by the test
                     writer.flush()
-                except (OSError, ValueError):
-                    repaired.append(f"sys.{name} (closed by the test)")
             setattr(sys, name, self.originals[name])
-            if fd in self.saved and _identity(fd) != self.identity[fd]:
-                repaired.append(f"descriptor {fd} ({'closed' if _identity(fd) is None else 'redirected'} by the test)")
+            if fd in self.saved and _identity(fd) != self.identity[fd]:  # closed or redirected by the test
                 with contextlib.suppress(OSError):
                     os.dup2(self.saved[fd], fd, inheritable=True)
         sys.stdin = self.stdin
-        self.repaired += repaired
-        return repaired
 
     def close(self) -> None:
         for writer in self.writers.values():

@@ -47,18 +47,16 @@ class WarmAttempt:
     mode = "warm"
 
     def __init__(self, nodeid: str, world: World, job_dir: Path, timeout: float, exit_timeout: float) -> None:
-        """The test's setup and call in ``world``, its own records and files in ``job_dir``."""
         self.nodeid = nodeid
         self.world = world
-        self.paths = paths = TestPaths(job_dir, world.job.log_dir)
+        self.paths = paths = TestPaths(job_dir, world.job.paths.log_dir)
         paths.make()
-        self.ranks = ranks = world.job.expected_ranks()
         self.called: Called = world.begin(paths, nodeid, timeout, exit_timeout)
         self.next_id: str | None = None  # the test its world kept fixtures for, once torn down
         self.trace = world.job.trace
         self.job_started = world.created
         self.world_dir = str(world.job.paths.job_dir)
-        record = TestRecord.load(nodeid, ranks, paths, self.called.run)
+        record = TestRecord.load(nodeid, world.job.expected_ranks, paths, self.called.run)
         # each rank's part of the log so far (setup and call); completed with the teardown in finish()
         self.record = replace(record, own_logs=self._own_logs(record))
 
@@ -73,14 +71,14 @@ class WarmAttempt:
             for rank, end in self.record.run.ranks.items()
             if end.returncode not in (None, 0) and not end.terminated_by_msrun
         }
-        if not causes or any(self.record.logs[r].started for r in causes if r in self.record.logs):
+        if any(self.record.logs[r].started for r in causes if r in self.record.logs):
             return []
         return sorted(causes)
 
     def finish(self, next_id: str | None, exit_timeout: float, leaks_fail: bool = False) -> TestRecord:
         self.next_id = next_id
         done = teardown(self.called, next_id, exit_timeout)
-        record = TestRecord.load(self.nodeid, self.ranks, self.paths, done.run)
+        record = TestRecord.load(self.nodeid, self.world.job.expected_ranks, self.paths, done.run)
         own_logs = self._own_logs(record)
         return replace(record, leaks=done.leaks, leaks_fail=leaks_fail, notes=list(done.notes), own_logs=own_logs)
 
@@ -96,10 +94,9 @@ class WarmAttempt:
             source = end.log or (log.log if log is not None else "")
             if span is None or not source:
                 continue
-            with contextlib.suppress(OSError):
-                with open(source, "rb") as fh:
-                    fh.seek(span[0])
-                    part = fh.read() if span[1] is None else fh.read(max(0, span[1] - span[0]))
+            with contextlib.suppress(OSError), open(source, "rb") as fh:
+                fh.seek(span[0])
+                part = fh.read() if span[1] is None else fh.read(max(0, span[1] - span[0]))
                 private_dir(str(folder))
                 target = str(folder / f"worker_{rank}.log")
                 write_whole(target, part)

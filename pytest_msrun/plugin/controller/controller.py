@@ -137,7 +137,6 @@ class Controller:
         prefetch = _setting(config, "prefetch", "on", ("on", "off"))
         forking = _setting(config, "fork_server", "on", ("on", "off"))
         scope = _setting(config, "env_scope", "job", envscope.SCOPES)
-        self.xdist_worker = hasattr(config, "workerinput")  # xdist hands this process its items one by one
         # the ranks' breakpoint() and --pdb, on this terminal (said, and skipped, where there is none)
         from pytest_msrun.pytest_plugin import TERMINAL
 
@@ -328,7 +327,7 @@ class Controller:
             reports = [r for r in Merger(item, record, self.style, cwd).reports(verdict, ("teardown",)) if r.failed]
             for report in reports:
                 report.sections.append(("msrun world", f"reported after the test: its world ended later ({late.why})"))
-            if reports and self.xdist_worker:  # xdist's worker sends only the running item's reports
+            if reports and hasattr(self.config, "workerinput"):  # xdist's worker sends only the running item's reports
                 data = self.config.workeroutput.setdefault(LATE_REPORTS, [])  # type: ignore[attr-defined]
                 data += [self.config.hook.pytest_report_to_serializable(config=self.config, report=r) for r in reports]
             else:

@@ -41,10 +41,7 @@ def one_rank_env() -> dict[str, str]:
 class InProcessPlugin:
     @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> Generator[None, None, None]:
-        if item.get_closest_marker(MARKER) is None:
-            yield
-            return
-        saved = envscope.apply(one_rank_env())
+        saved = envscope.apply(one_rank_env()) if item.get_closest_marker(MARKER) is not None else {}
         try:
             yield
         finally:

@@ -129,12 +129,11 @@ class TestJob:
         # the marker's binding, read once (a --bind_numa file is read and hashed)
         self.binding = (parse_bind_value(spec.bind_core, "bind_core"), parse_bind_value(spec.bind_numa, "bind_numa"))
         self.paths = TestPaths(job_dir, job_dir / "logs")
-        self.log_dir = self.paths.log_dir
         self.ports = ports
         self.rank_args = rank_args
         self.extra_env = extra_env
+        self.trace = extra_env.get(TRACE_ENV, "")  # the trace file its msrun writes ("": not traced)
         self.live_output = live_output
-        self._ranks: list[int] | None = None
         self.token = os.urandom(16).hex()
         sizes = spec.node_sizes()
         self.nodes = len(sizes)
@@ -143,12 +142,14 @@ class TestJob:
         self.cluster = (
             cluster if cluster is not None and len(set(sizes)) == 1 and len(cluster.nodes) >= self.nodes else None
         )
+        # the ranks whose results the job owes, as msrun plans its invocations
+        self.expected_ranks = sorted({rank for cfg in self.configs() for rank in job_ranks(cfg)})
         self.paths.make()
 
     def configs(self, nodeids: list[str] | None = None) -> list[LaunchConfig]:
         """The one translation of the marker: each msrun invocation's configuration, typed as msrun
         reads it (its ranks run pytest on ``nodeids``, default the job's). The command lines - the
-        one spawned and the one printed to reproduce the test - are rendered from it (:meth:`flags`)."""
+        one spawned and the one printed to reproduce the test - are rendered from it (:meth:`commands`)."""
         spec = self.spec
         sizes = spec.node_sizes()
         task = ["-m", "pytest", *self.rank_args, *(self.nodeids if nodeids is None else nodeids)]
@@ -161,7 +162,7 @@ class TestJob:
                 master_port=self.ports[0],
                 dist_port=self.ports[1],
                 node_rank=node if len(sizes) > 1 else -1,
-                log_dir=str(self.log_dir),
+                log_dir=str(self.paths.log_dir),
                 join=True,
                 # time is kept by the controller (re-run by hand: by ``timeout``), never raced by a
                 # rank's own init() deadline, which fired with the test's and pre-empted the stacks
@@ -177,17 +178,6 @@ class TestJob:
         ]
 
     @property
-    def trace(self) -> str:
-        """The trace file its msrun writes ("": not traced)."""
-        return self.extra_env.get(TRACE_ENV, "")
-
-    def expected_ranks(self) -> list[int]:
-        """The ranks whose results the job owes, as msrun plans its invocations."""
-        if self._ranks is None:
-            self._ranks = sorted({rank for cfg in self.configs() for rank in job_ranks(cfg)})
-        return self._ranks
-
-    @property
     def master_host(self) -> str:
         """Where the job's control plane listens: this host, or - a Slurm step - the step's first
         node, which Slurm picked (known from its msrun's status file once it started)."""
@@ -196,26 +186,22 @@ class TestJob:
         status = self._statuses()[0]
         return status.host if status is not None and status.host else self.cluster.nodes[0]
 
-    def flags(self, cfg: LaunchConfig, *, for_user: bool = False) -> list[str]:
-        """``cfg``'s msrun command line. Under ``srun`` msrun takes the node rank and the master
-        address from the step; ``for_user``: as a person re-runs it - any free port on one node,
-        and no port of this session's."""
+    def commands(self, nodeids: list[str] | None = None, *, for_user: bool = False) -> list[list[str]]:
+        """The job's msrun command lines (of ``nodeids``): as started, or ``for_user`` as a person
+        re-runs them - any free port on one node, and no port of this session's. Under ``srun``
+        msrun takes the node rank and the master address from the step."""
+        msrun = [CLI] if for_user else [sys.executable, "-m", "pytest_msrun"]
         changes: dict[str, Any] = {"node_rank": -1} if self.cluster is not None else {}
         if for_user:
             changes["dist_port"] = -1
             if self.nodes == 1:
                 changes["master_port"] = 0
-        return flags_of(replace(cfg, **changes))
-
-    def commands(self, nodeids: list[str] | None = None, *, for_user: bool = False) -> list[list[str]]:
-        """The job's msrun command lines (of ``nodeids``): as started, or ``for_user`` as typed (:meth:`flags`)."""
-        msrun = [CLI] if for_user else [sys.executable, "-m", "pytest_msrun"]
-        configs = self.configs(nodeids)
+        configs = [replace(cfg, **changes) for cfg in self.configs(nodeids)]
         if self.cluster is not None:
             label = "" if for_user else "msrun-test"
             srun = self.cluster.srun(self.nodes, configs[0].local_worker_num, label=label, devices=self.spec.devices)
-            return [[*srun, *msrun, *self.flags(configs[0], for_user=for_user)]]
-        return [[*msrun, *self.flags(cfg, for_user=for_user)] for cfg in configs]
+            return [[*srun, *msrun, *flags_of(configs[0])]]
+        return [[*msrun, *flags_of(cfg)] for cfg in configs]
 
     def reproduce_lines(
         self,
@@ -233,9 +219,7 @@ class TestJob:
         return [prefix + shlex.join([*limit, *cmd]) for cmd in self.commands(nodeids, for_user=True)]
 
     def env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(self.spec.env)
-        env.update(self.extra_env)
+        env = {**os.environ, **self.spec.env, **self.extra_env}
         env[REPORT_DIR_ENV] = str(self.paths.report_dir)
         env[SHARED_TMP_ENV] = str(self.paths.shared_dir)
         env[BASETEMP_ENV] = str(self.paths.basetemp)
@@ -276,7 +260,9 @@ class TestJob:
         try:
             clock = paused_clock(self.debug)  # time in the debugger does not count
             deadline = clock() + timeout
-            finished = FinishWatch(str(self.paths.report_dir), self.expected_ranks())
+            # the ranks whose records do not yet end with ``finish`` (their pytest session), looked at every 0.25 s
+            unfinished = [records_path(str(self.paths.report_dir), rank) for rank in self.expected_ranks]
+            look = 0.0
             exit_deadline: float | None = None
             while True:
                 alive = [p for p in launched.procs if p.poll() is None]  # one look: a process may end any time
@@ -286,8 +272,10 @@ class TestJob:
                 if now >= deadline:
                     timed_out = True
                     break
-                if exit_deadline is None and finished.all():
-                    exit_deadline = now + exit_timeout
+                if exit_deadline is None and time.monotonic() >= look:
+                    look = time.monotonic() + 0.25
+                    unfinished = [path for path in unfinished if not _ends_with_finish(path)]
+                    exit_deadline = None if unfinished else now + exit_timeout
                 if exit_deadline is not None and now >= exit_deadline:
                     hung = self.running_ranks()
                     break
@@ -296,7 +284,7 @@ class TestJob:
         except BaseException:  # Ctrl+C or pytest.exit while waiting: leave nothing running
             self.stop(launched)
             raise
-        facts = self.at_deadline(str(self.paths.report_dir), self.expected_ranks()) if timed_out else {}
+        facts = self.at_deadline(str(self.paths.report_dir), self.expected_ranks) if timed_out else {}
         if hung:
             facts = {"stacks": self.collect_stacks()}
         self.stop(launched)  # (every msrun ended: its output pumps joined)
@@ -344,9 +332,7 @@ class TestJob:
     def launch_error(self, exit_codes: list[int | None], logs: list[str]) -> str:
         """msrun's console output when it could not start the job - judged from its status files
         (none written, or one saying so), never from an exit status a rank may share."""
-        if all(code == 0 for code in exit_codes):
-            return ""
-        if all(s is not None and s.state != "error" for s in self._statuses()):
+        if all(code == 0 for code in exit_codes) or all(s is not None and s.state != "error" for s in self._statuses()):
             return ""
         return "\n".join(Path(p).read_text(errors="replace") for p in logs).strip()
 
@@ -354,7 +340,7 @@ class TestJob:
     def _statuses(self) -> list[JobStatus | None]:
         """msrun's status file(s), one per node (None: not written)."""
         names = [STATUS_FILE] if self.nodes == 1 else [node_status_file(i) for i in range(self.nodes)]
-        return [read_status(str(self.log_dir), name) for name in names]
+        return [read_status(str(self.paths.log_dir), name) for name in names]
 
     def rank_ends(self) -> dict[int, RankEnd]:
         """How each rank's process ended, from msrun's status file(s)."""
@@ -424,23 +410,6 @@ class TestJob:
                 popen.wait()
         for pump in launched.pumps:
             pump.join(timeout=5)
-
-
-class FinishWatch:
-    """Whether every rank's pytest session ended: each rank's records end with ``finish``."""
-
-    def __init__(self, report_dir: str, ranks: list[int], every: float = 0.25) -> None:
-        self.paths = {rank: records_path(report_dir, rank) for rank in ranks}
-        self.every = every
-        self.next = 0.0
-
-    def all(self) -> bool:
-        now = time.monotonic()
-        if now < self.next:
-            return False
-        self.next = now + self.every
-        self.paths = {rank: path for rank, path in self.paths.items() if not _ends_with_finish(path)}
-        return not self.paths
 
 
 def _ends_with_finish(path: str) -> bool:

@@ -34,9 +34,8 @@ def safe_name(nodeid: str) -> str:
 
 def node_path(item: pytest.Item) -> str:
     """The item's node id with an absolute file path, so ranks find it from any directory."""
-    path = getattr(item, "path", None)
     rest = item.nodeid.split("::", 1)[1] if "::" in item.nodeid else ""
-    return f"{path}::{rest}" if path is not None and rest else item.nodeid
+    return f"{item.path}::{rest}" if rest else item.nodeid
 
 
 def static_skip(item: pytest.Item) -> str | None:

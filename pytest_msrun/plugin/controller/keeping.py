@@ -13,7 +13,7 @@ import bisect
 import contextlib
 import math
 import os
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Generic, TypeVar
@@ -31,8 +31,7 @@ class Budget:
     ranks: int
     devices: int
 
-    def fits(self, needs: Iterable[Need]) -> bool:
-        needs = list(needs)
+    def fits(self, needs: Sequence[Need]) -> bool:
         return sum(n[0] for n in needs) <= self.ranks and sum(n[1] for n in needs) <= self.devices
 
 
@@ -79,8 +78,6 @@ def survives(
     test from ``start`` on starts its world if none is live, making room with :func:`victims`
     (``need``: a key's :data:`Need`)."""
     alive = dict(live)
-    if key not in alive:
-        return False
     for i in range(start, end):
         other = schedule.keys[i]
         if other is None or other in alive:

@@ -86,8 +86,7 @@ class Reporter:
     """Reports the runs of marked tests (one instance per controller)."""
 
     def __init__(self, config: pytest.Config, style: str, leaks: str, timelines: bool, traces: TraceNotes) -> None:
-        if not config.pluginmanager.has_plugin("msrun-merged-reports"):
-            config.pluginmanager.register(MergedReports(), "msrun-merged-reports")
+        config.pluginmanager.register(MergedReports(), "msrun-merged-reports")
         self.config = config
         self.style = style
         self.leaks = leaks
@@ -176,5 +175,4 @@ class Reporter:
 
     def _warn(self, item: pytest.Item, warning: pytest.PytestWarning) -> None:
         """``warning`` as if the test raised it, at its line."""
-        path = str(getattr(item, "path", item.location[0]))
-        warnings.warn_explicit(warning, type(warning), path, (item.location[1] or 0) + 1)
+        warnings.warn_explicit(warning, type(warning), str(item.path), (item.location[1] or 0) + 1)

@@ -79,7 +79,7 @@ class Runner:
         try:
             job = self.jobs.new(item, spec, lease.ports, lease.devices)
             run = dataclasses.replace(job.run(self.jobs.test_timeout(item, spec), self.jobs.exit_timeout), note=note)
-            return WholeAttempt("fresh", TestRecord.load(item.nodeid, job.expected_ranks(), job.paths, run), job.trace)
+            return WholeAttempt("fresh", TestRecord.load(item.nodeid, job.expected_ranks, job.paths, run), job.trace)
         finally:
             self.pool.release(lease)
 
@@ -117,9 +117,8 @@ class Runner:
         if not isinstance(attempt, WarmAttempt):
             return True
         key = attempt.world.key
-        world = self.worlds.live.get(key)
-        if world is not None and world.last is not None:  # a late judgement repeats none of its failures
-            self.reported[key] = (world.last, frozenset(teardown_failures(final)))
+        if key in self.worlds.live:  # its world lives on: a late judgement repeats none of these failures
+            self.reported[key] = (attempt.world.last, frozenset(teardown_failures(final)))
         self.worlds.after(item, key, attempt.next_id)
         return key not in self.worlds.live
 
@@ -130,9 +129,10 @@ class Runner:
         ends, self.worlds.late = self.worlds.late, []
         for end in ends:
             world, last = end.world, end.last
-            run = dataclasses.replace(end.run, reproduce_lines=world.reproduce_lines(last), started=last.started)
+            lines = world.job.reproduce_lines(last.timeout, [last.nodeid], last.env)
+            run = dataclasses.replace(end.run, reproduce_lines=lines, started=last.started)
             test, said = self.reported.get(world.key, (None, frozenset()))
-            record = TestRecord.load(end.item.nodeid, world.job.expected_ranks(), last.paths, run)
+            record = TestRecord.load(end.item.nodeid, world.job.expected_ranks, last.paths, run)
             yield end, record, said if test is last else frozenset()
 
 

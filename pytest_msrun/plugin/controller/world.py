@@ -32,10 +32,11 @@ from typing import Any
 
 from pytest_msrun.control import wire
 from pytest_msrun.control.door import Admitted, Door, Tally
+from pytest_msrun.control.observer import declare_finished, query_state
 from pytest_msrun.netaddr import rank_listener
 from pytest_msrun.plugin import envscope, rankmemory
 from pytest_msrun.plugin.controller.debugserver import paused_clock
-from pytest_msrun.plugin.controller.job import JobRun, Launched, TestJob, TestPaths, has_control_plane
+from pytest_msrun.plugin.controller.job import JobRun, Launched, TestJob, TestPaths
 from pytest_msrun.plugin.links import FORK_ENV, WORLD_ENV, WORLD_TOKEN_ENV, Channel
 from pytest_msrun.plugin.marker import MsrunSpec
 from pytest_msrun.plugin.rule.outcomes import RankEnd
@@ -50,7 +51,7 @@ STUCK_FIRST_CHECK = 0.05
 HELLO_TIMEOUT = 10.0  # s a connection to a world's door may take to prove its token
 
 
-def world_key(spec: MsrunSpec, devices: int) -> tuple[Any, ...]:
+def world_key(spec: MsrunSpec) -> tuple[Any, ...]:
     """What makes two marked tests able to share a world: everything that shapes the job."""
     return (
         spec.worker_num,
@@ -58,7 +59,7 @@ def world_key(spec: MsrunSpec, devices: int) -> tuple[Any, ...]:
         spec.scheduler,
         spec.bind_core,
         spec.bind_numa,
-        devices,
+        spec.devices,
         tuple(sorted(spec.env.items())),
     )
 
@@ -170,7 +171,6 @@ def _past_max(world: World, resident: dict[int, int]) -> tuple[str, ...]:
 
 
 def _resident(replies: dict[int, dict[str, Any]]) -> dict[int, int]:
-    """Each rank's resident set after the test, from its memory sample."""
     samples = {rank: reply.get("memory") for rank, reply in replies.items()}
     return {r: s["after"] for r, s in samples.items() if isinstance(s, dict) and isinstance(s.get("after"), int)}
 
@@ -183,9 +183,9 @@ class World:
         key: tuple[Any, ...],
         job: TestJob,
         lease: Any,
-        test_envs: dict[str, dict[str, str]] | None = None,
-        memory: tuple[int, int] = (0, 0),
-        strangers: Tally | None = None,
+        test_envs: dict[str, dict[str, str]],
+        memory: tuple[int, int],
+        strangers: Tally,
     ) -> None:
         """``strangers``: where the world's door counts who it dropped (the session's, for its summary)."""
         self.key = key
@@ -195,7 +195,7 @@ class World:
         self.lease = lease
         self.forking = bool(key) and key[-1] == FORKING  # each test in a child forked for it
         # --msrun-env-scope=test: each test's own variables, set for it alone (node id -> variables)
-        self.test_envs = test_envs or {}
+        self.test_envs = test_envs
         self.env_read: set[str] = set()  # which of them a rank looked up while it collected
         self.token = os.urandom(16).hex()
         # a Slurm step's ranks reach this host where srun ran (only the world's token is let in)
@@ -213,15 +213,11 @@ class World:
         self.retiring = ""  # why it ends after the current test
         self.lost: set[int] = set()  # ranks that left the world (their connection closed)
         self.declared = False  # the control plane was told ranks had finished a test
-        self.tests = 0
         self.last: WarmTest | None = None  # the last test it ran
         self.created = time.time()
         self.connected = False  # every rank connected (a world started ahead is not, until needed)
         self.claimed = 0.0  # when its first test asked for it (it may have been started ahead)
-
-    @property
-    def ranks(self) -> list[int]:
-        return list(range(self.job.spec.worker_num))
+        self.ranks = list(range(job.spec.worker_num))
 
     def connect(self, deadline: float) -> str:
         """Wait for every rank to connect; "" or why the world did not come up. Others who
@@ -299,9 +295,8 @@ class World:
         """Send the test to every rank and wait until each finished its setup and call. A rank that
         leaves meanwhile while the job goes on (an ``os._exit(0)``) ends the world within this test,
         the others finishing it as in a fresh job, so the run is complete at once."""
-        self.tests += 1
         # the first test's setup starts the world - or, started ahead, waits for it from its request
-        started = max(self.created, self.claimed) if self.tests == 1 else time.time()
+        started = max(self.created, self.claimed) if self.last is None else time.time()
         deadline = time.monotonic() + timeout
         msg: dict[str, Any] = {"t": "run", "nodeid": nodeid, "report_dir": str(paths.report_dir)}
         msg["shared_dir"] = str(paths.shared_dir)
@@ -376,8 +371,7 @@ class World:
                     next_check = now + STUCK_FIRST_CHECK
                 elif release and replies and not self.declared and next_check is not None and now >= next_check:
                     next_check = now + STUCK_CHECK
-                    if has_control_plane(self.job.spec):
-                        self.declared = release_waiters(self.job, self.ranks, set(replies), released)
+                    self.declared = release_waiters(self.job, self.ranks, set(replies), released)
                 if self.launched.exited():
                     self.dead = "the world's job ended (a rank died)"
                     break
@@ -410,13 +404,13 @@ class World:
             sel.close()
         return replies, False
 
-    def shown(self, seconds: float = 1.0) -> None:
-        """With ``-s``: wait (bounded) until msrun has shown every line the ranks wrote so far (its
+    def shown(self) -> None:
+        """With ``-s``: wait (at most 1 s) until msrun has shown every line the ranks wrote so far (its
         tail polls their logs), so a test's lines come before its result, as a plain test's do."""
         relayed = self.launched.relayed
         if relayed is not None:
-            logs = {rank: self.job.log_dir / f"worker_{rank}.log" for rank in self.ranks}
-            wait_until(lambda: all(relayed.get(r, 0) >= _whole_lines(str(p)) for r, p in logs.items()), seconds)
+            logs = {rank: self.job.paths.log_dir / f"worker_{rank}.log" for rank in self.ranks}
+            wait_until(lambda: all(relayed.get(r, 0) >= _whole_lines(str(p)) for r, p in logs.items()), 1.0)
 
     def await_ends(self, exit_timeout: float, absent: set[int]) -> list[int]:
         """A forking world's children ending after their test, as processes do (threads joined,
@@ -431,14 +425,14 @@ class World:
             return []
         return sorted(set(self.channels) - set(replies) - self.lost - absent)
 
-    def _settle(self, rank: int, seconds: float = 10.0) -> None:
-        """Let a rank that left the world end its process, and msrun record how and act on it (its
+    def _settle(self, rank: int) -> None:
+        """Let a rank that left the world end its process (10 s at most), and msrun record how and act on it (its
         first-failure rule stops the others, as in a fresh job) - before the world is stopped, which
         would otherwise stop that rank too and hide why it left."""
         end = self.job.rank_ends().get(rank)
         if end is not None and end.pid:
             pid = end.pid
-            wait_until(lambda: not running(pid), seconds)
+            wait_until(lambda: not running(pid), 10.0)
         wait_until(self.launched.exited, 1.0)  # msrun reacts to an exit within milliseconds
 
     def stop_on_timeout(self, test: WarmTest, waiting: set[int]) -> JobRun:
@@ -451,10 +445,6 @@ class World:
         ranks = {r: dataclasses.replace(end, held=True) if r in waiting else end for r, end in run.ranks.items()}
         return dataclasses.replace(run, ranks=ranks, **facts)
 
-    def reproduce_lines(self, test: WarmTest) -> list[str]:
-        """The command lines that run ``test`` alone, as this world ran it."""
-        return self.job.reproduce_lines(test.timeout, [test.nodeid], test.env)
-
     def job_run(self, test: WarmTest, timed_out: bool) -> JobRun:
         """The run to judge ``test`` by: each rank's end, or - the world living on - that it lives on."""
         ends = self.job.rank_ends()
@@ -462,7 +452,7 @@ class World:
         for rank, end in ends.items():
             if live and end.returncode is None and rank not in self.lost:
                 ends[rank] = RankEnd(pid=end.pid, log=end.log, host=end.host, alive=True)
-        reproduce = self.reproduce_lines(test)
+        reproduce = self.job.reproduce_lines(test.timeout, [test.nodeid], test.env)  # the test alone, as run here
         return self.job.outcome(self.launched, test.timeout, test.started, reproduce, timed_out=timed_out, ranks=ends)
 
     def ended_run(self, test: WarmTest, hung: list[int], exit_timeout: float, stacks: dict[int, str]) -> JobRun:
@@ -472,8 +462,7 @@ class World:
 
     # ---------------------------------------------------------------- the end
     def retire(self, why: str) -> None:
-        if not self.retiring:
-            self.retiring = why
+        self.retiring = self.retiring or why  # the first reason stands
 
     def end(self, test: WarmTest, exit_timeout: float) -> JobRun:
         """End the world after its last test, ``test``: ``quit`` (fixtures torn down, sessions end),
@@ -499,7 +488,6 @@ class World:
         self._close()
 
     def _tell(self, msg: dict[str, Any], channels: Iterable[Channel] | None = None) -> None:
-        """Send ``msg`` to every rank still there (of ``channels``; default: all)."""
         for channel in self.channels.values() if channels is None else channels:
             with contextlib.suppress(OSError):
                 channel.send(msg)
@@ -516,8 +504,6 @@ def release_waiters(job: TestJob, ranks: list[int], finished: set[int], why: str
     """Ranks still in the test that wait - to form the group, or in a collective - only for ranks
     that finished it would wait forever (in a fresh job those ranks exit and the wait fails):
     tell the control plane, which fails those waits now. Whether it was told."""
-    from pytest_msrun.control.observer import declare_finished, query_state
-
     host, port, token = job.master_host, job.ports[0], job.token
     state = query_state(host, port, token, timeout=1.0)
     if not state:
@@ -542,4 +528,4 @@ def _whole_lines(path: str) -> int:
             tail = fh.read()
     except OSError:
         return 0
-    return start + tail.rfind(b"\n") + 1 if b"\n" in tail else start
+    return start + tail.rfind(b"\n") + 1  # (rfind: -1 without one)

@@ -31,14 +31,6 @@ from pytest_msrun.plugin.controller.world import FORKING, WarmTest, World, world
 from pytest_msrun.plugin.marker import MarkerError, MsrunSpec, spec_for
 
 
-def _cpus() -> int:
-    """The CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
-
-
 @dataclass
 class LateEnd:
     """A world ended after its last test was reported: ``run`` is how, ``why`` the reason."""
@@ -81,7 +73,6 @@ class WorldPool:
         self.warm = mode == "warm"  # --msrun-worlds=warm: tests share worlds (fresh: each in a forked child)
         self.env_per_test = env_per_test  # tests differing only in env share a world
         self.prefetch = prefetch  # worlds, warm or forking
-        self.xdist_worker = hasattr(jobs.config, "workerinput")  # xdist hands this process its items one by one
         self.live: dict[tuple, World] = {}
         self.strangers = Tally(time.monotonic())  # dropped at the worlds' doors, for the session's summary
         self.last_item: dict[tuple, pytest.Item] = {}  # each live world's last test
@@ -115,7 +106,7 @@ class WorldPool:
             if spec is not None and has_control_plane(spec):
                 # isolated: each test in processes of its own, forked from the world's ranks
                 forking = spec.isolated or not self.warm
-                key = world_key(self._world_spec(spec), spec.devices) + ((FORKING,) if forking else ())
+                key = world_key(self._world_spec(spec)) + ((FORKING,) if forking else ())
             self._keys[item.nodeid] = None if key in self.unforkable else key
         return self._keys[item.nodeid]
 
@@ -136,7 +127,7 @@ class WorldPool:
         """The tests this process will run, as far as it knows them, and the position after
         ``item``: the rest of ``session.items`` where pytest's own loop runs them, else (xdist hands
         them out one by one; another plugin's loop) only ``nextitem``."""
-        if not self.xdist_worker:
+        if not hasattr(self.jobs.config, "workerinput"):  # not an xdist worker
             items = item.session.items
             stamp = (id(items), len(items), len(self.unforkable))
             if self._plan is None or self._plan[0] != stamp:
@@ -290,23 +281,20 @@ class WorldPool:
         if not self.budget.fits([*self._needs().values(), world_need(other)]):
             return
         busy = sum(w.job.spec.worker_num for k, w in self.live.items() if k == key or not w.connected)
-        if busy + spec.worker_num > _cpus():  # no CPU left to start it beside them
+        if busy + spec.worker_num > len(os.sched_getaffinity(0)):  # no CPU left to start it beside them
             return
         with contextlib.suppress(DeviceShortage):
             self.live[other] = self._start_world(plan.items[at], spec, other, 0)
 
     def after(self, item: pytest.Item, key: tuple, next_id: str | None) -> None:
         world = self.live.get(key)
-        if world is None:
-            return
-        if world.dead:
+        if world is not None and world.dead:
             self._drop(key)
             self.resources.release(world.lease)
-        else:
+        elif world is not None:
             self.expecting[key] = next_id
 
     def _drop(self, key: tuple) -> tuple[World, pytest.Item | None]:
-        """Forget the live world of ``key``: it and its last test."""
         self.expecting.pop(key, None)
         return self.live.pop(key), self.last_item.pop(key, None)
 
