@@ -37,16 +37,10 @@ from pytest_msrun.plugin.rule.records import (
     stacks_path,
 )
 from pytest_msrun.plugin.rule.testrecord import suite_records
+from pytest_msrun.plugin.stdstreams import read_log
+from pytest_msrun.waiting import wait_until
 
 FAILING = ("failed", "error")
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            return fh.read()
-    except OSError:
-        return ""
 
 
 def job_report(status: JobStatus) -> JobReport | None:
@@ -242,18 +236,19 @@ def _sibling_statuses(directory: str, status: JobStatus) -> list[JobStatus]:
     from pytest_msrun.engine.status import read_status
 
     want = set(range(status.worker_num or 0))
-    deadline = time.monotonic() + SIBLING_WAIT
-    while True:
-        found = {status.node_index: status}
+    found: dict[int, JobStatus] = {}
+
+    def covered() -> bool:
+        found.clear()
+        found[status.node_index] = status
         for path in glob.glob(os.path.join(directory, "msrun_status_node*.json")):
             other = read_status(directory, os.path.basename(path))
-            if other is None or other.job_id != status.job_id or other.state == "running":
-                continue
-            found.setdefault(other.node_index, other)
-        covered = {p.rank for n in found.values() for p in n.workers if p.rank is not None}
-        if want <= covered or time.monotonic() > deadline:
-            return [found[k] for k in sorted(found)]
-        time.sleep(0.05)
+            if other is not None and other.job_id == status.job_id and other.state != "running":
+                found.setdefault(other.node_index, other)
+        return want <= {p.rank for n in found.values() for p in n.workers if p.rank is not None}
+
+    wait_until(covered, SIBLING_WAIT, 0.05)
+    return [found[k] for k in sorted(found)]
 
 
 @dataclass
@@ -267,14 +262,9 @@ class Table:
     verdicts: list[TestVerdict] = field(default_factory=list)
 
 
-def verdicts(logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> list[TestVerdict]:
-    """Every test's verdict, in the order the ranks ran them: each test's record, judged once."""
-    return [record.verdict() for record in suite_records(logs, ends, time.time())]
-
-
 def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> Table:
     ranks = sorted(logs)
-    judged = verdicts(logs, ends)
+    judged = [record.verdict() for record in suite_records(logs, ends, time.time())]  # in the order ranks ran them
     collect_errors = {r: len(logs[r].collect_errors) for r in ranks if logs[r].collect_errors}
 
     rows = [("test", *(f"rank {r}" for r in ranks), "verdict")]
@@ -340,7 +330,8 @@ def _explain(v: TestVerdict, directory: str, logs: dict[int, RankLog], ends: dic
         record = logs[timed[0]].test(v.nodeid).timeout or {}
         # a rank that timed out recorded its stack then; the others dumped theirs when msrun stopped them
         dumps = {
-            r: (logs[r].test(v.nodeid).timeout or {}).get("stack") or _read(stacks_path(directory, r)) for r in logs
+            r: (logs[r].test(v.nodeid).timeout or {}).get("stack") or read_log(stacks_path(directory, r), 0)
+            for r in logs
         }
         threads = {r: logs[r].main_thread for r in logs}
         here = [r for r in logs if logs[r].test(v.nodeid).started]
