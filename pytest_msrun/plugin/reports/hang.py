@@ -64,9 +64,9 @@ def threads(dump: str) -> dict[int, list[Frame]]:
     return out
 
 
-def main_stack(dump: str, main_thread: int | None) -> list[Frame]:
-    """The main thread's frames; without its id, the thread that got the signal (listed last)."""
-    found = threads(dump)
+def main_stack(found: dict[int, list[Frame]], main_thread: int | None) -> list[Frame]:
+    """The main thread's frames of a parsed dump (:func:`threads`); without its id, the thread
+    that got the signal (listed last)."""
     if main_thread is not None and main_thread in found:
         return found[main_thread]
     return list(found.values())[-1] if found else []
@@ -189,7 +189,7 @@ def diagnosis(
     no_stack: dict[int, str] | None = None,
 ) -> str:
     """The text shown on a timeout: grouped stacks, then the control plane's view."""
-    stacks = {r: main_stack(dumps[r], main_threads.get(r)) for r in ranks if dumps.get(r, "").strip()}
+    stacks = {r: main_stack(threads(dumps[r]), main_threads.get(r)) for r in ranks if dumps.get(r, "").strip()}
     stacks = {r: f for r, f in stacks.items() if f}
     missing = {r: (no_stack or {}).get(r, "no dump") for r in ranks if r not in stacks}
     lines = ["where each rank was:"] + ["  " + line for line in group_lines(stacks, missing)]

@@ -191,10 +191,8 @@ class Replay:
         controller's junitxml (before the test's last report, which writes its testcase): a suite
         property every rank gave alike once, else per rank (``name [rank 1]``); an attribute
         likewise (``name_rank1``)."""
-        try:
-            from _pytest.junitxml import xml_key
-        except ImportError:
-            return
+        from _pytest.junitxml import xml_key
+
         xml = self.config.stash.get(xml_key, None)
         if xml is None:
             return

@@ -43,11 +43,6 @@ def short(text: object) -> str:
     return first if len(first) <= MESSAGE_MAX else first[: MESSAGE_MAX - 1] + "…"
 
 
-def test_name(nodeid: str) -> str:
-    """The test's name without its file (the ``args`` carry the node id)."""
-    return nodeid.split("::", 1)[-1]
-
-
 def tally(outcomes: Iterable[str]) -> str:
     """``3 passed, 1 failed``: the tests' outcomes counted, in a fixed order."""
     counts = Counter(outcomes)
@@ -81,7 +76,8 @@ def test_events(verdict: TestVerdict, outcome: str, logs: dict[int, RankLog], un
     with its phases inside and its failures; a span on the tests lane with the verdict. ``until``:
     where a phase a rank never finished ends (its death, the job's end)."""
     events: list[dict[str, Any]] = []
-    name, nodeid = test_name(verdict.nodeid), verdict.nodeid
+    nodeid = verdict.nodeid
+    name = nodeid.split("::", 1)[-1]  # without its file (the args carry the node id)
     bounds: list[int] = []  # microseconds, as the spans hold them
     for rank in sorted(logs):
         phases = _phase_spans(verdict, logs[rank], until)

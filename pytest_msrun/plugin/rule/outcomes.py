@@ -221,10 +221,6 @@ def fails(report: dict[str, Any]) -> bool:
     return report.get("outcome") == "failed" and not is_strict_xpass(report)
 
 
-def is_subtest(report: dict[str, Any]) -> bool:
-    return report.get("_report_type") == "SubTestReport"
-
-
 def crash_message(report: dict[str, Any]) -> str:
     """The one-line reason of a failed report."""
     lines = longrepr_text(report).strip().splitlines()
@@ -232,7 +228,7 @@ def crash_message(report: dict[str, Any]) -> str:
         line = lines[-1]
     else:
         line = lines[0] if lines else "failed"
-    if is_subtest(report):
+    if report.get("_report_type") == "SubTestReport":
         label = report.get("_subtest.description")  # as the rank's pytest describes it
         return f"subtest {label if isinstance(label, str) else '(<subtest>)'} failed: {line}"
     return line
