@@ -24,7 +24,7 @@ from typing import IO, Any
 import pytest
 
 from pytest_msrun.control import calls
-from pytest_msrun.engine import ranknotes
+from pytest_msrun.engine import processes, ranknotes
 from pytest_msrun.fileio import make_dirs, open_output, write_whole
 from pytest_msrun.plugin import options
 from pytest_msrun.plugin.env import current_rank, current_world
@@ -233,12 +233,10 @@ class RankPlugin:
     # pytest-timeout in a rank the controller runs: the controller times the marked test (its job's
     # timeout, stacks of every rank); a timer of the rank's own would cut that report short.
     @pytest.hookimpl(optionalhook=True, tryfirst=True)
-    def pytest_timeout_set_timer(self, item: pytest.Item, settings: Any) -> bool | None:
+    def pytest_timeout_set_timer(self, item: pytest.Item) -> bool | None:
         return True if self.controlled else None
 
-    @pytest.hookimpl(optionalhook=True, tryfirst=True)
-    def pytest_timeout_cancel_timer(self, item: pytest.Item) -> bool | None:
-        return True if self.controlled else None
+    pytest_timeout_cancel_timer = pytest_timeout_set_timer
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
@@ -406,8 +404,7 @@ class RankPlugin:
                 self.streams.leave()
             self.current = None
             if when == "teardown" and start is not None:  # where this test's part of the log ends
-                sys.stdout.flush()
-                sys.stderr.flush()
+                processes.flush_std_streams()
                 self._write("phase_end", nodeid=item.nodeid, when=when, offset=log_offset())
             self._collectives(item.nodeid, when, began)
             if when == "teardown" and "pytest_msrun.plugin.covdata" in sys.modules:
@@ -415,8 +412,7 @@ class RankPlugin:
 
                 flush()
             if self.log is not None and start is not None:
-                sys.stdout.flush()
-                sys.stderr.flush()
+                processes.flush_std_streams()
                 end = log_offset()
                 text = self.past.captured(start, end) if self.past is not None else read_log(self.log, start, end)
                 if text:

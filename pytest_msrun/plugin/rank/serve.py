@@ -34,6 +34,7 @@ import sys
 import threading
 import warnings
 from collections.abc import Generator, Iterator
+from dataclasses import dataclass
 from os import _exit  # taken now: a test that replaces os._exit does not change how a rank ends
 from typing import Any
 
@@ -278,12 +279,12 @@ def _proc(path: str) -> str | None:
         return None
 
 
+@dataclass
 class LateNext:
     """The ``nextitem`` of a test in a warm world, known only when its teardown begins: pytest's
     teardown asks it for its collectors once the controller said which test comes next."""
 
-    def __init__(self) -> None:
-        self.item: pytest.Item | None = None
+    item: pytest.Item | None = None
 
     def listchain(self) -> list[Any]:
         return self.item.listchain() if self.item is not None else []
@@ -394,8 +395,7 @@ class WorldServer:
         as a fresh job's rank would not have, end this process the same way."""
         assert self.channel is not None
         read_fd, write_fd = os.pipe()
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
+        processes.flush_std_streams()
         gc.freeze()  # the child's collections skip the template's objects: no copy of their pages
         with warnings.catch_warnings():  # Python >= 3.12 warns of a runtime's native threads
             warnings.simplefilter("ignore", DeprecationWarning)

@@ -78,7 +78,6 @@ def is_harness(path: str) -> bool:
 
 
 def is_msrun(path: str) -> bool:
-    """A frame of this package."""
     return os.path.abspath(path).startswith(_PACKAGE + os.sep)
 
 

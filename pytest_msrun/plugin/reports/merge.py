@@ -20,7 +20,7 @@ from pytest_msrun.plugin.reports.excerpts import log_excerpt, stack_excerpt
 from pytest_msrun.plugin.reports.extras import carried_attributes, merge_properties
 from pytest_msrun.plugin.reports.hang import diagnosis
 from pytest_msrun.plugin.rule.outcomes import PhaseVerdict, RankEnd, RankIssue, Refusal, TestVerdict, ranks_text, were
-from pytest_msrun.plugin.rule.records import PHASES, stacks_path
+from pytest_msrun.plugin.rule.records import stacks_path
 from pytest_msrun.plugin.rule.testrecord import TestRecord
 from pytest_msrun.plugin.stdstreams import read_log, tag_lines
 
@@ -189,7 +189,7 @@ class Merger:
         return read_log(self.log_path(rank), start.offset)
 
     # ------------------------------------------------------------------ merging
-    def reports(self, verdict: TestVerdict, phases: tuple[str, ...] = PHASES) -> list[pytest.TestReport]:
+    def reports(self, verdict: TestVerdict, phases: tuple[str, ...]) -> list[pytest.TestReport]:
         """The merged reports of ``phases`` (a refusal: its setup's, and a teardown with nothing to do)."""
         if verdict.refusal is not None:
             return [self._refused(verdict.refusal, phase) for phase in phases if phase != "call"]
