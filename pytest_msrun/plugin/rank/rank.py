@@ -31,7 +31,7 @@ from pytest_msrun.plugin.env import current_rank, current_world
 from pytest_msrun.plugin.links import FORK_ENV, WORLD_ENV, WORLD_TOKEN_ENV, world_address
 from pytest_msrun.plugin.marker import default_timeout, marked_specs
 from pytest_msrun.plugin.rank.forked import dump_stacks_on_signals
-from pytest_msrun.plugin.rank.suiteclock import SuiteClock
+from pytest_msrun.plugin.rank.suiteclock import SuiteClock, say
 from pytest_msrun.plugin.rule.outcomes import STRICT_XPASS
 from pytest_msrun.plugin.rule.records import (
     BASETEMP_ENV,
@@ -467,13 +467,9 @@ def _forked_child_returned(nodeid: str, when: str) -> None:
     """A process the test forked returned into pytest instead of exiting: it ends here, quietly
     (status 0), before it writes the rank's records or serves its world's channel in the rank's
     place (the rank, waiting for it, then hung)."""
-    try:
-        sys.stdout.flush()
-        sys.stderr.write(
-            f"msrun: a process {nodeid} forked (pid {_getpid()}) returned from its {when} into pytest; it ends "
-            "here with status 0 (end a forked child with os._exit())\n"
-        )
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
+    processes.flush_std_streams()
+    say(
+        f"msrun: a process {nodeid} forked (pid {_getpid()}) returned from its {when} into pytest; it ends "
+        "here with status 0 (end a forked child with os._exit())\n"
+    )
     os._exit(0)

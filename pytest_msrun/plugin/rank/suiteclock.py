@@ -72,7 +72,7 @@ class SuiteClock:
         stack = _dump_stacks(self.plugin.stacks)
         state = query_from_env(dict(os.environ))
         self.plugin._write("timeout", nodeid=nodeid, when=when, timeout=seconds, state=state, stack=stack)
-        _say(
+        say(
             f"\nmsrun: {nodeid} timed out after {seconds:g} s on rank {self.plugin.rank} in its {when} phase; "
             f"this rank ends with exit status {TIMEOUT_EXIT}\n"
         )
@@ -95,7 +95,7 @@ class SuiteClock:
             except (OSError, ValueError):
                 pass
             else:
-                _say(
+                say(
                     f"\nmsrun: rank {rank} did not exit within {seconds:g} s of its pytest session's end "
                     f"(--msrun-timeout); it ends with exit status {TIMEOUT_EXIT}\n"
                 )
@@ -118,7 +118,7 @@ def _dump_stacks(stacks: Any) -> str:
     return read_log(stacks.name, start)
 
 
-def _say(text: str) -> None:
+def say(text: str) -> None:
     """``text`` into the rank's log (its stderr), unless that is closed or broken."""
     try:
         sys.stderr.write(text)
