@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -81,6 +82,15 @@ def to_serializable(report: pytest.TestReport) -> dict[str, Any]:
     return data
 
 
+def from_record(config: pytest.Config, data: Mapping[str, Any]) -> Any:
+    """pytest's report of a rank's record (None: this pytest cannot read it), converted from a copy
+    (pytest's conversion changes the dict)."""
+    try:
+        return config.hook.pytest_report_from_serializable(config=config, data=copy.deepcopy(dict(data)))
+    except Exception:
+        return None
+
+
 def from_serializable(data: dict[str, Any]) -> pytest.TestReport:
     data = {k: v for k, v in data.items() if k != "$report_type"}
     crash = data.pop("msrun_reprcrash", None)
@@ -139,11 +149,8 @@ class Merger:
     def _report(self, data: dict[str, Any]) -> pytest.TestReport | None:
         """The TestReport of a record (converted once: pytest's conversion changes the dict)."""
         key = id(data)
-        if key not in self._reports:
-            try:
-                report = self.config.hook.pytest_report_from_serializable(config=self.config, data=copy.deepcopy(data))
-            except Exception:  # a record this pytest cannot read counts as missing
-                report = None
+        if key not in self._reports:  # a record this pytest cannot read counts as missing
+            report = from_record(self.config, data)
             self._reports[key] = report if isinstance(report, pytest.TestReport) else None
         return self._reports[key]
 
@@ -158,10 +165,7 @@ class Merger:
             return report.longreprtext if report is not None else issue.summary
         log = self.logs[issue.rank]
         if log.collect_errors and issue.kind == "died":
-            texts = []
-            for data in log.collect_errors:
-                report = self.config.hook.pytest_report_from_serializable(config=self.config, data=copy.deepcopy(data))
-                texts.append(getattr(report, "longreprtext", ""))
+            texts = [getattr(from_record(self.config, data), "longreprtext", "") for data in log.collect_errors]
             return f"rank {issue.rank}: collection failed\n" + "\n".join(texts)
         text = issue.summary + "\n" + log_excerpt(self.log_path(issue.rank))
         hang = log.exit_hang or {}
