@@ -143,11 +143,6 @@ class Refusal:
     reason: str
     detail: str = ""
 
-    @classmethod
-    def launch(cls, output: str) -> Refusal:
-        """msrun could not start the job; ``output`` is what it said."""
-        return cls("failed", "msrun could not start the job", output)
-
 
 @dataclass(frozen=True)
 class PhaseVerdict:
