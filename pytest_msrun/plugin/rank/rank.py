@@ -87,8 +87,7 @@ class RankPlugin:
         self.failed_any = False
         self.real_failure = False  # a failure other than a strict xfail that passed
         self.failed_before_teardown = False  # a failure in a setup or a call (not only in teardowns)
-        self.collect_skipped = False
-        self.skipped_collectors: set[str] = set()
+        self.skipped_collectors: set[str] = set()  # modules this rank skipped at collection
         self.session: pytest.Session | None = None
         self.records_dir = ""
         self.stacks: IO[str] | None = None
@@ -275,7 +274,6 @@ class RankPlugin:
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed or report.skipped:  # a module skipped at collection skips its tests here
             if report.skipped:
-                self.collect_skipped = True
                 path = report.nodeid.split("::", 1)[0]
                 self.skipped_collectors.add(os.path.normpath(os.path.join(str(self.config.rootpath), path)))
             data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
@@ -323,7 +321,7 @@ class RankPlugin:
         status = int(exitstatus)
         if self.writer is not None and (
             (status == pytest.ExitCode.TESTS_FAILED and self.failed_any and not self.real_failure)
-            or (status == pytest.ExitCode.NO_TESTS_COLLECTED and self.collect_skipped)
+            or (status == pytest.ExitCode.NO_TESTS_COLLECTED and self.skipped_collectors)
         ):
             session.exitstatus = status = pytest.ExitCode.OK
         self._write("finish", exitstatus=status)
