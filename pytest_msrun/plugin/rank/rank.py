@@ -298,10 +298,6 @@ class RankPlugin:
         maxfail = getattr(self.config.option, "maxfail", 0) or 0
         if report.failed and _strict_xpass(report) and not self.controlled and maxfail:
             self.config.option.maxfail = maxfail + 1
-        self._record_report(report)
-        return (yield)
-
-    def _record_report(self, report: pytest.TestReport) -> None:
         if report.failed:
             self.test_failed = self.failed_any = True
             self.failed_before_teardown |= report.when != "teardown"
@@ -312,6 +308,7 @@ class RankPlugin:
         if callable(describe) and isinstance(data, dict):  # a subtest's "[msg] (i=1)", as this pytest says it
             data["_subtest.description"] = describe()
         self._write("report", data=data)
+        return (yield)
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
