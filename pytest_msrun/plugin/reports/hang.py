@@ -135,7 +135,7 @@ def _ranks_label(ranks: list[int]) -> str:
     return f"ranks {format_id_list(ranks)} ({len(ranks)})"
 
 
-def _grouped(per_rank: dict[int, str]) -> dict[str, list[int]]:
+def grouped(per_rank: dict[int, str]) -> dict[str, list[int]]:
     """The ranks of each distinct value, in the order of their lowest rank."""
     groups: dict[str, list[int]] = {}
     for rank, value in sorted(per_rank.items()):
@@ -145,9 +145,9 @@ def _grouped(per_rank: dict[int, str]) -> dict[str, list[int]]:
 
 def group_lines(stacks: dict[int, list[Frame]], missing: dict[int, str] | None = None) -> list[str]:
     """One line per distinct stack, ranks grouped; ranks without a stack say why."""
-    groups = _grouped({rank: signature(frames) for rank, frames in stacks.items()})
+    groups = grouped({rank: signature(frames) for rank, frames in stacks.items()})
     lines = [f"{_ranks_label(ranks)}: {sig}" for sig, ranks in groups.items()]
-    return lines + [f"{_ranks_label(ranks)}: no stack ({why})" for why, ranks in _grouped(missing or {}).items()]
+    return lines + [f"{_ranks_label(ranks)}: no stack ({why})" for why, ranks in grouped(missing or {}).items()]
 
 
 def state_lines(state: dict[str, Any] | None) -> list[str]:
@@ -176,8 +176,8 @@ def state_lines(state: dict[str, Any] | None) -> list[str]:
         out.append("every rank joined the group, none entered a collective: a hang outside the control plane's")
     in_coll = {int(r) for c in state.get("collectives", []) for r in c.get("ranks", [])}
     outside = {int(r): what for r, what in last.items() if int(r) not in in_coll}
-    out += [f"{_ranks_label(ranks)}: last collective {what}, none pending" for what, ranks in _grouped(outside).items()]
-    return out + [f"{_ranks_label(ranks)}: process {how}" for how, ranks in _grouped(exited).items()]
+    out += [f"{_ranks_label(ranks)}: last collective {what}, none pending" for what, ranks in grouped(outside).items()]
+    return out + [f"{_ranks_label(ranks)}: process {how}" for how, ranks in grouped(exited).items()]
 
 
 def diagnosis(

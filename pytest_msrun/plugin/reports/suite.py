@@ -23,7 +23,7 @@ from pytest_msrun.engine.hooks import JobReport
 from pytest_msrun.engine.status import JobStatus
 from pytest_msrun.fileio import make_dirs, write_whole
 from pytest_msrun.plugin.reports.extras import suite_lines
-from pytest_msrun.plugin.reports.hang import diagnosis
+from pytest_msrun.plugin.reports.hang import diagnosis, grouped
 from pytest_msrun.plugin.reports.tracetests import lanes, rank_rows, tally, test_events
 from pytest_msrun.plugin.rule.outcomes import PASSING, RankEnd, TestVerdict, ranks_text, was
 from pytest_msrun.plugin.rule.records import (
@@ -290,11 +290,7 @@ def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -
             + (f" in {where}" if where else "")
         )
     never = [r for r in unfinished if not logs[r].tests]  # died before its first test (not in any row)
-    hosts: dict[str, list[int]] = {}
-    for rank in ranks:
-        host = (ends.get(rank) or RankEnd()).host
-        if host:
-            hosts.setdefault(host, []).append(rank)
+    hosts = grouped({r: ends[r].host for r in ranks if r in ends and ends[r].host})
     if len(hosts) > 1:
         lines.append("msrun: hosts: " + "; ".join(f"{h}: ranks {ranks_text(r)}" for h, r in hosts.items()))
     lines += suite_lines((v.nodeid for v in judged), logs)
