@@ -176,10 +176,6 @@ class Merger:
             text += f"\nstack of rank {issue.rank} {when}:\n{self._stack(issue.rank, self.run.stacks[issue.rank])}"
         return text
 
-    def _report_text(self, issue: RankIssue) -> str:
-        report = self._report(issue.report) if issue.report is not None else None
-        return f"{issue.summary}\n{report.longreprtext}" if report is not None else issue.summary
-
     def _issue_summary(self, issue: RankIssue) -> str:
         if issue.report is None and issue.kind == "died" and self.logs[issue.rank].collect_errors:
             return f"rank {issue.rank}: collection failed"
@@ -324,7 +320,8 @@ class Merger:
             headline = f"{were(phase.stopped)} stopped by msrun in the {phase.phase} phase"
             if cause is not None:
                 headline += f" after rank {cause.rank} failed first ({cause.phase or 'its'} phase)"
-                root: Any = self._issue_text(cause) if cause.report is None else self._report_text(cause)
+                report = self._report(cause.report) if cause.report is not None else None
+                root: Any = f"{cause.summary}\n{report.longreprtext}" if report is not None else self._issue_text(cause)
                 crash = self._crash_location(f"stopped after a failure: {self._issue_summary(cause)}")
             else:
                 root = None

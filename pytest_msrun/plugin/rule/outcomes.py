@@ -207,13 +207,9 @@ def longrepr_text(report: dict[str, Any]) -> str:
     return ""
 
 
-def is_strict_xpass(report: dict[str, Any]) -> bool:
-    return report.get("outcome") == "failed" and longrepr_text(report).startswith(STRICT_XPASS)
-
-
 def fails(report: dict[str, Any]) -> bool:
     """A failed report, but a strict xfail that passed (it fails the test only on every rank)."""
-    return report.get("outcome") == "failed" and not is_strict_xpass(report)
+    return report.get("outcome") == "failed" and not longrepr_text(report).startswith(STRICT_XPASS)
 
 
 def crash_message(report: dict[str, Any]) -> str:
