@@ -185,10 +185,6 @@ class TestVerdict:
         return sorted({i.rank for p in self.phases for i in p.issues})
 
     @property
-    def stopped(self) -> list[int]:
-        return sorted({r for p in self.phases for r in p.stopped})
-
-    @property
     def passing(self) -> bool:
         return self.outcome in PASSING
 
