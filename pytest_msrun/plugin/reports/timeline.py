@@ -16,7 +16,7 @@ from pytest_msrun.fileio import write_whole
 from pytest_msrun.plugin.reports.merge import Merger
 from pytest_msrun.plugin.reports.reportfiles import environment, link_files
 from pytest_msrun.plugin.rule.outcomes import TestVerdict, shown
-from pytest_msrun.plugin.rule.records import PHASES
+from pytest_msrun.plugin.rule.records import PHASES, RankTest
 from pytest_msrun.plugin.rule.testrecord import TestRecord
 
 TYPE_CHECKING = False
@@ -29,10 +29,7 @@ REPORT_ATTR = "msrun_timeline"
 OUTPUT_LIMIT = 64 * 1024  # characters of a rank's captured output kept on the page
 
 
-def _rank_spans(record: TestRecord, rank: int) -> list[dict[str, Any]]:
-    test = record.logs[rank].tests.get(record.nodeid) if rank in record.logs else None
-    if test is None:
-        return []
+def _rank_spans(record: TestRecord, rank: int, test: RankTest) -> list[dict[str, Any]]:
     spans: list[dict[str, Any]] = []
     for when, start, stop, report in test.phase_spans():
         outcome = str(report.get("outcome", "")) if report else "running"
@@ -100,7 +97,7 @@ def test_entry(
                 "log": merger.shown_log(rank) if log is not None else "",
                 "outcome": verdict.cells.get(rank, ""),
                 "output": output[-OUTPUT_LIMIT:],
-                "spans": _rank_spans(record, rank),
+                "spans": _rank_spans(record, rank, test) if test is not None else [],
                 "marks": [{"name": "first failure", "at": first_at, "text": first.summary}]
                 if first is not None and first.rank == rank
                 else [],
