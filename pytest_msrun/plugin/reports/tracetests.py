@@ -119,14 +119,6 @@ def rank_rows(ranks: Iterable[int]) -> list[dict[str, Any]]:
     return rows + [tracelog.thread(tracelog.RANK_PID + rank, TEST_TID, "tests") for rank in ranks]
 
 
-def ended_line(said: str, world: bool, outcomes: list[str]) -> str:
-    """msrun's ``job ended: <state> (<code>)`` said of a plugin job: what its processes' end means
-    (a world's ranks exit 0 whatever its tests did), and the tests' tally."""
-    state = said.split(":", 1)[1].strip() if ":" in said else said
-    processes = "ranks exited 0" if state == "succeeded (0)" else f"msrun {state}"
-    return f"{'world' if world else 'job'} ended: {processes}; tests: {tally(outcomes)}"
-
-
 def annotate(path: str, events: list[dict[str, Any]], outcomes: list[str], world: bool) -> bool:
     """Add ``events`` to the trace file ``path`` (written whole again) and say the tests' tally at
     msrun's end; False when there is no trace to annotate (the job's msrun wrote none). An error
@@ -145,7 +137,11 @@ def annotate(path: str, events: list[dict[str, Any]], outcomes: list[str], world
         if isinstance(name, str) and ev.get("pid") == tracelog.MSRUN_PID and name.startswith("job ended:"):
             args = ev.get("args") if isinstance(ev.get("args"), dict) else {}
             ev["args"] = {**args, "msrun": name, "tests": dict(Counter(outcomes))}
-            ev["name"] = ended_line(name, world, outcomes)
+            # msrun's "job ended: <state> (<code>)" said of a plugin job: what its processes' end
+            # means (a world's ranks exit 0 whatever its tests did), and the tests' tally
+            state = name.split(":", 1)[1].strip()
+            processes = "ranks exited 0" if state == "succeeded (0)" else f"msrun {state}"
+            ev["name"] = f"{'world' if world else 'job'} ended: {processes}; tests: {tally(outcomes)}"
     trace["traceEvents"] = [*existing, *lanes(), *rank_rows(ranks), *events]
     write_whole(path, json.dumps(trace, separators=(",", ":")) + "\n")
     return True
