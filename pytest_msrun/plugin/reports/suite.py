@@ -40,8 +40,6 @@ from pytest_msrun.plugin.rule.testrecord import suite_records
 from pytest_msrun.plugin.stdstreams import read_log
 from pytest_msrun.waiting import wait_until
 
-FAILING = ("failed", "error")
-
 
 def job_report(status: JobStatus) -> JobReport | None:
     """The table of the job's ranks and the exit status it decides, or None when no rank of this job
@@ -301,8 +299,6 @@ def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -
 
 
 def _explain(v: TestVerdict, directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> list[str]:
-    if v.outcome not in FAILING and v.outcome != "incomplete":
-        return []
     if v.outcome == "incomplete":
         why = []
         if v.not_run:
@@ -314,6 +310,8 @@ def _explain(v: TestVerdict, directory: str, logs: dict[int, RankLog], ends: dic
         if v.note:
             why.append(v.note)
         return [f"INCOMPLETE {v.nodeid}: {'; '.join(why)}"]
+    if v.outcome not in ("failed", "error"):
+        return []
     first = v.first_issue
     failing = v.failing_ranks
     head = f"FAILED {v.nodeid}" + (f" on rank(s) {ranks_text(failing)}" if failing else "")
