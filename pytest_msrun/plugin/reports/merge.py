@@ -333,7 +333,7 @@ class Merger:
                 f"({'rank' if len(stuck) == 1 else 'ranks'} {ranks_text(stuck)} had not finished); where each rank "
                 "was, then every rank's stack"
             )
-            root = self.hang_text(stuck)
+            root = self.hang_text()
             crash = self._crash_location(f"msrun job timed out after {self.run.timeout:g} s")
             for issue in issues[:MAX_RANK_SECTIONS]:
                 sections.append((f"rank {issue.rank}", self._issue_text(issue)))
@@ -391,7 +391,7 @@ class Merger:
         failing = sorted({i.rank for i in issues}) or sorted(phase.stopped)
         return self._make(phase.phase, "failed", longrepr, present, window, died=died, failing=failing)
 
-    def hang_text(self, stuck: list[int]) -> str:
+    def hang_text(self) -> str:
         main_threads = {r: self.logs[r].main_thread for r in self.ranks}
         no_stack = {r: self.end(r).describe(True) for r in self.ranks if r not in self.run.stacks}
         for r, text in self.run.stacks.items():

@@ -73,10 +73,7 @@ def test_entry(
     if first is not None:  # a reported failure is drawn where its phase ended, a death where it died
         first_at = float((first.report or {}).get("stop") or 0.0) or first.at
         first_failure = {"rank": first.rank, "phase": first.phase, "error": first.summary, "at": first_at}
-    hang = ""
-    if record.run.timed_out:
-        stuck = sorted({i.rank for i in verdict.issues if i.kind == "timeout"}) or list(record.ranks)
-        hang = merger.hang_text(stuck)
+    hang = merger.hang_text() if record.run.timed_out else ""
     ranks: list[dict[str, Any]] = []
     for rank in record.ranks:
         end = record.run.ranks.get(rank)
