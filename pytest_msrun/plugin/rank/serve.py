@@ -73,7 +73,7 @@ class Owned:
         self.children: set[int] = set()
         self.env: dict[str, str | None] = {}  # variable -> the value it was left with (None: removed)
 
-    def add(self, before: State, after: State, imported: bool = False) -> None:
+    def add(self, before: State, after: State, imported: bool) -> None:
         self.threads |= after.threads - before.threads
         if imported:
             self.imported_threads |= after.threads - before.threads
@@ -293,7 +293,7 @@ class LateNext:
 class WorldServer:
     """Registered in a rank of a warm world: replaces pytest's run loop with the controller's commands."""
 
-    def __init__(self, rank_plugin: Any, address: tuple[str, int], token: str, forking: bool = False) -> None:
+    def __init__(self, rank_plugin: Any, address: tuple[str, int], token: str, forking: bool) -> None:
         self.rank_plugin = rank_plugin
         self.address = address
         self.token = token

@@ -143,11 +143,11 @@ def grouped(per_rank: dict[int, str]) -> dict[str, list[int]]:
     return groups
 
 
-def group_lines(stacks: dict[int, list[Frame]], missing: dict[int, str] | None = None) -> list[str]:
+def group_lines(stacks: dict[int, list[Frame]], missing: dict[int, str]) -> list[str]:
     """One line per distinct stack, ranks grouped; ranks without a stack say why."""
     groups = grouped({rank: signature(frames) for rank, frames in stacks.items()})
     lines = [f"{_ranks_label(ranks)}: {sig}" for sig, ranks in groups.items()]
-    return lines + [f"{_ranks_label(ranks)}: no stack ({why})" for why, ranks in grouped(missing or {}).items()]
+    return lines + [f"{_ranks_label(ranks)}: no stack ({why})" for why, ranks in grouped(missing).items()]
 
 
 def state_lines(state: dict[str, Any] | None) -> list[str]:
@@ -185,12 +185,12 @@ def diagnosis(
     main_threads: dict[int, int | None],
     ranks: list[int],
     state: dict[str, Any] | None,
-    no_stack: dict[int, str] | None = None,
+    no_stack: dict[int, str],
 ) -> str:
     """The text shown on a timeout: grouped stacks, then the control plane's view."""
     stacks = {r: main_stack(threads(dumps[r]), main_threads.get(r)) for r in ranks if dumps.get(r, "").strip()}
     stacks = {r: f for r, f in stacks.items() if f}
-    missing = {r: (no_stack or {}).get(r, "no dump") for r in ranks if r not in stacks}
+    missing = {r: no_stack.get(r, "no dump") for r in ranks if r not in stacks}
     lines = ["where each rank was:"] + ["  " + line for line in group_lines(stacks, missing)]
     extra = state_lines(state)
     if extra:

@@ -44,7 +44,7 @@ class RankEnd:
     after: str = ""  # how a rank running at a test's deadline ended after it (evidence only)
 
     @classmethod
-    def of(cls, proc: ProcessStatus, stop_reason: str, host: str = "") -> RankEnd:
+    def of(cls, proc: ProcessStatus, stop_reason: str, host: str) -> RankEnd:
         """From msrun's status of the rank's process, why msrun stopped the job, and the rank's host."""
         return cls(
             returncode=proc.returncode,

@@ -84,9 +84,7 @@ class RecordWriter:
         self.fh.close()
 
 
-def read_records(
-    path: str, cutoff: int | None = None, cutoff_ts: float | None = None
-) -> Iterator[tuple[dict[str, Any], bool]]:
+def read_records(path: str, cutoff: int | None, cutoff_ts: float | None) -> Iterator[tuple[dict[str, Any], bool]]:
     """Every complete record in ``path`` (a torn or garbled line is skipped), and whether it is
     *late*: its line ends past byte ``cutoff`` (where the file stood at the test's deadline), or
     it was written after ``cutoff_ts`` (the deadline msrun found a rank past, on the rank's host)."""
