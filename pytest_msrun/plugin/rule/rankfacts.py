@@ -82,9 +82,7 @@ class RankFacts:
         return self.scope == "job" or self.began(rank) or self.collect_skip(rank) is not None
 
     def due(self, rank: int, phase: str) -> bool:
-        """Whether ``rank`` should have reported ``phase``, given its earlier phases."""
-        if self.collect_skip(rank) is not None:
-            return False
+        """Whether ``rank`` (not skipped at collection) should have reported ``phase``, given its earlier phases."""
         reports = self.test(rank).reports
         if phase == "setup":
             return True
