@@ -31,12 +31,11 @@ OUTPUT_LIMIT = 64 * 1024  # characters of a rank's captured output kept on the p
 
 def _rank_spans(record: TestRecord, rank: int, test: RankTest) -> list[dict[str, Any]]:
     spans: list[dict[str, Any]] = []
-    for when, start, stop, report in test.phase_spans():
+    end = record.run.ranks.get(rank)  # a phase never finished lasts until the rank's end or the job's
+    until = (end.died_at or end.ended if end is not None else None) or record.run.ended or 0.0
+    for when, start, stop, report in test.phase_spans(until):
         outcome = str(report.get("outcome", "")) if report else "running"
-        if not stop:  # never finished the phase (a crash, a hang): until the rank's end or the job's
-            end = record.run.ranks.get(rank)
-            stop = (end.died_at or end.ended if end is not None else None) or record.run.ended or start
-        spans.append({"name": when, "kind": "phase", "start": start, "end": max(start, stop), "outcome": outcome})
+        spans.append({"name": when, "kind": "phase", "start": start, "end": stop, "outcome": outcome})
     for op, seq, entered, returned, error, when in test.collectives:
         span = {"name": f"{op} #{seq}", "kind": "collective", "start": entered, "end": returned, "phase": when}
         if error:

@@ -58,10 +58,9 @@ def _phase_spans(verdict: TestVerdict, log: RankLog, until: float) -> list[dict[
         return []
     lane = tracelog.RANK_PID + log.rank
     out = []
-    for when, start, stop, report in test.phase_spans():
-        stop = stop or max(start, until)  # never ended: a crash, a hang
+    for when, start, stop, report in test.phase_spans(until):
         outcome = str((report or {}).get("outcome") or "unfinished")
-        out.append(tracelog.span(when, lane, TEST_TID, start, max(start, stop), {"outcome": outcome}))
+        out.append(tracelog.span(when, lane, TEST_TID, start, stop, {"outcome": outcome}))
     return out
 
 
