@@ -252,9 +252,7 @@ class RankPlugin:
     def _common_seed(self, config: pytest.Config) -> int | None:
         """pytest-randomly's seed, the same on every rank: the controller's, the one given, or one
         derived from the job (each rank drawing its own would order a suite differently on each)."""
-        seed = getattr(config.option, "randomly_seed", None)
-        if seed is None:
-            return None  # pytest-randomly is not installed
+        seed = getattr(config.option, "randomly_seed", None)  # None: pytest-randomly is not installed
         if seed == "default":
             job = os.environ.get("MSRUN_JOB_ID", "")
             if job:
