@@ -106,9 +106,9 @@ class TestRecord:
             timed_out=run.timed_out,
             timeout=run.timeout,
             job_ended=run.ended,
-            leaks=self.leaks if self.leaks_fail else None,
+            leaks=self.leaks if self.leaks_fail else {},
             refusal=self.refusal or launch,
-            running=run.running,
+            running=run.running or (),
         )
 
 
