@@ -62,11 +62,6 @@ class RankEnd:
         """Whether the rank ran on another host than this one (its PID means nothing here)."""
         return bool(self.host) and self.host != socket.gethostname()
 
-    @property
-    def at(self) -> float | None:
-        """When the process ended, as well as it is known."""
-        return self.died_at if self.died_at is not None else self.ended
-
     def describe(self, timed_out: bool) -> str:
         if self.alive:
             return "is still running (it finished the test)"

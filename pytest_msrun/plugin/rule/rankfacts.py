@@ -84,7 +84,8 @@ class RankFacts:
         return self.timed_out or self.test(rank).timeout is not None
 
     def end_at(self, rank: int) -> float:
-        at = self.end(rank).at
+        end = self.end(rank)  # when it ended, as well as it is known: its crash, else its reaping
+        at = end.died_at if end.died_at is not None else end.ended
         return float(at) if at else self.job_ended
 
     def missing(self, rank: int, phase: str) -> RankIssue:
