@@ -236,7 +236,7 @@ def test_a_crash_is_ordered_by_when_it_happened_not_by_when_msrun_reaped_it(tmp_
     earlier. The crash's own time (its fatal-error dump, its error file) decides who failed first."""
     import os
 
-    from pytest_msrun.plugin.rule.verdict import death_time
+    from pytest_msrun.plugin.rule.outcomes import death_time
 
     log = tmp_path / "worker_1.log"
     log.write_text(

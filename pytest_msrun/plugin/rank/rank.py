@@ -24,14 +24,14 @@ from typing import IO, Any
 import pytest
 
 from pytest_msrun.control import calls
-from pytest_msrun.engine import ranknotes
+from pytest_msrun.engine import processes, ranknotes
 from pytest_msrun.fileio import make_dirs, open_output, write_whole
 from pytest_msrun.plugin import options
 from pytest_msrun.plugin.env import current_rank, current_world
 from pytest_msrun.plugin.links import FORK_ENV, WORLD_ENV, WORLD_TOKEN_ENV, world_address
 from pytest_msrun.plugin.marker import default_timeout, marked_specs
 from pytest_msrun.plugin.rank.forked import dump_stacks_on_signals
-from pytest_msrun.plugin.rank.suiteclock import SuiteClock
+from pytest_msrun.plugin.rank.suiteclock import SuiteClock, say
 from pytest_msrun.plugin.rule.outcomes import STRICT_XPASS
 from pytest_msrun.plugin.rule.records import (
     BASETEMP_ENV,
@@ -87,8 +87,7 @@ class RankPlugin:
         self.failed_any = False
         self.real_failure = False  # a failure other than a strict xfail that passed
         self.failed_before_teardown = False  # a failure in a setup or a call (not only in teardowns)
-        self.collect_skipped = False
-        self.skipped_collectors: set[str] = set()
+        self.skipped_collectors: set[str] = set()  # modules this rank skipped at collection
         self.session: pytest.Session | None = None
         self.records_dir = ""
         self.stacks: IO[str] | None = None
@@ -233,12 +232,10 @@ class RankPlugin:
     # pytest-timeout in a rank the controller runs: the controller times the marked test (its job's
     # timeout, stacks of every rank); a timer of the rank's own would cut that report short.
     @pytest.hookimpl(optionalhook=True, tryfirst=True)
-    def pytest_timeout_set_timer(self, item: pytest.Item, settings: Any) -> bool | None:
+    def pytest_timeout_set_timer(self, item: pytest.Item) -> bool | None:
         return True if self.controlled else None
 
-    @pytest.hookimpl(optionalhook=True, tryfirst=True)
-    def pytest_timeout_cancel_timer(self, item: pytest.Item) -> bool | None:
-        return True if self.controlled else None
+    pytest_timeout_cancel_timer = pytest_timeout_set_timer
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
@@ -255,9 +252,7 @@ class RankPlugin:
     def _common_seed(self, config: pytest.Config) -> int | None:
         """pytest-randomly's seed, the same on every rank: the controller's, the one given, or one
         derived from the job (each rank drawing its own would order a suite differently on each)."""
-        seed = getattr(config.option, "randomly_seed", None)
-        if seed is None:
-            return None  # pytest-randomly is not installed
+        seed = getattr(config.option, "randomly_seed", None)  # None: pytest-randomly is not installed
         if seed == "default":
             job = os.environ.get("MSRUN_JOB_ID", "")
             if job:
@@ -277,7 +272,6 @@ class RankPlugin:
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed or report.skipped:  # a module skipped at collection skips its tests here
             if report.skipped:
-                self.collect_skipped = True
                 path = report.nodeid.split("::", 1)[0]
                 self.skipped_collectors.add(os.path.normpath(os.path.join(str(self.config.rootpath), path)))
             data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
@@ -302,10 +296,6 @@ class RankPlugin:
         maxfail = getattr(self.config.option, "maxfail", 0) or 0
         if report.failed and _strict_xpass(report) and not self.controlled and maxfail:
             self.config.option.maxfail = maxfail + 1
-        self._record_report(report)
-        return (yield)
-
-    def _record_report(self, report: pytest.TestReport) -> None:
         if report.failed:
             self.test_failed = self.failed_any = True
             self.failed_before_teardown |= report.when != "teardown"
@@ -316,6 +306,7 @@ class RankPlugin:
         if callable(describe) and isinstance(data, dict):  # a subtest's "[msg] (i=1)", as this pytest says it
             data["_subtest.description"] = describe()
         self._write("report", data=data)
+        return (yield)
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
@@ -325,7 +316,7 @@ class RankPlugin:
         status = int(exitstatus)
         if self.writer is not None and (
             (status == pytest.ExitCode.TESTS_FAILED and self.failed_any and not self.real_failure)
-            or (status == pytest.ExitCode.NO_TESTS_COLLECTED and self.collect_skipped)
+            or (status == pytest.ExitCode.NO_TESTS_COLLECTED and self.skipped_collectors)
         ):
             session.exitstatus = status = pytest.ExitCode.OK
         self._write("finish", exitstatus=status)
@@ -406,8 +397,7 @@ class RankPlugin:
                 self.streams.leave()
             self.current = None
             if when == "teardown" and start is not None:  # where this test's part of the log ends
-                sys.stdout.flush()
-                sys.stderr.flush()
+                processes.flush_std_streams()
                 self._write("phase_end", nodeid=item.nodeid, when=when, offset=log_offset())
             self._collectives(item.nodeid, when, began)
             if when == "teardown" and "pytest_msrun.plugin.covdata" in sys.modules:
@@ -415,8 +405,7 @@ class RankPlugin:
 
                 flush()
             if self.log is not None and start is not None:
-                sys.stdout.flush()
-                sys.stderr.flush()
+                processes.flush_std_streams()
                 end = log_offset()
                 text = self.past.captured(start, end) if self.past is not None else read_log(self.log, start, end)
                 if text:
@@ -471,13 +460,9 @@ def _forked_child_returned(nodeid: str, when: str) -> None:
     """A process the test forked returned into pytest instead of exiting: it ends here, quietly
     (status 0), before it writes the rank's records or serves its world's channel in the rank's
     place (the rank, waiting for it, then hung)."""
-    try:
-        sys.stdout.flush()
-        sys.stderr.write(
-            f"msrun: a process {nodeid} forked (pid {_getpid()}) returned from its {when} into pytest; it ends "
-            "here with status 0 (end a forked child with os._exit())\n"
-        )
-        sys.stderr.flush()
-    except (OSError, ValueError):
-        pass
+    processes.flush_std_streams()
+    say(
+        f"msrun: a process {nodeid} forked (pid {_getpid()}) returned from its {when} into pytest; it ends "
+        "here with status 0 (end a forked child with os._exit())\n"
+    )
     os._exit(0)

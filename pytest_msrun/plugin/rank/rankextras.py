@@ -16,7 +16,7 @@ import contextlib
 import math
 import types
 from collections.abc import Generator, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 import pytest
 
@@ -24,14 +24,12 @@ from pytest_msrun.engine import processes
 from pytest_msrun.plugin.options import JUNITXML, SETUPSHOW
 from pytest_msrun.plugin.stdstreams import log_offset, read_log
 
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from pytest_msrun.plugin.rank.rank import RankPlugin
+
 MAX_WARNINGS = 200  # per test and rank: a warning in a loop is one entry per place anyway
 MAX_TIMINGS = 200_000  # per benchmark: its rounds, as pytest-benchmark keeps them
-
-
-class Writes(Protocol):
-    current: tuple[str, str] | None
-
-    def _write(self, kind: str, **fields: Any) -> None: ...
 
 
 def warning_fields(message: Any) -> dict[str, Any]:
@@ -77,7 +75,7 @@ class RankJunit:
     """Stands in a rank for pytest's junitxml writer (only the controller writes the file):
     ``record_testsuite_property`` and ``record_xml_attribute`` become records."""
 
-    def __init__(self, rank_plugin: Writes, family: str) -> None:
+    def __init__(self, rank_plugin: RankPlugin, family: str) -> None:
         self.rank_plugin = rank_plugin
         self.family = family
 
@@ -99,7 +97,7 @@ class PastCapture:
     such write is recorded (``uncaptured``) for the controller to show where pytest would, and
     (``keep_spans``: a rank capturing through its log) kept out of the phase's captured output."""
 
-    def __init__(self, rank_plugin: Writes, capman: Any, log: str, keep_spans: bool) -> None:
+    def __init__(self, rank_plugin: RankPlugin, capman: Any, log: str, keep_spans: bool) -> None:
         self.rank_plugin = rank_plugin
         self.log = log
         self.keep_spans = keep_spans
@@ -146,7 +144,7 @@ class FixtureShow:
     """``--setup-show`` on the controller: each fixture this rank sets up or tears down, recorded
     as the line pytest's own would write (the controller shows the lowest rank's)."""
 
-    def __init__(self, rank_plugin: Writes) -> None:
+    def __init__(self, rank_plugin: RankPlugin) -> None:
         self.rank_plugin = rank_plugin
         self.params: dict[int, Any] = {}  # id(fixturedef) -> the parameter it was set up with
 
@@ -183,7 +181,7 @@ class FixtureShow:
 class ExtrasRecorder:
     """Records a rank's warnings and benchmarks, test by test, through the rank plugin's writer."""
 
-    def __init__(self, rank_plugin: Writes, config: pytest.Config) -> None:
+    def __init__(self, rank_plugin: RankPlugin, config: pytest.Config) -> None:
         self.rank_plugin = rank_plugin
         self.config = config
         self.benchmarks_seen = 0

@@ -32,19 +32,21 @@ import importlib.util
 import os
 import sys
 import threading
-import time
 import warnings
 from collections.abc import Generator, Iterator
+from dataclasses import dataclass
 from os import _exit  # taken now: a test that replaces os._exit does not change how a rank ends
 from typing import Any
 
 import pytest
 
+from pytest_msrun import proc
 from pytest_msrun.engine import processes
 from pytest_msrun.plugin import envscope, rankmemory
 from pytest_msrun.plugin.links import Channel, join_world
 from pytest_msrun.plugin.rank import forked
 from pytest_msrun.plugin.rule.records import SHARED_TMP_ENV
+from pytest_msrun.waiting import wait_until
 
 PYTEST_OWN_ENV = "PYTEST_CURRENT_TEST"  # pytest itself leaves it set after a teardown that raised
 SETTLE = 0.2  # seconds a thread or child the test started may take to finish after it
@@ -71,7 +73,7 @@ class Owned:
         self.children: set[int] = set()
         self.env: dict[str, str | None] = {}  # variable -> the value it was left with (None: removed)
 
-    def add(self, before: State, after: State, imported: bool = False) -> None:
+    def add(self, before: State, after: State, imported: bool) -> None:
         self.threads |= after.threads - before.threads
         if imported:
             self.imported_threads |= after.threads - before.threads
@@ -112,17 +114,17 @@ class Snapshot:
     def leaks(self, ignore_fds: set[int]) -> tuple[list[str], bool]:
         """What the test itself left, and whether any of it still runs (a thread or a process)."""
         owned, before = self.owned, self.before
-        deadline = time.monotonic() + SETTLE
-        while True:
-            threads = [
-                t
-                for t in threading.enumerate()
-                if t.ident not in before.threads and t.ident not in owned.threads and t.is_alive()
-            ]
+        known = before.threads | owned.threads
+        threads: list[threading.Thread] = []
+        children: list[int] = []
+
+        def settled() -> bool:
+            nonlocal threads, children
+            threads = [t for t in threading.enumerate() if t.ident not in known and t.is_alive()]
             children = sorted(set(_children()) - before.children - owned.children)
-            if not (threads or children) or time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
+            return not (threads or children)
+
+        wait_until(settled, SETTLE)
         out = [f"thread {t.name!r} still running" + (" (daemon)" if t.daemon else "") for t in threads]
         out += [f"child process {pid} ({_comm(pid)}) still running" for pid in children]
         for fd, target in sorted(_fds().items()):
@@ -259,15 +261,9 @@ def _children() -> list[int]:
         return out
     for task in tasks:
         out += [int(p) for p in (_proc(f"/proc/self/task/{task}/children") or "").split()]
-    return [pid for pid in out if not _ended(pid)]
-
-
-def _ended(pid: int) -> bool:
-    """Whether ``pid`` (a child) has ended - a zombie not yet waited for. It is left to whoever
-    started it (a fixture's ``Popen`` still reads its status); an adopted orphan's goes to msrun
-    with the rank."""
-    fields = (_proc(f"/proc/{pid}/stat") or "").rpartition(")")[2].split()
-    return not fields or fields[0] in ("Z", "X")
+    # An ended child - a zombie not yet waited for - is left to whoever started it (a fixture's
+    # ``Popen`` still reads its status); an adopted orphan's goes to msrun with the rank.
+    return [pid for pid in out if proc.state(pid) not in ("", "Z", "X")]
 
 
 def _comm(pid: int) -> str:
@@ -283,12 +279,12 @@ def _proc(path: str) -> str | None:
         return None
 
 
+@dataclass
 class LateNext:
     """The ``nextitem`` of a test in a warm world, known only when its teardown begins: pytest's
     teardown asks it for its collectors once the controller said which test comes next."""
 
-    def __init__(self) -> None:
-        self.item: pytest.Item | None = None
+    item: pytest.Item | None = None
 
     def listchain(self) -> list[Any]:
         return self.item.listchain() if self.item is not None else []
@@ -297,7 +293,7 @@ class LateNext:
 class WorldServer:
     """Registered in a rank of a warm world: replaces pytest's run loop with the controller's commands."""
 
-    def __init__(self, rank_plugin: Any, address: tuple[str, int], token: str, forking: bool = False) -> None:
+    def __init__(self, rank_plugin: Any, address: tuple[str, int], token: str, forking: bool) -> None:
         self.rank_plugin = rank_plugin
         self.address = address
         self.token = token
@@ -399,8 +395,7 @@ class WorldServer:
         as a fresh job's rank would not have, end this process the same way."""
         assert self.channel is not None
         read_fd, write_fd = os.pipe()
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
+        processes.flush_std_streams()
         gc.freeze()  # the child's collections skip the template's objects: no copy of their pages
         with warnings.catch_warnings():  # Python >= 3.12 warns of a runtime's native threads
             warnings.simplefilter("ignore", DeprecationWarning)

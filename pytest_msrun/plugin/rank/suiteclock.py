@@ -55,7 +55,7 @@ class SuiteClock:
         # interpreter's lock in native code) is found late by msrun, which names it
         ranknotes.set_deadline(seconds, f"{item.nodeid} (timeout {seconds:g} s)", int(signal.SIGUSR1))
         # A backstop that needs no Python: if the main thread never lets the timer run, dump and exit.
-        faulthandler.dump_traceback_later(seconds + 30, exit=True, file=self.plugin.stacks or sys.stderr)
+        faulthandler.dump_traceback_later(seconds + 30, exit=True, file=self.plugin.stacks)
 
     def disarm(self) -> None:
         if self.timer is not None:
@@ -72,7 +72,7 @@ class SuiteClock:
         stack = _dump_stacks(self.plugin.stacks)
         state = query_from_env(dict(os.environ))
         self.plugin._write("timeout", nodeid=nodeid, when=when, timeout=seconds, state=state, stack=stack)
-        _say(
+        say(
             f"\nmsrun: {nodeid} timed out after {seconds:g} s on rank {self.plugin.rank} in its {when} phase; "
             f"this rank ends with exit status {TIMEOUT_EXIT}\n"
         )
@@ -95,7 +95,7 @@ class SuiteClock:
             except (OSError, ValueError):
                 pass
             else:
-                _say(
+                say(
                     f"\nmsrun: rank {rank} did not exit within {seconds:g} s of its pytest session's end "
                     f"(--msrun-timeout); it ends with exit status {TIMEOUT_EXIT}\n"
                 )
@@ -104,13 +104,11 @@ class SuiteClock:
         threading.Thread(target=fire, name="msrun-exit-watchdog", daemon=True).start()
         ranknotes.set_deadline(seconds, "its exit after its pytest session ended", int(signal.SIGUSR1))
         # A backstop that needs no Python (a hang in the interpreter's own finalization).
-        faulthandler.dump_traceback_later(seconds + 5, exit=True, file=stacks or sys.stderr)
+        faulthandler.dump_traceback_later(seconds + 5, exit=True, file=stacks)
 
 
 def _dump_stacks(stacks: Any) -> str:
-    """Every thread's stack, appended to the rank's stacks file (None: it has none) and returned."""
-    if stacks is None:
-        return ""
+    """Every thread's stack, appended to the rank's stacks file and returned."""
     stacks.flush()
     start = os.lseek(stacks.fileno(), 0, os.SEEK_END)
     faulthandler.dump_traceback(stacks, all_threads=True)
@@ -118,7 +116,7 @@ def _dump_stacks(stacks: Any) -> str:
     return read_log(stacks.name, start)
 
 
-def _say(text: str) -> None:
+def say(text: str) -> None:
     """``text`` into the rank's log (its stderr), unless that is closed or broken."""
     try:
         sys.stderr.write(text)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 
 from pytest_msrun.engine.summary import extract_traceback, log_text
-from pytest_msrun.plugin.reports.hang import Frame, idle, is_harness, is_msrun, is_stdlib, threads
+from pytest_msrun.plugin.reports.hang import Frame, idle, is_harness, is_msrun, is_stdlib, main_stack, threads
 
 TAIL_LINES = 15
 TRACEBACK_LINES = 24
@@ -88,8 +88,7 @@ def _frame_lines(kept: list[tuple[Frame, int]]) -> list[str]:
 def stack_excerpt(dump: str, main_thread: int | None, source: str = "") -> str:
     """The frames that matter of a rank's stack dump (faulthandler's), main thread first."""
     found = threads(dump)
-    main_id = main_thread if main_thread in found else (list(found)[-1] if found else None)
-    main = found[main_id] if main_id is not None else []
+    main = main_stack(found, main_thread)
     if not main:
         return dump.rstrip("\n")
     where = f"; every frame of every thread: {source}" if source else ""
@@ -101,8 +100,8 @@ def stack_excerpt(dump: str, main_thread: int | None, source: str = "") -> str:
         lines = [f"main thread, most recent call first ({hidden} pytest frames hidden{where}):"]
         lines += _frame_lines(kept)
     quiet = 0
-    for tid, frames in found.items():
-        if tid == main_id:
+    for frames in found.values():
+        if frames is main:
             continue
         others, _ = trim(frames)
         if not any(not (is_msrun(f[0]) or is_stdlib(f[0])) for f, _ in others):

@@ -106,9 +106,9 @@ def group_warnings(per_rank: Mapping[int, Sequence[Mapping[str, Any]]]) -> list[
     return list(groups.values())
 
 
-def subtests_of(test: Any, when: str = "call") -> list[dict[str, Any]]:
-    """A rank's subtest reports of one test's phase (``test``: its :class:`~.records.RankTest`)."""
-    return [d for d in test.more.get(when, []) if d.get("_report_type") == SUBTEST]
+def subtests_of(test: Any) -> list[dict[str, Any]]:
+    """A rank's subtest reports of one test's call (``test``: its :class:`~.records.RankTest`)."""
+    return [d for d in test.more.get("call", []) if d.get("_report_type") == SUBTEST]
 
 
 def suite_lines(nodeids: Iterable[str], logs: Mapping[int, Any]) -> list[str]:

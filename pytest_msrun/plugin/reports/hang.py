@@ -64,9 +64,9 @@ def threads(dump: str) -> dict[int, list[Frame]]:
     return out
 
 
-def main_stack(dump: str, main_thread: int | None) -> list[Frame]:
-    """The main thread's frames; without its id, the thread that got the signal (listed last)."""
-    found = threads(dump)
+def main_stack(found: dict[int, list[Frame]], main_thread: int | None) -> list[Frame]:
+    """The main thread's frames of a parsed dump (:func:`threads`); without its id, the thread
+    that got the signal (listed last)."""
     if main_thread is not None and main_thread in found:
         return found[main_thread]
     return list(found.values())[-1] if found else []
@@ -78,7 +78,6 @@ def is_harness(path: str) -> bool:
 
 
 def is_msrun(path: str) -> bool:
-    """A frame of this package."""
     return os.path.abspath(path).startswith(_PACKAGE + os.sep)
 
 
@@ -136,7 +135,7 @@ def _ranks_label(ranks: list[int]) -> str:
     return f"ranks {format_id_list(ranks)} ({len(ranks)})"
 
 
-def _grouped(per_rank: dict[int, str]) -> dict[str, list[int]]:
+def grouped(per_rank: dict[int, str]) -> dict[str, list[int]]:
     """The ranks of each distinct value, in the order of their lowest rank."""
     groups: dict[str, list[int]] = {}
     for rank, value in sorted(per_rank.items()):
@@ -144,11 +143,11 @@ def _grouped(per_rank: dict[int, str]) -> dict[str, list[int]]:
     return groups
 
 
-def group_lines(stacks: dict[int, list[Frame]], missing: dict[int, str] | None = None) -> list[str]:
+def group_lines(stacks: dict[int, list[Frame]], missing: dict[int, str]) -> list[str]:
     """One line per distinct stack, ranks grouped; ranks without a stack say why."""
-    groups = _grouped({rank: signature(frames) for rank, frames in stacks.items()})
+    groups = grouped({rank: signature(frames) for rank, frames in stacks.items()})
     lines = [f"{_ranks_label(ranks)}: {sig}" for sig, ranks in groups.items()]
-    return lines + [f"{_ranks_label(ranks)}: no stack ({why})" for why, ranks in _grouped(missing or {}).items()]
+    return lines + [f"{_ranks_label(ranks)}: no stack ({why})" for why, ranks in grouped(missing).items()]
 
 
 def state_lines(state: dict[str, Any] | None) -> list[str]:
@@ -177,8 +176,8 @@ def state_lines(state: dict[str, Any] | None) -> list[str]:
         out.append("every rank joined the group, none entered a collective: a hang outside the control plane's")
     in_coll = {int(r) for c in state.get("collectives", []) for r in c.get("ranks", [])}
     outside = {int(r): what for r, what in last.items() if int(r) not in in_coll}
-    out += [f"{_ranks_label(ranks)}: last collective {what}, none pending" for what, ranks in _grouped(outside).items()]
-    return out + [f"{_ranks_label(ranks)}: process {how}" for how, ranks in _grouped(exited).items()]
+    out += [f"{_ranks_label(ranks)}: last collective {what}, none pending" for what, ranks in grouped(outside).items()]
+    return out + [f"{_ranks_label(ranks)}: process {how}" for how, ranks in grouped(exited).items()]
 
 
 def diagnosis(
@@ -186,12 +185,12 @@ def diagnosis(
     main_threads: dict[int, int | None],
     ranks: list[int],
     state: dict[str, Any] | None,
-    no_stack: dict[int, str] | None = None,
+    no_stack: dict[int, str],
 ) -> str:
     """The text shown on a timeout: grouped stacks, then the control plane's view."""
-    stacks = {r: main_stack(dumps[r], main_threads.get(r)) for r in ranks if dumps.get(r, "").strip()}
+    stacks = {r: main_stack(threads(dumps[r]), main_threads.get(r)) for r in ranks if dumps.get(r, "").strip()}
     stacks = {r: f for r, f in stacks.items() if f}
-    missing = {r: (no_stack or {}).get(r, "no dump") for r in ranks if r not in stacks}
+    missing = {r: no_stack.get(r, "no dump") for r in ranks if r not in stacks}
     lines = ["where each rank was:"] + ["  " + line for line in group_lines(stacks, missing)]
     extra = state_lines(state)
     if extra:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from pytest_msrun.plugin.reports.excerpts import log_excerpt, stack_excerpt
 from pytest_msrun.plugin.reports.extras import carried_attributes, merge_properties
 from pytest_msrun.plugin.reports.hang import diagnosis
 from pytest_msrun.plugin.rule.outcomes import PhaseVerdict, RankEnd, RankIssue, Refusal, TestVerdict, ranks_text, were
-from pytest_msrun.plugin.rule.records import PHASES, stacks_path
+from pytest_msrun.plugin.rule.records import stacks_path
 from pytest_msrun.plugin.rule.testrecord import TestRecord
 from pytest_msrun.plugin.stdstreams import read_log, tag_lines
 
@@ -81,6 +82,15 @@ def to_serializable(report: pytest.TestReport) -> dict[str, Any]:
     return data
 
 
+def from_record(config: pytest.Config, data: Mapping[str, Any]) -> Any:
+    """pytest's report of a rank's record (None: this pytest cannot read it), converted from a copy
+    (pytest's conversion changes the dict)."""
+    try:
+        return config.hook.pytest_report_from_serializable(config=config, data=copy.deepcopy(dict(data)))
+    except Exception:
+        return None
+
+
 def from_serializable(data: dict[str, Any]) -> pytest.TestReport:
     data = {k: v for k, v in data.items() if k != "$report_type"}
     crash = data.pop("msrun_reprcrash", None)
@@ -139,11 +149,8 @@ class Merger:
     def _report(self, data: dict[str, Any]) -> pytest.TestReport | None:
         """The TestReport of a record (converted once: pytest's conversion changes the dict)."""
         key = id(data)
-        if key not in self._reports:
-            try:
-                report = self.config.hook.pytest_report_from_serializable(config=self.config, data=copy.deepcopy(data))
-            except Exception:  # a record this pytest cannot read counts as missing
-                report = None
+        if key not in self._reports:  # a record this pytest cannot read counts as missing
+            report = from_record(self.config, data)
             self._reports[key] = report if isinstance(report, pytest.TestReport) else None
         return self._reports[key]
 
@@ -158,10 +165,7 @@ class Merger:
             return report.longreprtext if report is not None else issue.summary
         log = self.logs[issue.rank]
         if log.collect_errors and issue.kind == "died":
-            texts = []
-            for data in log.collect_errors:
-                report = self.config.hook.pytest_report_from_serializable(config=self.config, data=copy.deepcopy(data))
-                texts.append(getattr(report, "longreprtext", ""))
+            texts = [getattr(from_record(self.config, data), "longreprtext", "") for data in log.collect_errors]
             return f"rank {issue.rank}: collection failed\n" + "\n".join(texts)
         text = issue.summary + "\n" + log_excerpt(self.log_path(issue.rank))
         hang = log.exit_hang or {}
@@ -171,10 +175,6 @@ class Merger:
             when = "when it did not exit" if issue.kind == "exit" else "at the timeout"
             text += f"\nstack of rank {issue.rank} {when}:\n{self._stack(issue.rank, self.run.stacks[issue.rank])}"
         return text
-
-    def _report_text(self, issue: RankIssue) -> str:
-        report = self._report(issue.report) if issue.report is not None else None
-        return f"{issue.summary}\n{report.longreprtext}" if report is not None else issue.summary
 
     def _issue_summary(self, issue: RankIssue) -> str:
         if issue.report is None and issue.kind == "died" and self.logs[issue.rank].collect_errors:
@@ -189,7 +189,7 @@ class Merger:
         return read_log(self.log_path(rank), start.offset)
 
     # ------------------------------------------------------------------ merging
-    def reports(self, verdict: TestVerdict, phases: tuple[str, ...] = PHASES) -> list[pytest.TestReport]:
+    def reports(self, verdict: TestVerdict, phases: tuple[str, ...]) -> list[pytest.TestReport]:
         """The merged reports of ``phases`` (a refusal: its setup's, and a teardown with nothing to do)."""
         if verdict.refusal is not None:
             return [self._refused(verdict.refusal, phase) for phase in phases if phase != "call"]
@@ -320,7 +320,8 @@ class Merger:
             headline = f"{were(phase.stopped)} stopped by msrun in the {phase.phase} phase"
             if cause is not None:
                 headline += f" after rank {cause.rank} failed first ({cause.phase or 'its'} phase)"
-                root: Any = self._issue_text(cause) if cause.report is None else self._report_text(cause)
+                report = self._report(cause.report) if cause.report is not None else None
+                root: Any = f"{cause.summary}\n{report.longreprtext}" if report is not None else self._issue_text(cause)
                 crash = self._crash_location(f"stopped after a failure: {self._issue_summary(cause)}")
             else:
                 root = None
@@ -332,7 +333,7 @@ class Merger:
                 f"({'rank' if len(stuck) == 1 else 'ranks'} {ranks_text(stuck)} had not finished); where each rank "
                 "was, then every rank's stack"
             )
-            root = self.hang_text(stuck)
+            root = self.hang_text()
             crash = self._crash_location(f"msrun job timed out after {self.run.timeout:g} s")
             for issue in issues[:MAX_RANK_SECTIONS]:
                 sections.append((f"rank {issue.rank}", self._issue_text(issue)))
@@ -390,7 +391,7 @@ class Merger:
         failing = sorted({i.rank for i in issues}) or sorted(phase.stopped)
         return self._make(phase.phase, "failed", longrepr, present, window, died=died, failing=failing)
 
-    def hang_text(self, stuck: list[int]) -> str:
+    def hang_text(self) -> str:
         main_threads = {r: self.logs[r].main_thread for r in self.ranks}
         no_stack = {r: self.end(r).describe(True) for r in self.ranks if r not in self.run.stacks}
         for r, text in self.run.stacks.items():

@@ -19,7 +19,6 @@ records into pytest's objects and hands them to pytest's hooks.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import sys
@@ -40,6 +39,7 @@ from pytest_msrun.plugin.reports.extras import (
     rank_label,
     subtests_of,
 )
+from pytest_msrun.plugin.reports.merge import from_record
 from pytest_msrun.plugin.rule.records import RankLog
 from pytest_msrun.plugin.stdstreams import tag_lines
 
@@ -92,16 +92,9 @@ class Replay:
         reports = (self._subtest_report(entry) for entry in merge_subtests({r: s for r, s in per_rank.items() if s}))
         return [report for report in reports if report is not None]
 
-    def _from_data(self, data: Mapping[str, Any]) -> Any:
-        clean = {k: v for k, v in data.items() if k != "_ts"}
-        try:
-            return self.config.hook.pytest_report_from_serializable(config=self.config, data=copy.deepcopy(clean))
-        except Exception:  # a record this pytest cannot read
-            return None
-
     def _subtest_report(self, entry: MergedSubtest) -> Any:
         data = entry.reports[entry.shown]
-        report = self._from_data(data)
+        report = from_record(self.config, {k: v for k, v in data.items() if k != "_ts"})
         if report is None:
             return None
         context, said = getattr(report, "context", None), (data.get("_subtest.context") or {}).get("kwargs")
@@ -191,10 +184,8 @@ class Replay:
         controller's junitxml (before the test's last report, which writes its testcase): a suite
         property every rank gave alike once, else per rank (``name [rank 1]``); an attribute
         likewise (``name_rank1``)."""
-        try:
-            from _pytest.junitxml import xml_key
-        except ImportError:
-            return
+        from _pytest.junitxml import xml_key
+
         xml = self.config.stash.get(xml_key, None)
         if xml is None:
             return

@@ -115,7 +115,7 @@ def link_files(entries: list[dict[str, Any]], page: str) -> None:
             continue
         if trace not in copied:
             inside = os.path.abspath(trace).startswith(page_dir + os.sep)
-            target = trace if inside else os.path.join(files, "traces", os.path.basename(trace))
+            target = trace if inside else os.path.join(traces_dir(page), os.path.basename(trace))
             copied[trace] = target if inside or _copy(trace, target) else ""
         if copied[trace]:
             entry["trace_href"] = _href(copied[trace], page_dir)

@@ -23,7 +23,7 @@ from pytest_msrun.engine.hooks import JobReport
 from pytest_msrun.engine.status import JobStatus
 from pytest_msrun.fileio import make_dirs, write_whole
 from pytest_msrun.plugin.reports.extras import suite_lines
-from pytest_msrun.plugin.reports.hang import diagnosis
+from pytest_msrun.plugin.reports.hang import diagnosis, grouped
 from pytest_msrun.plugin.reports.tracetests import lanes, rank_rows, tally, test_events
 from pytest_msrun.plugin.rule.outcomes import PASSING, RankEnd, TestVerdict, ranks_text, was
 from pytest_msrun.plugin.rule.records import (
@@ -37,16 +37,8 @@ from pytest_msrun.plugin.rule.records import (
     stacks_path,
 )
 from pytest_msrun.plugin.rule.testrecord import suite_records
-
-FAILING = ("failed", "error")
-
-
-def _read(path: str) -> str:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            return fh.read()
-    except OSError:
-        return ""
+from pytest_msrun.plugin.stdstreams import read_log
+from pytest_msrun.waiting import wait_until
 
 
 def job_report(status: JobStatus) -> JobReport | None:
@@ -242,18 +234,19 @@ def _sibling_statuses(directory: str, status: JobStatus) -> list[JobStatus]:
     from pytest_msrun.engine.status import read_status
 
     want = set(range(status.worker_num or 0))
-    deadline = time.monotonic() + SIBLING_WAIT
-    while True:
-        found = {status.node_index: status}
+    found: dict[int, JobStatus] = {}
+
+    def covered() -> bool:
+        found.clear()
+        found[status.node_index] = status
         for path in glob.glob(os.path.join(directory, "msrun_status_node*.json")):
             other = read_status(directory, os.path.basename(path))
-            if other is None or other.job_id != status.job_id or other.state == "running":
-                continue
-            found.setdefault(other.node_index, other)
-        covered = {p.rank for n in found.values() for p in n.workers if p.rank is not None}
-        if want <= covered or time.monotonic() > deadline:
-            return [found[k] for k in sorted(found)]
-        time.sleep(0.05)
+            if other is not None and other.job_id == status.job_id and other.state != "running":
+                found.setdefault(other.node_index, other)
+        return want <= {p.rank for n in found.values() for p in n.workers if p.rank is not None}
+
+    wait_until(covered, SIBLING_WAIT, 0.05)
+    return [found[k] for k in sorted(found)]
 
 
 @dataclass
@@ -267,14 +260,9 @@ class Table:
     verdicts: list[TestVerdict] = field(default_factory=list)
 
 
-def verdicts(logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> list[TestVerdict]:
-    """Every test's verdict, in the order the ranks ran them: each test's record, judged once."""
-    return [record.verdict() for record in suite_records(logs, ends, time.time())]
-
-
 def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> Table:
     ranks = sorted(logs)
-    judged = verdicts(logs, ends)
+    judged = [record.verdict() for record in suite_records(logs, ends, time.time())]  # in the order ranks ran them
     collect_errors = {r: len(logs[r].collect_errors) for r in ranks if logs[r].collect_errors}
 
     rows = [("test", *(f"rank {r}" for r in ranks), "verdict")]
@@ -300,11 +288,7 @@ def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -
             + (f" in {where}" if where else "")
         )
     never = [r for r in unfinished if not logs[r].tests]  # died before its first test (not in any row)
-    hosts: dict[str, list[int]] = {}
-    for rank in ranks:
-        host = (ends.get(rank) or RankEnd()).host
-        if host:
-            hosts.setdefault(host, []).append(rank)
+    hosts = grouped({r: ends[r].host for r in ranks if r in ends and ends[r].host})
     if len(hosts) > 1:
         lines.append("msrun: hosts: " + "; ".join(f"{h}: ranks {ranks_text(r)}" for h, r in hosts.items()))
     lines += suite_lines((v.nodeid for v in judged), logs)
@@ -315,8 +299,6 @@ def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -
 
 
 def _explain(v: TestVerdict, directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> list[str]:
-    if v.outcome not in FAILING and v.outcome != "incomplete":
-        return []
     if v.outcome == "incomplete":
         why = []
         if v.not_run:
@@ -328,6 +310,8 @@ def _explain(v: TestVerdict, directory: str, logs: dict[int, RankLog], ends: dic
         if v.note:
             why.append(v.note)
         return [f"INCOMPLETE {v.nodeid}: {'; '.join(why)}"]
+    if v.outcome not in ("failed", "error"):
+        return []
     first = v.first_issue
     failing = v.failing_ranks
     head = f"FAILED {v.nodeid}" + (f" on rank(s) {ranks_text(failing)}" if failing else "")
@@ -340,7 +324,8 @@ def _explain(v: TestVerdict, directory: str, logs: dict[int, RankLog], ends: dic
         record = logs[timed[0]].test(v.nodeid).timeout or {}
         # a rank that timed out recorded its stack then; the others dumped theirs when msrun stopped them
         dumps = {
-            r: (logs[r].test(v.nodeid).timeout or {}).get("stack") or _read(stacks_path(directory, r)) for r in logs
+            r: (logs[r].test(v.nodeid).timeout or {}).get("stack") or read_log(stacks_path(directory, r), 0)
+            for r in logs
         }
         threads = {r: logs[r].main_thread for r in logs}
         here = [r for r in logs if logs[r].test(v.nodeid).started]

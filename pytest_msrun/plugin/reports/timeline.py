@@ -16,7 +16,7 @@ from pytest_msrun.fileio import write_whole
 from pytest_msrun.plugin.reports.merge import Merger
 from pytest_msrun.plugin.reports.reportfiles import environment, link_files
 from pytest_msrun.plugin.rule.outcomes import TestVerdict, shown
-from pytest_msrun.plugin.rule.records import PHASES
+from pytest_msrun.plugin.rule.records import PHASES, RankTest
 from pytest_msrun.plugin.rule.testrecord import TestRecord
 
 TYPE_CHECKING = False
@@ -29,17 +29,13 @@ REPORT_ATTR = "msrun_timeline"
 OUTPUT_LIMIT = 64 * 1024  # characters of a rank's captured output kept on the page
 
 
-def _rank_spans(record: TestRecord, rank: int) -> list[dict[str, Any]]:
-    test = record.logs[rank].tests.get(record.nodeid) if rank in record.logs else None
-    if test is None:
-        return []
+def _rank_spans(record: TestRecord, rank: int, test: RankTest) -> list[dict[str, Any]]:
     spans: list[dict[str, Any]] = []
-    for when, start, stop, report in test.phase_spans():
+    end = record.run.ranks.get(rank)  # a phase never finished lasts until the rank's end or the job's
+    until = (end.died_at or end.ended if end is not None else None) or record.run.ended or 0.0
+    for when, start, stop, report in test.phase_spans(until):
         outcome = str(report.get("outcome", "")) if report else "running"
-        if not stop:  # never finished the phase (a crash, a hang): until the rank's end or the job's
-            end = record.run.ranks.get(rank)
-            stop = (end.died_at or end.ended if end is not None else None) or record.run.ended or start
-        spans.append({"name": when, "kind": "phase", "start": start, "end": max(start, stop), "outcome": outcome})
+        spans.append({"name": when, "kind": "phase", "start": start, "end": stop, "outcome": outcome})
     for op, seq, entered, returned, error, when in test.collectives:
         span = {"name": f"{op} #{seq}", "kind": "collective", "start": entered, "end": returned, "phase": when}
         if error:
@@ -76,10 +72,7 @@ def test_entry(
     if first is not None:  # a reported failure is drawn where its phase ended, a death where it died
         first_at = float((first.report or {}).get("stop") or 0.0) or first.at
         first_failure = {"rank": first.rank, "phase": first.phase, "error": first.summary, "at": first_at}
-    hang = ""
-    if record.run.timed_out:
-        stuck = sorted({i.rank for i in verdict.issues if i.kind == "timeout"}) or list(record.ranks)
-        hang = merger.hang_text(stuck)
+    hang = merger.hang_text() if record.run.timed_out else ""
     ranks: list[dict[str, Any]] = []
     for rank in record.ranks:
         end = record.run.ranks.get(rank)
@@ -100,7 +93,7 @@ def test_entry(
                 "log": merger.shown_log(rank) if log is not None else "",
                 "outcome": verdict.cells.get(rank, ""),
                 "output": output[-OUTPUT_LIMIT:],
-                "spans": _rank_spans(record, rank),
+                "spans": _rank_spans(record, rank, test) if test is not None else [],
                 "marks": [{"name": "first failure", "at": first_at, "text": first.summary}]
                 if first is not None and first.rank == rank
                 else [],

@@ -43,11 +43,6 @@ def short(text: object) -> str:
     return first if len(first) <= MESSAGE_MAX else first[: MESSAGE_MAX - 1] + "…"
 
 
-def test_name(nodeid: str) -> str:
-    """The test's name without its file (the ``args`` carry the node id)."""
-    return nodeid.split("::", 1)[-1]
-
-
 def tally(outcomes: Iterable[str]) -> str:
     """``3 passed, 1 failed``: the tests' outcomes counted, in a fixed order."""
     counts = Counter(outcomes)
@@ -63,10 +58,9 @@ def _phase_spans(verdict: TestVerdict, log: RankLog, until: float) -> list[dict[
         return []
     lane = tracelog.RANK_PID + log.rank
     out = []
-    for when, start, stop, report in test.phase_spans():
-        stop = stop or max(start, until)  # never ended: a crash, a hang
+    for when, start, stop, report in test.phase_spans(until):
         outcome = str((report or {}).get("outcome") or "unfinished")
-        out.append(tracelog.span(when, lane, TEST_TID, start, max(start, stop), {"outcome": outcome}))
+        out.append(tracelog.span(when, lane, TEST_TID, start, stop, {"outcome": outcome}))
     return out
 
 
@@ -81,7 +75,8 @@ def test_events(verdict: TestVerdict, outcome: str, logs: dict[int, RankLog], un
     with its phases inside and its failures; a span on the tests lane with the verdict. ``until``:
     where a phase a rank never finished ends (its death, the job's end)."""
     events: list[dict[str, Any]] = []
-    name, nodeid = test_name(verdict.nodeid), verdict.nodeid
+    nodeid = verdict.nodeid
+    name = nodeid.split("::", 1)[-1]  # without its file (the args carry the node id)
     bounds: list[int] = []  # microseconds, as the spans hold them
     for rank in sorted(logs):
         phases = _phase_spans(verdict, logs[rank], until)
@@ -123,14 +118,6 @@ def rank_rows(ranks: Iterable[int]) -> list[dict[str, Any]]:
     return rows + [tracelog.thread(tracelog.RANK_PID + rank, TEST_TID, "tests") for rank in ranks]
 
 
-def ended_line(said: str, world: bool, outcomes: list[str]) -> str:
-    """msrun's ``job ended: <state> (<code>)`` said of a plugin job: what its processes' end means
-    (a world's ranks exit 0 whatever its tests did), and the tests' tally."""
-    state = said.split(":", 1)[1].strip() if ":" in said else said
-    processes = "ranks exited 0" if state == "succeeded (0)" else f"msrun {state}"
-    return f"{'world' if world else 'job'} ended: {processes}; tests: {tally(outcomes)}"
-
-
 def annotate(path: str, events: list[dict[str, Any]], outcomes: list[str], world: bool) -> bool:
     """Add ``events`` to the trace file ``path`` (written whole again) and say the tests' tally at
     msrun's end; False when there is no trace to annotate (the job's msrun wrote none). An error
@@ -149,7 +136,11 @@ def annotate(path: str, events: list[dict[str, Any]], outcomes: list[str], world
         if isinstance(name, str) and ev.get("pid") == tracelog.MSRUN_PID and name.startswith("job ended:"):
             args = ev.get("args") if isinstance(ev.get("args"), dict) else {}
             ev["args"] = {**args, "msrun": name, "tests": dict(Counter(outcomes))}
-            ev["name"] = ended_line(name, world, outcomes)
+            # msrun's "job ended: <state> (<code>)" said of a plugin job: what its processes' end
+            # means (a world's ranks exit 0 whatever its tests did), and the tests' tally
+            state = name.split(":", 1)[1].strip()
+            processes = "ranks exited 0" if state == "succeeded (0)" else f"msrun {state}"
+            ev["name"] = f"{'world' if world else 'job'} ended: {processes}; tests: {tally(outcomes)}"
     trace["traceEvents"] = [*existing, *lanes(), *rank_rows(ranks), *events]
     write_whole(path, json.dumps(trace, separators=(",", ":")) + "\n")
     return True

@@ -44,7 +44,7 @@ class RankEnd:
     after: str = ""  # how a rank running at a test's deadline ended after it (evidence only)
 
     @classmethod
-    def of(cls, proc: ProcessStatus, stop_reason: str, host: str = "") -> RankEnd:
+    def of(cls, proc: ProcessStatus, stop_reason: str, host: str) -> RankEnd:
         """From msrun's status of the rank's process, why msrun stopped the job, and the rank's host."""
         return cls(
             returncode=proc.returncode,
@@ -61,11 +61,6 @@ class RankEnd:
     def elsewhere(self) -> bool:
         """Whether the rank ran on another host than this one (its PID means nothing here)."""
         return bool(self.host) and self.host != socket.gethostname()
-
-    @property
-    def at(self) -> float | None:
-        """When the process ended, as well as it is known."""
-        return self.died_at if self.died_at is not None else self.ended
 
     def describe(self, timed_out: bool) -> str:
         if self.alive:
@@ -143,11 +138,6 @@ class Refusal:
     reason: str
     detail: str = ""
 
-    @classmethod
-    def launch(cls, output: str) -> Refusal:
-        """msrun could not start the job; ``output`` is what it said."""
-        return cls("failed", "msrun could not start the job", output)
-
 
 @dataclass(frozen=True)
 class PhaseVerdict:
@@ -190,10 +180,6 @@ class TestVerdict:
         return sorted({i.rank for p in self.phases for i in p.issues})
 
     @property
-    def stopped(self) -> list[int]:
-        return sorted({r for p in self.phases for r in p.stopped})
-
-    @property
     def passing(self) -> bool:
         return self.outcome in PASSING
 
@@ -212,17 +198,9 @@ def longrepr_text(report: dict[str, Any]) -> str:
     return ""
 
 
-def is_strict_xpass(report: dict[str, Any]) -> bool:
-    return report.get("outcome") == "failed" and longrepr_text(report).startswith(STRICT_XPASS)
-
-
 def fails(report: dict[str, Any]) -> bool:
     """A failed report, but a strict xfail that passed (it fails the test only on every rank)."""
-    return report.get("outcome") == "failed" and not is_strict_xpass(report)
-
-
-def is_subtest(report: dict[str, Any]) -> bool:
-    return report.get("_report_type") == "SubTestReport"
+    return report.get("outcome") == "failed" and not longrepr_text(report).startswith(STRICT_XPASS)
 
 
 def crash_message(report: dict[str, Any]) -> str:
@@ -232,7 +210,7 @@ def crash_message(report: dict[str, Any]) -> str:
         line = lines[-1]
     else:
         line = lines[0] if lines else "failed"
-    if is_subtest(report):
+    if report.get("_report_type") == "SubTestReport":
         label = report.get("_subtest.description")  # as the rank's pytest describes it
         return f"subtest {label if isinstance(label, str) else '(<subtest>)'} failed: {line}"
     return line

@@ -8,6 +8,7 @@ check can read the record without the rule's own state.
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass, field
 
 from pytest_msrun.control.observer import waiting_for_others
 from pytest_msrun.engine.processes import describe_returncode
@@ -15,6 +16,7 @@ from pytest_msrun.plugin.rule.outcomes import RankEnd, RankIssue, Refusal, was
 from pytest_msrun.plugin.rule.records import RankLog, RankTest
 
 
+@dataclass
 class RankFacts:
     """What the record of one test says about each rank - read by the rule (:class:`~.verdict.Judge`)
     and, independently of it, by the invariant check.
@@ -24,37 +26,25 @@ class RankFacts:
     ``timed_out`` says the test ran out of time; ``failed_elsewhere`` that a failure outside this
     test (another test of the suite) is reported, which excuses ranks msrun stopped."""
 
-    def __init__(
-        self,
-        nodeid: str,
-        ranks: list[int],
-        logs: dict[int, RankLog],
-        ends: dict[int, RankEnd],
-        *,
-        scope: str = "job",
-        timed_out: bool = False,
-        timeout: float = 0.0,
-        job_ended: float = 0.0,
-        final: Collection[int] | None = None,
-        failed_elsewhere: bool = False,
-        leaks: dict[int, list[str]] | None = None,
-        refusal: Refusal | None = None,
-        running: Collection[int] | None = None,
-    ) -> None:
-        self.nodeid = nodeid
-        self.ranks = ranks
-        self.logs = logs
-        self.ends = ends
-        self.scope = scope
-        self.timed_out = timed_out
-        self.timeout = timeout
-        self.job_ended = job_ended
-        self.final = set(ranks if final is None else final)
-        self.failed_elsewhere = failed_elsewhere
-        # as failures (--msrun-leaks=error)
-        self.leaks = {r: list(items) for r, items in (leaks or {}).items() if items}
-        self.refusal = refusal  # the job never ran: a bad marker, a skip, no room, msrun's launch error
-        self.running = frozenset(running or ()) if timed_out else frozenset()
+    nodeid: str
+    ranks: list[int]
+    logs: dict[int, RankLog]
+    ends: dict[int, RankEnd]
+    scope: str = "job"
+    timed_out: bool = False
+    timeout: float = 0.0
+    job_ended: float = 0.0
+    final: Collection[int] | None = None
+    failed_elsewhere: bool = False
+    leaks: dict[int, list[str]] = field(default_factory=dict)  # as failures (--msrun-leaks=error)
+    refusal: Refusal | None = None  # the job never ran: a bad marker, a skip, no room, msrun's launch error
+    running: Collection[int] = ()
+    answering: set[int] = field(init=False)  # ``final``, or every rank
+
+    def __post_init__(self) -> None:
+        self.answering = set(self.ranks if self.final is None else self.final)
+        self.leaks = {r: list(items) for r, items in self.leaks.items() if items}
+        self.running = frozenset(self.running) if self.timed_out else frozenset()
 
     # ------------------------------------------------------------------ facts per rank
     def test(self, rank: int) -> RankTest:
@@ -82,9 +72,7 @@ class RankFacts:
         return self.scope == "job" or self.began(rank) or self.collect_skip(rank) is not None
 
     def due(self, rank: int, phase: str) -> bool:
-        """Whether ``rank`` should have reported ``phase``, given its earlier phases."""
-        if self.collect_skip(rank) is not None:
-            return False
+        """Whether ``rank`` (not skipped at collection) should have reported ``phase``, given its earlier phases."""
         reports = self.test(rank).reports
         if phase == "setup":
             return True
@@ -96,7 +84,8 @@ class RankFacts:
         return self.timed_out or self.test(rank).timeout is not None
 
     def end_at(self, rank: int) -> float:
-        at = self.end(rank).at
+        end = self.end(rank)  # when it ended, as well as it is known: its crash, else its reaping
+        at = end.died_at if end.died_at is not None else end.ended
         return float(at) if at else self.job_ended
 
     def missing(self, rank: int, phase: str) -> RankIssue:
@@ -129,7 +118,7 @@ class RankFacts:
 
     def end_problem(self, rank: int) -> RankIssue | None:
         """How ``rank``'s process ended badly after it reported every phase it was due (or None)."""
-        if rank not in self.final:
+        if rank not in self.answering:
             return None
         end, log = self.end(rank), self.logs.get(rank) or RankLog(rank)
         at = self.end_at(rank)
@@ -167,7 +156,7 @@ class RankFacts:
     def stopped_after(self, rank: int) -> bool:
         """Whether msrun stopped ``rank`` after it reported everything (excused only by a failure)."""
         end = self.end(rank)
-        return rank in self.final and end.terminated_by_msrun and not self.timed_out and not end.alive
+        return rank in self.answering and end.terminated_by_msrun and not self.timed_out and not end.alive
 
     def unexplained_stop(self, rank: int, when: str) -> RankIssue:
         end = self.end(rank)

@@ -84,9 +84,7 @@ class RecordWriter:
         self.fh.close()
 
 
-def read_records(
-    path: str, cutoff: int | None = None, cutoff_ts: float | None = None
-) -> Iterator[tuple[dict[str, Any], bool]]:
+def read_records(path: str, cutoff: int | None, cutoff_ts: float | None) -> Iterator[tuple[dict[str, Any], bool]]:
     """Every complete record in ``path`` (a torn or garbled line is skipped), and whether it is
     *late*: its line ends past byte ``cutoff`` (where the file stood at the test's deadline), or
     it was written after ``cutoff_ts`` (the deadline msrun found a rank past, on the rank's host)."""
@@ -150,14 +148,15 @@ class RankTest:
         first = next((self.started[w].offset for w in PHASES if w in self.started), None)
         return (first, self.log_end) if first is not None else None
 
-    def phase_spans(self) -> Iterator[tuple[str, float, float, dict[str, Any] | None]]:
-        """Each phase the rank began or reported: its name, start, stop (0.0: it never ended), report."""
+    def phase_spans(self, until: float) -> Iterator[tuple[str, float, float, dict[str, Any] | None]]:
+        """Each phase the rank began or reported: its name, start, stop (``until`` for a phase it never
+        ended - a crash, a hang - never before its start), report."""
         for when in PHASES:
             report, began = self.reports.get(when), self.started.get(when)
             if report is None and began is None:
                 continue
             start = float((report or {}).get("start") or 0.0) or (began.ts if began is not None else 0.0)
-            yield when, start, float((report or {}).get("stop") or 0.0), report
+            yield when, start, max(start, float((report or {}).get("stop") or 0.0) or until), report
 
     def all_reports(self, when: str) -> list[dict[str, Any]]:
         """Every report of phase ``when``: its own, then its subtests' and late ones."""

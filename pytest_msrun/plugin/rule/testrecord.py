@@ -94,6 +94,7 @@ class TestRecord:
     @functools.cached_property
     def judged(self) -> TestVerdict:
         run = self.run
+        launch = Refusal("failed", "msrun could not start the job", run.launch_error) if run.launch_error else None
         return judge(
             self.nodeid,
             self.ranks,
@@ -105,9 +106,9 @@ class TestRecord:
             timed_out=run.timed_out,
             timeout=run.timeout,
             job_ended=run.ended,
-            leaks=self.leaks if self.leaks_fail else None,
-            refusal=self.refusal or (Refusal.launch(run.launch_error) if run.launch_error else None),
-            running=run.running,
+            leaks=self.leaks if self.leaks_fail else {},
+            refusal=self.refusal or launch,
+            running=run.running or (),
         )
 
 

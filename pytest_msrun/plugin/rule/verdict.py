@@ -49,7 +49,6 @@ from pytest_msrun.plugin.rule.outcomes import (
     RankIssue,
     TestVerdict,
     crash_message,
-    death_time,
     fails,
     longrepr_text,
     ranks_text,
@@ -58,8 +57,6 @@ from pytest_msrun.plugin.rule.rankfacts import RankFacts
 from pytest_msrun.plugin.rule.records import PHASES, RankLog
 
 CLUSTER_ERRORS = ("ClusterError", "ClusterAborted")  # pytest_msrun.cluster's: a peer left, the job aborts
-
-__all__ = ["RankEnd", "death_time", "judge"]  # what the tests read here
 
 
 @dataclass
