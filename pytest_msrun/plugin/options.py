@@ -39,7 +39,7 @@ SESSION_ONLY = frozenset(
         # files and reports of the session
         "basetemp", "xmlpath", "junitprefix", "resultlog", "report_log", "htmlpath", "self_contained_html",
         "pastebin", "durations", "durations_min", "log_file", "log_file_level", "log_file_format",
-        "log_file_date_format", "debug", "traceconfig", "verbose", "reportchars", "color", "code_highlight",
+        "log_file_date_format", "debug", "traceconfig", "reportchars", "color", "code_highlight",
         "quiet", "disable_warnings", "no_header", "no_summary", "fold_skipped",
         # informational runs
         "help", "version", "showfixtures", "show_fixtures_per_test", "markers", "setuponly", "setupplan",
@@ -168,10 +168,6 @@ def command_line(config: pytest.Config) -> list[str]:
     for override in getattr(opt, "override_ini", None) or []:
         if not override.startswith(("addopts=", "cache_dir=")):
             args += ["-o", override]
-    # -v/-vv/-q act on assertion diffs, which a rank writes; "verbose" itself stays the session's
-    # (a rank's own terminal is its log): unless the ini says otherwise, diffs as for a plain test
-    if getattr(opt, "verbose", 0) and config.getini("verbosity_assertions") in ("auto", None, ""):
-        args += ["-o", f"verbosity_assertions={opt.verbose}"]
     if getattr(opt, "capture", None):  # none under -p no:capture (a rank is given the same -p)
         args.append(f"--capture={opt.capture}")
     if getattr(opt, "importmode", None):
