@@ -221,6 +221,40 @@ def test_a_rank_fails_inside_a_collective(msrun, fault):
     record(f"rank fails in a collective: {fault}", f"exit {job.returncode}, 0 left", f"job {took:.1f} s")
 
 
+LEAVES_THEN_ENDS = """
+import os, sys, time
+from pytest_msrun import cluster
+from pytest_msrun.control import cluster as control
+cluster.init()
+rank = cluster.get_rank()
+if rank == 1:
+    control._require().channel.close()  # as the kernel closes it when the process begins to exit
+    time.sleep(float(os.environ["LINGER"]))  # its exit takes this long; its peers fail meanwhile
+    sys.exit(3)
+try:
+    cluster.barrier()
+except cluster.ClusterError as exc:
+    print("collective failed:", exc, flush=True)
+    sys.exit(7)
+"""
+
+
+@pytest.mark.parametrize("linger", [0.5, 5.0])
+def test_a_rank_that_left_first_is_the_root_cause_though_it_ends_last(msrun, linger):
+    """Rank 1's connection closes as its exit begins; its peers' barrier fails at once and they
+    exit first. The job still ends with rank 1's status, its root cause - unless it takes longer
+    than LEFT_WAIT (2 s) to end: then the first failure seen decides."""
+    msrun.script("leaves.py", LEAVES_THEN_ENDS)
+    job = msrun.run(job_args(3, "leaves.py"), env={"LINGER": str(linger)}, timeout=60)
+    if linger < 2:
+        assert job.returncode == 3, job.stderr
+        said = job.stdout + job.stderr
+        assert re.search(r"Root cause \(first observed failure\):\s+rank 1 ", said), said
+    else:
+        assert job.returncode == 7, job.stderr
+    assert not wait_gone(msrun.mark)
+
+
 def test_kill_9_of_the_scheduler_ends_the_job(msrun):
     msrun.script("escapees.py", ESCAPEES)
     tag = f"sched-{os.getpid()}"

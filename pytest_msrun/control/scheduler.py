@@ -77,6 +77,7 @@ class Agents:
         self.sched = sched
         self.registry = NodeRegistry(sched.worker_num, sched.job_id)
         self.by_conn: dict[Conn, NodeInfo] = {}
+        self.left_early: list[int] = []  # ranks that left before their node was assigned them
 
     def hello(self, conn: Conn, msg: dict[str, Any]) -> None:
         node_rank, local = msg.get("node_rank"), msg.get("local")
@@ -110,6 +111,8 @@ class Agents:
                 log(f"node {index}: {each.describe()} -> ranks {each.offset}..{each.offset + each.local - 1}")
                 transport.send(each.handle, assignment)
             self.sched.event("every node registered: ranks assigned", {"nodes": len(self.registry.nodes)})
+            for rank in self.left_early:
+                self.left(rank)
 
     def message(self, conn: Conn, msg: dict[str, Any]) -> None:
         """A registered agent's message (one refused or malformed at its hello is closing: it sends none)."""
@@ -154,6 +157,15 @@ class Agents:
             self.sched.abort(f"lost node {node.describe()}: {why}", None)
         elif registering:
             log(f"agent left before the job started: {node.describe()} ({why})")
+
+    def left(self, rank: int) -> None:
+        """``rank``'s connection closed: its node's agent hears that the process is ending (once
+        its node has its ranks: a node's workers may start, and leave, before it registers)."""
+        nodes = [conn for conn, node in self.by_conn.items() if node.offset <= rank < node.offset + node.local]
+        if not nodes:
+            self.left_early.append(rank)
+        for conn in nodes:
+            self.sched.transport.send(conn, {"t": "left", "rank": rank})
 
     def silent(self, now: float) -> None:
         """Nodes silent past ``MS_NODE_TIMEOUT`` are lost - unless on this host and alive (a node
@@ -297,6 +309,7 @@ class Ranks:
         if rank is None:
             return
         self._forget(conn, rank)
+        self.sched.agents.left(rank)  # before its peers hear of it: a failure of theirs comes after
         self.deliver(self.group.left(rank, why))
 
 

@@ -182,8 +182,10 @@ class Agent:
                     link = self.node.link
                     wait = link.hb_interval if link is not None and link.up else None
                     watch = self.node.deadlines.wait() if self.node.deadlines is not None else None
-                    if watch is not None:
-                        wait = watch if wait is None else min(wait, watch)
+                    held = self.node.policy.held_until
+                    for until in (watch, None if held is None else max(0.0, held - time.time())):
+                        if until is not None:
+                            wait = until if wait is None else min(wait, until)
             if outcome is None:
                 for event in self.node.loop.poll(wait):
                     if event.kind is EventKind.SIGNALLED:
@@ -332,6 +334,9 @@ class Agent:
             if self.node.trace is not None:
                 self.node.trace.ship()  # this node's events reach the trace before its "done"
             link.send_done()
+        held = self.node.policy.held_until
+        if held is not None and time.time() >= held:  # a worker that left first did not end in time
+            return self.node.policy.first_failure()
         deadlines = self.node.deadlines
         late = deadlines.late(c.tag.rank for c in workers if c.returncode is None) if deadlines else None
         if late is None:
@@ -403,6 +408,10 @@ class Agent:
 
             if self.node.link is not None:
                 self.node.link.send(vouch(msg, os.getpid()))
+        elif kind == "left":  # a rank of this node left the control plane: its process is ending
+            for child in self.node.group.children:
+                if child.tag.rank == msg.get("rank") and child.tag.role == Role.WORKER and child.alive:
+                    self.node.policy.departed[child.pid] = child.tag.label
         elif kind == "progress":
             if msg.get("done"):
                 self.node.status_line.clear()

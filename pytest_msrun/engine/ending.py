@@ -109,7 +109,7 @@ class JobEnding:
                 )
                 for c in self.node.group.children
             ],
-            failures=[asdict(f) for f in sorted(self.node.policy.reported(), key=lambda f: f.at)],
+            failures=[asdict(f) for f in self.node.policy.reported()],
             stop_reason=reason,
             containment=self.node.guard.describe(),
             notices=list(self.node.notices),

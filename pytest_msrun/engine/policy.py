@@ -8,6 +8,9 @@
 * A worker that said its non-zero status is its own result (a *settled* exit, see
   :mod:`.ranknotes`) stops nobody: the node ends when every worker has ended, with the first
   settled status.
+* A worker whose connection to the control plane closed is ending, and its peers hear of it:
+  a failure that comes while it has not ended yet waits for its end (at most :data:`LEFT_WAIT`
+  s), and its failure, if it is one, is the root cause - it left first.
 * A worker still there :data:`~.ranknotes.BACKSTOP` s after the deadline it set failed at that
   deadline, with status 124: time is kept outside a rank that cannot keep its own.
 * Success: every worker exited 0, the local scheduler (if any) is gone, and the control plane
@@ -34,6 +37,7 @@ if TYPE_CHECKING:
     from pytest_msrun.engine.ranknotes import Late
 
 EXIT_LAUNCH_ERROR = 1
+LEFT_WAIT = 2.0  # s a failure waits for a worker that left the control plane before it to end
 TIMEOUT_EXIT = 124  # timeout(1)'s status: a worker that ran out of time (ranknotes.TIMEOUT_EXIT)
 
 
@@ -53,13 +57,19 @@ class Policy:
     remote_code: int | None = None  # the status an abort from the control plane carried
     settled: dict[int, Failure] = field(default_factory=dict)  # pid -> a worker's settled non-zero exit
     late: dict[int, Late] = field(default_factory=dict)  # pid -> a worker found past its deadline
+    departed: dict[int, str] = field(default_factory=dict)  # pid -> label, as they left the control plane
+    first_to_leave: str = ""  # the worker that had left first when a failure came: its own failure is first
+    held_until: float | None = None  # a failure's ending waits for departed workers until then
 
     def exited(self, child: Child, error: RankError | None = None, settled: str = "") -> Ending | None:
         """A local process ended (its tag: its spec); ``error``: its uncaught exception, from its
         error file; ``settled``: why its non-zero status is its own result (it stops nobody)."""
         rc, spec = child.returncode, child.tag
+        order = list(self.departed)  # who left before this one (everyone who left, if it did not)
+        earlier = [self.departed[pid] for pid in order[: order.index(child.pid) if child.pid in order else None]]
+        self.departed.pop(child.pid, None)
         if rc in (0, None):
-            return None
+            return self.first_failure() if self.held_until is not None and not self.departed else None
         failure = failure_of(spec.label, rc, child.ended or time.time(), spec.log_path, child.pid, self.host)
         is_worker = spec.role == Role.WORKER
         if settled and is_worker:
@@ -67,13 +77,21 @@ class Policy:
             return None
         if is_worker or self.remote_code is None:  # a scheduler ending an abort it sent explains nothing
             self.failures.append(replace(failure, error=error))
+        if is_worker and earlier or self.held_until is not None and self.departed:
+            self.first_to_leave = self.first_to_leave or earlier[0]
+            self.held_until = self.held_until or time.time() + LEFT_WAIT
+            return None
         return self.first_failure()
+
+    def _order(self, failure: Failure) -> tuple[bool, float]:
+        """Failures in the order they are said: the worker that left first, then by time."""
+        return failure.label != self.first_to_leave, failure.at
 
     def first_failure(self) -> Ending:
         """The ending the earliest recorded failure decides."""
         if not self.failures:
             return Ending(self.remote_code or EXIT_LAUNCH_ERROR, JobState.FAILED, "the scheduler ended")
-        first = min(self.failures, key=lambda f: f.at)
+        first = min(self.failures, key=self._order)
         workers = any(f.label != "scheduler" for f in self.failures)
         reason = f"{first.label} {first.description}" + (f" ({first.error.headline})" if first.error else "")
         return Ending(first.exit_status or 1, JobState.FAILED, reason[:500], first, workers)
@@ -100,8 +118,8 @@ class Policy:
         return Ending(first.exit_status, JobState.FAILED, "", first, workers_failed=True)
 
     def reported(self) -> list[Failure]:
-        """Every failure to report: those that ended the job, and settled ones."""
-        return [*self.failures, *self.settled.values()]
+        """Every failure to report, the root cause first: those that ended the job, and settled ones."""
+        return sorted([*self.failures, *self.settled.values()], key=self._order)
 
     def signalled(self, signum: int) -> Ending:
         return Ending(128 + signum, JobState.TERMINATED, f"msrun received {signal.Signals(signum).name}")

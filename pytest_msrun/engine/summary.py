@@ -88,11 +88,10 @@ def full_disk_note(directory: str) -> str:
 
 
 def render(failures: list[Failure], terminated: list[str], log_dir: str) -> str:
-    """The summary printed on stderr when a job fails."""
+    """The summary printed on stderr when a job fails (``failures``: the root cause first)."""
     if not failures:
         return ""
-    ordered = sorted(failures, key=lambda f: f.at)
-    root = ordered[0]
+    root = failures[0]
     parts = ["msrun: the job failed. Root cause (first observed failure):", f"  {root.headline()}"]
     if root.error is not None:  # it raised: its own record, no log scraping
         if root.log_path:
@@ -114,7 +113,7 @@ def render(failures: list[Failure], terminated: list[str], log_dir: str) -> str:
         disk = full_disk_note(os.path.dirname(os.path.abspath(root.log_path)))
         if disk:
             parts.append(f"  {disk}")
-    for other in ordered[1:]:
+    for other in failures[1:]:
         parts.append(f"  also failed: {other.headline()}")
     if terminated:
         parts.append(f"  terminated by msrun: {', '.join(terminated)}")
