@@ -5,7 +5,7 @@ Chromium's proxy is a listening socket on 127.0.0.1 that only records and closes
 and ``--proxy-bypass-list=<-loopback>`` sends even loopback requests there: any request the
 page makes (http, https, websocket, localhost) arrives as a recorded connection and fails.
 The browser's own services would be recorded too, so they are switched off
-(``--disable-sync``, the network time query) or pointed at the closed port 127.0.0.1:1, the
+(``--disable-sync``, the network time query, the optimization guide) or pointed at the closed port 127.0.0.1:1, the
 one address the proxy is bypassed for (the component updater, the Google account endpoint):
 on an empty page no connection arrives.
 
@@ -178,7 +178,9 @@ def _command(chromium: str, headless: str, args: list[str], out_dir: Path, port:
         "--disable-component-update",
         "--disable-sync",
         "--disable-extensions",
-        "--disable-features=NetworkTimeServiceQuerying",
+        # the network time query and the optimization guide's hints and models (optimizationguide-pa)
+        "--disable-features=NetworkTimeServiceQuerying,OptimizationHints,OptimizationHintsFetching,"
+        "OptimizationGuideModelDownloading,OptimizationTargetPrediction",
         "--disable-dev-shm-usage",  # shared memory files under TMPDIR, not in a small /dev/shm
         "--disable-breakpad",
         "--no-first-run",

@@ -40,6 +40,14 @@ class Ports:
     contested: bool = False  # the port was taken on this host: this node may host it once free
 
 
+def claim_again(facts: NodeFacts) -> _socket.socket | None:
+    """The scheduler's port, listening, if it can be had now (a contested port: see :func:`claim`)."""
+    try:
+        return listen_socket(facts.master_ip, facts.master_port)
+    except OSError:
+        return None
+
+
 def claim(cfg: LaunchConfig, facts: NodeFacts) -> Ports:
     hosts = facts.address_is_local and not cfg.dry_run
     port, dist = facts.master_port, facts.dist_port

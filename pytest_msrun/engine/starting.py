@@ -17,11 +17,10 @@ from pytest_msrun.engine.kinds import Role
 from pytest_msrun.engine.noderun import NodeRun
 from pytest_msrun.engine.observers import BindingsObserver, JobEvent
 from pytest_msrun.engine.plan import SCHEDULER_MODULE, LaunchPlan, ProcessSpec, build_plan
-from pytest_msrun.engine.ports import EXIT_USAGE, LaunchError
+from pytest_msrun.engine.ports import EXIT_USAGE, LaunchError, claim_again
 from pytest_msrun.engine.processes import Child, Launch
 from pytest_msrun.engine.tail import LogTailer, prefix_for
 from pytest_msrun.fileio import make_dirs
-from pytest_msrun.netaddr import listen_socket
 from pytest_msrun.record import replace
 
 TYPE_CHECKING = False
@@ -291,9 +290,8 @@ class Starter:
         started: if the port is free now, this node starts the scheduler there (and registers over
         its fork's socketpair next) - else every node of the job on this host could wait for a
         scheduler none of them hosts. The plan, with the scheduler when it started."""
-        try:
-            listener = listen_socket(self.node.facts.master_ip, self.node.facts.master_port)
-        except OSError:
+        listener = claim_again(self.node.facts)  # the port's listeners are made in ports.py (the door table)
+        if listener is None:
             return plan
         hosting = build_plan(self.node.cfg, self.node.facts, hosts_scheduler=True)
         assert hosting.scheduler is not None
