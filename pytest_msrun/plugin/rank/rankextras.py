@@ -210,7 +210,7 @@ class ExtrasRecorder:
         status = yield
         subtest = type(report).__name__ == "SubtestReport" and self.rank_plugin.current is not None
         if subtest and isinstance(status, tuple) and len(status) == 3:
-            return (status[0], "", status[2])  # its letter would land in the test's own output
+            return (status[0], "", "")  # its letter or word (-v) would land in the test's own output
         return status
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
