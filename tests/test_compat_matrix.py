@@ -97,6 +97,37 @@ def test_a_marked_test_behaves_as_the_same_test_unmarked(case: Case, tmp_path: P
         assert marked == plain, f"--- unmarked:\n{plain_out}\n--- marked:\n{marked_out}"
 
 
+SUBTESTS = Case(
+    "pytest-subtests",
+    0,
+    "pytest_subtests.plugin",
+    """
+def test_parts(subtests):
+    for i in range(3):
+        with subtests.test(i=i):
+            assert i != 1
+""",
+)
+
+
+def test_pytest_subtests_which_passes_a_test_whose_subtests_failed_is_said_at_the_start(tmp_path: Path) -> None:
+    """The old pytest-subtests plugin (active on pytest 8, or loaded by ``-p`` on pytest 9, whose own
+    subtests win otherwise) passes a test whose subtest failed; a marked test fails as pytest 9's
+    own subtests have it - said at the start. The subtests' own lines are the same."""
+    missing = _missing(SUBTESTS)
+    if missing:
+        reason = f"{', '.join(missing)} not installed (pip install -r .ci/compat.txt)"
+        if TIER in required_tiers():
+            pytest.fail(f"{REQUIRE_ENV}={TIER}: {reason}", pytrace=False)
+        pytest.skip(reason)
+    plain, plain_out = run(SUBTESTS, tmp_path / "plain", marked=False)
+    marked, marked_out = run(SUBTESTS, tmp_path / "marked", marked=True)
+    assert "msrun: pytest-subtests: a marked test whose subtests failed fails" in marked_out, marked_out
+    assert plain["exit status"] == marked["exit status"] == 1
+    line = "(i=1) SUBFAIL test_case.py::test_parts"
+    assert line in plain_out and line in marked_out
+
+
 def table() -> str:
     """The docs' table: one row per case, its status as the test above checks it."""
     rows = ["| Plugin | Downloads rank | A marked test uses | Marked as unmarked |", "|---|---|---|---|"]

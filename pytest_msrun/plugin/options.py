@@ -132,10 +132,16 @@ def _entry_modules() -> dict[str, str]:
 
 
 def plugin_loaded(config: pytest.Config, name: str) -> bool:
-    """Whether the installed plugin ``name`` (its entry point's name) is active, however it was
-    loaded: ``-p MODULE`` (as where autoloading is off) registers it under its module's name."""
+    """Whether the installed plugin ``name`` (its entry point's name, or its module's) is active,
+    however it was loaded: ``-p MODULE`` (as where autoloading is off) registers it under its
+    module's name, an entry point under its own (which a builtin plugin may also have)."""
     manager = config.pluginmanager
-    return manager.has_plugin(name) or manager.has_plugin(_entry_modules().get(name, name))
+    module = _entry_modules().get(name, name)
+    return (
+        manager.has_plugin(name)
+        or manager.has_plugin(module)
+        or any(getattr(plugin, "__name__", None) == module for plugin in manager.get_plugins())
+    )
 
 
 def unused_rank_plugins(config: pytest.Config) -> list[str]:

@@ -276,6 +276,12 @@ NOT_CARRIED = (
         "(reported as left behind: --msrun-leaks=off)",
     ),
     (
+        "",
+        "pytest_subtests.plugin",
+        "pytest-subtests: a marked test whose subtests failed fails, as pytest's own subtests (pytest 9) "
+        "have it; pytest-subtests passes such a test (each subtest's failure is reported either way)",
+    ),
+    (
         "testmon",
         "pytest-testmon",
         "pytest-testmon traces this process only: marked tests run in their ranks (without testmon), so it "
