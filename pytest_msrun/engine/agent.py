@@ -183,9 +183,8 @@ class Agent:
                     wait = link.hb_interval if link is not None and link.up else None
                     watch = self.node.deadlines.wait() if self.node.deadlines is not None else None
                     held = self.node.policy.held_until
-                    for until in (watch, None if held is None else max(0.0, held - time.time())):
-                        if until is not None:
-                            wait = until if wait is None else min(wait, until)
+                    held_for = None if held is None else max(0.0, held - time.time())
+                    wait = min((w for w in (wait, watch, held_for) if w is not None), default=None)
             if outcome is None:
                 for event in self.node.loop.poll(wait):
                     if event.kind is EventKind.SIGNALLED:
@@ -409,9 +408,10 @@ class Agent:
             if self.node.link is not None:
                 self.node.link.send(vouch(msg, os.getpid()))
         elif kind == "left":  # a rank of this node left the control plane: its process is ending
-            for child in self.node.group.children:
-                if child.tag.rank == msg.get("rank") and child.tag.role == Role.WORKER and child.alive:
-                    self.node.policy.departed[child.pid] = child.tag.label
+            workers = (c for c in self.node.group.children if c.tag.role == Role.WORKER)
+            child = next((c for c in workers if c.tag.rank == msg.get("rank")), None)
+            if child is not None and child.alive:
+                self.node.policy.departed[child.pid] = child.tag.label
         elif kind == "progress":
             if msg.get("done"):
                 self.node.status_line.clear()
