@@ -77,7 +77,7 @@ def test_each_rows_bounds_are_the_codes():
     for name, (module, constant) in LISTENERS.items():
         bounds = rows[name][4]
         assert f"{door.PENDING_FLOOR} strangers" in bounds, (name, bounds)
-        assert "half per address" in bounds  # Door.per_peer
+        assert f"each kept {door.GRACE:g} s at least" in bounds, (name, bounds)
         assert f"hello within {timeouts[constant]:g} s" in bounds, (name, bounds)
         assert f"≤ {wire.HELLO_LIMIT // 1024} KiB" in bounds, (name, bounds)
         source = (PACKAGE / module).read_text()
@@ -87,17 +87,6 @@ def test_each_rows_bounds_are_the_codes():
             assert re.search(rf"timeout={constant}\b", call), (module, call)
     assert f"{debugserver.MAX_QUEUED} ranks waiting" in rows["the ranks' debugger"][4]
     assert "2 × `--worker_num`" in rows["the control plane"][4]
-
-
-def test_a_door_keeps_half_of_itself_for_other_addresses():
-    import socket
-
-    listener = socket.create_server(("127.0.0.1", 0))
-    d = door.Door(listener, token="", kinds=("x",), timeout=1.0, max_pending=1000)
-    try:
-        assert d.max_pending == 1000 and d.per_peer == 500
-    finally:
-        d.close()
 
 
 # The helpers of fileio.py that write (or make directories), and the raw calls that would bypass them.

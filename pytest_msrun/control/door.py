@@ -9,12 +9,14 @@ stranger's, and the door alone serves it:
   nothing computed from the token), the client's ``auth`` (its proof over both nonces), the door's
   ``welcome`` (the door's own proof, then whatever the listener adds). The client proves first, so a
   stranger who connects learns nothing to guess the token against (:func:`wire.proof`).
-* **Bounds.** At most ``max_pending`` strangers at once, and at most half of them from one peer
-  address; beyond either the oldest of that group that has not sent a whole hello is shed - after
-  what everyone of the group sent was read, so a client whose answer is waiting gets in - else the
-  oldest still owing its answer. A hello within ``timeout`` seconds of connecting, the answer within
-  ``timeout`` of the challenge, a frame of at most :data:`wire.HELLO_LIMIT` bytes. Out of file
-  descriptors, the oldest stranger makes room, or accepting pauses.
+* **Bounds.** At most ``max_pending`` strangers at once. Each is kept :data:`GRACE` seconds after
+  it connected, and again after its challenge, whatever comes: a client that can answer gets in, even
+  under a flood. Room for a newcomer is made by a lingering refusal, else by the oldest stranger past
+  its grace - after what it sent was read, so a client whose answer is waiting gets in; with every
+  stranger within its grace, accepting pauses until the first grace ends, and newcomers wait their
+  turn in the kernel's queue (a flood is slowed to the door's pace; nobody is locked out). A hello
+  within ``timeout`` seconds of connecting, the answer within ``timeout`` of the challenge, a frame
+  of at most :data:`wire.HELLO_LIMIT` bytes. Out of file descriptors, the same: room, or a pause.
 * **A fault boundary.** Whatever goes wrong while one stranger is served costs that connection.
 * **Counted, not logged.** Strangers dropped are counted by peer address and reason (reasons are the
   door's words, never the stranger's); :meth:`Tally.summary` gives at most one line per address per
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import _socket
 import errno
+import select
 import selectors
 import time
 
@@ -42,6 +45,7 @@ if TYPE_CHECKING:
     from typing import Any
 
 PENDING_FLOOR = 256  # strangers kept at most by a listener: max(this, what the owner asks)
+GRACE = 0.25  # s a stranger is never shed within, after it connected and after its challenge
 ACCEPT_PAUSE = 0.1  # s: out of file descriptors with no stranger to shed, stop accepting this long
 LINGER = 2.0  # s a refused stranger is read (and discarded) so the refusal is not lost to a reset
 SUMMARY_EVERY = 60.0  # s: strangers are summed up at most this often
@@ -81,6 +85,7 @@ class Stranger:
     ip: str
     peer: str
     deadline: float  # for its hello, then for its answer, then for its lingering close
+    since: float  # when it connected, then when it was challenged: never shed within GRACE of this
     frames: wire.FrameBuffer = field(default_factory=lambda: wire.FrameBuffer(strict=True))
     head: bytes | None = b""  # its first bytes, until they tell whose protocol it speaks
     hello: dict[str, Any] | None = None
@@ -149,7 +154,7 @@ class Door:
         self.kinds = kinds
         self.timeout = timeout
         self.max_pending = max(PENDING_FLOOR, max_pending)
-        self.per_peer = self.max_pending // 2
+        self.grace = min(GRACE, timeout)
         self.own_selector = selector is None
         self.sel = selectors.DefaultSelector() if selector is None else selector
         self.now = now
@@ -157,10 +162,11 @@ class Door:
         self.foreign = foreign
         self.refusal = refusal  # what a client whose proof is wrong is told
         self.strangers: dict[Stranger, None] = {}  # oldest first
-        self.by_ip: dict[str, dict[Stranger, None]] = {}
         self.by_sock: dict[int, Stranger] = {}
         self.tally = tally if tally is not None else Tally(now())  # shared by the doors of one owner
-        self.paused_until = 0.0
+        self.paused_until = 0.0  # accepting resumes then (self.now's clock); 0: not paused
+        self.waiting = select.poll()  # whether a newcomer waits in the kernel's queue
+        self.waiting.register(listener, select.POLLIN)
         self.closed = False
         listener.setblocking(False)
         self.sel.register(listener, selectors.EVENT_READ, self)
@@ -169,9 +175,20 @@ class Door:
     def serve(self, timeout: float) -> list[Admitted]:
         """Wait up to ``timeout`` s (a door with its own selector) and return who got in meanwhile."""
         admitted: list[Admitted] = []
-        for key, _ in self.sel.select(timeout=timeout):
+        for key, _ in self.sel.select(timeout=self.wait(timeout)):
             admitted += self.ready(key.fileobj)
         return admitted + self.expire()
+
+    def wait(self, timeout: float) -> float:
+        """How long the owner may wait for events, at most ``timeout``: no longer than a pause of
+        accepting lasts (one that is over ends now)."""
+        if not self.paused_until:
+            return timeout
+        left = self.paused_until - self.now()
+        if left <= 0:
+            self._resume()
+            return timeout
+        return min(timeout, left)
 
     def ready(self, fileobj: Any) -> list[Admitted]:
         """Serve the listener or one stranger that ``select`` found ready; who got in."""
@@ -189,7 +206,7 @@ class Door:
     def expire(self, silent: Callable[[], bool] | None = None) -> list[Admitted]:
         """Drop the strangers past their deadline; a silent one (no byte sent) leaves as foreign
         when ``silent()`` says a foreign protocol is being served (its clients may speak later).
-        Accepting resumes once a pause for want of file descriptors is over."""
+        Accepting resumes once a pause is over."""
         now = self.now()
         admitted: list[Admitted] = []
         for stranger in [s for s in self.strangers if now > s.deadline]:
@@ -201,9 +218,8 @@ class Door:
                 self._drop(stranger, f"no hello within {self.timeout:g} s")
             else:
                 self._drop(stranger, f"no answer to the challenge within {self.timeout:g} s")
-        if self.paused_until and time.monotonic() >= self.paused_until and not self.closed:
-            self.paused_until = 0.0
-            self.sel.register(self.listener, selectors.EVENT_READ, self)
+        if self.paused_until and now >= self.paused_until:
+            self._resume()
         return admitted
 
     def close(self) -> None:
@@ -221,52 +237,66 @@ class Door:
     # ---------------------------------------------------------------- accepting
     def _accept(self) -> list[Admitted]:
         admitted: list[Admitted] = []
-        while not self.closed:
+        while not self.closed and not self.paused_until:
+            if len(self.strangers) >= self.max_pending:
+                if not self.waiting.poll(0):
+                    break
+                admitted += self._make_room(f"more than {self.max_pending} strangers at once")
+                continue
             try:
                 fd, addr = self.listener._accept()  # socket.accept() without wrapping it in socket.socket
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
-                if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                    if self.strangers:
-                        admitted += self._shed(self.strangers, "out of file descriptors")
-                        continue  # one freed: take the waiting connection
-                    unregister(self.sel, self.listener)  # never spin on a listener that cannot be served
-                    self.paused_until = time.monotonic() + ACCEPT_PAUSE
-                break
+                if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    break
+                if self.strangers:
+                    admitted += self._make_room("out of file descriptors")  # then take the waiting connection
+                else:
+                    self._pause(self.now() + ACCEPT_PAUSE)  # never spin on a listener that cannot be served
+                continue
             sock = _socket.socket(fileno=fd)
             sock.setblocking(False)
             ip, port = (str(addr[0]), int(addr[1])) if isinstance(addr, tuple) else ("local", 0)
             peer = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-            peers = self.by_ip.get(ip)
-            if peers is not None and len(peers) >= self.per_peer:
-                admitted += self._shed(peers, f"more than {self.per_peer} strangers from one address")
-            if len(self.strangers) >= self.max_pending:
-                admitted += self._shed(self.strangers, f"more than {self.max_pending} strangers at once")
-            stranger = Stranger(sock, ip, peer, self.now() + self.timeout)
+            now = self.now()
+            stranger = Stranger(sock, ip, peer, now + self.timeout, now)
             self.strangers[stranger] = None
-            self.by_ip.setdefault(ip, {})[stranger] = None
             self.by_sock[sock.fileno()] = stranger
             self.sel.register(sock, selectors.EVENT_READ, self)
         return admitted
 
-    def _shed(self, group: dict[Stranger, None], why: str) -> list[Admitted]:
-        """Make room in ``group``: a lingering refusal first, else the oldest without a whole hello,
-        else - once what the oldest sent was read (its answer may be waiting) - the oldest still
-        owing its answer. Who got in meanwhile."""
+    def _make_room(self, why: str) -> list[Admitted]:
+        """Free a place: a lingering refusal's, else the oldest stranger's past its grace - read first,
+        so a client whose answer waits gets in (and one whose hello waited is challenged: its grace
+        begins). With every stranger within its grace, accepting pauses until the first grace ends.
+        Who got in meanwhile."""
+        lingering = next((s for s in self.strangers if s.lingering), None)
+        if lingering is not None:
+            self._close(lingering)
+            return []
         admitted: list[Admitted] = []
-        victim = next((s for s in group if s.lingering), None) or next((s for s in group if s.hello is None), None)
-        while victim is None and group:
-            oldest = next(iter(group))
-            admitted += self.ready(oldest.sock)
-            if oldest in group:
-                victim = oldest
-        if victim is not None:
-            if victim.lingering:
-                self._close(victim)
-            else:
-                self._drop(victim, f"shed ({why})")
+        now = self.now()
+        for stranger in [s for s in self.strangers if now >= s.since + self.grace]:
+            admitted += self.ready(stranger.sock)
+            if stranger not in self.strangers:
+                return admitted  # it got in, or was dropped for what it sent
+            if now >= stranger.since + self.grace:
+                self._drop(stranger, f"shed ({why})")
+                return admitted
+        if self.strangers:
+            self._pause(min(s.since for s in self.strangers) + self.grace)
         return admitted
+
+    def _pause(self, until: float) -> None:
+        """Accept nobody until ``until``: newcomers wait in the kernel's queue."""
+        unregister(self.sel, self.listener)
+        self.paused_until = until
+
+    def _resume(self) -> None:
+        self.paused_until = 0.0
+        if not self.closed:
+            self.sel.register(self.listener, selectors.EVENT_READ, self)
 
     # ---------------------------------------------------------------- reading
     def _read(self, stranger: Stranger) -> list[Admitted]:
@@ -317,7 +347,8 @@ class Door:
         if not self.token:
             return True
         stranger.nonce = wire.new_nonce()
-        stranger.deadline = self.now() + self.timeout  # for its answer, from now
+        stranger.since = self.now()
+        stranger.deadline = stranger.since + self.timeout  # for its answer, from now
         return self._send(stranger, {"t": "challenge", "nonce": stranger.nonce})
 
     def _answer(self, stranger: Stranger, msg: dict[str, Any], after: list[dict[str, Any]]) -> list[Admitted]:
@@ -380,11 +411,6 @@ class Door:
     def _forget(self, stranger: Stranger) -> None:
         """No longer the door's: unregistered, out of every group (its socket stays open)."""
         self.strangers.pop(stranger, None)
-        peers = self.by_ip.get(stranger.ip)
-        if peers is not None:
-            peers.pop(stranger, None)
-            if not peers:
-                del self.by_ip[stranger.ip]
         fd = stranger.sock.fileno()
         if fd >= 0:
             self.by_sock.pop(fd, None)

@@ -266,7 +266,7 @@ class Transport:
 
         Each ready connection is served inside :meth:`fault`'s boundary: whatever goes wrong
         while serving it ends that connection only (the door has a boundary of its own)."""
-        for key, events in self.sel.select(timeout=timeout):
+        for key, events in self.sel.select(timeout=self.door.wait(timeout)):
             data = key.data
             try:
                 if data is self.door:

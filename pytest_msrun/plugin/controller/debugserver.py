@@ -129,7 +129,7 @@ class DebugServer:
                 if active is None and queue:
                     active = self._start(queue.pop(0), sel)
                 self._busy(active is not None or bool(queue))
-                for key, _ in sel.select(timeout=0.5):
+                for key, _ in sel.select(timeout=door.wait(0.5)):
                     tag = key.data
                     if tag == "wake":
                         return
