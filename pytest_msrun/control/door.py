@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 
 PENDING_FLOOR = 256  # strangers kept at most by a listener: max(this, what the owner asks)
 GRACE = 0.25  # s a stranger is never shed within, after it connected and after its challenge
-ACCEPT_PAUSE = 0.1  # s: out of file descriptors with no stranger to shed, stop accepting this long
+ACCEPT_PAUSE = 0.1  # s: out of file descriptors and no stranger to shed: stop accepting this long
 LINGER = 2.0  # s a refused stranger is read (and discarded) so the refusal is not lost to a reset
 SUMMARY_EVERY = 60.0  # s: strangers are summed up at most this often
 SUMMARY_ADDRESSES = 8  # addresses named per summary; the others are counted together
@@ -182,13 +182,12 @@ class Door:
     def wait(self, timeout: float) -> float:
         """How long the owner may wait for events, at most ``timeout``: no longer than a pause of
         accepting lasts (one that is over ends now)."""
-        if not self.paused_until:
-            return timeout
         left = self.paused_until - self.now()
-        if left <= 0:
-            self._resume()
-            return timeout
-        return min(timeout, left)
+        if self.paused_until and left <= 0:
+            self.paused_until = 0.0
+            if not self.closed:
+                self.sel.register(self.listener, selectors.EVENT_READ, self)
+        return min(timeout, left) if self.paused_until else timeout
 
     def ready(self, fileobj: Any) -> list[Admitted]:
         """Serve the listener or one stranger that ``select`` found ready; who got in."""
@@ -218,8 +217,7 @@ class Door:
                 self._drop(stranger, f"no hello within {self.timeout:g} s")
             else:
                 self._drop(stranger, f"no answer to the challenge within {self.timeout:g} s")
-        if self.paused_until and now >= self.paused_until:
-            self._resume()
+        self.wait(0.0)
         return admitted
 
     def close(self) -> None:
@@ -250,10 +248,7 @@ class Door:
             except OSError as exc:
                 if exc.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     break
-                if self.strangers:
-                    admitted += self._make_room("out of file descriptors")  # then take the waiting connection
-                else:
-                    self._pause(self.now() + ACCEPT_PAUSE)  # never spin on a listener that cannot be served
+                admitted += self._make_room("out of file descriptors")  # then take the waiting connection
                 continue
             sock = _socket.socket(fileno=fd)
             sock.setblocking(False)
@@ -269,8 +264,8 @@ class Door:
     def _make_room(self, why: str) -> list[Admitted]:
         """Free a place: a lingering refusal's, else the oldest stranger's past its grace - read first,
         so a client whose answer waits gets in (and one whose hello waited is challenged: its grace
-        begins). With every stranger within its grace, accepting pauses until the first grace ends.
-        Who got in meanwhile."""
+        begins). With every stranger within its grace, accepting pauses until the first grace ends
+        (none: :data:`ACCEPT_PAUSE`); newcomers wait in the kernel's queue. Who got in meanwhile."""
         lingering = next((s for s in self.strangers if s.lingering), None)
         if lingering is not None:
             self._close(lingering)
@@ -284,19 +279,9 @@ class Door:
             if now >= stranger.since + self.grace:
                 self._drop(stranger, f"shed ({why})")
                 return admitted
-        if self.strangers:
-            self._pause(min(s.since for s in self.strangers) + self.grace)
+        unregister(self.sel, self.listener)  # never spin on a listener that cannot be served
+        self.paused_until = min((s.since + self.grace for s in self.strangers), default=now + ACCEPT_PAUSE)
         return admitted
-
-    def _pause(self, until: float) -> None:
-        """Accept nobody until ``until``: newcomers wait in the kernel's queue."""
-        unregister(self.sel, self.listener)
-        self.paused_until = until
-
-    def _resume(self) -> None:
-        self.paused_until = 0.0
-        if not self.closed:
-            self.sel.register(self.listener, selectors.EVENT_READ, self)
 
     # ---------------------------------------------------------------- reading
     def _read(self, stranger: Stranger) -> list[Admitted]:
