@@ -50,6 +50,7 @@ CONVERTERS: dict[str, Callable[[str], object]] = {
     "tail_worker_log": str,
     "sim_select": str,
     "sim_concurrency": int,
+    "sim_budget": str,
     "scheduler": _one_of(SCHEDULER_MODES, str),
     "dist_port": int,
     "trace": str,

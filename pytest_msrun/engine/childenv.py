@@ -37,6 +37,8 @@ INTERNAL_VARS = frozenset(
         "MSRUN_ORIG_PYTHONPATH",
         "MSRUN_TRACE",  # a traced job's processes are not traced jobs themselves (a nested msrun)
         "MSRUN_TRACE_SPOOL",
+        "MSRUN_SIM_RECORD",  # a simulated rank's holdings (control/torchdry.py)
+        "MSRUN_SIM_BUDGET",
     }
 )
 # Variables msrun (ours or MindSpore's) sets; all removed from the inherited environment.
@@ -90,6 +92,10 @@ def common_vars(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, rank_s
         out["RANK_TABLE_FILE"] = cfg.rank_table_file
     if cfg.sim_level >= 0:  # a dry run
         out["MS_SIMULATION_LEVEL"] = str(cfg.sim_level)
+        if cfg.sim_budget:
+            from pytest_msrun.engine.config import size_bytes
+
+            out["MSRUN_SIM_BUDGET"] = str(size_bytes(cfg.sim_budget))
     if cfg.bind_numa.kind == "unified" and cfg.bind_numa.file:
         out["MSRUN_BIND_FILE"] = cfg.bind_numa.file
         out["MSRUN_BIND_FILE_HASH"] = cfg.bind_numa.file_hash

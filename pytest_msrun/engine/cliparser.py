@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="dry run: the simulated ranks to run (N, A-B, first:K, last:K, sample:K[:SEED]; default all)",
     )
     p.add_argument("--sim_concurrency", type=int, help="dry run: simulated ranks running at once (0 = CPU count)")
+    p.add_argument("--sim_budget", help="dry run: bytes a rank may hold (24GiB, 500MB); ranks over it fail")
     p.add_argument(
         "--scheduler",
         choices=SCHEDULER_MODES,

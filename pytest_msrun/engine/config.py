@@ -28,6 +28,24 @@ MAX_LOCAL_WORKERS = 1 << 16  # processes one node may start (dry runs run theirs
 COMMAND_TASKS = ("python", "python3", "pytest")
 
 
+_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+_UNITS.update({f"{k}B": v for k, v in _UNITS.items() if k not in ("", "B")})
+_UNITS.update({f"{k}IB": 1 << (10 * i) for i, k in enumerate("KMGT", 1)})
+
+
+def size_bytes(text: str) -> int:
+    """A size such as ``24GiB``, ``500MB``, ``1.5G`` or ``1e9`` in bytes (ValueError says why not)."""
+    raw = text.strip().upper()
+    number = raw.rstrip("KMGTIB")
+    try:
+        value = float(number) * _UNITS[raw[len(number) :].strip()]
+    except (KeyError, ValueError):
+        raise ValueError(f"{text!r} is not a size; use bytes or a unit, e.g. 24GiB or 500MB") from None
+    if not 0 < value < 1 << 63:
+        raise ValueError(f"{text!r} must be a positive size, e.g. 24GiB")
+    return int(value)
+
+
 class ConfigError(ValueError):
     """An invalid option: ``flag`` is the option name without dashes ("": the message names it)."""
 
@@ -87,6 +105,7 @@ class LaunchConfig:
     sim_from_env: bool = False
     sim_select: str = ""
     sim_concurrency: int = 0
+    sim_budget: str = ""  # bytes one simulated rank may hold (24GiB, 500MB, 1e9; "" = no budget)
     rank_table_file: str = ""
     worker_log_name: str = ""
     tail_worker_log: str = "-1"
@@ -221,6 +240,13 @@ def validate(cfg: LaunchConfig) -> list[str]:
             select_ranks(cfg.sim_select, range(cfg.worker_num))
         except SelectionError as exc:
             raise ConfigError("sim_select", str(exc)) from None
+    if cfg.sim_budget:
+        if not cfg.dry_run:
+            raise ConfigError("sim_budget", "needs --sim_level (it bounds what each simulated rank holds)")
+        try:
+            size_bytes(cfg.sim_budget)
+        except ValueError as exc:
+            raise ConfigError("sim_budget", str(exc)) from None
     if cfg.sim_concurrency < 0:
         raise ConfigError("sim_concurrency", f"{cfg.sim_concurrency} is negative; use 0 (CPU count) or more")
     if cfg.rank_table_file and not os.path.isfile(cfg.rank_table_file):

@@ -11,8 +11,10 @@ import os
 import time
 from array import array
 
+from pytest_msrun.control.torchdry import RECORD_ENV
 from pytest_msrun.cpulist import format_id_list
-from pytest_msrun.engine import console, errorfile
+from pytest_msrun.engine import console, errorfile, holdings
+from pytest_msrun.engine.config import size_bytes
 from pytest_msrun.engine.errorfile import RankError
 from pytest_msrun.engine.kinds import JobState
 from pytest_msrun.engine.loop import EventKind
@@ -42,6 +44,7 @@ class DryRunSupervisor:
         self.finished = 0
         self.failed_ranks = array("i")
         self.reasons: list[str] = []
+        self.held: list[holdings.Held] = []  # what the ranks that said so hold (pytest_msrun.dryrun)
         self.next_progress = time.monotonic() + self.PROGRESS_SECONDS
         self.tailer = LogTailer([]) if agent.node.cfg.join and not agent.node.detached else None
 
@@ -62,6 +65,9 @@ class DryRunSupervisor:
         if self.tailer is not None and child.tag.tail:
             self.tailer.finish(child.tag.log_path)
         agent.node.emit(JobEvent.PROCESS_EXITED, child)
+        held = holdings.compact(child.tag.exported.get(RECORD_ENV, ""), child.tag.rank or 0)
+        if held is not None:
+            self.held.append(held)
         if child.returncode != 0:
             self.failed_ranks.append(child.tag.rank if child.tag.rank is not None else -1)
             if len(self.reasons) < self.DETAILED:
@@ -106,6 +112,10 @@ class DryRunSupervisor:
             for event in agent.node.loop.poll(1.0):
                 if event.kind is EventKind.EXITED and event.child is not None:
                     self._reap(event.child)
+        cfg = self.plan.config
+        shown = holdings.table(self.held, cfg.worker_num, size_bytes(cfg.sim_budget) if cfg.sim_budget else 0)
+        if shown:
+            console.out("\n".join(["msrun: dry run: what each simulated rank holds", *(f"  {x}" for x in shown)]))
         if signalled is None and not self.failed_ranks:
             console.out(f"msrun: dry run: all {self.total} simulated rank(s) passed")
             ending = Ending(0, JobState.SUCCEEDED)

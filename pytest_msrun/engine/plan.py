@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping
 
+from pytest_msrun.control import torchdry
 from pytest_msrun.cpulist import format_id_list
 from pytest_msrun.engine import childenv, errorfile
 from pytest_msrun.engine.config import LaunchConfig
@@ -315,9 +316,12 @@ def worker_spec(cfg: LaunchConfig, facts: NodeFacts, layout: Layout, ctx: JobCon
     """Local worker ``i``: its rank (if known), environment, log, binding."""
     rank = None if layout.offset is None else layout.offset + i
     exported = dict(ctx.common)
-    if cfg.dry_run:  # a dry run's ranks are known; exactly msrun's variables: no local or torch-style
-        # sizes, because MindSpore reads LOCAL_RANK/LOCAL_RANK_SIZE before init() and msrun never sets them
-        exported.update(DEVICE_ID=str(i), RANK_ID=str(rank))
+    if cfg.dry_run:  # a dry run's ranks are known: msrun's variables, and torch's as torchrun sets them
+        # (a strategy's init_process_group() reads them); no LOCAL_RANK_SIZE, which msrun never sets
+        port, local = effective_dist_port(facts.master_port, facts.dist_port), cfg.local_worker_num
+        exported.update(DEVICE_ID=str(i), RANK_ID=str(rank), RANK=str(rank), WORLD_SIZE=str(cfg.worker_num))
+        exported.update(LOCAL_RANK=str(int(rank or 0) % local), LOCAL_WORLD_SIZE=str(local))
+        exported.update(MASTER_ADDR=facts.master_ip, MASTER_PORT=str(port))
         if layout.single_rank is None:  # msrun sets no MS_NODE_ID for --sim_rank_id
             exported["MS_NODE_ID"] = str(rank)
     else:
@@ -337,6 +341,8 @@ def worker_spec(cfg: LaunchConfig, facts: NodeFacts, layout: Layout, ctx: JobCon
     exported[childenv.PLUGIN_ROLE_VAR] = "worker"
     suffix = 0 if layout.single_rank is not None else (i if rank is None else rank)
     log_path = _join(cfg.log_dir, f"{ctx.log_base}_{suffix}.log")
+    if cfg.dry_run:
+        exported[torchdry.RECORD_ENV] = sim_record_for(log_path)
     return _spec(
         ctx,
         ctx.binding.workers[i] if ctx.binding is not None else None,
@@ -350,6 +356,11 @@ def worker_spec(cfg: LaunchConfig, facts: NodeFacts, layout: Layout, ctx: JobCon
         log_path=log_path,
         tail=cfg.join and (ctx.tail is None or (rank is not None and rank in ctx.tail)),
     )
+
+
+def sim_record_for(log_path: str) -> str:
+    """Where the simulated rank that logs to ``log_path`` records what it holds (JSON)."""
+    return (log_path[: -len(".log")] if log_path.endswith(".log") else log_path) + ".sim.json"
 
 
 def dry_run_ranks(cfg: LaunchConfig, layout: Layout) -> list[int]:

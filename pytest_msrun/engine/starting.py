@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from pytest_msrun.control import wire
+from pytest_msrun.control import torchdry, wire
 from pytest_msrun.engine import console, errorfile, timeline
 from pytest_msrun.engine.kinds import Role
 from pytest_msrun.engine.noderun import NodeRun
@@ -69,8 +69,9 @@ class Starter:
         """Start one process of the plan (``call``: in a fork of msrun, see :meth:`start_scheduler`;
         ``held``: before msrun is in the job's cgroup; ``announce=False`` or ``held``: its line
         comes later - see :meth:`start_first`)."""
-        if spec.error_file:
-            errorfile.clear(spec.error_file)
+        for record in (spec.error_file, spec.exported.get(torchdry.RECORD_ENV, "")):
+            if record:
+                errorfile.clear(record)  # a previous run's
         trace_env = self.node.trace.child_env if self.node.trace is not None else {}
         env = {**spec.env, **trace_env, **(extra_env or {})}
         call_args = None

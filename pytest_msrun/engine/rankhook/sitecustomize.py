@@ -114,6 +114,46 @@ def _trace_start():
         os.close(fd)
 
 
+def _dryrun():
+    """A simulated rank (``MS_SIMULATION_LEVEL``): once torch is imported, its process group and
+    device meshes need no peers and no devices (``pytest_msrun/control/torchdry.py``)."""
+    if not os.environ.get("MS_SIMULATION_LEVEL", "").strip():
+        return
+
+    def install():
+        try:
+            from pytest_msrun.control.torchdry import install
+
+            install()
+        except Exception as exc:  # said, not raised: the rank goes on (its init may then fail)
+            sys.stderr.write(f"msrun: dry run: torch.distributed is not made peerless here: {exc!r}\n")
+
+    if "torch" in sys.modules:  # a fork of a process that imported it
+        install()
+        return
+
+    class AfterTorch:
+        def find_spec(self, name, path=None, target=None):
+            if name != "torch":
+                return None
+            sys.meta_path.remove(self)
+            import importlib.util
+
+            spec = importlib.util.find_spec(name)
+            loader = getattr(spec, "loader", None)
+            if loader is not None and hasattr(loader, "exec_module"):
+                run = loader.exec_module
+
+                def exec_module(module):
+                    run(module)
+                    install()
+
+                loader.exec_module = exec_module
+            return spec
+
+    sys.meta_path.insert(0, AfterTorch())
+
+
 def _leave():
     parts = os.environ.get("PYTHONPATH", "").split(os.pathsep)
     if _HERE in parts:
@@ -141,7 +181,7 @@ def _chain():
 # all _leave, without which _chain would import this file again, and again. (A worker msrun forks
 # from its fork server runs the steps itself: engine/template.py.)
 if __name__ == "sitecustomize":
-    for _step in (_hold, _install, _trace_start, _leave):
+    for _step in (_hold, _install, _trace_start, _dryrun, _leave):
         try:
             _step()
         except Exception:

@@ -1,0 +1,225 @@
+"""torch in a dry run: a process group without peers, and what this rank of a strategy holds.
+
+In a simulated rank (``MS_SIMULATION_LEVEL``) msrun's rank hook calls :func:`install` once
+``torch.distributed`` is imported: ``init_process_group()`` - any backend, ``env://`` or none -
+makes torch's ``fake`` process group with this rank and the job's world size (collectives return
+at once, without peers), and a device mesh of a device type this machine lacks (``"cuda"`` on a
+CPU build, ``"npu"``) is built for ``"cpu"``: placements, DTensor and FSDP2 shards are computed as
+on the real cluster. Tensors are not moved: code that calls a missing device's API itself fails as
+on any machine without one (build on ``meta``, as large plans do).
+
+:func:`account` and :func:`collectives` say what this rank holds and what one step sends; each
+call adds to the rank's record (``$MSRUN_SIM_RECORD``, JSON), which msrun's summary and the
+test's report put side by side. Over the budget (``--sim_budget``, the marker's ``sim_budget``:
+``$MSRUN_SIM_BUDGET`` bytes) :func:`account` raises :class:`OverBudget`, naming what is held.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from typing import Any
+
+RECORD_ENV = "MSRUN_SIM_RECORD"
+BUDGET_ENV = "MSRUN_SIM_BUDGET"
+__all__ = ["OverBudget", "account", "collectives", "size_text"]
+
+
+class OverBudget(AssertionError):
+    """This rank holds more than the dry run's budget per rank."""
+
+
+def size_text(n: float) -> str:
+    """``n`` bytes in binary units: ``512 B``, ``1.5 KiB``, ``24.0 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _env_int(*names: str) -> int:
+    for name in names:
+        value = os.environ.get(name, "").strip()
+        if value.lstrip("-").isdigit():
+            return int(value)
+    return -1
+
+
+# ------------------------------------------------------------------------------------ the patches
+def install() -> None:
+    """Make ``init_process_group`` and device meshes need no peers and no devices (idempotent)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if getattr(c10d.init_process_group, "_msrun_dry", False):
+        return
+    original = c10d.init_process_group
+
+    def init_process_group(backend: Any = None, init_method: Any = None, timeout: Any = None, **kwargs: Any) -> Any:
+        rank = kwargs.pop("rank", -1)
+        world = kwargs.pop("world_size", -1)
+        rank = rank if rank >= 0 else _env_int("RANK", "RANK_ID")
+        world = world if world > 0 else _env_int("WORLD_SIZE", "RANK_SIZE")
+        for unused in ("store", "device_id", "pg_options"):  # a real backend's: the fake needs none
+            kwargs.pop(unused, None)
+        extra = {} if timeout is None else {"timeout": timeout}
+        return original("fake", store=dist.HashStore(), rank=rank, world_size=world, **extra, **kwargs)
+
+    init_process_group._msrun_dry = True  # type: ignore[attr-defined]
+    init_process_group.__doc__ = original.__doc__
+    c10d.init_process_group = init_process_group
+    dist.init_process_group = init_process_group
+
+    from torch.distributed import device_mesh
+
+    mesh_init = device_mesh.DeviceMesh.__init__
+
+    def __init__(self: Any, device_type: str, *args: Any, **kwargs: Any) -> None:
+        if not _available(torch, str(device_type).split(":")[0]):
+            device_type = "cpu"
+        mesh_init(self, device_type, *args, **kwargs)
+
+    device_mesh.DeviceMesh.__init__ = __init__
+
+
+def _available(torch: Any, kind: str) -> bool:
+    """Whether this machine has a device of ``kind`` (cpu and meta always)."""
+    if kind in ("cpu", "meta"):
+        return True
+    module = getattr(torch, kind, None)
+    try:
+        return bool(module is not None and module.is_available())
+    except Exception:  # noqa: BLE001 - a backend that cannot even say: not here
+        return False
+
+
+# ------------------------------------------------------------------------------------ the record
+def _local_bytes(tensor: Any) -> int:
+    """Bytes of this rank's part of ``tensor`` (a DTensor's local shard)."""
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return int(local.numel() * local.element_size())
+
+
+def _mesh(params: list[Any]) -> dict[str, Any] | None:
+    """This rank's place in the largest mesh its parameters are placed on (dims, shape, coordinate)."""
+    meshes = [m for m in (getattr(p, "device_mesh", None) for p in params) if m is not None]
+    if not meshes:
+        return None
+    mesh = max(meshes, key=lambda m: m.ndim)
+    names = list(mesh.mesh_dim_names or [f"dim{i}" for i in range(mesh.ndim)])
+    return {"dims": names, "shape": list(mesh.shape), "coordinate": list(mesh.get_coordinate() or [])}
+
+
+def _optimizer_bytes(optimizer: Any) -> int:
+    """Bytes of ``optimizer``'s state for this rank's shards: what it holds, or - before its first
+    step - what a step of the same optimizer over ``meta`` copies of the shards creates."""
+    import torch
+
+    def state_bytes(state: Any) -> int:
+        return sum(_local_bytes(v) for s in state.values() for v in s.values() if isinstance(v, torch.Tensor))
+
+    if optimizer.state:
+        return state_bytes(optimizer.state)
+    groups = []
+    for group in optimizer.param_groups:
+        shadows = []
+        for p in group["params"]:
+            local = p.to_local() if hasattr(p, "to_local") else p
+            shadow = torch.empty(local.shape, dtype=local.dtype, device="meta", requires_grad=True)
+            shadow.grad = torch.empty_like(shadow)
+            shadows.append(shadow)
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": shadows})
+    import collections
+    import copy
+
+    shadow_opt = copy.copy(optimizer)  # the same optimizer, its steps applied to the copies only
+    shadow_opt.state, shadow_opt.param_groups = collections.defaultdict(dict), groups
+    shadow_opt.step()
+    return state_bytes(shadow_opt.state)
+
+
+def _write(update: dict[str, Any]) -> dict[str, Any]:
+    """Add ``update`` to this rank's record; the record."""
+    path = os.environ.get(RECORD_ENV, "")
+    record: dict[str, Any] = {"rank": _env_int("RANK_ID", "RANK")}
+    if path and os.path.exists(path):
+        with open(path, encoding="utf-8") as fh:
+            record = json.load(fh)
+    record.update(update)
+    if path:
+        from pytest_msrun.fileio import write_whole
+
+        write_whole(path, json.dumps(record))
+    return record
+
+
+def account(model: Any, optimizer: Any = None) -> dict[str, Any]:
+    """What this rank holds of ``model`` (and ``optimizer``): bytes of parameters, of gradients
+    (as held, else as backward makes them: one per parameter that requires one, sharded alike) and
+    of optimizer state; its mesh coordinate. Recorded; :class:`OverBudget` past the budget."""
+    params = list(model.parameters())
+    held = {
+        "params": sum(_local_bytes(p) for p in params),
+        "grads": sum(_local_bytes(p.grad if p.grad is not None else p) for p in params if p.requires_grad),
+        "optimizer": 0 if optimizer is None else _optimizer_bytes(optimizer),
+    }
+    mesh = _mesh(params)
+    record = _write({**held, **({"mesh": mesh} if mesh else {})})
+    total, budget = sum(held.values()), _env_int(BUDGET_ENV)
+    if budget > 0 and total > budget:
+        parts = ", ".join(f"{k} {size_text(v)}" for k, v in held.items())
+        where = f" at {tuple(mesh['coordinate'])} of mesh {tuple(mesh['dims'])}" if mesh else ""
+        raise OverBudget(
+            f"rank {record['rank']}{where} holds {size_text(total)} > budget {size_text(budget)} "
+            f"(--sim_budget / sim_budget=): {parts}"
+        )
+    return record
+
+
+def _op_name(op: Any) -> str:
+    """A collective's name as people say it: ``c10d._allgather_base_`` -> ``all_gather``."""
+    name = str(op).rsplit(".", 1)[-1].strip("_").replace("_base", "").replace("_tensor", "")
+    for short, full in (("allgather", "all_gather"), ("allreduce", "all_reduce"), ("alltoall", "all_to_all")):
+        name = name.replace(short, full)
+    return name
+
+
+def collectives(step: Callable[[], Any]) -> dict[str, list[int]]:
+    """Run ``step`` (one training step, say) and record the collectives this rank issued:
+    ``{name: [count, bytes this rank put in]}`` (a collective's arguments but its outputs).
+    Returns that."""
+    import torch
+    from torch.distributed.tensor.debug import CommDebugMode, _comm_mode
+    from torch.utils._pytree import tree_flatten
+
+    sizes: dict[str, int] = {}
+
+    class Counting(CommDebugMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            packet = getattr(func, "_overloadpacket", None)
+            if out is not NotImplemented and (packet in self.comm_registry or packet in _comm_mode.c10d_collective_ops):
+                name = _op_name(_comm_mode.NATIVE_TO_PY_MAPPING.get(packet, packet))
+                schema = [a.name for a in func._schema.arguments]
+                given = [*zip(schema, args), *(kwargs or {}).items()]
+                sent = [v for n, v in given if "output" not in n]  # what this rank puts in
+                tensors = [t for t in tree_flatten(sent)[0] if isinstance(t, torch.Tensor)]
+                sizes[name] = sizes.get(name, 0) + sum(_local_bytes(t) for t in tensors)
+            return out
+
+    with Counting() as mode:
+        step()
+    counts: dict[str, list[int]] = {}
+    for op, n in mode.get_comm_counts().items():
+        entry = counts.setdefault(_op_name(op), [0, 0])
+        entry[0] += int(n)
+    for name, size in sizes.items():
+        counts.setdefault(name, [0, 0])[1] = size
+    _write({"collectives": counts})
+    return counts

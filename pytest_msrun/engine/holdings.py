@@ -1,0 +1,95 @@
+"""What the simulated ranks of a dry run hold, side by side: one table for msrun's summary and a test's report.
+
+Each simulated rank that called ``pytest_msrun.dryrun.account`` / ``collectives`` left a record
+(``control/torchdry.py``). :func:`compact` keeps what the table needs of one (a dry run of
+thousands of ranks holds one small tuple each); :func:`table` shows every rank when there are
+few, else the largest, the smallest and the outliers (off the median by more than a quarter),
+with one line for the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+from pytest_msrun.control.torchdry import size_text
+from pytest_msrun.record import record
+
+ROWS = 12  # ranks shown one per row at most; beyond, the ends and the outliers
+ENDS = 4  # the largest and the smallest shown of many
+OUTLIER = 0.25  # off the median total by more than this fraction
+
+
+@record(frozen=True)
+class Held:
+    """One simulated rank's holdings (bytes) and one step's collectives."""
+
+    rank: int
+    dims: tuple[str, ...]  # of the mesh its parameters are placed on
+    coordinate: tuple[int, ...]
+    params: int
+    grads: int
+    optimizer: int
+    collectives: tuple[tuple[str, int, int], ...]  # (name, count, bytes put in)
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def compact(path: str, rank: int) -> Held | None:
+    """The record at ``path`` (written by rank ``rank``'s own code), or None: none, or not one."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        mesh = data.get("mesh") or {}
+        ops = data.get("collectives") or {}
+        return Held(
+            rank=rank,
+            dims=tuple(str(d) for d in mesh.get("dims") or ()),
+            coordinate=tuple(int(c) for c in mesh.get("coordinate") or ()),
+            params=int(data.get("params") or 0),
+            grads=int(data.get("grads") or 0),
+            optimizer=int(data.get("optimizer") or 0),
+            collectives=tuple(sorted((str(name), int(n), int(size)) for name, (n, size) in ops.items())),
+        )
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+
+
+def _row(h: Held) -> list[str]:
+    ops = ", ".join(f"{name} {n}" for name, n, _ in h.collectives)
+    sent = sum(size for _, _, size in h.collectives)
+    step = f"{sum(n for _, n, _ in h.collectives)} ({ops}; {size_text(sent)} in)" if h.collectives else "-"
+    where = ",".join(map(str, h.coordinate)) if h.coordinate else "-"
+    sizes = [size_text(v) for v in (h.params, h.grads, h.optimizer, h.total)]
+    return [str(h.rank), where, *sizes, step]
+
+
+def table(held: list[Held], of: int, budget: int = 0) -> list[str]:
+    """Lines: the ranks of ``held`` (``of`` ranks in the job) side by side, and who holds most."""
+    if not held:
+        return []
+    held = sorted(held, key=lambda h: h.rank)
+    median = statistics.median(h.total for h in held)
+    shown, rest = held, 0
+    if len(held) > ROWS:
+        by_total = sorted(held, key=lambda h: h.total)
+        odd = [h for h in held if median and abs(h.total - median) > OUTLIER * median]
+        keep = {*by_total[:ENDS], *by_total[-ENDS:], *odd[: ROWS - 2 * ENDS]}
+        shown, rest = sorted(keep, key=lambda h: h.rank), len(held) - len(keep)
+    dims = next((h.dims for h in held if h.dims), ())
+    head = ["rank", f"mesh ({','.join(dims)})" if dims else "mesh", "params", "grads", "optimizer", "total"]
+    rows = [[*head, "collectives per step"], *map(_row, shown)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    cells = [[c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))] for r in rows]
+    lines = ["  ".join([*row, r[-1]]) for row, r in zip(cells, rows)]
+    if rest:
+        lines.append(f"... {rest} other rank(s) within {OUTLIER:.0%} of the median ({size_text(median)})")
+    most, least = max(held, key=lambda h: h.total), min(held, key=lambda h: h.total)
+    limit = f"; budget {size_text(budget)}" if budget else ""
+    lines.append(
+        f"{len(held)} of {of} ranks: most rank {most.rank} ({size_text(most.total)}), least rank {least.rank} "
+        f"({size_text(least.total)}), median {size_text(median)}{limit}"
+    )
+    return lines
