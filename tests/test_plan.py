@@ -184,6 +184,9 @@ def test_dry_run_selection():
         facts(scheduler_mode="task"),
     )
     assert again.sim_ranks == two_nodes.sim_ranks, "a sample is reproducible"
+    for node, ranks in [(0, [0, 3, 5]), (1, [10, 12, 15])]:  # a mesh is over the job; a node runs its own ranks of it
+        c = cfg(worker_num=16, local_worker_num=8, node_rank=node, sim_level=0, sim_select="mesh:4x4")
+        assert list(build_plan(c, facts(scheduler_mode="task")).sim_ranks) == ranks
 
 
 def test_dry_run_from_env_keeps_rank_size():

@@ -94,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tail_worker_log", help="ranks whose logs are shown with --join=True (-1 = all)")
     p.add_argument(
         "--sim_select",
-        help="dry run: the simulated ranks to run (N, A-B, first:K, last:K, sample:K[:SEED]; default all)",
+        help="dry run: the simulated ranks to run (N, A-B, first:K, last:K, sample:K[:SEED], mesh:D0xD1[x...]: "
+        "a device mesh's seams; default all)",
     )
     p.add_argument("--sim_concurrency", type=int, help="dry run: simulated ranks running at once (0 = CPU count)")
     p.add_argument("--sim_budget", help="dry run: bytes a rank may hold (24GiB, 500MB); ranks over it fail")

@@ -366,7 +366,7 @@ def sim_record_for(log_path: str) -> str:
 def dry_run_ranks(cfg: LaunchConfig, layout: Layout) -> list[int]:
     """The simulated ranks this node runs (``--sim_select`` of its ranks; all by default)."""
     first = layout.offset or 0
-    return select_ranks(cfg.sim_select, range(first, first + layout.local))
+    return select_ranks(cfg.sim_select, range(first, first + layout.local), world=cfg.worker_num)
 
 
 def job_ranks(cfg: LaunchConfig) -> list[int]:

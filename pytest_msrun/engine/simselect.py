@@ -1,11 +1,20 @@
 """``--sim_select``: which simulated ranks a dry run runs.
 
 A comma-separated union of items: ``N``, ``A-B``, ``first:K``, ``last:K`` and ``sample:K[:SEED]``
-(K ranks drawn at random with a fixed seed, default 0, so a CI run is reproducible). The
-empty selection means every rank this node runs.
+(K ranks drawn at random with a fixed seed, default 0, so a CI run is reproducible) and
+``mesh:D0xD1[x...]``: the seams of a row-major device mesh over the whole job (rank = c0*D1 + c1,
+as torch's ``init_device_mesh`` lays ranks out) - the diagonal ranks ``(k mod D0, k mod D1, ...)``
+for k < max(D), so every coordinate of every dimension runs, plus every corner, so each
+dimension's first and last group member run: 66 ranks of a 64x64 mesh. The empty selection
+means every rank this node runs.
 """
 
 from __future__ import annotations
+
+import itertools
+import math
+
+_FORMS = "use N, A-B, first:K, last:K, sample:K[:SEED] or mesh:D0xD1[x...]"
 
 
 class SelectionError(ValueError):
@@ -18,8 +27,22 @@ def _count(text: str, item: str) -> int:
     return int(text)
 
 
-def select_ranks(text: str, candidates: range) -> list[int]:
-    """The selected ranks among ``candidates`` (this node's ranks), ascending and unique."""
+def _mesh(rest: str, item: str, world: int) -> set[int]:
+    """The seams of the mesh ``rest`` (``D0xD1...``) over ranks ``0..world-1``."""
+    parts = rest.split("x")
+    if not 1 <= len(parts) <= 8 or not all(p.isascii() and p.isdigit() and len(p) < 10 and int(p) > 0 for p in parts):
+        raise SelectionError(f"{item!r}: use mesh:D0xD1 (1 to 8 positive dims), e.g. mesh:64x64")
+    dims = [int(p) for p in parts]
+    if math.prod(dims) != world:
+        raise SelectionError(f"{item} has {math.prod(dims)} ranks; this job has {world}")
+    diagonal = [[k % d for d in dims] for k in range(max(dims))]
+    corners = itertools.product(*[(0, d - 1) for d in dims])
+    return {sum(c * math.prod(dims[i + 1 :]) for i, c in enumerate(co)) for co in [*diagonal, *corners]}
+
+
+def select_ranks(text: str, candidates: range, *, world: int | None = None) -> list[int]:
+    """The selected ranks among ``candidates`` (this node's ranks), ascending and unique; ``world``
+    (default ``candidates.stop``) is the job's size, which a ``mesh:`` item spans."""
     text = text.strip()
     if not text:
         return list(candidates)
@@ -44,12 +67,14 @@ def select_ranks(text: str, candidates: range) -> list[int]:
 
                 rng = random.Random(int(seed_text) if seed_text else 0)
                 chosen.update(rng.sample(candidates, min(k, len(candidates))))
+            elif kind == "mesh":
+                chosen.update(r for r in _mesh(rest, item, hi if world is None else world) if r in candidates)
             else:
-                raise SelectionError(f"{item!r}: use N, A-B, first:K, last:K or sample:K[:SEED]")
+                raise SelectionError(f"{item!r}: {_FORMS}")
             continue
         a, dash, b = item.partition("-")
         if not a.isdigit() or (dash and not b.isdigit()):
-            raise SelectionError(f"{item!r}: use N, A-B, first:K, last:K or sample:K[:SEED]")
+            raise SelectionError(f"{item!r}: {_FORMS}")
         start, end = int(a), int(b) if dash else int(a)
         if start > end:
             raise SelectionError(f"{item!r}: the range runs backwards")
