@@ -42,8 +42,9 @@ def test_dry_run_env_matches_spec_with_a_polluted_caller(msrun, env_dump):
     for d in dumps:
         assert d["MS_SIMULATION_LEVEL"] == "2" and d["RANK_SIZE"] == "4" and d["MS_WORKER_NUM"] == "4"
         assert d["DEVICE_ID"] == d["RANK_ID"]
-        for gone in ("MS_ROLE", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_TOPO_TIMEOUT", "MSRUN_CPU_LIST", "MASTER_ADDR"):
+        for gone in ("MS_ROLE", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_TOPO_TIMEOUT", "MSRUN_CPU_LIST"):
             assert gone not in d, gone
+        assert d["MASTER_ADDR"] == "127.0.0.1" and d["RANK"] == d["RANK_ID"]  # torchrun's, never the caller's
     assert "RANK_ID=7 in the environment is ignored" in job.stderr
 
 

@@ -130,19 +130,37 @@ def test_control_plane_modes_assign_ranks_before_start(mode):
 
 
 OURS = {"PYTHONUNBUFFERED", "MSRUN_JOB_ID", "MSRUN_SCHEDULER", "MSRUN_LOG_DIR"}
+TORCHRUN = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
 
 def test_dry_run_env():
-    """Exactly msrun's dry-run variables (plus PYTHONUNBUFFERED and MSRUN_*): no LOCAL_RANK & co."""
+    """msrun's dry-run variables, torchrun's (a strategy's init_process_group reads them), and
+    where the rank records what it holds; no scheduler's, no LOCAL_RANK_SIZE (msrun sets none)."""
     plan = build_plan(cfg(sim_level=1), facts())
     assert plan.scheduler is None and len(plan.workers) == 4
     for i, w in enumerate(plan.workers):
         env = w.env
         assert env["MS_SIMULATION_LEVEL"] == "1" and env["RANK_ID"] == str(i) and env["DEVICE_ID"] == str(i)
         assert env["MS_WORKER_NUM"] == "4" and env["RANK_SIZE"] == "4" and env["MS_NODE_ID"] == str(i)
-        assert set(plan.to_json()["processes"][i]["exported"]) == {*DRY_RUN_VARS, *OURS}
-        for gone in ("MS_ROLE", "MS_SCHED_HOST", "MS_SCHED_PORT", "MS_TOPO_TIMEOUT", "MASTER_ADDR", "LOCAL_RANK"):
+        assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["LOCAL_WORLD_SIZE"]) == (
+            str(i),
+            "4",
+            str(i),
+            "4",
+        )
+        assert env["MSRUN_SIM_RECORD"] == w.log_path.removesuffix(".log") + ".sim.json"
+        assert set(plan.to_json()["processes"][i]["exported"]) == {*DRY_RUN_VARS, *TORCHRUN, *OURS}
+        for gone in (
+            "MS_ROLE",
+            "MS_SCHED_HOST",
+            "MS_SCHED_PORT",
+            "MS_TOPO_TIMEOUT",
+            "LOCAL_RANK_SIZE",
+            "MSRUN_SIM_BUDGET",
+        ):
             assert gone not in env, gone
+    budgeted = build_plan(cfg(sim_level=1, sim_budget="1.5KiB"), facts())
+    assert {w.env["MSRUN_SIM_BUDGET"] for w in budgeted.workers} == {"1536"}
 
 
 def test_dry_run_single_rank():
@@ -150,7 +168,8 @@ def test_dry_run_single_rank():
     assert len(plan.workers) == 1
     w = plan.workers[0]
     assert w.rank == 5 and w.env["RANK_ID"] == "5" and w.env["DEVICE_ID"] == "0" and w.log_path == "worker_0.log"
-    assert "MS_NODE_ID" not in w.env and "LOCAL_WORLD_SIZE" not in w.env  # as msrun: RANK_ID only
+    assert "MS_NODE_ID" not in w.env  # as msrun
+    assert (w.env["RANK"], w.env["LOCAL_RANK"], w.env["LOCAL_WORLD_SIZE"]) == ("5", "5", "8")  # as torchrun would
     assert "In dryrun case, RANK_ID is assigned to 5." in plan.warnings
 
 

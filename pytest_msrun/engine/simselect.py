@@ -21,8 +21,13 @@ class SelectionError(ValueError):
     """A ``--sim_select`` item is malformed or outside the job."""
 
 
+def _number(text: str) -> bool:
+    """Whether ``text`` is a plain decimal number int() reads (ASCII digits, a sane length)."""
+    return text.isascii() and text.isdigit() and len(text) <= 18
+
+
 def _count(text: str, item: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    if not _number(text) or int(text) < 1:
         raise SelectionError(f"{item!r}: the count must be a positive integer")
     return int(text)
 
@@ -61,7 +66,7 @@ def select_ranks(text: str, candidates: range, *, world: int | None = None) -> l
             elif kind == "sample":
                 k_text, _, seed_text = rest.partition(":")
                 k = _count(k_text, item)
-                if seed_text and not seed_text.lstrip("-").isdigit():
+                if seed_text and not _number(seed_text.removeprefix("-")):
                     raise SelectionError(f"{item!r}: the seed must be an integer")
                 import random  # only for samples
 
@@ -73,7 +78,7 @@ def select_ranks(text: str, candidates: range, *, world: int | None = None) -> l
                 raise SelectionError(f"{item!r}: {_FORMS}")
             continue
         a, dash, b = item.partition("-")
-        if not a.isdigit() or (dash and not b.isdigit()):
+        if not _number(a) or (dash and not _number(b)):
             raise SelectionError(f"{item!r}: {_FORMS}")
         start, end = int(a), int(b) if dash else int(a)
         if start > end:

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from pytest_msrun.binding.flags import BindFlagError, parse_bind_value
-from pytest_msrun.engine.config import SCHEDULER_MODES, SIM_LEVELS
+from pytest_msrun.engine.config import SCHEDULER_MODES, SIM_LEVELS, size_bytes
 from pytest_msrun.engine.simselect import SelectionError, select_ranks
 
 MARKER = "msrun"
@@ -18,7 +18,8 @@ DEFAULT_TIMEOUT = 300.0
 PARAM = "_msrun_worker_num"
 MARKER_HELP = (
     "msrun(worker_num=2, local_worker_num=None, timeout=None, bind_core=False, bind_numa=False, "
-    "sim_level=None, sim_rank_id=None, sim_ranks=None, scheduler='auto', env=None, devices=0, isolated=False): "
+    "sim_level=None, sim_rank_id=None, sim_ranks=None, sim_budget=None, scheduler='auto', env=None, devices=0, "
+    "isolated=False): "
     "run the test as a multi-rank msrun job (worker_num=[2, 4] parametrizes; isolated=True: processes of "
     "its own, forked from a world's templates, never a warm world's)"
 )
@@ -40,6 +41,7 @@ class MsrunSpec:
     sim_level: int | None = None
     sim_rank_id: int | None = None
     sim_ranks: str = ""
+    sim_budget: str = ""  # bytes a simulated rank may hold (pytest_msrun.dryrun.account), "24GiB"
     scheduler: str = "auto"
     env: dict[str, str] = field(default_factory=dict)
     devices: int = 0
@@ -143,6 +145,15 @@ def spec_for(item: pytest.Item) -> MsrunSpec | None:
         except SelectionError as exc:
             raise MarkerError(f"{where}: msrun(sim_ranks={sel!r}): {exc}") from None
         spec.sim_ranks = sel
+    if kwargs.get("sim_budget") is not None:
+        budget = kwargs["sim_budget"]
+        try:
+            if spec.sim_level is None or isinstance(budget, bool) or not isinstance(budget, (int, str)):
+                raise ValueError("needs sim_level, and is bytes or a size such as '24GiB'")
+            size_bytes(str(budget))
+        except ValueError as exc:
+            raise MarkerError(f"{where}: msrun(sim_budget={budget!r}): {exc}") from None
+        spec.sim_budget = str(budget)
     scheduler = kwargs.get("scheduler", "auto")
     if scheduler not in SCHEDULER_MODES:
         raise MarkerError(f"{where}: msrun(scheduler={scheduler!r}) is not one of {SCHEDULER_MODES}")

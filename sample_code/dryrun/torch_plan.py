@@ -2,7 +2,7 @@
 device mesh (``dp`` x ``tp``), tensor parallel inside each block, FSDP2 across ``dp``, built on the
 ``meta`` device and trained with AdamW. Nothing here knows it is a dry run.
 
-    pmsrun --worker_num=4096 --local_worker_num=4096 --sim_level=1 --sim_select=mesh:512x8 \\
+    pmsrun --worker_num=4096 --local_worker_num=4096 --sim_level=1 --sim_select=mesh:64x64 \\
         --sim_budget=20MiB --join=True --log_dir=dry sample_code/dryrun/torch_plan.py
 
 ``STRATEGY=indivisible`` asks for a tensor-parallel degree the world size does not divide;
@@ -22,9 +22,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-DIM, HEADS, LAYERS, VOCAB = 1024, 16, 4, 16_000
+DIM, HEADS, LAYERS, VOCAB = 512, 64, 4, 8_000
 STRATEGY = os.environ.get("STRATEGY", "")
-TP = 48 if STRATEGY == "indivisible" else 8
+TP = 48 if STRATEGY == "indivisible" else 64
 
 
 class Block(nn.Module):

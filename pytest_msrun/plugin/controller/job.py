@@ -28,9 +28,10 @@ from typing import Any
 
 from pytest_msrun.binding.flags import parse_bind_value
 from pytest_msrun.control.observer import query_state
+from pytest_msrun.engine import holdings
 from pytest_msrun.engine.argv import flags_of
-from pytest_msrun.engine.config import TRACE_ENV, LaunchConfig
-from pytest_msrun.engine.plan import job_ranks
+from pytest_msrun.engine.config import TRACE_ENV, LaunchConfig, size_bytes
+from pytest_msrun.engine.plan import job_ranks, sim_record_for
 from pytest_msrun.engine.processes import term_grace
 from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.engine.status import STATUS_FILE, JobStatus, node_status_file, read_status
@@ -173,6 +174,7 @@ class TestJob:
                 sim_level=spec.sim_level if spec.sim_level is not None else -1,
                 sim_rank_id=spec.sim_rank_id if spec.sim_rank_id is not None else -1,
                 sim_select=spec.sim_ranks or "",
+                sim_budget=spec.sim_budget,
             )
             for node, size in enumerate(sizes)
         ]
@@ -307,8 +309,19 @@ class TestJob:
             ended=time.time(),
             msrun_logs=list(launched.logs),
             stacks_dir=str(self.paths.report_dir),
+            holdings=self.holdings(),
             **facts,
         )
+
+    def holdings(self) -> tuple[str, ...]:
+        """A dry run's ranks side by side: what each holds (those that said, ``pytest_msrun.dryrun``)."""
+        spec = self.spec
+        if spec.sim_level is None:
+            return ()
+        logs = {r: f"worker_{0 if spec.sim_rank_id is not None else r}.log" for r in self.expected_ranks}
+        held = [holdings.compact(sim_record_for(str(self.paths.log_dir / log)), r) for r, log in logs.items()]
+        budget = size_bytes(spec.sim_budget) if spec.sim_budget else 0
+        return tuple(holdings.table([h for h in held if h is not None], spec.worker_num, budget))
 
     def started(self) -> bool:
         """Whether any msrun of the job started (wrote its status file)."""

@@ -271,6 +271,8 @@ class Merger:
             props.append(("msrun_failing_ranks", ",".join(map(str, failing))))
             if getattr(self.config.option, "usepdb", False):
                 sections.append(("msrun --pdb", PDB_NOTE))
+        if self.run.holdings and phase == "call":
+            sections.append(("msrun dry run: what each simulated rank holds", "\n".join(self.run.holdings)))
         hosts = self._hosts()
         if hosts:  # a job across hosts: where each rank ran
             props.append(("msrun_hosts", {str(r): h for r, h in hosts.items()}))

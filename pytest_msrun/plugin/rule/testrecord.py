@@ -41,6 +41,7 @@ class JobRun:
     # at the deadline, where each rank's record file stood: what lies beyond is not a result
     cutoff: dict[int, int] | None = None
     running: list[int] | None = None  # at the deadline, the ranks whose processes still ran
+    holdings: tuple[str, ...] = ()  # a dry run's ranks side by side (engine/holdings.py)
 
     def reproduce(self, cwd: str) -> str:
         lines = [f"cd {shlex.quote(cwd)}"]
