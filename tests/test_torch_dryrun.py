@@ -1,0 +1,164 @@
+"""torch strategies in dry runs: unchanged code at thousands of ranks, rank by rank.
+
+A simulated rank's ``init_process_group()`` is torch's fake process group and its meshes are CPU
+meshes (``control/torchdry.py``); what a rank records must be what the same rank computes when
+the plan is run by hand against torch's fake backend in one process (``ORACLE``, torchtitan's way).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+pytestmark = pytest.mark.torch
+
+PLAN = REPO / "sample_code" / "dryrun" / "torch_plan.py"
+RANKS = [0, 1, 63, 2047, 2048, 4032, 4094, 4095]
+
+# The same ranks by hand, one process: torch's fake backend and a CPU mesh, set up by this script.
+ORACLE = """
+import json, sys
+import torch, torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+sys.path.insert(0, sys.argv[1])
+import torch_plan
+from pytest_msrun import dryrun
+world, out = int(sys.argv[2]), {}
+init, make_mesh = dist.init_process_group, torch_plan.init_device_mesh
+torch_plan.init_device_mesh = lambda _kind, shape, **kw: make_mesh("cpu", shape, **kw)
+for rank in map(int, sys.argv[3].split(",")):
+    dist.init_process_group = lambda: init("fake", store=FakeStore(), rank=rank, world_size=world)
+    model, opt = torch_plan.build()
+    out[rank] = dryrun.account(model, opt)
+    dist.destroy_process_group()
+print(json.dumps(out))
+"""
+
+
+def oracle(world: int, ranks: list[int], env: dict[str, str] | None = None) -> dict[int, dict]:
+    proc = subprocess.run(
+        [sys.executable, "-c", ORACLE, str(PLAN.parent), str(world), ",".join(map(str, ranks))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {int(r): v for r, v in json.loads(proc.stdout.splitlines()[-1]).items()}
+
+
+def dry(msrun, ranks: list[int], *extra: str, env: dict[str, str] | None = None, world: int = 4096):
+    args = [f"--worker_num={world}", f"--local_worker_num={world}", "--sim_level=1"]
+    args += [f"--sim_select={','.join(map(str, ranks))}", "--join=True", "--log_dir=logs", *extra, str(PLAN)]
+    return msrun.run(args, env=env or {}, timeout=600)
+
+
+def records(job, ranks: list[int]) -> dict[int, dict]:
+    return {r: json.loads((job.log_dir / f"worker_{r}.sim.json").read_text()) for r in ranks}
+
+
+def test_the_sample_plan_validates_at_4096_ranks_each_rank_its_own_shards(msrun):
+    """Unchanged plan code (init_process_group() from env://, a "cuda" mesh on a CPU build): each
+    selected rank holds what the same rank holds by hand, and the summary sets them side by side."""
+    job = dry(msrun, RANKS, "--sim_budget=4MiB")
+    assert job.returncode == 0, job.stdout[-4000:] + job.stderr[-4000:]
+    got = records(job, RANKS)
+    expected = oracle(4096, RANKS)
+    for rank in RANKS:
+        mine = {k: v for k, v in got[rank].items() if k != "collectives"}
+        assert mine == {**expected[rank], "rank": rank}, rank
+        assert got[rank]["mesh"]["coordinate"] == [rank // 64, rank % 64]
+        assert got[rank]["collectives"]["reduce_scatter"][0] > 0
+    assert len({got[r]["params"] for r in RANKS}) > 1, "the seam: data-parallel ranks past 8 hold less"
+    table = job.stdout[job.stdout.index("what each simulated rank holds") :]
+    rows = [line.split() for line in table.splitlines()[2:10]]
+    assert [int(row[0]) for row in rows] == RANKS and all(
+        row[1] == f"{r // 64},{r % 64}" for row, r in zip(rows, RANKS)
+    )
+    assert "8 of 4096 ranks: most rank 0" in table and "budget 4.0 MiB" in table
+
+
+def test_ranks_over_the_budget_fail_naming_what_they_hold(msrun):
+    """The head kept whole on each tensor-parallel group's first rank: exactly those ranks fail."""
+    job = dry(msrun, RANKS, "--sim_budget=4MiB", env={"STRATEGY": "replicated_head"})
+    over = [r for r in RANKS if r % 64 == 0]
+    assert job.returncode == 1, job.stdout[-3000:]
+    assert f"failed: {','.join(map(str, over))}" in job.stdout
+    for rank in over:
+        assert f"OverBudget: rank {rank} at ({rank // 64}, 0) of mesh ('dp', 'tp') holds " in job.stdout
+    assert "> budget 4.0 MiB (--sim_budget / sim_budget=): params " in job.stdout
+
+
+def test_a_tensor_parallel_degree_the_world_does_not_divide_fails_every_rank_as_torch_would(msrun):
+    job = dry(msrun, [0, 4095], env={"STRATEGY": "indivisible"})
+    assert job.returncode == 1 and "failed: 0,4095" in job.stdout, job.stdout[-3000:]
+    by_hand = subprocess.run(
+        [sys.executable, "-c", ORACLE, str(PLAN.parent), "4096", "4095"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "STRATEGY": "indivisible"},
+        timeout=300,
+    )
+    reason = by_hand.stderr.strip().splitlines()[-1]  # the same error, run by hand
+    assert by_hand.returncode != 0 and reason in job.stdout, (reason, job.stdout[-3000:])
+
+
+def test_peers_and_devices_a_dry_run_does_not_have(msrun):
+    """Any backend, env:// or explicit, a device_id, a "cuda" or "npu" mesh: no peers, no devices."""
+    msrun.script(
+        "plan.py",
+        """
+import os, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh, DeviceMesh
+dist.init_process_group(backend=os.environ["BACKEND"], device_id=torch.device("cuda", 0))
+assert (dist.get_rank(), dist.get_world_size()) == (int(os.environ["RANK"]), 65536)
+mesh = init_device_mesh("cuda", (256, 256), mesh_dim_names=("dp", "tp"))
+assert mesh.device_type == "cpu" and mesh.get_coordinate() == [dist.get_rank() // 256, dist.get_rank() % 256]
+assert DeviceMesh("npu", torch.arange(65536)).device_type == "cpu"
+t = torch.ones(4)
+dist.all_reduce(t)  # returns: no peers to wait for
+print("rank", dist.get_rank(), "ok", os.environ["LOCAL_RANK"], os.environ["LOCAL_WORLD_SIZE"])
+""",
+    )
+    for backend in ("nccl", "gloo"):
+        job = msrun.run(
+            ["--worker_num=65536", "--local_worker_num=65536", "--sim_level=3", "--sim_select=0,65535"]
+            + ["--join=True", "--log_dir=logs", "plan.py"],
+            env={"BACKEND": backend},
+            timeout=300,
+        )
+        assert job.returncode == 0, job.stdout[-3000:]
+        assert "rank 0 ok 0 65536" in job.stdout and "rank 65535 ok 65535 65536" in job.stdout
+
+
+def sample(pytester) -> None:
+    for name in ("torch_plan.py", "test_torch_plan.py", "conftest.py"):
+        pytester.path.joinpath(name).write_text((PLAN.parent / name).read_text())
+
+
+def test_a_marked_test_reports_the_ranks_side_by_side(pytester):
+    sample(pytester)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-rA", timeout=600)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "*msrun dry run: what each simulated rank holds*",
+            "rank  mesh (dp,tp) *",
+            "4095  63,63 *",
+            "8 of 4096 ranks:*",
+        ]
+    )
+
+
+def test_a_marked_test_over_budget_fails_naming_the_ranks(pytester, monkeypatch):
+    sample(pytester)
+    monkeypatch.setenv("STRATEGY", "replicated_head")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=600)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*[[]rank 0[]] failed first; also failed on ranks 2048, 4032*"])
+    result.stdout.fnmatch_lines(["*OverBudget: rank 0 at (0, 0) of mesh ('dp', 'tp') holds *"])
