@@ -9,6 +9,8 @@ import signal
 import pytest
 from conftest import REPO, read_status, wait_for, wait_gone
 
+from pytest_msrun.engine.dryrun import reason_lines
+
 POLLUTED = {
     "MS_ROLE": "MS_SCHED",
     "MS_SCHED_HOST": "10.9.9.9",
@@ -133,6 +135,18 @@ def test_failing_ranks_are_all_reported_and_fail_the_run(msrun):
     assert "rank 5 (worker_5.log) exited with code 1: AssertionError: strategy broken on rank 5" in job.stdout
     assert "rank 40 (worker_40.log) exited with code 1: AssertionError: strategy broken on rank 40" in job.stdout
     assert read_status(job.log_dir)["dry_run"]["failed_ranks"] == "5,40"
+
+
+def test_mindspore_refusing_dry_runs_is_said_once():
+    refused = "exited with code 1: RuntimeError: Dryrun is not supported on CPU device for a distributed job."
+    reasons = [f"rank {r} (worker_{r}.log) {refused}" for r in (0, 1, 63)]
+    other = "rank 5 (worker_5.log) exited with code 1: AssertionError: strategy broken on rank 5"
+    assert reason_lines([*reasons[:2], other, reasons[2]]) == [
+        'msrun: MindSpore refuses dry runs on this machine ("Dryrun is not supported on CPU device for a '
+        'distributed job."): its dry run needs an Ascend build and device; 3 simulated rank(s) failed for that alone',
+        f"  {other}",
+    ]
+    assert reason_lines([other]) == [f"  {other}"] and reason_lines([]) == []
 
 
 def test_selected_ranks_only(msrun):

@@ -81,6 +81,46 @@ def test_mindspore_keeps_its_msrun_and_ours_is_pmsrun():
     assert ours.returncode == 0 and "--scheduler" in ours.stdout
 
 
+DRY_INIT = """
+import os
+import mindspore as ms
+from mindspore.communication import init
+if os.environ["RANK_ID"] == "63":
+    raise AssertionError("strategy broken on rank 63")
+ms.set_context(mode=ms.GRAPH_MODE)
+init()
+"""
+
+
+def test_a_dry_run_on_a_cpu_build_says_mindspore_refuses_it_once(msrun):
+    """MindSpore's init() refuses a dry run without Ascend: msrun says so in one line, not per rank."""
+    msrun.script("dry_init.py", DRY_INIT)
+    args = ["--worker_num=64", "--local_worker_num=64", "--sim_level=1", "--sim_select=first:2,last:2"]
+    job = msrun.run([*args, "--join=True", "--log_dir=logs", "dry_init.py"], timeout=240)
+    assert job.returncode == 1, job.stdout + job.stderr
+    said = (
+        'msrun: MindSpore refuses dry runs on this machine ("Dryrun is not supported on CPU device for a '
+        'distributed job."): its dry run needs an Ascend build and device; 3 simulated rank(s) failed for that alone'
+    )
+    own = [line for line in (job.stdout + job.stderr).splitlines() if not line.startswith("[rank ")]  # not a log
+    assert own.count(said) == 1, job.stdout
+    assert "  rank 63 (worker_63.log) exited with code 1: AssertionError: strategy broken on rank 63" in own
+    assert not [line for line in own if "code 1: RuntimeError: Dryrun" in line], "no reason line per refused rank"
+    assert sum("Traceback (most recent call last)" in line for line in own) == 1, "the root cause's alone"
+
+
+def test_a_marked_dry_run_on_a_cpu_build_says_mindspore_refuses_it_first(pytester):
+    pytester.makepyfile(
+        test_dry="import pytest\n\n@pytest.mark.msrun(worker_num=64, sim_level=1, sim_ranks='first:2')\n"
+        "def test_init(rank):\n    from mindspore.communication import init\n    init()\n"
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
+    result.assert_outcomes(failed=1)
+    refused = 'msrun: MindSpore refuses dry runs on this machine ("Dryrun is not supported on CPU*): its dry run needs'
+    failed = "[[]rank ?[]] failed first; also failed on ranks ?"
+    result.stdout.fnmatch_lines([f"{refused}*2 simulated rank(s) failed for that alone", failed], consecutive=True)
+
+
 HOLD = """
 import os, time
 import mindspore as ms

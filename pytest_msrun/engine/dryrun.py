@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from array import array
+from collections.abc import Sequence
 
 from pytest_msrun.control.torchdry import RECORD_ENV
 from pytest_msrun.cpulist import format_id_list
@@ -142,7 +143,28 @@ class DryRunSupervisor:
             f"msrun: dry run: {self.finished - failed} of {self.total} simulated rank(s) passed; {failed} failed: "
             f"{format_id_list(self.failed_ranks)}"
         ]
-        lines += [f"  {reason}" for reason in self.reasons]
+        lines += reason_lines(self.reasons)
         if failed > len(self.reasons):
             lines.append(f"  ... and {failed - len(self.reasons)} more (see their logs)")
         console.out("\n".join(lines))
+
+
+REFUSAL = "RuntimeError: Dryrun is not supported on "  # what MindSpore's init() raises in a dry run on CPU
+
+
+def refusal_line(reasons: Sequence[str]) -> str:
+    """MindSpore's refusal of dry runs on this machine, said once for every reason that is it ("" if none)."""
+    refused = [r for r in reasons if REFUSAL in r]
+    if not refused:
+        return ""
+    words = refused[0][refused[0].index(REFUSAL) + len("RuntimeError: ") :]
+    return (
+        f'msrun: MindSpore refuses dry runs on this machine ("{words}"): its dry run needs an Ascend build and '
+        f"device; {len(refused)} simulated rank(s) failed for that alone"
+    )
+
+
+def reason_lines(reasons: Sequence[str]) -> list[str]:
+    """The failed ranks' reasons as printed: MindSpore's refusal in one line, any other reason one per rank."""
+    refusal = refusal_line(reasons)
+    return ([refusal] if refusal else []) + [f"  {reason}" for reason in reasons if REFUSAL not in reason]

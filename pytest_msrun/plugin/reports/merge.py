@@ -348,6 +348,9 @@ class Merger:
             )
             if self.run.timed_out:
                 headline += f" (the job timed out after {self.run.timeout:g} s)"
+            from pytest_msrun.engine.dryrun import refusal_line  # MindSpore refusing a dry run: said first
+
+            headline = "\n".join(filter(None, [refusal_line([i.summary for i in issues]), headline]))
             first_report = self._report(first.report) if first.report is not None else None
             if first_report is not None:
                 root = first_report.longrepr
