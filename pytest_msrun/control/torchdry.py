@@ -59,6 +59,8 @@ def install() -> None:
 
     if getattr(c10d.init_process_group, "_msrun_dry", False):
         return
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # (registers the "fake" backend)
+
     original = c10d.init_process_group
 
     def init_process_group(backend: Any = None, init_method: Any = None, timeout: Any = None, **kwargs: Any) -> Any:
@@ -69,7 +71,7 @@ def install() -> None:
         for unused in ("store", "device_id", "pg_options"):  # a real backend's: the fake needs none
             kwargs.pop(unused, None)
         extra = {} if timeout is None else {"timeout": timeout}
-        return original("fake", store=dist.HashStore(), rank=rank, world_size=world, **extra, **kwargs)
+        return original("fake", store=FakeStore(), rank=rank, world_size=world, **extra, **kwargs)
 
     init_process_group._msrun_dry = True  # type: ignore[attr-defined]
     init_process_group.__doc__ = original.__doc__

@@ -1,9 +1,9 @@
 """Validate a torch training strategy (torch_plan.py: 2-D mesh, tensor parallel + FSDP2) for a
 4096-rank job on a CI runner, without devices:
 
-    python -m pytest sample_code/dryrun/test_torch_plan.py -q                                # passes
-    STRATEGY=replicated_head python -m pytest sample_code/dryrun/test_torch_plan.py -q       # ranks 0, 2048, 4032 over budget
-    STRATEGY=indivisible python -m pytest sample_code/dryrun/test_torch_plan.py -q           # every rank fails
+    python -m pytest sample_code/dryrun/test_torch_plan.py -q                           # passes
+    STRATEGY=replicated_head python -m pytest sample_code/dryrun/test_torch_plan.py -q  # 0, 2048, 4032 over budget
+    STRATEGY=indivisible python -m pytest sample_code/dryrun/test_torch_plan.py -q      # every rank fails
 
 Each selected simulated rank runs the unchanged plan against torch's fake process group, sees its
 own shards and records what it holds and what one step sends; the report puts them side by side.
