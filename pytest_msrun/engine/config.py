@@ -38,7 +38,8 @@ def size_bytes(text: str) -> int:
     raw = text.strip().upper()
     number = raw.rstrip("KMGTIB")
     try:
-        value = float(number) * _UNITS[raw[len(number) :].strip()]
+        unit = _UNITS[raw[len(number) :].strip()]
+        value = int(number) * unit if number.strip().isdigit() else float(number) * unit
     except (KeyError, ValueError):
         raise ValueError(f"{text!r} is not a size; use bytes or a unit, e.g. 24GiB or 500MB") from None
     if not 0 < value < 1 << 63:

@@ -3,8 +3,8 @@
 Each simulated rank that called ``pytest_msrun.dryrun.account`` / ``collectives`` left a record
 (``control/torchdry.py``). :func:`compact` keeps what the table needs of one (a dry run of
 thousands of ranks holds one small tuple each); :func:`table` shows every rank when there are
-few, else the largest, the smallest and the outliers (off the median by more than a quarter),
-with one line for the rest.
+few, else the largest, the smallest and the farthest from the median, with one line for the
+rest.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from pytest_msrun.record import record
 
 ROWS = 12  # ranks shown one per row at most; beyond, the ends and the outliers
 ENDS = 4  # the largest and the smallest shown of many
-OUTLIER = 0.25  # off the median total by more than this fraction
 
 
 @record(frozen=True)
@@ -72,12 +71,15 @@ def table(held: list[Held], of: int, budget: int = 0) -> list[str]:
         return []
     held = sorted(held, key=lambda h: h.rank)
     median = statistics.median(h.total for h in held)
-    shown, rest = held, 0
-    if len(held) > ROWS:
+    shown, rest = held, []
+    if len(held) > ROWS:  # the ends, then the farthest from the median
         by_total = sorted(held, key=lambda h: h.total)
-        odd = [h for h in held if median and abs(h.total - median) > OUTLIER * median]
-        keep = {*by_total[:ENDS], *by_total[-ENDS:], *odd[: ROWS - 2 * ENDS]}
-        shown, rest = sorted(keep, key=lambda h: h.rank), len(held) - len(keep)
+        keep = {*by_total[:ENDS], *by_total[-ENDS:]}
+        for h in sorted(held, key=lambda h: -abs(h.total - median)):
+            if len(keep) == ROWS:
+                break
+            keep.add(h)
+        shown, rest = [h for h in held if h in keep], [h for h in held if h not in keep]
     dims = next((h.dims for h in held if h.dims), ())
     head = ["rank", f"mesh ({','.join(dims)})" if dims else "mesh", "params", "grads", "optimizer", "total"]
     rows = [[*head, "collectives per step"], *map(_row, shown)]
@@ -85,7 +87,8 @@ def table(held: list[Held], of: int, budget: int = 0) -> list[str]:
     cells = [[c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))] for r in rows]
     lines = ["  ".join([*row, r[-1]]) for row, r in zip(cells, rows)]
     if rest:
-        lines.append(f"... {rest} other rank(s) within {OUTLIER:.0%} of the median ({size_text(median)})")
+        spread = max(abs(h.total - median) for h in rest)
+        lines.append(f"... {len(rest)} other rank(s), each within {size_text(spread)} of the median")
     most, least = max(held, key=lambda h: h.total), min(held, key=lambda h: h.total)
     limit = f"; budget {size_text(budget)}" if budget else ""
     lines.append(
