@@ -159,3 +159,58 @@ def test_a_marked_test_over_budget_fails_naming_the_ranks(pytester, monkeypatch)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*[[]rank 0[]] failed first; also failed on ranks 2048, 4032*"])
     result.stdout.fnmatch_lines(["*OverBudget: rank 0 at (0, 0) of mesh ('dp', 'tp') holds *"])
+
+
+STRATEGIES = {
+    "ddp": """
+from torch.nn.parallel import DistributedDataParallel as DDP
+model = DDP(nn.Linear(256, 256))
+sent = dryrun.collectives(lambda: model(torch.randn(2, 256)).sum().backward())
+assert sent["all_reduce"][0] >= 1 and sent["all_reduce"][1] >= (256 * 256 + 256) * 4, sent
+assert model.module.weight.grad.shape == (256, 256)
+""",
+    "hsdp": """
+from torch.distributed.fsdp import fully_shard
+mesh = init_device_mesh("cuda", (w // 8, 8), mesh_dim_names=("replicate", "shard"))
+with torch.device("meta"):
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
+fully_shard(model, mesh=mesh)
+assert [p.to_local().shape[0] for p in model.parameters()] == [8, 8]  # 64 rows over the 8 of "shard"
+""",
+    "3d": """
+mesh = init_device_mesh("cuda", (4, w // 16, 4), mesh_dim_names=("pp", "dp", "tp"))
+assert list(mesh.get_coordinate()) == [r // (w // 4), (r // 4) % (w // 16), r % 4]
+group = dist.new_group(list(range(r % 2, w, 2)))
+t = torch.ones(3)
+dist.all_reduce(t, group=group)
+dist.barrier()
+""",
+    "objects": """
+box = [{"lr": 1e-3}] if r == 0 else [None]
+dist.broadcast_object_list(box, src=0)
+""",
+}
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_other_strategies_pass_or_fail_as_on_a_cluster(msrun, strategy):
+    """DDP (its all-reduce issued and counted), HSDP, a 3-D mesh and sub-groups run; an object
+    collective, whose peers a simulated rank has not, fails at once with why."""
+    head = "import torch, torch.nn as nn, torch.distributed as dist\nfrom torch.distributed.device_mesh import "
+    head += "init_device_mesh\nfrom pytest_msrun import dryrun\ndist.init_process_group()\n"
+    head += "r, w = dist.get_rank(), dist.get_world_size()\n"
+    msrun.script("plan.py", head + STRATEGIES[strategy] + "print('done', r)\n")
+    job = msrun.run(
+        ["--worker_num=1024", "--local_worker_num=1024", "--sim_level=1", "--sim_select=0,5,1023"]
+        + ["--join=True", "--log_dir=logs", "plan.py"],
+        timeout=300,
+    )
+    if strategy == "objects":
+        assert job.returncode == 1 and "failed: 0,5,1023" in job.stdout, job.stdout[-3000:]
+        assert (
+            "torch.distributed.broadcast_object_list in a dry run (MS_SIMULATION_LEVEL): each simulated rank"
+            in job.stdout
+        )
+    else:
+        assert job.returncode == 0, job.stdout[-3000:]
+        assert all(f"done {r}" in job.stdout for r in (0, 5, 1023))

@@ -78,6 +78,11 @@ def install() -> None:
     c10d.init_process_group = init_process_group
     dist.init_process_group = init_process_group
 
+    for name in OBJECT_COLLECTIVES:  # no peers to take objects from: said, not garbage unpickled
+        setattr(c10d, name, _no_objects(name))
+        setattr(dist, name, getattr(c10d, name))
+    _ddp_hook(dist)
+
     from torch.distributed import device_mesh
 
     mesh_init = device_mesh.DeviceMesh.__init__
@@ -88,6 +93,56 @@ def install() -> None:
         mesh_init(self, device_type, *args, **kwargs)
 
     device_mesh.DeviceMesh.__init__ = __init__
+
+
+OBJECT_COLLECTIVES = (
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+)
+
+
+def _no_objects(name: str) -> Callable[..., Any]:
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"torch.distributed.{name} in a dry run (MS_SIMULATION_LEVEL): each simulated rank runs alone, "
+            "with no peers to exchange objects with; compute the object on every rank, or skip the exchange "
+            "when pytest_msrun.cluster.is_dryrun()"
+        )
+
+    return collective
+
+
+def _ddp_hook(dist: Any) -> None:
+    """DistributedDataParallel's gradient all-reduce as a comm hook (the fake process group's own
+    work gives DDP's reducer no result to wait on): the all-reduce is issued - seen by
+    :func:`collectives` - and the bucket is its result. A comm hook of the user's is not run."""
+    import warnings
+
+    import torch
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    init, register = DDP.__init__, DDP.register_comm_hook
+
+    def all_reduce(state: Any, bucket: Any) -> Any:
+        dist.all_reduce(bucket.buffer(), group=state)
+        done: Any = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    all_reduce.__annotations__.clear()  # DDP checks a hook's annotations: none is always right
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        register(self, self.process_group, all_reduce)
+
+    def register_comm_hook(self: Any, state: Any, hook: Any) -> None:
+        warnings.warn(f"msrun dry run: DDP runs its all-reduce as msrun's comm hook; {hook!r} is not run", stacklevel=2)
+
+    DDP.__init__, DDP.register_comm_hook = __init__, register_comm_hook
 
 
 def _available(torch: Any, kind: str) -> bool:
