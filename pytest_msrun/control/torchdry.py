@@ -255,28 +255,22 @@ def collectives(step: Callable[[], Any]) -> dict[str, list[int]]:
     from torch.distributed.tensor.debug import CommDebugMode, _comm_mode
     from torch.utils._pytree import tree_flatten
 
-    sizes: dict[str, int] = {}
+    counts: dict[str, list[int]] = {}
 
     class Counting(CommDebugMode):
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             out = super().__torch_dispatch__(func, types, args, kwargs)
             packet = getattr(func, "_overloadpacket", None)
             if out is not NotImplemented and (packet in self.comm_registry or packet in _comm_mode.c10d_collective_ops):
-                name = _op_name(_comm_mode.NATIVE_TO_PY_MAPPING.get(packet, packet))
                 schema = [a.name for a in func._schema.arguments]
                 given = [*zip(schema, args), *(kwargs or {}).items()]
                 sent = [v for n, v in given if "output" not in n]  # what this rank puts in
-                tensors = [t for t in tree_flatten(sent)[0] if isinstance(t, torch.Tensor)]
-                sizes[name] = sizes.get(name, 0) + sum(_local_bytes(t) for t in tensors)
+                entry = counts.setdefault(_op_name(_comm_mode.NATIVE_TO_PY_MAPPING.get(packet, packet)), [0, 0])
+                entry[0] += 1
+                entry[1] += sum(_local_bytes(t) for t in tree_flatten(sent)[0] if isinstance(t, torch.Tensor))
             return out
 
-    with Counting() as mode:
+    with Counting():
         step()
-    counts: dict[str, list[int]] = {}
-    for op, n in mode.get_comm_counts().items():
-        entry = counts.setdefault(_op_name(op), [0, 0])
-        entry[0] += int(n)
-    for name, size in sizes.items():
-        counts.setdefault(name, [0, 0])[1] = size
     _write({"collectives": counts})
     return counts
