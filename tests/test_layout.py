@@ -48,7 +48,7 @@ def layer(module: str) -> str:
         return "plugin"
     if head in ("entry", "__main__"):
         return "entry"
-    if head == "cluster":
+    if head in ("cluster", "dryrun"):  # the in-rank APIs' public names
         return "public"
     raise AssertionError(f"{module}: no layer")
 
