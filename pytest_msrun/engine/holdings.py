@@ -9,9 +9,9 @@ rest.
 
 from __future__ import annotations
 
-import json
 import statistics
 
+from pytest_msrun import boundedjson
 from pytest_msrun.control.torchdry import size_text
 from pytest_msrun.record import record
 
@@ -39,8 +39,8 @@ class Held:
 def compact(path: str, rank: int) -> Held | None:
     """The record at ``path`` (written by rank ``rank``'s own code), or None: none, or not one."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh)
+        with open(path, "rb") as fh:
+            data = boundedjson.loads(fh.read(1 << 20), max_depth=8)
         mesh = data.get("mesh") or {}
         ops = data.get("collectives") or {}
         return Held(
@@ -52,7 +52,7 @@ def compact(path: str, rank: int) -> Held | None:
             optimizer=int(data.get("optimizer") or 0),
             collectives=tuple(sorted((str(name), int(n), int(size)) for name, (n, size) in ops.items())),
         )
-    except (OSError, ValueError, TypeError, AttributeError):
+    except (OSError, ValueError, TypeError, AttributeError, OverflowError):
         return None
 
 
