@@ -87,11 +87,6 @@ class Replay:
         self.world = len(logs)
 
     # ------------------------------------------------------------------ subtests
-    def subtest_reports(self) -> list[pytest.TestReport]:
-        per_rank = {rank: subtests_of(test) for rank, test in self.tests.items()}
-        reports = (self._subtest_report(entry) for entry in merge_subtests({r: s for r, s in per_rank.items() if s}))
-        return [report for report in reports if report is not None]
-
     def _subtest_report(self, entry: MergedSubtest) -> Any:
         data = entry.reports[entry.shown]
         report = from_record(self.config, {k: v for k, v in data.items() if k != "_ts"})
@@ -127,7 +122,9 @@ class Replay:
         at = next((i for i, r in enumerate(reports) if r.when == "call"), None)
         if at is None:
             return reports
-        return [*reports[:at], *self.subtest_reports(), *reports[at:]]
+        per_rank = {rank: subtests_of(test) for rank, test in self.tests.items()}
+        merged = (self._subtest_report(entry) for entry in merge_subtests({r: s for r, s in per_rank.items() if s}))
+        return [*reports[:at], *(report for report in merged if report is not None), *reports[at:]]
 
     # ------------------------------------------------------------------ warnings
     def warnings(self) -> None:
