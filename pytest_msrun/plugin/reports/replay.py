@@ -202,18 +202,17 @@ class Replay:
                 reporter.add_attribute(name, value)
 
     # ------------------------------------------------------------------ pytest-benchmark
-    def benchmarks(self) -> int:
-        """Each rank's measurements as rows of pytest-benchmark's session; how many were added."""
+    def benchmarks(self) -> None:
+        """Each rank's measurements as rows of pytest-benchmark's session."""
         session = getattr(self.config, "_benchmarksession", None)
         if session is None or not isinstance(getattr(session, "benchmarks", None), list):
-            return 0
+            return
         try:
             from pytest_benchmark.stats import Metadata  # type: ignore[import-untyped,import-not-found,unused-ignore]
         except ImportError:
-            return 0
+            return
         metas = [_metadata(Metadata, record, rank) for rank, test in self.tests.items() for record in test.benchmarks]
         session.benchmarks += [meta for meta in metas if meta is not None]
-        return sum(meta is not None for meta in metas)
 
 
 def _metadata(metadata_class: Any, record: Mapping[str, Any], rank: int) -> Any:
