@@ -319,7 +319,7 @@ class Controller:
         and what failed now reported as a late teardown error of that test."""
         cwd = str(self.config.invocation_params.dir)
         for late, record, said in self.runner.late():
-            item, trace, verdict = late.item, late.world.job.trace, record.verdict()
+            item, trace, verdict = late.item, late.world.job.trace, record.verdict
             self.traces.add(trace, ("warm", late.world.created), verdict, shown(verdict), record.logs, record.run.ended)
             self.traces.flush(trace)
             if teardown_failures(verdict) <= said:

@@ -110,7 +110,7 @@ class Reporter:
 
     def setup_call(self, item: pytest.Item, record: TestRecord, rerun: int | None) -> list[pytest.TestReport]:
         """Setup's and call's reports, logged now unless the run may be rerun (``rerun``: its number)."""
-        reports = Merger(item, record, self.style, self.cwd, rerun).reports(record.verdict(), ("setup", "call"))
+        reports = Merger(item, record, self.style, self.cwd, rerun).reports(record.verdict, ("setup", "call"))
         if rerun is None:
             extras = Replay(item, record.logs)
             self.log(item, extras.with_subtests(reports), extras)
@@ -126,7 +126,7 @@ class Reporter:
     ) -> tuple[TestVerdict, bool]:
         """The rest of the run, from its final record: its verdict, and whether to run it again
         (``rerun``: the attempt's number when it may)."""
-        final = record.verdict()
+        final = record.verdict
         extras = Replay(item, record.logs)  # what the ranks recorded beyond their reports
         extras.junit()  # before the last report, which writes the test's junitxml testcase
         trace = attempt.trace

@@ -478,12 +478,11 @@ class WorldServer:
     # ---------------------------------------------------------------- the world's end
     def _world_end(self, setup_state: Any) -> None:
         """Tear every fixture left down (a failure is a late teardown report of the last test) and
-        close the last test's records."""
-        if self.last is None:
-            setup_state.teardown_exact(None)
-            return
-        self._teardown_for(self.last, lambda: setup_state.teardown_exact(None))
-        self.rank_plugin.end_test()
+        close the last test's records. (No test ran here - a forking world's template, which runs
+        each in a child - has nothing set up.)"""
+        if self.last is not None:
+            self._teardown_for(self.last, lambda: setup_state.teardown_exact(None))
+            self.rank_plugin.end_test()
 
     def _teardown_for(self, item: pytest.Item, teardown: Any) -> None:
         """Run ``teardown``; a failure is a late teardown report of ``item`` (whose records are open)."""

@@ -87,11 +87,6 @@ class Replay:
         self.world = len(logs)
 
     # ------------------------------------------------------------------ subtests
-    def subtest_reports(self) -> list[pytest.TestReport]:
-        per_rank = {rank: subtests_of(test) for rank, test in self.tests.items()}
-        reports = (self._subtest_report(entry) for entry in merge_subtests({r: s for r, s in per_rank.items() if s}))
-        return [report for report in reports if report is not None]
-
     def _subtest_report(self, entry: MergedSubtest) -> Any:
         data = entry.reports[entry.shown]
         report = from_record(self.config, {k: v for k, v in data.items() if k != "_ts"})
@@ -127,7 +122,9 @@ class Replay:
         at = next((i for i, r in enumerate(reports) if r.when == "call"), None)
         if at is None:
             return reports
-        return [*reports[:at], *self.subtest_reports(), *reports[at:]]
+        per_rank = {rank: subtests_of(test) for rank, test in self.tests.items()}
+        merged = (self._subtest_report(entry) for entry in merge_subtests({r: s for r, s in per_rank.items() if s}))
+        return [*reports[:at], *(report for report in merged if report is not None), *reports[at:]]
 
     # ------------------------------------------------------------------ warnings
     def warnings(self) -> None:
@@ -205,18 +202,17 @@ class Replay:
                 reporter.add_attribute(name, value)
 
     # ------------------------------------------------------------------ pytest-benchmark
-    def benchmarks(self) -> int:
-        """Each rank's measurements as rows of pytest-benchmark's session; how many were added."""
+    def benchmarks(self) -> None:
+        """Each rank's measurements as rows of pytest-benchmark's session."""
         session = getattr(self.config, "_benchmarksession", None)
         if session is None or not isinstance(getattr(session, "benchmarks", None), list):
-            return 0
+            return
         try:
             from pytest_benchmark.stats import Metadata  # type: ignore[import-untyped,import-not-found,unused-ignore]
         except ImportError:
-            return 0
+            return
         metas = [_metadata(Metadata, record, rank) for rank, test in self.tests.items() for record in test.benchmarks]
         session.benchmarks += [meta for meta in metas if meta is not None]
-        return sum(meta is not None for meta in metas)
 
 
 def _metadata(metadata_class: Any, record: Mapping[str, Any], rank: int) -> Any:

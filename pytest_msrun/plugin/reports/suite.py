@@ -262,7 +262,7 @@ class Table:
 
 def render(directory: str, logs: dict[int, RankLog], ends: dict[int, RankEnd]) -> Table:
     ranks = sorted(logs)
-    judged = [record.verdict() for record in suite_records(logs, ends, time.time())]  # in the order ranks ran them
+    judged = [record.verdict for record in suite_records(logs, ends, time.time())]  # in the order ranks ran them
     collect_errors = {r: len(logs[r].collect_errors) for r in ranks if logs[r].collect_errors}
 
     rows = [("test", *(f"rank {r}" for r in ranks), "verdict")]

@@ -151,8 +151,8 @@ class SessionReport:
         if isinstance(world, str) and world:
             self.worlds.add(world)
 
-    def write(self) -> str:
-        """Write the page and its files; "" and :attr:`error` set when they cannot be written (a
+    def write(self) -> None:
+        """Write the page and its files; :attr:`error` set when they cannot be written (a
         full disk: no half-written file is left, see :func:`.reportfiles.link_files`)."""
         from pytest_msrun.plugin.reports.htmlpage import render_page
 
@@ -180,9 +180,8 @@ class SessionReport:
             where = exc.filename if isinstance(exc.filename, str) else self.path
             what = describe_write_error(where, exc, "--msrun-report")
             self.error = f"could not write the HTML report {self.path}: {what}"
-            return ""
+            return
         self.written = True
-        return self.path
 
     def announce(self, reporter: Any) -> None:
         """Name the written page on a line of its own, once: from the terminal summary (pytest has

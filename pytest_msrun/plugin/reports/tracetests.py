@@ -118,18 +118,18 @@ def rank_rows(ranks: Iterable[int]) -> list[dict[str, Any]]:
     return rows + [tracelog.thread(tracelog.RANK_PID + rank, TEST_TID, "tests") for rank in ranks]
 
 
-def annotate(path: str, events: list[dict[str, Any]], outcomes: list[str], world: bool) -> bool:
+def annotate(path: str, events: list[dict[str, Any]], outcomes: list[str], world: bool) -> None:
     """Add ``events`` to the trace file ``path`` (written whole again) and say the tests' tally at
-    msrun's end; False when there is no trace to annotate (the job's msrun wrote none). An error
+    msrun's end; nothing when there is no trace to annotate (the job's msrun wrote none). An error
     writing it (a full disk) is raised, the trace left as msrun wrote it."""
     try:
         with open(path, encoding="utf-8") as fh:
             trace = json.load(fh)
         existing = trace["traceEvents"]
         if not isinstance(existing, list):
-            return False
+            return
     except (OSError, ValueError, KeyError, TypeError):
-        return False
+        return
     ranks = sorted({ev["pid"] - tracelog.RANK_PID for ev in events if ev.get("pid", 0) >= tracelog.RANK_PID})
     for ev in existing:
         name = ev.get("name") if isinstance(ev, dict) else None
@@ -143,7 +143,6 @@ def annotate(path: str, events: list[dict[str, Any]], outcomes: list[str], world
             ev["name"] = f"{'world' if world else 'job'} ended: {processes}; tests: {tally(outcomes)}"
     trace["traceEvents"] = [*existing, *lanes(), *rank_rows(ranks), *events]
     write_whole(path, json.dumps(trace, separators=(",", ":")) + "\n")
-    return True
 
 
 class TraceNotes:

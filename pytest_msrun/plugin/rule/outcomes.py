@@ -10,6 +10,7 @@ Plain data: no pytest import, so the launcher side can use it too.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from typing import Any
 
 from pytest_msrun.engine.processes import describe_returncode
 from pytest_msrun.engine.status import ProcessStatus
+from pytest_msrun.engine.summary import log_text
 
 STRICT_XPASS = "[XPASS(strict)]"
 PASSING = ("passed", "skipped", "xfailed", "xpassed")
@@ -90,15 +92,9 @@ def death_time(log: str) -> float | None:
     error = read_error(error_file_for(log))
     if error is not None and error.time:
         return error.time
-    try:
-        with open(log, "rb") as fh:
-            size = fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, size - 16384))
-            tail = fh.read()
-        if b"Fatal Python error" in tail:
+    if "Fatal Python error" in log_text(log, 16384):
+        with contextlib.suppress(OSError):
             return os.stat(log).st_mtime
-    except OSError:
-        pass
     return None
 
 

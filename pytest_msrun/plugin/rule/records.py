@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from pytest_msrun.fileio import make_dirs, open_output
+from pytest_msrun.plugin.rule.outcomes import longrepr_text
 
 REPORT_DIR_ENV = "MSRUN_PYTEST_REPORT_DIR"
 SHARED_TMP_ENV = "MSRUN_PYTEST_SHARED_TMP"
@@ -195,10 +196,7 @@ class RankLog:
         for data in self.collect_skips:
             prefix = str(data.get("nodeid", ""))
             if prefix and (nodeid == prefix or nodeid.startswith(prefix + "::") or nodeid.startswith(prefix + "/")):
-                longrepr = data.get("longrepr")
-                if isinstance(longrepr, (list, tuple)) and len(longrepr) == 3:
-                    return str(longrepr[2])
-                return str(longrepr or "skipped at collection")
+                return longrepr_text(data) or "skipped at collection"
         return None
 
     def test(self, nodeid: str) -> RankTest:

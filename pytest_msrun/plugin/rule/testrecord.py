@@ -87,13 +87,10 @@ class TestRecord:
             }
         return cls(nodeid, ranks, logs, run, str(paths.log_dir))
 
+    @functools.cached_property
     def verdict(self) -> TestVerdict:
         """The rule's verdict on this record. A record is a value, so it is judged once: every
         reporter reads the same verdict (a later fact makes a new record, judged in its turn)."""
-        return self.judged
-
-    @functools.cached_property
-    def judged(self) -> TestVerdict:
         run = self.run
         launch = Refusal("failed", "msrun could not start the job", run.launch_error) if run.launch_error else None
         return judge(

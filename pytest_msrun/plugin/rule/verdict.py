@@ -211,15 +211,13 @@ class Judge:
             return None
         phase, report = ("setup", setup) if setup.get("outcome") != "passed" else ("call", call or {})
         outcome = report.get("outcome")
-        if outcome == "skipped":
+        if outcome == "skipped":  # a setup that did not pass skipped (a failed one was checked above)
             return _Kind("xfailed" if "wasxfail" in report else "skipped", phase, report, longrepr_text(report))
-        if phase == "setup" or call is None:
-            return None
         if outcome == "failed":  # not a failure (checked above): a strict xfail that passed
-            return _Kind("xpass_strict", "call", call)
+            return _Kind("xpass_strict", "call", report)
         if outcome == "passed":
-            return _Kind("xpassed" if "wasxfail" in call else "passed", "call", call)
-        return None
+            return _Kind("xpassed" if "wasxfail" in report else "passed", "call", report)
+        return None  # no call report (it died in its call)
 
     def _phases(
         self,
