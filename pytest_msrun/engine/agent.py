@@ -401,7 +401,7 @@ class Agent:
                 self.node.notices.append(text)
                 console.warning(f"Control plane: {text}")
                 if self.node.trace is not None:
-                    self.node.trace.notice(text)
+                    self.node.trace.mark(text[:200], {"notice": text})
         elif kind == "vouch":  # is a MindSpore-protocol client of this node one of this job's processes?
             from pytest_msrun.control.foreign import vouch
 

@@ -5,7 +5,6 @@ argparse parser is a cost msrun's start does not otherwise pay."""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from pytest_msrun.binding.flags import BindFlagError
@@ -43,24 +42,9 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"msrun: error: {message}\n")
 
 
-class _Formatter(argparse.HelpFormatter):
-    """argparse's formatter, sized without :mod:`shutil`: argparse builds one per flag while the
-    parser is set up, and importing ``shutil`` for the terminal width is a cost on every start."""
-
-    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24, width: int | None = None):
-        if width is None:
-            try:
-                width = int(os.environ.get("COLUMNS", "")) or os.get_terminal_size(1).columns
-            except (ValueError, OSError):
-                width = 80
-            width -= 2
-        super().__init__(prog, indent_increment, max_help_position, width)
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="pmsrun",
-        formatter_class=_Formatter,
         description="Start a distributed job: one scheduler plus N workers per node (MindSpore msrun compatible).",
     )
     p.set_defaults(**dict.fromkeys(CONVERTERS, _UNSET))  # every flag's, before any is added

@@ -10,9 +10,8 @@ to ``<log_dir>/msrun_status.json``.
 from __future__ import annotations
 
 import os
-import sys
 
-from pytest_msrun.engine import heldsignals, suppress
+from pytest_msrun.engine import heldsignals, processes, suppress
 from pytest_msrun.engine.config import LaunchConfig
 from pytest_msrun.engine.containment import JobGuard
 from pytest_msrun.engine.plan import NodeFacts
@@ -22,8 +21,7 @@ SUPERVISOR_LOG = "msrun_supervisor.log"
 
 
 def launch_detached(cfg: LaunchConfig, facts: NodeFacts, guard: JobGuard) -> int:
-    sys.stdout.flush()
-    sys.stderr.flush()
+    processes.flush_std_streams()
     guard.ready()  # inside the job's cgroup before forking: the supervisor and its job start there
     read_fd, write_fd = os.pipe()
     launcher = os.getpid()
@@ -52,8 +50,7 @@ def _supervise(cfg: LaunchConfig, facts: NodeFacts, write_fd: int, guard: JobGua
     from pytest_msrun.engine.agent import Agent
 
     def console_done(code: int) -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
+        processes.flush_std_streams()
         with suppress(OSError):
             os.write(write_fd, f"{code}\n".encode())
             os.close(write_fd)

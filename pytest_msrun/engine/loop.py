@@ -102,11 +102,6 @@ class EventLoop:
         self.link = link
         self._register(link.fileno(), "link")
 
-    def detach(self) -> None:
-        for fd in [fd for fd, source in self.sources.items() if source == "link"]:
-            self._unregister(fd)
-        self.link = None
-
     # ------------------------------------------------------------------ waiting
     def poll(self, timeout: float | None) -> list[Event]:
         """Wait up to ``timeout`` seconds (None: until something happens) and return what happened."""
@@ -141,6 +136,8 @@ class EventLoop:
         try:
             messages = self.link.read()
         except (wire.PeerClosed, OSError, wire.ProtocolError) as exc:
-            self.detach()
+            for fd in [fd for fd, source in self.sources.items() if source == "link"]:
+                self._unregister(fd)
+            self.link = None
             return [Event(EventKind.LINK_CLOSED, reason=str(exc))]
         return [Event(EventKind.MESSAGE, message=m) for m in messages]

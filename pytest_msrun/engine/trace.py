@@ -209,9 +209,6 @@ class TraceObserver:
             for ev in events:
                 self.add(ev)
 
-    def notice(self, text: str) -> None:
-        self.mark(text[:200], {"notice": text})
-
     # ------------------------------------------------------------------ the end
     def finish(self) -> str:
         """Write the trace (the writer) or ship the rest (any other node); the spool is removed.
