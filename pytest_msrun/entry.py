@@ -39,34 +39,29 @@ def main(argv: list[str] | None = None) -> int:
     # it back on once the workers are started (``Agent._spawned``); at the latest, this does.
     collecting = gc.isenabled()
     gc.disable()
-    try:
-        return _main(sys.argv[1:] if argv is None else argv)
-    finally:
-        if collecting:
-            gc.enable()
-
-
-def _main(args: list[str]) -> int:
     from pytest_msrun.engine import timeline
 
     timeline.mark("msrun's first line")
+    args = sys.argv[1:] if argv is None else argv
     guard = None
     job_id = os.urandom(8).hex()
-    if _launches(args):
-        from pytest_msrun.engine import heldsignals
-        from pytest_msrun.engine.containment import JobGuard
-
-        heldsignals.hold()  # until the event loop answers them (the watchdog and cgroup exist now)
-        guard = JobGuard(job_id, dict(os.environ))
-        timeline.mark("watchdog started, cgroup being entered")
-    from pytest_msrun.engine.cli import main as cli_main
-
-    timeline.mark("launcher imported")
     try:
+        if _launches(args):
+            from pytest_msrun.engine import heldsignals
+            from pytest_msrun.engine.containment import JobGuard
+
+            heldsignals.hold()  # until the event loop answers them (the watchdog and cgroup exist now)
+            guard = JobGuard(job_id, dict(os.environ))
+            timeline.mark("watchdog started, cgroup being entered")
+        from pytest_msrun.engine.cli import main as cli_main
+
+        timeline.mark("launcher imported")
         return cli_main(args, guard=guard, job_id=job_id)
     finally:
         timeline.mark("done")
         timeline.report()
+        if collecting:
+            gc.enable()
 
 
 def run() -> None:

@@ -46,14 +46,6 @@ def device_ids(args: argparse.Namespace, topology: Topology, env: dict[str, str]
     raise GenError("no devices found: give --device-ids or --device-count")
 
 
-def device_cpus(topology: Topology, ids: list[int]) -> dict[int, list[int]]:
-    """Each device's CPU list: the automatic ``--bind_core`` split, one worker per device."""
-    var = VISIBLE_VARS.get(topology.device_kind or "", "CUDA_VISIBLE_DEVICES")
-    env = {var: ",".join(map(str, ids))} if topology.devices else {}
-    planner = Planner(topology, BindSpec(kind="auto"), BindSpec(), len(ids), env, tools={})
-    return dict(zip(ids, planner.auto_cores()))
-
-
 def _pick(base: list[int], rel: str, what: str) -> str:
     idx = parse_id_list(rel, what)
     if idx and idx[-1] >= len(base):
@@ -66,7 +58,11 @@ def _pick(base: list[int], rel: str, what: str) -> str:
 
 def generate(args: argparse.Namespace, topology: Topology, env: dict[str, str]) -> dict[str, Any]:
     ids = device_ids(args, topology, env)
-    cpus = device_cpus(topology, ids)
+    # Each device's CPU list: the automatic ``--bind_core`` split, one worker per device.
+    var = VISIBLE_VARS.get(topology.device_kind or "", "CUDA_VISIBLE_DEVICES")
+    visible = {var: ",".join(map(str, ids))} if topology.devices else {}
+    planner = Planner(topology, BindSpec(kind="auto"), BindSpec(), len(ids), visible, tools={})
+    cpus = dict(zip(ids, planner.auto_cores()))
     ranges = {"runtime": args.runtime_range, "minddata": args.minddata_range, "main": args.main_range}
     if args.pynative_range:
         ranges["pynative"] = args.pynative_range

@@ -73,10 +73,6 @@ def lane(pid: int, name: str, sort: int) -> list[dict[str, Any]]:
     ]
 
 
-def rank_lane(rank: int, host: str, pid: int) -> list[dict[str, Any]]:
-    return lane(RANK_PID + rank, f"rank {rank} ({host}, pid {pid})", 10 + rank)
-
-
 def thread(pid: int, tid: int, name: str) -> dict[str, Any]:
     return {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}}
 

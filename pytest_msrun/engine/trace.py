@@ -146,7 +146,8 @@ class TraceObserver:
             child: Child = payload
             spec = child.tag
             if spec.role == Role.WORKER and spec.rank is not None:
-                for ev in tracelog.rank_lane(spec.rank, self.hostname, child.pid):
+                name = f"rank {spec.rank} ({self.hostname}, pid {child.pid})"
+                for ev in tracelog.lane(tracelog.RANK_PID + spec.rank, name, 10 + spec.rank):
                     self.add(ev)
                 self.add(tracelog.instant("spawn", tracelog.RANK_PID + spec.rank, 0, child.started))
             else:
