@@ -105,10 +105,6 @@ class _Tracked(os._Environ):
         _wholesale()
         return super().__len__()
 
-    def copy(self) -> dict[str, str]:
-        _wholesale()
-        return super().copy()
-
 
 class _TrackedBytes(_Tracked):
     """``os.environb``, tracked as :class:`_Tracked` (its keys are bytes)."""

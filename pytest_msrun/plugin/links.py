@@ -10,7 +10,6 @@ import time
 from typing import Any
 
 from pytest_msrun.control import wire
-from pytest_msrun.netaddr import controller_address
 
 WORLD_ENV = "MSRUN_WORLD"  # host:port of the controller's world door
 WORLD_TOKEN_ENV = "MSRUN_WORLD_TOKEN"
@@ -19,11 +18,6 @@ DEBUG_ENV = "MSRUN_DEBUG"  # host:port of the controller's debug server
 DEBUG_TOKEN_ENV = "MSRUN_DEBUG_TOKEN"
 DEBUG_PDB_ENV = "MSRUN_DEBUG_PDB"  # "1": the controller runs --pdb (post-mortem on a failure)
 DEBUG_NONE_ENV = "MSRUN_DEBUG_NONE"  # why no debugger serves the ranks (then MSRUN_DEBUG is unset)
-
-
-def world_address(env: Any) -> tuple[str, int] | None:
-    """The controller's address from ``MSRUN_WORLD`` (``host:port``), or None outside a warm world."""
-    return controller_address(env.get(WORLD_ENV, ""), env)
 
 
 class Channel(wire.Channel):

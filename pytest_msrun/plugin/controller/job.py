@@ -35,6 +35,7 @@ from pytest_msrun.engine.plan import job_ranks, sim_record_for
 from pytest_msrun.engine.processes import term_grace
 from pytest_msrun.engine.slurm import Allocation
 from pytest_msrun.engine.status import STATUS_FILE, JobStatus, node_status_file, read_status
+from pytest_msrun.engine.summary import log_text
 from pytest_msrun.fileio import private_dir
 from pytest_msrun.plugin.controller.debugserver import DebugServer, paused_clock
 from pytest_msrun.plugin.controller.forkserver import SESSION_VARS, ForkServer
@@ -426,14 +427,8 @@ class TestJob:
 
 
 def _ends_with_finish(path: str) -> bool:
-    try:
-        with open(path, "rb") as fh:
-            size = fh.seek(0, os.SEEK_END)
-            fh.seek(max(0, size - 4096))
-            tail = fh.read().splitlines()
-    except OSError:
-        return False
-    return bool(tail) and b'"kind": "finish"' in tail[-1]
+    tail = log_text(path, 4096).splitlines()
+    return bool(tail) and '"kind": "finish"' in tail[-1]
 
 
 def _read(path: str) -> str:

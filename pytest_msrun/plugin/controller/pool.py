@@ -28,6 +28,7 @@ from filelock import FileLock
 
 from pytest_msrun.boundedjson import Rejected, loads
 from pytest_msrun.fileio import private_dir, read_limited, write_whole
+from pytest_msrun.proc import running
 
 DEFAULT_PORT_RANGE = (30000, 32767)
 STATE_LIMIT = 1 << 20  # bytes of pool.json read at most: a larger one is taken as empty
@@ -99,16 +100,6 @@ def inventory(setting: str) -> DeviceInventory:
     return DeviceInventory()
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _bindable(port: int) -> bool:
     for host in ("127.0.0.1", "0.0.0.0"):
         with socket.socket() as sock:
@@ -154,7 +145,7 @@ def _entry(part: str, entry: object) -> dict[str, Any] | None:
     if not isinstance(entry, dict):
         return None
     pid, ts = entry.get("pid"), entry.get("ts", 0)
-    if type(pid) is not int or not 0 < pid <= PID_LIMIT:  # (os.kill overflows on a larger one)
+    if type(pid) is not int or not 0 < pid <= PID_LIMIT:  # (no Linux pid is larger)
         return None
     if type(ts) not in (int, float) or not math.isfinite(ts):
         return None
@@ -208,7 +199,7 @@ class ResourcePool:
 
     def _live(self, state: dict[str, dict[str, dict[str, Any]]]) -> dict[str, dict[str, dict[str, Any]]]:
         for part in ("leases", "waiting"):
-            state[part] = {k: v for k, v in state[part].items() if _alive(v["pid"])}
+            state[part] = {k: v for k, v in state[part].items() if running(v["pid"])}
         return state
 
     def _pick_ports(self, count: int, used: set[int]) -> list[int]:

@@ -33,7 +33,6 @@ class Runner:
     def __init__(self, jobs: Jobs, worlds: WorldPool, leaks_fail: bool) -> None:
         self.jobs = jobs
         self.worlds = worlds
-        self.pool = worlds.resources
         self.leaks_fail = leaks_fail  # --msrun-leaks=error: an input of the rule, not a rewrite of its outcome
         # each world's last test and the teardown failures reported on it (a late judgement repeats none)
         self.reported: dict[tuple, tuple[Any, frozenset[tuple[int, str, str]]]] = {}
@@ -72,7 +71,7 @@ class Runner:
             return self._refused(item, ranks, Refusal("skipped", f"msrun: {exc}"), note)
         inventory = self.jobs.inventory
         try:
-            lease = self.pool.lease(ports=2, devices=devices, inv=inventory, wait=self.jobs.timeout(spec))
+            lease = self.worlds.resources.lease(ports=2, devices=devices, inv=inventory, wait=self.jobs.timeout(spec))
         except DeviceShortage as exc:
             outcome = "skipped" if spec.devices > len(inventory.ids) else "failed"
             return self._refused(item, ranks, Refusal(outcome, f"msrun: {exc}"), note)
@@ -81,7 +80,7 @@ class Runner:
             run = dataclasses.replace(job.run(self.jobs.test_timeout(item, spec), self.jobs.exit_timeout), note=note)
             return WholeAttempt("fresh", TestRecord.load(item.nodeid, job.expected_ranks, job.paths, run), job.trace)
         finally:
-            self.pool.release(lease)
+            self.worlds.resources.release(lease)
 
     def _refused(self, item: pytest.Item, ranks: list[int], refusal: Refusal, note: str = "") -> WholeAttempt:
         tag = "refused-" + hashlib.sha1(item.nodeid.encode()).hexdigest()[:8]  # tests of one name in two files

@@ -142,8 +142,6 @@ def teardown(called: Called, next_id: str | None, exit_timeout: float) -> TornDo
         return TornDown(world.ended_run(test, hung, exit_timeout, stacks), leaks)
     # a rank (a forking world's template) past --msrun-max-rss: a new world next
     notes = _past_max(world, world.template_rss if world.forking else _resident(replies))
-    if world.lost:
-        world.retire("a rank left the world")
     if world.declared or len(groups) > 1:
         world.retire("the ranks' control-plane state diverged in this test")
     elif lingering:

@@ -26,9 +26,10 @@ import pytest
 from pytest_msrun.control import calls
 from pytest_msrun.engine import processes, ranknotes
 from pytest_msrun.fileio import make_dirs, open_output, write_whole
+from pytest_msrun.netaddr import controller_address
 from pytest_msrun.plugin import options
 from pytest_msrun.plugin.env import current_rank, current_world
-from pytest_msrun.plugin.links import FORK_ENV, WORLD_ENV, WORLD_TOKEN_ENV, world_address
+from pytest_msrun.plugin.links import FORK_ENV, WORLD_ENV, WORLD_TOKEN_ENV
 from pytest_msrun.plugin.marker import default_timeout, marked_specs
 from pytest_msrun.plugin.rank.forked import dump_stacks_on_signals
 from pytest_msrun.plugin.rank.suiteclock import SuiteClock, say
@@ -118,7 +119,7 @@ class RankPlugin:
 
         post_mortem = not self.controlled and bool(getattr(config.option, "usepdb", False))
         config.pluginmanager.register(RankDebugger(self.rank, post_mortem, self._running), "msrun-debug")
-        address = world_address(env)
+        address = controller_address(env.get(WORLD_ENV, ""), env)  # None outside a warm world
         if address is not None and self.controlled:  # a warm world's rank: the controller sends tests
             from pytest_msrun.plugin.rank.serve import WorldServer
 
