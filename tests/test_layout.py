@@ -23,6 +23,7 @@ BASE = {
     "fsinfo",
     "fileio",
     "waiting",
+    "sizes",
     "",
 }
 # Which layers each layer may import (lazy imports inside functions included).

@@ -12,6 +12,7 @@ from conftest import MARK, wait_gone
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pytest_msrun import sizes
 from pytest_msrun.plugin import rankmemory
 
 LEAKY = """
@@ -139,19 +140,19 @@ FACTORS.update({"TiB": 1024**4, "mib": 1024**2, "gb": 1000**3})
 
 @given(st.integers(0, 10**15 - 1), st.sampled_from(sorted(FACTORS)), st.sampled_from(["", " "]))
 def test_sizes_in_every_unit(n, unit, space):
-    assert rankmemory.parse_size(f"{n}{space}{unit}") == n * FACTORS[unit]
+    assert sizes.parse_size(f"{n}{space}{unit}") == n * FACTORS[unit]
 
 
 @given(st.integers(0, 10**6), st.integers(0, 999), st.sampled_from(["MiB", "GB", "K"]))
 def test_fractional_sizes_round_down(whole, thousandths, unit):
     expected = (whole * 1000 + thousandths) * FACTORS[unit] // 1000
-    assert rankmemory.parse_size(f"{whole}.{thousandths:03d}{unit}") == expected
+    assert sizes.parse_size(f"{whole}.{thousandths:03d}{unit}") == expected
 
 
 @given(st.text(max_size=30))
 def test_any_text_is_a_size_or_one_clear_error(text):
     try:
-        assert rankmemory.parse_size(text) >= 0
+        assert sizes.parse_size(text) >= 0
     except ValueError as exc:
         assert "is not a size: use a size such as 200MB" in str(exc)
 
@@ -159,12 +160,12 @@ def test_any_text_is_a_size_or_one_clear_error(text):
 @pytest.mark.parametrize("text", ["", "-1", "1e9", "nan", "inf", "1.5.5M", "12 parsecs", "0x10", "1,000"])
 def test_not_sizes(text):
     with pytest.raises(ValueError, match="is not a size"):
-        rankmemory.parse_size(text)
+        sizes.parse_size(text)
 
 
 @given(st.integers(-(1 << 45), 1 << 45))
 def test_sizes_are_shown_close_to_their_value(n):
-    shown = rankmemory.format_size(n)
+    shown = sizes.format_size(n)
     number, _, unit = shown.partition(" ")
     factor = {"B": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}[unit]
     assert abs(float(number) * factor - n) <= 0.05 * factor
@@ -182,7 +183,7 @@ def test_a_growth_is_named_iff_past_the_bound_less_imports_and_a_new_runtime(bef
     items = rankmemory.judge(sample, bound)
     assert bool(items) == named
     if named:
-        assert items[0].startswith(f"resident memory grew by {rankmemory.format_size(after - before - max(owned, 0))}")
+        assert items[0].startswith(f"resident memory grew by {sizes.format_size(after - before - max(owned, 0))}")
 
 
 @given(SIZES, SIZES, SIZES, SIZES, st.integers(1, 1 << 32))

@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 
+from pytest_msrun.sizes import format_size
+
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -26,20 +28,11 @@ if TYPE_CHECKING:
 
 RECORD_ENV = "MSRUN_SIM_RECORD"
 BUDGET_ENV = "MSRUN_SIM_BUDGET"
-__all__ = ["OverBudget", "account", "collectives", "size_text"]
+__all__ = ["OverBudget", "account", "collectives"]
 
 
 class OverBudget(AssertionError):
     """This rank holds more than the dry run's budget per rank."""
-
-
-def size_text(n: float) -> str:
-    """``n`` bytes in binary units: ``512 B``, ``1.5 KiB``, ``24.0 GiB``."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _env_int(*names: str) -> int:
@@ -230,10 +223,10 @@ def account(model: Any, optimizer: Any = None) -> dict[str, Any]:
     record = _write({**held, **({"mesh": mesh} if mesh else {})})
     total, budget = sum(held.values()), _env_int(BUDGET_ENV)
     if budget > 0 and total > budget:
-        parts = ", ".join(f"{k} {size_text(v)}" for k, v in held.items())
+        parts = ", ".join(f"{k} {format_size(v)}" for k, v in held.items())
         where = f" at {tuple(mesh['coordinate'])} of mesh {tuple(mesh['dims'])}" if mesh else ""
         raise OverBudget(
-            f"rank {record['rank']}{where} holds {size_text(total)} > budget {size_text(budget)} "
+            f"rank {record['rank']}{where} holds {format_size(total)} > budget {format_size(budget)} "
             f"(--sim_budget / sim_budget=): {parts}"
         )
     return record

@@ -15,6 +15,7 @@ from pytest_msrun.engine.kinds import SchedulerMode
 from pytest_msrun.engine.simselect import SelectionError, select_ranks
 from pytest_msrun.fileio import planted, unsafe_directory, unsafe_output_dir
 from pytest_msrun.record import field, record
+from pytest_msrun.sizes import parse_size
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -26,25 +27,6 @@ SIM_LEVELS = (0, 1, 2, 3)
 MAX_WORKERS = 1 << 20  # more ranks than any job msrun can start (and ranges over them stay small)
 MAX_LOCAL_WORKERS = 1 << 16  # processes one node may start (dry runs run theirs in waves: no limit)
 COMMAND_TASKS = ("python", "python3", "pytest")
-
-
-_UNITS = {"": 1, "B": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
-_UNITS.update({f"{k}B": v for k, v in _UNITS.items() if k not in ("", "B")})
-_UNITS.update({f"{k}IB": 1 << (10 * i) for i, k in enumerate("KMGT", 1)})
-
-
-def size_bytes(text: str) -> int:
-    """A size such as ``24GiB``, ``500MB``, ``1.5G`` or ``1e9`` in bytes (ValueError says why not)."""
-    raw = text.strip().upper()
-    number = raw.rstrip("KMGTIB")
-    try:
-        unit = _UNITS[raw[len(number) :].strip()]
-        value = int(number) * unit if number.strip().isdigit() else float(number) * unit
-    except (KeyError, ValueError):
-        raise ValueError(f"{text!r} is not a size; use bytes or a unit, e.g. 24GiB or 500MB") from None
-    if not 0 < value < 1 << 63:
-        raise ValueError(f"{text!r} must be a positive size, e.g. 24GiB")
-    return int(value)
 
 
 class ConfigError(ValueError):
@@ -106,7 +88,7 @@ class LaunchConfig:
     sim_from_env: bool = False
     sim_select: str = ""
     sim_concurrency: int = 0
-    sim_budget: str = ""  # bytes one simulated rank may hold (24GiB, 500MB, 1e9; "" = no budget)
+    sim_budget: str = ""  # bytes one simulated rank may hold (24GiB, 500MB; "" or 0: no budget)
     rank_table_file: str = ""
     worker_log_name: str = ""
     tail_worker_log: str = "-1"
@@ -245,7 +227,7 @@ def validate(cfg: LaunchConfig) -> list[str]:
         if not cfg.dry_run:
             raise ConfigError("sim_budget", "needs --sim_level (it bounds what each simulated rank holds)")
         try:
-            size_bytes(cfg.sim_budget)
+            parse_size(cfg.sim_budget)
         except ValueError as exc:
             raise ConfigError("sim_budget", str(exc)) from None
     if cfg.sim_concurrency < 0:

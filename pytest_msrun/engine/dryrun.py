@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from pytest_msrun.control.torchdry import RECORD_ENV
 from pytest_msrun.cpulist import format_id_list
 from pytest_msrun.engine import console, errorfile, holdings
-from pytest_msrun.engine.config import size_bytes
 from pytest_msrun.engine.errorfile import RankError
 from pytest_msrun.engine.kinds import JobState
 from pytest_msrun.engine.loop import EventKind
@@ -25,6 +24,7 @@ from pytest_msrun.engine.policy import Ending
 from pytest_msrun.engine.processes import Child, describe_returncode
 from pytest_msrun.engine.summary import extract_traceback, log_text
 from pytest_msrun.engine.tail import LogTailer, prefix_for
+from pytest_msrun.sizes import parse_size
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -114,7 +114,7 @@ class DryRunSupervisor:
                 if event.kind is EventKind.EXITED and event.child is not None:
                     self._reap(event.child)
         cfg = self.plan.config
-        shown = holdings.table(self.held, cfg.worker_num, size_bytes(cfg.sim_budget) if cfg.sim_budget else 0)
+        shown = holdings.table(self.held, cfg.worker_num, parse_size(cfg.sim_budget) if cfg.sim_budget else 0)
         if shown:
             console.out("\n".join(["msrun: dry run: what each simulated rank holds", *(f"  {x}" for x in shown)]))
         if signalled is None and not self.failed_ranks:

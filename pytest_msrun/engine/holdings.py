@@ -12,8 +12,8 @@ from __future__ import annotations
 import statistics
 
 from pytest_msrun import boundedjson
-from pytest_msrun.control.torchdry import size_text
 from pytest_msrun.record import record
+from pytest_msrun.sizes import format_size
 
 ROWS = 12  # ranks shown one per row at most; beyond, the ends and the outliers
 ENDS = 4  # the largest and the smallest shown of many
@@ -59,9 +59,9 @@ def compact(path: str, rank: int) -> Held | None:
 def _row(h: Held) -> list[str]:
     ops = ", ".join(f"{name} {n}" for name, n, _ in h.collectives)
     sent = sum(size for _, _, size in h.collectives)
-    step = f"{sum(n for _, n, _ in h.collectives)} ({ops}; {size_text(sent)} in)" if h.collectives else "-"
+    step = f"{sum(n for _, n, _ in h.collectives)} ({ops}; {format_size(sent)} in)" if h.collectives else "-"
     where = ",".join(map(str, h.coordinate)) if h.coordinate else "-"
-    sizes = [size_text(v) for v in (h.params, h.grads, h.optimizer, h.total)]
+    sizes = [format_size(v) for v in (h.params, h.grads, h.optimizer, h.total)]
     return [str(h.rank), where, *sizes, step]
 
 
@@ -70,7 +70,7 @@ def table(held: list[Held], of: int, budget: int = 0) -> list[str]:
     if not held:
         return []
     held = sorted(held, key=lambda h: h.rank)
-    median = statistics.median(h.total for h in held)
+    median = statistics.median_low(h.total for h in held)
     shown, rest = held, []
     if len(held) > ROWS:  # the ends, then the farthest from the median
         by_total = sorted(held, key=lambda h: h.total)
@@ -88,11 +88,11 @@ def table(held: list[Held], of: int, budget: int = 0) -> list[str]:
     lines = ["  ".join([*row, r[-1]]) for row, r in zip(cells, rows)]
     if rest:
         spread = max(abs(h.total - median) for h in rest)
-        lines.append(f"... {len(rest)} other rank(s), each within {size_text(spread)} of the median")
+        lines.append(f"... {len(rest)} other rank(s), each within {format_size(spread)} of the median")
     most, least = max(held, key=lambda h: h.total), min(held, key=lambda h: h.total)
-    limit = f"; budget {size_text(budget)}" if budget else ""
+    limit = f"; budget {format_size(budget)}" if budget else ""
     lines.append(
-        f"{len(held)} of {of} ranks: most rank {most.rank} ({size_text(most.total)}), least rank {least.rank} "
-        f"({size_text(least.total)}), median {size_text(median)}{limit}"
+        f"{len(held)} of {of} ranks: most rank {most.rank} ({format_size(most.total)}), least rank {least.rank} "
+        f"({format_size(least.total)}), median {format_size(median)}{limit}"
     )
     return lines

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from pytest_msrun.binding.flags import BindFlagError, parse_bind_value
-from pytest_msrun.engine.config import SCHEDULER_MODES, SIM_LEVELS, size_bytes
+from pytest_msrun.engine.config import SCHEDULER_MODES, SIM_LEVELS
 from pytest_msrun.engine.simselect import SelectionError, select_ranks
+from pytest_msrun.sizes import parse_size
 
 MARKER = "msrun"
 DEFAULT_TIMEOUT = 300.0
@@ -150,7 +151,7 @@ def spec_for(item: pytest.Item) -> MsrunSpec | None:
         try:
             if spec.sim_level is None or isinstance(budget, bool) or not isinstance(budget, (int, str)):
                 raise ValueError("needs sim_level, and is bytes or a size such as '24GiB'")
-            size_bytes(str(budget))
+            parse_size(str(budget))
         except ValueError as exc:
             raise MarkerError(f"{where}: msrun(sim_budget={budget!r}): {exc}") from None
         spec.sim_budget = str(budget)

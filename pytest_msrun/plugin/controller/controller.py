@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from pytest_msrun import sizes
 from pytest_msrun.engine.slurm import allocation
 from pytest_msrun.fileio import make_dirs, unsafe_directory, unsafe_output_dir
 from pytest_msrun.pathsearch import which
@@ -111,7 +112,7 @@ def memory_bounds(config: pytest.Config) -> tuple[int, int]:
         option = config.getoption(f"msrun_{name}")
         text = option if option is not None else (config.getini(f"msrun_{name}") or default)
         try:
-            out.append(rankmemory.parse_size(text))
+            out.append(sizes.parse_size(text))
         except ValueError as exc:
             where = f"--msrun-{name.replace('_', '-')}" if option is not None else f"msrun_{name} in the ini file"
             raise pytest.UsageError(f"{where}: {exc}") from None

@@ -30,7 +30,7 @@ from pytest_msrun.binding.flags import parse_bind_value
 from pytest_msrun.control.observer import query_state
 from pytest_msrun.engine import holdings
 from pytest_msrun.engine.argv import flags_of
-from pytest_msrun.engine.config import TRACE_ENV, LaunchConfig, size_bytes
+from pytest_msrun.engine.config import TRACE_ENV, LaunchConfig
 from pytest_msrun.engine.plan import job_ranks, sim_record_for
 from pytest_msrun.engine.processes import term_grace
 from pytest_msrun.engine.slurm import Allocation
@@ -47,6 +47,7 @@ from pytest_msrun.plugin.rule.records import BASETEMP_ENV, REPORT_DIR_ENV, SHARE
 from pytest_msrun.plugin.rule.testrecord import JobRun
 from pytest_msrun.proc import STOPPED_WORDS, running, stopped
 from pytest_msrun.record import replace
+from pytest_msrun.sizes import parse_size
 from pytest_msrun.waiting import wait_until
 
 STACK_WAIT = 2.0
@@ -321,7 +322,7 @@ class TestJob:
             return ()
         logs = {r: f"worker_{0 if spec.sim_rank_id is not None else r}.log" for r in self.expected_ranks}
         held = [holdings.compact(sim_record_for(str(self.paths.log_dir / log)), r) for r, log in logs.items()]
-        budget = size_bytes(spec.sim_budget) if spec.sim_budget else 0
+        budget = parse_size(spec.sim_budget) if spec.sim_budget else 0
         return tuple(holdings.table([h for h in held if h is not None], spec.worker_num, budget))
 
     def started(self) -> bool:

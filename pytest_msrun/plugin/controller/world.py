@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pytest_msrun import sizes
 from pytest_msrun.control import wire
 from pytest_msrun.control.door import Admitted, Door, Tally
 from pytest_msrun.control.observer import declare_finished, query_state
@@ -158,8 +159,8 @@ def _past_max(world: World, resident: dict[int, int]) -> tuple[str, ...]:
     maximum = world.memory[1]
     what = "its template" if world.forking else "it"
     notes = tuple(
-        f"rank {rank}: resident memory {rankmemory.format_size(size)} past --msrun-max-rss="
-        f"{rankmemory.format_size(maximum)}: the world ended after {what}, the next test starts a new one"
+        f"rank {rank}: resident memory {sizes.format_size(size)} past --msrun-max-rss="
+        f"{sizes.format_size(maximum)}: the world ended after {what}, the next test starts a new one"
         for rank, size in sorted(resident.items())
         if rankmemory.past_max(size, maximum)
     )
