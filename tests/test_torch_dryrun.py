@@ -185,6 +185,16 @@ t = torch.ones(3)
 dist.all_reduce(t, group=group)
 dist.barrier()
 """,
+    "default_group": """
+mesh = init_device_mesh("cuda", (32, 32))  # the default group made by torch itself, from env://
+assert (dist.get_rank(), dist.get_world_size()) == (int(os.environ["RANK"]), 1024)
+assert list(mesh.get_coordinate()) == [dist.get_rank() // 32, dist.get_rank() % 32]
+r = dist.get_rank()
+""",
+    "positional": """
+dist.init_process_group("nccl", "env://", None, 1024, int(os.environ["RANK"]))  # torch's positional order
+r = dist.get_rank()
+""",
     "objects": """
 box = [{"lr": 1e-3}] if r == 0 else [None]
 dist.broadcast_object_list(box, src=0)
@@ -194,11 +204,13 @@ dist.broadcast_object_list(box, src=0)
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_other_strategies_pass_or_fail_as_on_a_cluster(msrun, strategy):
-    """DDP (its all-reduce issued and counted), HSDP, a 3-D mesh and sub-groups run; an object
-    collective, whose peers a simulated rank has not, fails at once with why."""
-    head = "import torch, torch.nn as nn, torch.distributed as dist\nfrom torch.distributed.device_mesh import "
-    head += "init_device_mesh\nfrom pytest_msrun import dryrun\ndist.init_process_group()\n"
-    head += "r, w = dist.get_rank(), dist.get_world_size()\n"
+    """DDP (its all-reduce issued and counted), HSDP, a 3-D mesh and sub-groups, a default group
+    torch makes itself, init_process_group's positional form run; an object collective, whose peers
+    a simulated rank has not, fails at once with why."""
+    head = "import os, torch, torch.nn as nn, torch.distributed as dist\nfrom torch.distributed.device_mesh import "
+    head += "init_device_mesh\nfrom pytest_msrun import dryrun\n"
+    if strategy not in ("default_group", "positional"):
+        head += "dist.init_process_group()\nr, w = dist.get_rank(), dist.get_world_size()\n"
     msrun.script("plan.py", head + STRATEGIES[strategy] + "print('done', r)\n")
     job = msrun.run(
         ["--worker_num=1024", "--local_worker_num=1024", "--sim_level=1", "--sim_select=0,5,1023"]

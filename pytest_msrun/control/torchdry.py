@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from pytest_msrun.sizes import format_size
 
@@ -46,6 +47,8 @@ def _env_int(*names: str) -> int:
 # ------------------------------------------------------------------------------------ the patches
 def install() -> None:
     """Make ``init_process_group`` and device meshes need no peers and no devices (idempotent)."""
+    import inspect
+
     import torch
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
@@ -55,21 +58,21 @@ def install() -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore  # (registers the "fake" backend)
 
     original = c10d.init_process_group
+    signature = inspect.signature(original)
 
-    def init_process_group(backend: Any = None, init_method: Any = None, timeout: Any = None, **kwargs: Any) -> Any:
-        rank = kwargs.pop("rank", -1)
-        world = kwargs.pop("world_size", -1)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        given = signature.bind_partial(*args, **kwargs).arguments  # (a real backend's store, device: unused)
+        rank, world = given.get("rank", -1), given.get("world_size", -1)
         rank = rank if rank >= 0 else _env_int("RANK", "RANK_ID")
         world = world if world > 0 else _env_int("WORLD_SIZE", "RANK_SIZE")
-        for unused in ("store", "device_id", "pg_options"):  # a real backend's: the fake needs none
-            kwargs.pop(unused, None)
-        extra = {} if timeout is None else {"timeout": timeout}
-        return original("fake", store=FakeStore(), rank=rank, world_size=world, **extra, **kwargs)
+        keep = {k: v for k, v in given.items() if k in ("timeout", "group_name") and v is not None}
+        return original("fake", store=FakeStore(), rank=rank, world_size=world, **keep)
 
     init_process_group._msrun_dry = True  # type: ignore[attr-defined]
     init_process_group.__doc__ = original.__doc__
-    c10d.init_process_group = init_process_group
-    dist.init_process_group = init_process_group
+    for module in [m for name, m in list(sys.modules.items()) if name.split(".")[0] == "torch"]:
+        if getattr(module, "init_process_group", None) is original:  # torch.distributed, device_mesh, ...
+            setattr(module, "init_process_group", init_process_group)  # noqa: B010
 
     for name in OBJECT_COLLECTIVES:  # no peers to take objects from: said, not garbage unpickled
         setattr(c10d, name, _no_objects(name))
