@@ -84,7 +84,8 @@ def main() -> int:
     py = sys.executable
     with tempfile.TemporaryDirectory() as d:
         tmp = Path(d)
-        env = bench_env(tmp)  # bytecode cached in the scratch directory, not the checkout
+        (tmp / "tmp").mkdir()  # torch's own caches (torchinductor_<user>) land here, not in /tmp
+        env = bench_env(tmp, TMPDIR=str(tmp / "tmp"))  # bytecode cached in the scratch directory, not the checkout
         floor_env = {k: v for k, v in env.items() if not k.startswith(("MSRUN_SIM", "MS_SIMULATION"))}
         floor_env["PYTHONPATH"] = os.pathsep.join([str(PLAN), env["PYTHONPATH"]])  # no record, no budget
         (tmp / "floor.py").write_text(FLOOR)

@@ -86,10 +86,15 @@ BENCHES = {
         ["bench_dryrun.py", "--ranks", "16", "--small", "8"],
         ["16 simulated ranks", "msrun peak RSS"],
     ),
+    "torch dry run": (
+        ["bench_torch_dryrun.py", "--rounds", "1"],
+        ["floor: 8 ranks, one process", "pmsrun, 65536 ranks", "target: 8 sampled ranks"],
+    ),
 }
+NEEDS = {"torch dry run": pytest.mark.torch}
 
 
-@pytest.mark.parametrize("name", list(BENCHES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=NEEDS.get(n, ())) for n in BENCHES])
 def test_bench_runs_and_leaves_the_checkout_alone(name):
     args, expected = BENCHES[name]
     before = _tree()

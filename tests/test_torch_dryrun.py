@@ -17,6 +17,13 @@ from conftest import REPO
 
 pytestmark = pytest.mark.torch
 
+
+@pytest.fixture(autouse=True)
+def own_tmpdir(tmp_path_factory, monkeypatch):
+    """torch writes its caches under the temp directory (DDP: ``torchinductor_<user>``): the test's own."""
+    monkeypatch.setenv("TMPDIR", str(tmp_path_factory.mktemp("tmp")))
+
+
 PLAN = REPO / "sample_code" / "dryrun" / "torch_plan.py"
 RANKS = [0, 1, 63, 2047, 2048, 4032, 4094, 4095]
 
