@@ -3,7 +3,8 @@
 msrun puts this directory first on a rank's ``PYTHONPATH``; Python's ``site`` imports this module
 at start-up. A rank msrun started before it was inside the job's cgroup first waits here until
 msrun moved it in (``$MSRUN_HOLD_FD``: see ``engine/earlystart.py``). Then it installs an
-exception hook, then removes every trace of itself (the directory
+exception hook - and in a dry run, a hook that makes torch's process group peerless once torch is
+imported - then removes every trace of itself (the directory
 from ``PYTHONPATH`` and ``sys.path``, so processes the rank starts run without it) and runs the
 ``sitecustomize`` the rank would have had. Any error here is swallowed: it must never break a rank.
 """
