@@ -182,12 +182,15 @@ class Door:
     def wait(self, timeout: float) -> float:
         """How long the owner may wait for events, at most ``timeout``: no longer than a pause of
         accepting lasts (one that is over ends now)."""
+        if not self.paused_until:
+            return timeout
         left = self.paused_until - self.now()
-        if self.paused_until and left <= 0:
-            self.paused_until = 0.0
-            if not self.closed:
-                self.sel.register(self.listener, selectors.EVENT_READ, self)
-        return min(timeout, left) if self.paused_until else timeout
+        if left > 0:
+            return min(timeout, left)
+        self.paused_until = 0.0
+        if not self.closed:
+            self.sel.register(self.listener, selectors.EVENT_READ, self)
+        return timeout
 
     def ready(self, fileobj: Any) -> list[Admitted]:
         """Serve the listener or one stranger that ``select`` found ready; who got in."""

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from pytest_msrun.sizes import parse_size
-
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from pytest_msrun.engine.config import LaunchConfig
@@ -94,9 +92,8 @@ def common_vars(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, rank_s
         out["RANK_TABLE_FILE"] = cfg.rank_table_file
     if cfg.sim_level >= 0:  # a dry run
         out["MS_SIMULATION_LEVEL"] = str(cfg.sim_level)
-        budget = parse_size(cfg.sim_budget) if cfg.sim_budget else 0
-        if budget:
-            out["MSRUN_SIM_BUDGET"] = str(budget)
+        if cfg.budget:
+            out["MSRUN_SIM_BUDGET"] = str(cfg.budget)
     if cfg.bind_numa.kind == "unified" and cfg.bind_numa.file:
         out["MSRUN_BIND_FILE"] = cfg.bind_numa.file
         out["MSRUN_BIND_FILE_HASH"] = cfg.bind_numa.file_hash

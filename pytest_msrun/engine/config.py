@@ -107,6 +107,11 @@ class LaunchConfig:
         return self.sim_level != -1
 
     @property
+    def budget(self) -> int:
+        """``--sim_budget`` in bytes (0: none)."""
+        return parse_size(self.sim_budget) if self.sim_budget else 0
+
+    @property
     def multi_node(self) -> bool:
         return self.local_worker_num < self.worker_num
 

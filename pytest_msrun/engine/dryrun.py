@@ -24,7 +24,6 @@ from pytest_msrun.engine.policy import Ending
 from pytest_msrun.engine.processes import Child, describe_returncode
 from pytest_msrun.engine.summary import extract_traceback, log_text
 from pytest_msrun.engine.tail import LogTailer, prefix_for
-from pytest_msrun.sizes import parse_size
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -113,8 +112,7 @@ class DryRunSupervisor:
             for event in agent.node.loop.poll(1.0):
                 if event.kind is EventKind.EXITED and event.child is not None:
                     self._reap(event.child)
-        cfg = self.plan.config
-        shown = holdings.table(self.held, cfg.worker_num, parse_size(cfg.sim_budget) if cfg.sim_budget else 0)
+        shown = holdings.table(self.held, self.plan.config.worker_num, self.plan.config.budget)
         if shown:
             console.out("\n".join(["msrun: dry run: what each simulated rank holds", *(f"  {x}" for x in shown)]))
         if signalled is None and not self.failed_ranks:

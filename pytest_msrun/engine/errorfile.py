@@ -48,10 +48,14 @@ def enabled(env: Mapping[str, str]) -> bool:
     return env.get(SWITCH_VAR, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
+def beside_log(log_path: str, suffix: str) -> str:
+    """A file of the process that logs to ``log_path``: its name without ``.log``, then ``suffix``."""
+    return (log_path[: -len(".log")] if log_path.endswith(".log") else log_path) + suffix
+
+
 def error_file_for(log_path: str) -> str:
     """The error file of the process that logs to ``log_path``."""
-    base = log_path[: -len(".log")] if log_path.endswith(".log") else log_path
-    return base + ".error.json"
+    return beside_log(log_path, ".error.json")
 
 
 def hook_dir(package_root: str) -> str:

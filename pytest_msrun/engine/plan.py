@@ -360,7 +360,7 @@ def worker_spec(cfg: LaunchConfig, facts: NodeFacts, layout: Layout, ctx: JobCon
 
 def sim_record_for(log_path: str) -> str:
     """Where the simulated rank that logs to ``log_path`` records what it holds (JSON)."""
-    return (log_path[: -len(".log")] if log_path.endswith(".log") else log_path) + ".sim.json"
+    return errorfile.beside_log(log_path, ".sim.json")
 
 
 def dry_run_ranks(cfg: LaunchConfig, layout: Layout) -> list[int]:

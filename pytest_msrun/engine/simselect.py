@@ -35,7 +35,7 @@ def _count(text: str, item: str) -> int:
 def _mesh(rest: str, item: str, world: int) -> set[int]:
     """The seams of the mesh ``rest`` (``D0xD1...``) over ranks ``0..world-1``."""
     parts = rest.split("x")
-    if not 1 <= len(parts) <= 8 or not all(p.isascii() and p.isdigit() and len(p) < 10 and int(p) > 0 for p in parts):
+    if not 1 <= len(parts) <= 8 or not all(_number(p) and int(p) > 0 for p in parts):
         raise SelectionError(f"{item!r}: use mesh:D0xD1 (1 to 8 positive dims), e.g. mesh:64x64")
     dims = [int(p) for p in parts]
     if math.prod(dims) != world:

@@ -47,7 +47,6 @@ from pytest_msrun.plugin.rule.records import BASETEMP_ENV, REPORT_DIR_ENV, SHARE
 from pytest_msrun.plugin.rule.testrecord import JobRun
 from pytest_msrun.proc import STOPPED_WORDS, running, stopped
 from pytest_msrun.record import replace
-from pytest_msrun.sizes import parse_size
 from pytest_msrun.waiting import wait_until
 
 STACK_WAIT = 2.0
@@ -322,7 +321,7 @@ class TestJob:
             return ()
         logs = {r: f"worker_{0 if spec.sim_rank_id is not None else r}.log" for r in self.expected_ranks}
         held = [holdings.compact(sim_record_for(str(self.paths.log_dir / log)), r) for r, log in logs.items()]
-        budget = parse_size(spec.sim_budget) if spec.sim_budget else 0
+        budget = self.configs()[0].budget
         return tuple(holdings.table([h for h in held if h is not None], spec.worker_num, budget))
 
     def started(self) -> bool:
