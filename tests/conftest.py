@@ -37,7 +37,7 @@ collect_ignore = ["examples"]  # example test files for pytester runs, not tests
 # framework or tool is missing (a user's machine), and fails instead when MSRUN_TEST_REQUIRE names
 # the tier (CI sets MSRUN_TEST_REQUIRE to every tier: see .ci/run).
 TIERS = {
-    "torch": ("module", "torch", "pip install torch==2.13.0"),
+    "torch": ("module", "torch", "pip install torch==2.13.0 numpy"),
     "mindspore": ("module", "mindspore", 'pip install mindspore==2.10.0 "numpy<2"'),
     "numactl": ("command", "numactl", "apt-get install numactl"),
     "browser": ("command", "chromium", "apt-get install chromium"),

@@ -248,7 +248,15 @@ def collectives(step: Callable[[], Any]) -> dict[str, list[int]]:
     ``{name: [count, bytes this rank put in]}`` (a collective's arguments but its outputs).
     Returns that."""
     import torch
-    from torch.distributed.tensor.debug import CommDebugMode, _comm_mode
+
+    try:
+        from torch.distributed.tensor.debug import CommDebugMode, _comm_mode
+    except ModuleNotFoundError as exc:  # its package imports numpy, which torch does not require
+        raise ModuleNotFoundError(
+            f"pytest_msrun.dryrun.collectives counts with torch's CommDebugMode, whose package imports "
+            f"{exc.name}: pip install {exc.name}",
+            name=exc.name,
+        ) from exc
     from torch.utils._pytree import tree_flatten
 
     counts: dict[str, list[int]] = {}
