@@ -24,7 +24,8 @@ pytestmark = pytest.mark.mindspore
 
 BIN = Path(sysconfig.get_path("scripts"))
 TORCH_STYLE = set(TORCH_STYLE_VARS)
-OURS = {"PYTHONUNBUFFERED", "MSRUN_JOB_ID", "MSRUN_SCHEDULER", "MSRUN_LOG_DIR", "MSRUN_PLUGIN_ROLE", "MSRUN_JOB_TOKEN"}
+OURS = {"PYTHONUNBUFFERED", "MSRUN_JOB_ID", "MSRUN_LAUNCHER_ID", "MSRUN_SCHEDULER", "MSRUN_LOG_DIR"}
+OURS |= {"MSRUN_PLUGIN_ROLE", "MSRUN_JOB_TOKEN"}
 OURS |= {"MSRUN_SIM_RECORD", "MSRUN_SIM_BUDGET"}  # a simulated rank's: where it records what it holds
 MINDSPORE_IMPORT = {
     "OMP_NUM_THREADS",

@@ -22,7 +22,8 @@ import json, os, signal, sys, warnings
 import pytest
 
 
-VOLATILE = ("MSRUN_JOB_ID", "MSRUN_JOB_TOKEN", "MSRUN_LOG_DIR", "MSRUN_ERROR_FILE", "MSRUN_PYTEST_OPTIONS",
+VOLATILE = ("MSRUN_JOB_ID", "MSRUN_LAUNCHER_ID", "MSRUN_JOB_TOKEN", "MSRUN_LOG_DIR", "MSRUN_ERROR_FILE",
+            "MSRUN_PYTEST_OPTIONS",
             "MS_SCHED_PORT", "MASTER_PORT", "MSRUN_REPORT_DIR", "MSRUN_SHARED_TMP", "MSRUN_BASETEMP",
             "MSRUN_WORLD", "MSRUN_WORLD_TOKEN", "MSRUN_DEBUG", "MSRUN_DEBUG_TOKEN", "PYTEST_CURRENT_TEST")
 
@@ -40,9 +41,7 @@ def _proc_environ():
 
 def _describe():
     env = dict(os.environ)
-    for name in ("MSRUN_JOB_ID", "MSRUN_JOB_TOKEN", "MSRUN_LOG_DIR", "MSRUN_ERROR_FILE", "MSRUN_PYTEST_OPTIONS",
-                 "MS_SCHED_PORT", "MASTER_PORT", "MSRUN_REPORT_DIR", "MSRUN_SHARED_TMP", "MSRUN_BASETEMP",
-                 "MSRUN_WORLD", "MSRUN_WORLD_TOKEN", "MSRUN_DEBUG", "MSRUN_DEBUG_TOKEN", "PYTEST_CURRENT_TEST"):
+    for name in VOLATILE:
         env.pop(name, None)
     handlers = {}
     for sig in signal.valid_signals():

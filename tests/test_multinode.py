@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
@@ -79,6 +80,8 @@ def test_two_invocations_form_one_job(msrun, env_dump, nodes, expected):
         assert d["RANK_SIZE"] == d["WORLD_SIZE"] == "4" and d["GROUP_WORLD_SIZE"] == "2"
         assert int(d["LOCAL_RANK"]) < int(d["LOCAL_WORLD_SIZE"])
         assert d["MSRUN_JOB_ID"] == dumps[0]["MSRUN_JOB_ID"]
+    launchers = {d["GROUP_RANK"]: d["MSRUN_LAUNCHER_ID"] for d in dumps}
+    assert len(set(launchers.values())) == 2 and len({(d["GROUP_RANK"], d["MSRUN_LAUNCHER_ID"]) for d in dumps}) == 2
     logs = sorted(p.name for p in (msrun.cwd / "logs").glob("worker_*.log"))
     assert logs == ["worker_0.log", "worker_1.log", "worker_2.log", "worker_3.log"]
     assert "Start scheduler process" in a.stdout and "Start scheduler process" not in b.stdout
@@ -238,6 +241,37 @@ def test_failure_on_one_node_tears_down_every_node(msrun, faulty_sleep, failing_
     origin, other = (ja, jb) if failing_node == "master" else (jb, ja)
     assert f"rank {fail_rank} (worker_{fail_rank}.log" in origin.stderr
     assert "job aborted by the scheduler" in other.stderr and f"rank {fail_rank} exited with code 3" in other.stderr
+
+
+@pytest.mark.parametrize("cgroup", ["auto", "off"])
+def test_a_killed_node_s_watchdog_sweeps_only_its_own_ranks(msrun, env_dump, cgroup):
+    """Two nodes of one job on one kernel (every rank carries the same ``MSRUN_JOB_ID``): node 1's
+    launcher SIGKILLed, its watchdog kills node 1's ranks and none of node 0's - which are still
+    there when it is done (node 0's launcher is stopped meanwhile, so it cannot tear them down
+    itself); let go, node 0 ends the job naming the lost node."""
+    port = free_port()
+    env = {"RELEASE_FILE": str(msrun.cwd / "never"), "MSRUN_CGROUP": cgroup}
+    a = _node(msrun, port, 2, 4, ["--node_rank=0"], env=env)
+    _wait_listening(msrun)
+    b = _node(msrun, port, 2, 4, ["--node_rank=1"], env=env)
+    assert wait_for(lambda: len(msrun.dumps()) == 4, 60), msrun.dumps()
+    ranks = {
+        int(json.loads(f.read_text())["RANK_ID"]): psutil.Process(int(f.stem.rsplit("_", 1)[1]))
+        for f in msrun.dump.glob("*.json")
+    }
+    watchdog = next(p for p in psutil.Process(b.pid).children() if p.cmdline()[:2] == ["/bin/sh", "-c"])
+    psutil.Process(a.pid).suspend()
+    try:
+        b.kill()
+        watchdog.wait(timeout=30)
+        assert not any(ranks[r].is_running() for r in (2, 3))
+        assert all(ranks[r].is_running() and ranks[r].status() != psutil.STATUS_ZOMBIE for r in (0, 1))
+    finally:
+        psutil.Process(a.pid).resume()
+    job = msrun.finish(a, timeout=60)
+    msrun.finish(b)
+    assert job.returncode != 0, job.stderr
+    assert "lost node" in job.stderr and "killed by SIGKILL" not in job.stderr, job.stderr
 
 
 def _registered(msrun, count=1):

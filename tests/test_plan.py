@@ -129,7 +129,7 @@ def test_control_plane_modes_assign_ranks_before_start(mode):
     assert pending.layout.pending
 
 
-OURS = {"PYTHONUNBUFFERED", "MSRUN_JOB_ID", "MSRUN_SCHEDULER", "MSRUN_LOG_DIR"}
+OURS = {"PYTHONUNBUFFERED", "MSRUN_JOB_ID", "MSRUN_LAUNCHER_ID", "MSRUN_SCHEDULER", "MSRUN_LOG_DIR"}
 TORCHRUN = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
 

@@ -4,7 +4,7 @@ tests/lab/slurmlab.py).
 
 Each allocation holds two CPUs per node (``--ntasks-per-node=2``), whatever the machine's CPUs, so
 a 2-rank world needs a whole node. Where tests ran and when comes from the session's own reports:
-a conftest in the scratch directory writes, on the controller, each call report's hosts
+a conftest in the scratch directory writes, on the controller, each report's phase, hosts
 (``msrun_hosts``) and time span.
 """
 
@@ -31,10 +31,10 @@ import pytest
 
 def pytest_runtest_logreport(report):
     # on the controller only (not in a rank, nor in an xdist worker: the xdist controller gets them all)
-    if report.when != "call" or "RANK_ID" in os.environ or "PYTEST_XDIST_WORKER" in os.environ:
+    if "RANK_ID" in os.environ or "PYTEST_XDIST_WORKER" in os.environ:
         return
     hosts = dict(report.user_properties).get("msrun_hosts", {})
-    line = {"test": report.nodeid.split("::")[-1], "outcome": report.outcome, "hosts": hosts,
+    line = {"test": report.nodeid.split("::")[-1], "when": report.when, "outcome": report.outcome, "hosts": hosts,
             "start": report.start, "stop": report.stop}
     with open(os.environ["SPANS_FILE"], "a") as fh:
         fh.write(json.dumps(line) + "\\n")
@@ -94,7 +94,8 @@ def _session(
     msrun, slurm_lab, tests: str, salloc: list[str], pytest_args: list[str], before: str = "", timeout: float = 300
 ) -> tuple[subprocess.CompletedProcess[str], list[dict]]:
     """``salloc SALLOC sh -c 'BEFORE; python -m pytest PYTEST_ARGS test_steps.py'`` in the lab: the
-    session's exit status and output, and each test's call report (hosts and time span)."""
+    session's exit status and output, and each test's call report (hosts and time span; ``lifetime``:
+    its phases' together)."""
     env = _scratch(msrun, slurm_lab, tests)
     script = f"{before}\n{' '.join(PYTEST)} {' '.join(pytest_args)} test_steps.py"
     proc = subprocess.run(
@@ -102,7 +103,12 @@ def _session(
     )
     spans = msrun.cwd / "spans.jsonl"
     lines = spans.read_text().splitlines() if spans.exists() else []
-    return proc, [json.loads(line) for line in lines]
+    reports = [json.loads(line) for line in lines]
+    calls = [r for r in reports if r["when"] == "call"]
+    for call in calls:
+        mine = [r for r in reports if r["test"] == call["test"]]
+        call["lifetime"] = {"start": min(r["start"] for r in mine), "stop": max(r["stop"] for r in mine)}
+    return proc, calls
 
 
 def _parked(msrun, slurm_lab, tests: str, name: str, pytest_args: list[str]) -> subprocess.Popen[str]:
@@ -136,7 +142,9 @@ def test_two_whole_node_worlds_run_at_once_on_different_nodes_and_a_multi_node_t
     runs = _by_test(spans)
     a, b, across = runs["test_a"], runs["test_b"], runs["test_across"]
     assert {tuple(set(a["hosts"].values())), tuple(set(b["hosts"].values()))} == {("node1",), ("node2",)}, spans
-    assert _overlap(a, b), spans
+    # a merged phase starts when its last rank left the phase before (the phases add up to the job's
+    # time), so the test's lifetime - every moment any of its ranks spent on it - is what overlaps
+    assert _overlap(a["lifetime"], b["lifetime"]), spans
     assert across["hosts"] == {"0": "node1", "1": "node1", "2": "node2", "3": "node2"}, spans
     assert re.search(r"msrun hosts -+\s+rank 0: node[12]\s+rank 1: node[12]", out), out
     assert not wait_gone(msrun.mark, timeout=10)

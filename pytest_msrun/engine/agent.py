@@ -318,7 +318,6 @@ class Agent:
         job_id = msg.get("job_id")
         if isinstance(job_id, str) and job_id:
             self.node.facts = replace(self.node.facts, job_id=job_id[:64])
-            self.node.guard.watchdog.job(self.node.facts.job_id)  # the workers will carry the job's id
         return None
 
     # ------------------------------------------------------------------ supervision

@@ -57,6 +57,7 @@ OWNED_VARS = (
     "MSRUN_BIND_FILE_HASH",
     *TORCH_STYLE_VARS,
     "MSRUN_JOB_ID",
+    "MSRUN_LAUNCHER_ID",
     "MSRUN_SCHEDULER",
     "MSRUN_LOG_DIR",
     "MSRUN_ERROR_FILE",
@@ -83,6 +84,7 @@ def common_vars(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, rank_s
         "MS_WORKER_NUM": str(cfg.worker_num),
         "PYTHONUNBUFFERED": "1",
         "MSRUN_JOB_ID": facts.job_id,
+        "MSRUN_LAUNCHER_ID": facts.launcher_id or facts.job_id,  # this node's launcher (MSRUN_JOB_ID: every node's)
         "MSRUN_SCHEDULER": str(mode),
         "MSRUN_LOG_DIR": cfg.log_dir,
     }

@@ -199,6 +199,7 @@ def gather_facts(cfg: LaunchConfig, env: dict[str, str], job_id: str) -> NodeFac
         python=sys.executable,
         scheduler_mode=mode,
         job_id=job_id,
+        launcher_id=job_id,
         job_token=token.token,
         token_source=token.source,
         master_port=cfg.master_port,

@@ -15,8 +15,10 @@ out and removes it itself):
 * cgroup v1: the ``freezer`` hierarchy: freeze, SIGKILL every task, thaw.
 
 Where no cgroup is writable (a container without cgroup delegation, no root), the fallback does
-not depend on process groups either: every child inherits ``MSRUN_JOB_ID``, and the watchdog
-kills every process whose environment carries this job's id, repeating until none is left. What
+not depend on process groups either: every child inherits ``MSRUN_LAUNCHER_ID`` (this launcher's
+id; ``MSRUN_JOB_ID`` is the whole job's, which another node's launcher on the same kernel - two
+``--node_rank`` on one host, namespaced nodes - shares), and the watchdog kills every process
+whose environment carries it, repeating until none is left. What
 that misses - a process that clears its environment, or another user's - is stated in docs/launcher.md (No survivor).
 ``MSRUN_CGROUP`` picks: ``auto`` (default: v2, else v1 freezer, else the sweep), ``v2``,
 ``freezer``, or ``off`` (the sweep only).
@@ -268,7 +270,7 @@ if [ -z "$finished" ]; then
   for job in $jobs; do
     n=0
     while [ $n -lt 20 ]; do
-      hits=$(grep -lsa -- "MSRUN_JOB_ID=$job" /proc/[0-9]*/environ 2>/dev/null)
+      hits=$(grep -lsazx -- "MSRUN_LAUNCHER_ID=$job" /proc/[0-9]*/environ 2>/dev/null)
       [ -z "$hits" ] && break
       for f in $hits; do
         p=${f#/proc/}; p=${p%/environ}
@@ -289,9 +291,9 @@ exit 0
 class Watchdog:
     """``sh`` that kills the whole job if this launcher dies without saying ``done``.
 
-    It is told the job's process groups, its id(s) (every child inherits ``MSRUN_JOB_ID``) and its
+    It is told the job's process groups, its launcher's id (every child inherits ``MSRUN_LAUNCHER_ID``) and its
     cgroup. If the launcher is SIGKILLed, it kills the groups, then the cgroup in one write (or
-    freezes it and kills every member), then every process carrying the job's id; in any case it
+    freezes it and kills every member), then every process carrying the launcher's id; in any case it
     removes the job's cgroup once it is empty (after the launcher, which lives in it, is gone).
     It reads its orders from a pipe whose end of file - the launcher gone - is its signal.
     """
@@ -319,7 +321,7 @@ class Watchdog:
                 os.write(self.pipe, f"{line}\n".encode())
 
     def job(self, job_id: str) -> None:
-        """Processes whose environment carries ``MSRUN_JOB_ID=job_id`` belong to the job."""
+        """Processes whose environment carries ``MSRUN_LAUNCHER_ID=job_id`` (exactly) belong to the job."""
         self.tell(f"job {job_id}")
 
     def let_go(self) -> None:
@@ -368,7 +370,7 @@ class JobGuard:
     def describe(self) -> str:
         if self.cgroup is not None:
             return self.cgroup.describe()
-        return f"no writable cgroup: processes carrying MSRUN_JOB_ID={self.job_id} are swept"
+        return f"no writable cgroup: processes carrying MSRUN_LAUNCHER_ID={self.job_id} are swept"
 
     def hand_off(self) -> None:
         """In the process that forked the detached supervisor: the supervisor owns the job (and the

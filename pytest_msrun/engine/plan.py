@@ -46,7 +46,7 @@ class NodeFacts:
     task_python: str
     python: str
     scheduler_mode: SchedulerMode
-    job_id: str
+    job_id: str  # the job's (the scheduler's: one across its nodes)
     job_token: str
     master_port: int
     dist_port: int
@@ -55,6 +55,7 @@ class NodeFacts:
     package_root: str = ""  # the directory holding pytest_msrun, for the builtin scheduler
     topology: Topology | None = None  # read only when a binding flag is set
     tools: Mapping[str, str | None] = field(default_factory=dict)  # taskset / numactl paths
+    launcher_id: str = ""  # this launcher's own (its children carry it: its watchdog's sweep key)
 
 
 @record(frozen=True)

@@ -109,7 +109,7 @@ class Starter:
         if spec.bind_prefix and template.binding_in_place(spec.bind_prefix) is None:
             why = f"a binding command ({os.path.basename(spec.bind_prefix[0])}) runs in front"
         elif self.node.guard.ready() is None and not template.shows_itself():
-            # without a cgroup the watchdog's last resort finds a job's processes by MSRUN_JOB_ID
+            # without a cgroup the watchdog's last resort finds a job's processes by MSRUN_LAUNCHER_ID
             # in /proc/PID/environ, which shows a fork's template's where it cannot show its own
             why = "the job has no cgroup, and a fork cannot show its own environment here"
         elif _thread._count():
