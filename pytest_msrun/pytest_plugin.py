@@ -102,6 +102,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "no binding command in front); off: every msrun and rank is a new process",
     )
     group.addoption(
+        "--msrun-preload",
+        metavar="SPEC",
+        help="what the fork server imports before it forks a world's ranks, besides pytest and the plugins: "
+        "auto (default): the installed modules the marked tests' modules import (torch, numpy, ...), each "
+        "only if its import reads no job variable, opens no device and leaves no thread across a fork; "
+        "none; NAME adds a module, -NAME takes one out (comma-separated: auto,-mindspore)",
+    )
+    group.addoption(
         "--msrun-env-scope",
         choices=("job", "test"),
         help="job (default): a marker's env is its job's environment, each env a world of its own; test: "
@@ -136,6 +144,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addini("msrun_max_ranks", "auto or N (see --msrun-max-ranks)", default="auto")
     parser.addini("msrun_env_scope", "job or test (see --msrun-env-scope)", default="job")
     parser.addini("msrun_fork_server", "on or off (see --msrun-fork-server)", default="on")
+    parser.addini("msrun_preload", "what the fork server preloads (see --msrun-preload)", default="auto")
     parser.addini("msrun_leaks", "warn, error or off (see --msrun-leaks)", default="warn")
     parser.addini("msrun_leak_rss", "memory growth a test may leave (see --msrun-leak-rss)", default="100MiB")
     parser.addini("msrun_max_rss", "a warm world's rank's resident bound (see --msrun-max-rss)", default="0")

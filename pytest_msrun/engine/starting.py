@@ -106,8 +106,12 @@ class Starter:
             return "not a fork server's msrun"  # said nowhere: the usual way
         import _thread
 
-        if spec.bind_prefix and template.binding_in_place(spec.bind_prefix) is None:
+        bound = template.binding_in_place(spec.bind_prefix) if spec.bind_prefix else (None, None)
+        if bound is None:
             why = f"a binding command ({os.path.basename(spec.bind_prefix[0])}) runs in front"
+        elif bound[0] is not None and template.frameworks() and set(bound[0]) != os.sched_getaffinity(0):
+            # (libgomp, OpenBLAS: a pool's size is the CPUs a process may use as the library loads)
+            why = f"a framework the fork server preloaded ({template.frameworks()[0]}) sized its threads for its CPUs"
         elif self.node.guard.ready() is None and not template.shows_itself():
             # without a cgroup the watchdog's last resort finds a job's processes by MSRUN_LAUNCHER_ID
             # in /proc/PID/environ, which shows a fork's template's where it cannot show its own

@@ -15,6 +15,11 @@ interpreter, no interpreter options, and the same values of every variable start
 (``PYTHON*``, the loader's, the locale's, ...; :data:`STARTUP_PREFIXES`). What may differ is only
 msrun's rank hook on ``PYTHONPATH``: a forked worker runs that hook's steps itself. A template
 whose imports started a thread, or whose installed code changed since it started, forks nothing.
+
+The frameworks the session's marked tests import (torch, numpy, ...) are imported here too, once
+the session asks (``{"frameworks": [...]}``), each only if its import passes
+:mod:`~pytest_msrun.engine.preloadrule` - else the template starts over without it - so a rank
+starts with them loaded; a fork then also needs the variables those imports read to be the same.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import os
 import sys
 from collections.abc import Mapping
 
-from pytest_msrun.engine import suppress
+from pytest_msrun.engine import preloadrule, suppress
 from pytest_msrun.targets import resolve
 
 FD_ENV = "MSRUN_TEMPLATE_FD"  # the template's end of its socketpair (a descriptor number)
@@ -47,6 +52,8 @@ REQUEST_LIMIT = 1 << 22  # bytes of one request (an environment and a command li
 # In the template and every process forked from it: its start-up environment (None elsewhere).
 _origin: dict[str, str] | None = None
 _stamp: dict[str, int] = {}  # files and directories whose change makes the template stale
+_frameworks: list[str] = []  # the frameworks imported here (preloadrule's rule passed)
+_framework_reads: set[str] = set()  # the variables their imports read
 
 
 def is_template() -> bool:
@@ -68,9 +75,19 @@ def startup_vars(env: Mapping[str, str], hook_dir: str = "") -> dict[str, str]:
 
 
 def differences(env: Mapping[str, str], origin: Mapping[str, str], hook_dir: str = "") -> list[str]:
-    """The start-up variables whose values in ``env`` and ``origin`` differ (sorted names)."""
+    """The start-up variables whose values in ``env`` and ``origin`` differ (sorted names) - with
+    frameworks preloaded, also those their imports read and the native libraries' (OMP_, ...)."""
     mine, theirs = startup_vars(env, hook_dir), startup_vars(origin)
+    if _frameworks:
+        names = _framework_reads | set(preloadrule.native_vars({*env, *origin}))
+        mine.update({k: env[k] for k in names if k in env})
+        theirs.update({k: origin[k] for k in names if k in origin})
     return sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+
+
+def frameworks() -> list[str]:
+    """The frameworks this template (or the template this process was forked from) imported."""
+    return list(_frameworks)
 
 
 def why_not_python(argv: list[str], env: Mapping[str, str], hook_dir: str = "") -> str:
@@ -274,22 +291,16 @@ def clone_parent() -> int:
     return int(pid)
 
 
-def _threads() -> int:
-    try:
-        return len(os.listdir("/proc/self/task"))
-    except OSError:
-        return 1
-
-
 def _preload(hello: dict) -> list[str]:
     """Import the hello's ``preload`` modules, then msrun's own, then - inside pytest's
     assertion-rewriting hook (target ``rewriting-hook``: what ends it, or None where it cannot be
     made) - its ``plugins``, but ``skip``; returns those that failed, with why (a fork imports them
     again).
 
-    A module whose import starts a thread (numpy's BLAS pool, say) cannot be in a template - a
-    fork copies one thread and none of the locks the others hold: the template starts over
-    without it (``exec`` of itself: the threads end), so that module is the ranks' own import."""
+    A module whose import leaves a thread running across a fork cannot be in a template - a fork
+    copies one thread and none of the locks the others hold: the template starts over without it
+    (``exec`` of itself: the threads end), so that module is the ranks' own import. A thread its
+    library stops at a fork (numpy's BLAS pool) is no such thread (:func:`preloadrule.single_threaded`)."""
     import importlib
 
     skip, failed = hello.get("skip", []), []
@@ -300,11 +311,8 @@ def _preload(hello: dict) -> list[str]:
                 importlib.import_module(name)
             except BaseException as exc:  # a plugin's import error is the rank's to report
                 failed.append(f"{name}: {type(exc).__name__}")
-            if _threads() > 1:
-                import json
-
-                os.environ[HELLO_ENV] = json.dumps({**hello, "skip": [*skip, name]})
-                os.execv(sys.executable, [sys.executable, "-m", "pytest_msrun.engine.template"])
+            if not preloadrule.single_threaded():
+                _start_over({**hello, "skip": [*skip, name]})
 
     load([*hello["preload"], *ENGINE_MODULES])
     # (a template forked from the session's process has its plugins imported: nothing to prepare)
@@ -313,7 +321,30 @@ def _preload(hello: dict) -> list[str]:
     if done is not None:  # None: no such hook here, the ranks import the plugins themselves
         load(plugins)
         done()
+    _load_frameworks(hello)
     return failed
+
+
+def _start_over(hello: dict) -> None:
+    """``exec`` this template anew with ``hello`` (the threads and imports of this one end)."""
+    import json
+
+    os.environ[HELLO_ENV] = json.dumps(hello)
+    os.execv(sys.executable, [sys.executable, "-m", "pytest_msrun.engine.template"])
+
+
+def _load_frameworks(hello: dict) -> None:
+    """Import the hello's ``frameworks`` (but those refused before) under the preload rule; one
+    refused: start over without it, its reason in ``hello["refused"]``."""
+    refused = hello.setdefault("refused", {})
+    for name in hello.get("frameworks", []):
+        if name in refused or name in _frameworks:
+            continue
+        why, reads = preloadrule.load(name)
+        if why:
+            _start_over({**hello, "refused": {**refused, name: why}})
+        _frameworks.append(name)
+        _framework_reads.update(reads)
 
 
 def _start_msrun(request: dict, fds: list[int], parent: int) -> int:
@@ -353,10 +384,28 @@ def _await_session(sock: object, hello: dict) -> bool:
     return bool(data)
 
 
+def _ready(sock: object, hello: dict, failed: list[str]) -> str:
+    """Say the template is ready (what it imported, and why a framework is not among them); why
+    it forks nothing ("" when it forks)."""
+    import gc
+    import json
+
+    global _stamp
+    _stamp = _take_stamp()
+    why = "" if preloadrule.single_threaded() else "an import started a thread (a fork copies only one)"
+    gc.collect()
+    gc.freeze()  # what the imports made stays shared with every fork (collections do not copy it)
+    how = "forked from the session's process" if hello.get("early") else "started"
+    held = f"; frameworks: {', '.join(_frameworks)}" if _frameworks else ""
+    print(f"fork server {os.getpid()}: {how}; {len(sys.modules)} modules imported{held}", flush=True)
+    reply = {"ready": True, "why": why, "failed": failed, "n": hello.get("n", 0), "frameworks": _frameworks}
+    sock.send(json.dumps({**reply, "refused": hello.get("refused", {})}).encode())  # type: ignore[attr-defined]
+    return why
+
+
 def serve(sock: object, parent: int) -> int:
     """The template's life, as ``parent``'s child that ends with it: the imports its hello names
     (:data:`HELLO_ENV`), then one msrun per request, until the requester closes its end."""
-    import gc
     import json
     import signal
     import socket
@@ -364,7 +413,7 @@ def serve(sock: object, parent: int) -> int:
     from pytest_msrun.engine.processes import die_with_parent
 
     assert isinstance(sock, socket.socket)
-    global _origin, _stamp
+    global _origin
     die_with_parent(signal.SIGKILL, parent)
     os.set_inheritable(sock.fileno(), True)  # kept across a start over (exec); never given to a fork
     hello = json.loads(os.environ.pop(HELLO_ENV))
@@ -377,19 +426,20 @@ def serve(sock: object, parent: int) -> int:
         del os.environ[FD_ENV]
         if hello.get("early") == "eager" and not _await_session(sock, hello):
             return 0
-        _stamp = _take_stamp()
-        why = "" if _threads() == 1 else "an import started a thread (a fork copies only one)"
-        gc.collect()
-        gc.freeze()  # what the imports made stays shared with every fork (collections do not copy it)
-        how = "forked from the session's process" if hello.get("early") else "started"
-        print(f"fork server {os.getpid()}: {how}; {len(sys.modules)} modules imported", flush=True)
-        sock.send(json.dumps({"ready": True, "why": why, "failed": failed}).encode())
+        why = _ready(sock, hello, failed)
         while True:  # (a signal does not interrupt a wait here: PEP 475)
             data, fds, _, _ = socket.recv_fds(sock, REQUEST_LIMIT, 3)
             if not data:
                 return 0
             try:
                 request = json.loads(data)
+                if isinstance(request.get("frameworks"), list) and not fds:  # (replied as ready)
+                    hello.update(frameworks=[str(n) for n in request["frameworks"]], n=request.get("n", 0))
+                    os.environ[FD_ENV] = str(sock.fileno())  # (a start over reads it)
+                    _load_frameworks(hello)
+                    del os.environ[FD_ENV]
+                    why = _ready(sock, hello, failed)
+                    continue
                 problem = why or stale()
                 if problem:
                     reply: dict = {"error": problem}
@@ -422,4 +472,6 @@ def main() -> int:
 if __name__ == "__main__":  # run as the imported module, whose state msrun's forks read
     from pytest_msrun.engine import template
 
-    sys.exit(template.main())
+    code = template.main()
+    sys.stdout.flush()
+    os._exit(code)  # no interpreter teardown: a preloaded framework's takes ~0.2 s, and nothing here needs it

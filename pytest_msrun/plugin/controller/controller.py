@@ -30,6 +30,7 @@ from pytest_msrun.plugin import envscope, options, rankmemory
 from pytest_msrun.plugin.controller.debugserver import NO_TTY, DebugServer
 from pytest_msrun.plugin.controller.earlytemplate import EARLY
 from pytest_msrun.plugin.controller.forkserver import ForkServerHooks, session_fork_server
+from pytest_msrun.plugin.controller.frameworks import PreloadSpecError, parse_spec
 from pytest_msrun.plugin.controller.jobs import PYTEST_TIMEOUT, Jobs
 from pytest_msrun.plugin.controller.keeping import default_ranks
 from pytest_msrun.plugin.controller.pool import ResourcePool, inventory
@@ -150,7 +151,12 @@ class Controller:
         self.reporter = Reporter(config, self.style, self.leaks, timelines, self.traces)
         self.forks = (config.stash.get(EARLY, None) or session_fork_server(config)) if forking == "on" else None
         if self.forks is not None:  # its session hooks: when it starts, what it says, its end
-            config.pluginmanager.register(ForkServerHooks(self.forks), "msrun-fork-server")
+            preload = config.getoption("msrun_preload", None) or config.getini("msrun_preload") or "auto"
+            try:
+                parse_spec(preload)
+            except PreloadSpecError as exc:
+                raise pytest.UsageError(str(exc)) from None
+            config.pluginmanager.register(ForkServerHooks(self.forks, preload), "msrun-fork-server")
         self.jobs = Jobs(
             config,
             debug=self.debug,

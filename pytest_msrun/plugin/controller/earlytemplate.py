@@ -19,17 +19,19 @@ from typing import Any
 
 import pytest
 
-from pytest_msrun.engine import template
+from pytest_msrun.engine import preloadrule, template
 from pytest_msrun.engine.processes import become_fresh_child, forked
 from pytest_msrun.plugin import options
 from pytest_msrun.plugin.controller.forkserver import (
     MARKED_BEFORE,
     ForkedProcess,
     ForkServer,
+    last_session,
     preload_for,
     session_fork_server,
     template_env,
 )
+from pytest_msrun.plugin.controller.frameworks import chosen
 
 EARLY = pytest.StashKey[ForkServer]()  # the session's fork server, its template forked from this process
 _sessions_seen = 0  # sessions of this process that reached their initial conftests
@@ -64,23 +66,26 @@ def unforkable_session(config: pytest.Config) -> str:
     traced = monitoring is not None and any(monitoring.get_tool(i) for i in range(6))
     if traced or sys.gettrace() is not None or sys.getprofile() is not None:
         return "this process is traced (coverage, a profiler, a debugger)"
-    if template._threads() != 1:
+    if not preloadrule.single_threaded():
         return "this process runs threads"
     return ""
 
 
-def _marked_before(config: pytest.Config) -> bool | None:
-    """What pytest's cache says of the project's last session (None: no cache to ask)."""
+def _marked_before(config: pytest.Config) -> tuple[bool | None, list[str]]:
+    """What pytest's cache says of the project's last session: it had marked tests (None: no
+    cache to ask), and the frameworks to preload (theirs, as ``--msrun-preload`` changes them)."""
     if not config.pluginmanager.has_plugin("cacheprovider"):
-        return None
+        return None, []
     try:
         from _pytest.cacheprovider import resolve_from_str
 
         root = resolve_from_str(config.getini("cache_dir"), config.rootpath)
         with open(root / "v" / MARKED_BEFORE, encoding="utf-8") as fh:
-            return bool(json.load(fh))
+            marked, frameworks = last_session(json.load(fh))
+        spec = getattr(config.known_args_namespace, "msrun_preload", None) or config.getini("msrun_preload")
+        return marked, chosen(frameworks, spec or "auto")
     except (OSError, ValueError, AttributeError, ImportError):
-        return False
+        return False, []
 
 
 def project_modules(rootdir: str) -> list[str]:
@@ -124,7 +129,9 @@ def fork_session(config: pytest.Config) -> None:
         return
     skip = options.unused_rank_plugins(config)
     preload, plugins = preload_for(config, skip)
-    hello = {"preload": preload, "plugins": plugins, "early": "lazy" if _marked_before(config) is False else "eager"}
+    marked, frameworks = _marked_before(config)
+    hello: dict[str, Any] = {"preload": preload, "plugins": plugins, "early": "lazy" if marked is False else "eager"}
+    hello.update(frameworks=frameworks, n=0)
     # the modules of plugins the ranks do not load, and the project's own: gone from the template,
     # as from a started one (a rank imports them under its own environment)
     forget = project_modules(str(config.rootpath)) + [
@@ -162,5 +169,6 @@ def fork_session(config: pytest.Config) -> None:
     forks = session_fork_server(config)
     argv = [sys.executable, "-m", template.__name__]
     forks.adopt(ForkedProcess(tag=None, pid=pid, started=time.time(), args=argv), ours, origin)
+    forks.frameworks = frameworks
     config.stash[EARLY] = forks
     config.add_cleanup(forks.close)  # (where the session ended first, or had no controller)

@@ -87,6 +87,9 @@ class ForkServer:
         self._ready = False
         self._broken = ""  # why it forks nothing more
         self.origin: dict[str, str] = {}  # the template's environment
+        self.frameworks: list[str] = []  # asked to preload (the marked tests' imports)
+        self.held: list[str] = []  # what the template said it preloaded
+        self._asked = 0  # frameworks requests sent; a reply to an older one is passed over
 
     def refuse(self, why: str) -> None:
         """Note a reason something started as a new process (said once in the summary)."""
@@ -109,7 +112,7 @@ class ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.origin = template_env()
         preload, plugins = self.preload()
-        hello = json.dumps({"preload": preload, "plugins": plugins})
+        hello = json.dumps({"preload": preload, "plugins": plugins, "frameworks": self.frameworks, "n": self._asked})
         env = {**self.origin, template.FD_ENV: str(theirs.fileno()), template.HELLO_ENV: hello}
         argv = [sys.executable, "-m", template.__name__]
         try:
@@ -129,6 +132,24 @@ class ForkServer:
             except OSError as exc:
                 self._fail(f"the fork server did not start ({exc})")
 
+    def preload_frameworks(self, names: list[str]) -> None:
+        """Have the template import ``names`` too (each if the preload rule lets it: why not is
+        said in the summary); its next fork waits for them."""
+        new = [n for n in names if n not in self.frameworks]
+        if not new:
+            return
+        self.frameworks += new
+        started = self._proc is not None
+        self.begin()
+        if not started or self._broken or self._sock is None:
+            return  # (a template started now was told them in its hello)
+        self._asked += 1
+        try:
+            self._sock.send(json.dumps({"frameworks": self.frameworks, "n": self._asked}).encode())
+        except OSError as exc:
+            self._fail(f"the fork server could not be reached ({exc})")
+        self._ready = False
+
     def _fail(self, why: str) -> None:
         self._broken = why
         self.refuse(why)
@@ -145,12 +166,17 @@ class ForkServer:
         return reply if isinstance(reply, dict) else None
 
     def _await_ready(self) -> bool:
-        if not self._ready:
+        while not self._ready:
             reply = self._receive(READY_TIMEOUT)
             if reply is None or reply.get("why"):
                 why = "did not get ready" if reply is None else f"forks nothing: {reply['why']}"
                 self._fail(f"the fork server {why}")
                 return False
+            if reply.get("n", 0) != self._asked:
+                continue  # ready before the session's last request
+            self.held = [str(n) for n in reply.get("frameworks", [])]
+            for name, why in dict(reply.get("refused", {})).items():
+                self.refuse(f"ranks import {name} themselves (not preloaded: {why})")
             self._ready = True
         return True
 
@@ -243,30 +269,65 @@ def rewriting_hook() -> Callable[[], None] | None:
 MARKED_BEFORE = "msrun/marked-tests"  # pytest's cache: the last session collected marked tests
 
 
+def last_session(value: object) -> tuple[bool, list[str]]:
+    """What the cache's :data:`MARKED_BEFORE` says: the last session had marked tests, and the
+    frameworks they imported (false, or ``{"frameworks": [...]}``; true from older versions)."""
+    frameworks = value.get("frameworks") if isinstance(value, dict) else None
+    return bool(value), [str(n) for n in frameworks] if isinstance(frameworks, list) else []
+
+
 class ForkServerHooks:
     """A session's hooks for its fork server: started with the first marked test collected - or
     at the session's start where the project's last session had marked tests (pytest's cache), so
     its imports overlap the whole collection; why anything started as a new process, said in the
     summary; ended with the session."""
 
-    def __init__(self, forks: ForkServer) -> None:
+    def __init__(self, forks: ForkServer, preload: str = "auto") -> None:
         self.forks = forks
         self.marked_collected = False
+        self.preload = preload  # --msrun-preload
+        self._frameworks: list[str] | None = None  # (found once, at the collection's end)
+
+    def _found(self, items: list[pytest.Item], config: pytest.Config) -> list[str]:
+        if self._frameworks is None:
+            from pytest_msrun.plugin.controller.frameworks import frameworks
+
+            self._frameworks = frameworks(items, config, self.preload) if self.marked_collected else []
+        return self._frameworks
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.forks.preload_frameworks(self._found(session.items, session.config))
+
+    def pytest_report_collectionfinish(self, config: pytest.Config, items: list[pytest.Item]) -> str | None:
+        names = self._found(items, config)
+        if not names:
+            return None
+        them = "them" if len(names) > 1 else "it"
+        return f"msrun: ranks start with {', '.join(names)} imported (the marked tests import {them}; --msrun-preload)"
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         cache = getattr(session.config, "cache", None)
-        if cache is not None and cache.get(MARKED_BEFORE, False):
+        marked, frameworks = last_session(cache.get(MARKED_BEFORE, False) if cache is not None else False)
+        if marked:  # its imports overlap the collection (the frameworks it had, too)
+            from pytest_msrun.plugin.controller.frameworks import chosen
+
+            self.forks.frameworks = self.forks.frameworks or chosen(frameworks, self.preload)
             self.forks.begin()
 
     def pytest_itemcollected(self, item: pytest.Item) -> None:
         if not self.marked_collected and item.get_closest_marker(MARKER) is not None:
             self.marked_collected = True
             self.forks.begin()
+            # what its module imports: the template imports them while the collection goes on
+            from pytest_msrun.plugin.controller.frameworks import frameworks
+
+            self.forks.preload_frameworks(frameworks([item], item.config, self.preload))
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         cache = getattr(session.config, "cache", None)
-        if cache is not None and cache.get(MARKED_BEFORE, False) != self.marked_collected:
-            cache.set(MARKED_BEFORE, self.marked_collected)
+        now = {"frameworks": self._frameworks or []} if self.marked_collected else False
+        if cache is not None and cache.get(MARKED_BEFORE, False) != now:
+            cache.set(MARKED_BEFORE, now)
 
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         for why in self.forks.refusals:

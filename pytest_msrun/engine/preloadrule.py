@@ -1,0 +1,123 @@
+"""Which frameworks a fork server may hold: the rule a module's import must pass to be preloaded.
+
+A template imports, before it forks a job's ranks, the frameworks the session's marked tests
+import (torch, numpy, ...), so that a rank starts with them loaded. A fork stands for a fresh
+interpreter only if the import would have left the same state in a rank - so a module is kept
+only if its import, watched here:
+
+* read none of a job's variables (:func:`job_var`: those msrun sets for a rank - ``RANK``,
+  ``WORLD_SIZE``, ``MASTER_PORT``, ... - ``MS_*``, ``MSRUN_*``, ``*_VISIBLE_DEVICES``) and did not
+  list the environment (a copy of it may hold them) - a rank's import reads its own values;
+* opened no character device (a GPU's or NPU's: CUDA must not be initialised before a fork);
+* left no thread running across a fork: a thread whose own fork handler stops it (OpenBLAS's pool,
+  which numpy starts at import) is gone after one probe fork; any other would hold its locks
+  in every rank.
+
+And at each fork: a worker whose environment differs from the template's in a variable the
+watched imports read (a marker's ``env``), or in the native thread pools' (:data:`NATIVE_PREFIXES`,
+read from C as a library loads, out of the watch's reach), starts as a new process.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Iterable
+
+from pytest_msrun.engine import suppress
+
+NATIVE_PREFIXES = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "GOTOBLAS_")
+_JOB_PREFIXES = ("MS_", "MSRUN_")
+_JOB_SUFFIX = "_VISIBLE_DEVICES"
+LISTED = "*"  # a read of every variable (the environment listed or copied)
+
+
+def job_var(name: str) -> bool:
+    """Whether ``name`` may hold a value of one job or rank (a preloaded import must not read it)."""
+    from pytest_msrun.engine.childenv import OWNED_VARS
+
+    return name == LISTED or name in OWNED_VARS or name.startswith(_JOB_PREFIXES) or name.endswith(_JOB_SUFFIX)
+
+
+class _Watched(type(os.environ)):  # type: ignore[misc]
+    """``os.environ`` while an import is watched: every name looked up, and a listing, recorded."""
+
+    reads: set[str] = set()
+
+    def __getitem__(self, key):
+        _Watched.reads.add(key if isinstance(key, str) else repr(key))
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        _Watched.reads.add(key if isinstance(key, str) else repr(key))
+        return super().__contains__(key)
+
+    def __iter__(self):
+        _Watched.reads.add(LISTED)
+        return super().__iter__()
+
+
+def _devices() -> dict[int, str]:
+    """This process's open character devices but ``/dev/null`` (descriptor: path)."""
+    out = {}
+    with suppress(OSError):
+        for fd in os.listdir("/proc/self/fd"):
+            with suppress(OSError, ValueError):
+                st = os.stat(f"/proc/self/fd/{fd}")
+                if stat.S_ISCHR(st.st_mode) and st.st_rdev != os.makedev(1, 3):
+                    out[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+    return out
+
+
+def threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def single_threaded() -> bool:
+    """Whether this process runs one thread - after a probe fork where it ran more: a thread whose
+    library stops it in its fork handler (``pthread_atfork``: OpenBLAS's pool, which numpy starts
+    at import) is gone then, and started again only when the library is used."""
+    if threads() == 1:
+        return True
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return threads() == 1
+
+
+def load(name: str) -> tuple[str, set[str]]:
+    """Import ``name`` under watch: why it may not stay in a template ("" when it may) and the
+    variables its import read."""
+    import importlib
+
+    before = _devices()
+    environ = os.environ
+    plain = type(environ)
+    _Watched.reads = set()
+    environ.__class__ = _Watched
+    try:
+        importlib.import_module(name)
+    except BaseException as exc:
+        return f"its import failed ({type(exc).__name__}: {str(exc)[:200]})", set()
+    finally:
+        environ.__class__ = plain
+    reads = set(_Watched.reads)
+    job = sorted(n for n in reads if job_var(n))
+    if job:
+        what = "lists the environment" if LISTED in job else f"reads {', '.join(job[:3])}"
+        return f"its import {what} (a rank's own values)", reads
+    opened = [path for fd, path in _devices().items() if fd not in before]
+    if opened:
+        return f"its import opened a device ({opened[0]})", reads
+    if not single_threaded():
+        return "its import started a thread that a fork does not stop", reads
+    return "", reads
+
+
+def native_vars(env: Iterable[str]) -> list[str]:
+    """The names in ``env`` that native libraries read as they load (:data:`NATIVE_PREFIXES`)."""
+    return [n for n in env if n.startswith(NATIVE_PREFIXES)]

@@ -1,0 +1,111 @@
+"""The frameworks a session's fork server preloads: what its marked tests' modules import.
+
+Read from what collection imported: the top-level packages of the modules (and of the classes and
+functions) a marked test's module and its conftests hold in their globals - ``import torch``,
+``from numpy import ndarray``, ``import torch.distributed as dist`` - that are installed code: not
+the standard library, not the project's own files (which each rank imports under its own
+environment), not pytest's or this plugin's (the template holds those already). ``--msrun-preload``
+changes the list: ``auto`` (default: those), ``none``, ``NAME`` adds one, ``-NAME`` takes one out.
+Whether each may stay in a template is the template's decision (:mod:`pytest_msrun.engine.preloadrule`).
+"""
+
+from __future__ import annotations
+
+import os
+import site
+import sys
+import sysconfig
+import types
+from collections.abc import Iterable
+
+import pytest
+
+from pytest_msrun.plugin.marker import MARKER
+
+OWN = frozenset({"pytest", "_pytest", "pluggy", "py", "pytest_msrun", "__main__", "builtins"})
+
+
+class PreloadSpecError(ValueError):
+    pass
+
+
+def parse_spec(spec: str) -> tuple[bool, set[str], set[str]]:
+    """``--msrun-preload``'s value: (detect, names added, names taken out)."""
+    auto, added, removed = True, set(), set()
+    for item in (p.strip() for p in spec.split(",")):
+        if item in ("", "auto"):
+            continue
+        name = item[1:] if item.startswith("-") else item
+        if not name.isidentifier():
+            raise PreloadSpecError(f"--msrun-preload: {item!r} is not auto, none, NAME or -NAME (a top-level module)")
+        if item == "none":
+            auto = False
+        elif item.startswith("-"):
+            removed.add(name)
+        else:
+            added.add(name)
+    return auto, added, removed
+
+
+def chosen(found: Iterable[str], spec: str) -> list[str]:
+    """``found`` (detected, or cached from the last session) as ``spec`` changes it."""
+    auto, added, removed = parse_spec(spec)
+    return sorted(((set(found) if auto else set()) | added) - removed)
+
+
+def _installed_roots() -> tuple[str, ...]:
+    paths = [*site.getsitepackages(), site.getusersitepackages()]
+    return tuple(os.path.join(os.path.realpath(p), "") for p in paths if p)
+
+
+def _stdlib_roots() -> tuple[str, ...]:
+    paths = {sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib")}
+    return tuple(os.path.join(os.path.realpath(p), "") for p in paths if p)
+
+
+def is_framework(top: str, rootdir: str) -> bool:
+    """Whether the imported top-level module ``top`` is installed code a template may preload."""
+    module = sys.modules.get(top)
+    file = getattr(module, "__file__", None)
+    if top in OWN or top.startswith("_") or not isinstance(file, str):
+        return False  # a builtin or a namespace package, or pytest's and ours
+    path = os.path.realpath(file)
+    if path.startswith(_installed_roots()):
+        return True
+    # elsewhere on sys.path (PYTHONPATH, a vendored directory) but the standard library and the
+    # project's own files: installed code too
+    return not path.startswith((*_stdlib_roots(), os.path.join(os.path.realpath(rootdir), "")))
+
+
+def referenced_tops(module: types.ModuleType) -> set[str]:
+    """The top-level packages of what ``module``'s globals hold (modules, classes, functions)."""
+    out = set()
+    for value in list(vars(module).values()):
+        name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
+        if isinstance(name, str) and name:
+            out.add(name.partition(".")[0])
+    return out
+
+
+def _modules(items: Iterable[pytest.Item]) -> list[types.ModuleType]:
+    seen: dict[int, types.ModuleType] = {}
+    for item in items:
+        if item.get_closest_marker(MARKER) is None:
+            continue
+        module = getattr(item, "module", None)
+        if isinstance(module, types.ModuleType):
+            seen.setdefault(id(module), module)
+    return list(seen.values())
+
+
+def frameworks(items: Iterable[pytest.Item], config: pytest.Config, spec: str) -> list[str]:
+    """The frameworks to preload for ``items`` (marked ones count), as ``spec`` says."""
+    found: set[str] = set()
+    if parse_spec(spec)[0]:
+        modules = _modules(items)
+        if modules:
+            conftests = [p for p in config.pluginmanager.get_plugins() if isinstance(p, types.ModuleType)]
+            rootdir = str(config.rootpath)
+            for module in [*modules, *(c for c in conftests if c.__name__.rpartition(".")[2] == "conftest")]:
+                found |= {top for top in referenced_tops(module) if is_framework(top, rootdir)}
+    return chosen(found, spec)
