@@ -21,6 +21,11 @@ import json, os, signal, sys, warnings
 
 import pytest
 
+try:
+    import fwprobe  # an installed framework, where the test gives one
+except ImportError:
+    fwprobe = None
+
 
 VOLATILE = ("MSRUN_JOB_ID", "MSRUN_LAUNCHER_ID", "MSRUN_JOB_TOKEN", "MSRUN_LOG_DIR", "MSRUN_ERROR_FILE",
             "MSRUN_PYTEST_OPTIONS",
@@ -79,6 +84,7 @@ def _describe():
         "modules_of_the_project": sorted(m for m in sys.modules if m in ("threadplugin",)),
         "path_hooks": [type(h).__name__ for h in sys.path_hooks],
         "meta_path": [type(h).__name__ for h in sys.meta_path],
+        "framework": fwprobe and {**fwprobe.STATE, "same_module": sys.modules["fwprobe"] is fwprobe},
     }
 
 
@@ -100,13 +106,33 @@ threading.Thread(target=threading.Event().wait, daemon=True).start()
 TEMPLATES = {"forked": ("-p", "no:randomly"), "spawned": ("-p", "threadplugin")}
 
 
-def _probe(pytester, monkeypatch, tracked, mode: str, marker_args: str, how: str = "forked") -> dict[str, dict]:
+# an installed framework (outside the project): what its import saw - the CPUs, a variable, the
+# environment's size; preloaded by the fork server where the probe imports it
+FRAMEWORK = """
+import os, sys
+
+STATE = {
+    "cpus": sorted(os.sched_getaffinity(0)),
+    "setting": os.environ.get("PROBE_SETTING"),
+    "path0": sys.path[0] == os.getcwd(),
+}
+"""
+
+
+def _probe(
+    pytester, monkeypatch, tracked, mode: str, marker_args: str, how: str = "forked", framework: bool = False
+) -> dict[str, dict]:
     out = pytester.path / "probe"
     out.mkdir(exist_ok=True)
     monkeypatch.setenv("PROBE_DIR", str(out))
+    monkeypatch.setenv("PROBE_SETTING", "from the session")
     monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # msrun sets it for every rank
+    libs = pytester.path.parent / f"{pytester.path.name}-libs"
+    if framework:
+        libs.mkdir(exist_ok=True)
+        (libs / "fwprobe.py").write_text(FRAMEWORK)
     if str(pytester.path) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):  # (-p threadplugin)
-        paths = [str(pytester.path), os.environ.get("PYTHONPATH")]
+        paths = [str(pytester.path), str(libs), os.environ.get("PYTHONPATH")]
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, paths)))
     pytester.makepyfile(test_probe=PROBE.replace(", MARKER_ARGS", marker_args), threadplugin=THREAD_PLUGIN)
     # -W error: a plugin the fork server imported must not warn in the rank (rewriting: "already imported")
@@ -114,10 +140,14 @@ def _probe(pytester, monkeypatch, tracked, mode: str, marker_args: str, how: str
     args = ("-p", "no:cacheprovider", "-W", "error", f"--msrun-fork-server={mode}", f"--basetemp={base}")
     result = pytester.runpytest_subprocess(*args, *TEMPLATES[how], timeout=240)
     result.assert_outcomes(passed=1)
-    assert not [line for line in result.stdout.lines if line.startswith("msrun:")]  # nothing to say
+    said = [line for line in result.stdout.lines if line.startswith("msrun:")]
+    preloading = "msrun: ranks start with fwprobe imported (the marked tests import it; --msrun-preload)"
+    assert said == ([preloading] if framework and mode == "on" else []), said  # nothing else to say
     if mode == "on":
         said = {"forked": "forked from the session's process", "spawned": "started"}[how]
-        assert f": {said};" in (base / "msrun-fork-server.log").read_text()
+        log = (base / "msrun-fork-server.log").read_text()
+        assert f": {said};" in log
+        assert ("frameworks: fwprobe" in log) == framework, log
     # each session's own directories (pytester's runpytest-N) named alike
     names = ("rank0.json", "rank1.json")
     texts = {name: re.sub(r"runpytest-\d+", "runpytest-N", (out / name).read_text()) for name in names}
@@ -158,6 +188,19 @@ def test_a_forked_rank_is_indistinguishable_from_a_spawned_one(pytester, monkeyp
         differ = {key: (mine[key], theirs.get(key)) for key in mine if mine[key] != theirs.get(key)}
         assert not differ, differ
         assert mine["session_leader"] and mine["stdout_is_log"]
+
+
+def test_a_rank_forked_with_a_preloaded_framework_is_indistinguishable_from_a_spawned_one(
+    pytester, monkeypatch, tracked
+):
+    """The framework imported once by the fork server, before the fork, as the rank's own import
+    would have: what its import saw (CPUs, variables) is what a spawned rank's import sees."""
+    forked = _probe(pytester, monkeypatch, tracked, "on", "", framework=True)
+    spawned = _probe(pytester, monkeypatch, tracked, "off", "", framework=True)
+    for name in ("rank0.json", "rank1.json"):
+        assert forked[name]["forked"] and not spawned[name]["forked"]
+        assert forked[name]["me"]["framework"] == spawned[name]["me"]["framework"]
+        assert forked[name]["me"]["framework"]["setting"] == "from the session"
 
 
 def test_a_forked_rank_ignores_what_a_spawned_one_inherits_ignored(pytester, monkeypatch, tracked):

@@ -329,7 +329,7 @@ def _start_over(hello: dict) -> None:
     """``exec`` this template anew with ``hello`` (the threads and imports of this one end)."""
     import json
 
-    os.environ[HELLO_ENV] = json.dumps(hello)
+    os.environ[HELLO_ENV] = json.dumps({**hello, "over": True})
     os.execv(sys.executable, [sys.executable, "-m", "pytest_msrun.engine.template"])
 
 
@@ -395,7 +395,13 @@ def _ready(sock: object, hello: dict, failed: list[str]) -> str:
     why = "" if preloadrule.single_threaded() else "an import started a thread (a fork copies only one)"
     gc.collect()
     gc.freeze()  # what the imports made stays shared with every fork (collections do not copy it)
-    how = "forked from the session's process" if hello.get("early") else "started"
+    how = (
+        "started over"
+        if hello.get("over")
+        else "forked from the session's process"
+        if hello.get("early")
+        else "started"
+    )
     held = f"; frameworks: {', '.join(_frameworks)}" if _frameworks else ""
     print(f"fork server {os.getpid()}: {how}; {len(sys.modules)} modules imported{held}", flush=True)
     reply = {"ready": True, "why": why, "failed": failed, "n": hello.get("n", 0), "frameworks": _frameworks}
