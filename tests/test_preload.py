@@ -221,3 +221,67 @@ def test_a_spec_is_read_or_refused_naming_the_option(spec):
         parse_spec(spec)
     except PreloadSpecError as exc:
         assert str(exc).startswith("--msrun-preload: ")
+
+
+# ---------------------------------------------------------------------------------- real frameworks
+
+SEES = """
+import os, sys
+
+def pytest_configure(config):
+    if "RANK_ID" in os.environ:  # a rank, before it collects: what it starts with
+        with open(os.path.join(os.environ["IMPORTS_DIR"], f"rank{os.environ['RANK_ID']}"), "a") as fh:
+            fh.write(f"{FRAMEWORK in sys.modules}\\n")
+"""
+
+
+@pytest.mark.torch
+def test_torch_ranks_start_with_torch_imported_and_their_memory_is_not_a_test_s_growth(pytester, libs, tracked):
+    pytester.makeconftest(SEES.replace("FRAMEWORK", "'torch'"))
+    pytester.makepyfile(
+        test_torch="""
+        import pytest
+        import torch
+        import torch.distributed as dist
+
+        @pytest.fixture(scope="module")
+        def group():
+            dist.init_process_group("gloo")
+            yield
+            dist.destroy_process_group()
+
+        @pytest.mark.msrun(worker_num=2)
+        @pytest.mark.parametrize("i", range(3))
+        def test_all_reduce(rank, group, i):
+            t = torch.tensor([rank + i], dtype=torch.float32)
+            dist.all_reduce(t)
+            assert t.item() == 1 + 2 * i
+        """
+    )
+    # a test that grew a rank by 50 MiB fails: torch's import (~100s of MiB) is the template's, not a test's
+    result, log = _run(pytester, "--msrun-leaks=error", "--msrun-leak-rss=50MiB")
+    result.assert_outcomes(passed=3)
+    result.stdout.fnmatch_lines(["msrun: ranks start with torch imported*"])
+    assert log.splitlines()[-1].endswith("frameworks: torch"), log
+    assert [(libs.imports / f"rank{r}").read_text().split() for r in (0, 1)] == [["True"], ["True"]]
+
+
+@pytest.mark.mindspore
+def test_mindspore_is_each_rank_s_own_import_saying_why(pytester, libs, tracked):
+    """MindSpore's import reads MS_* variables (a rank's own): not preloaded, and the summary says so."""
+    pytester.makeconftest(SEES.replace("FRAMEWORK", "'mindspore'"))
+    pytester.makepyfile(
+        test_ms="""
+        import mindspore
+        import pytest
+
+        @pytest.mark.msrun(worker_num=2)
+        def test_rank(rank):
+            assert mindspore.__version__
+        """
+    )
+    result, log = _run(pytester)
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["msrun: ranks import mindspore themselves (not preloaded: its import reads MS_*"])
+    assert "frameworks: mindspore" not in log
+    assert [(libs.imports / f"rank{r}").read_text().split() for r in (0, 1)] == [["False"], ["False"]]

@@ -89,9 +89,11 @@ def single_threaded() -> bool:
     return threads() == 1
 
 
-def load(name: str) -> tuple[str, set[str]]:
-    """Import ``name`` under watch: why it may not stay in a template ("" when it may) and the
-    variables its import read."""
+def load(name: str, modules: Iterable[str] = ()) -> tuple[str, set[str]]:
+    """Import the package ``name``, then its ``modules`` (``name.sub``, ...: those a session's
+    collection imported, in that order), under watch: why it may not stay in a template ("" when
+    it may) and the variables the imports read. A module of it that does not import is the ranks'
+    own import (``ImportError``); any other failure refuses the package."""
     import importlib
 
     before = _devices()
@@ -100,9 +102,17 @@ def load(name: str) -> tuple[str, set[str]]:
     _Watched.reads = set()
     environ.__class__ = _Watched
     try:
-        importlib.import_module(name)
+        for module in [name, *(m for m in modules if m != name)]:
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                if module == name:
+                    raise
+            except BaseException as exc:
+                raise ImportError(f"{module}: {type(exc).__name__}: {exc}") from exc
     except BaseException as exc:
-        return f"its import failed ({type(exc).__name__}: {str(exc)[:200]})", set()
+        cause = exc.__cause__ if isinstance(exc.__cause__, BaseException) else exc
+        return f"its import failed ({type(cause).__name__}: {str(cause)[:200]})", set()
     finally:
         environ.__class__ = plain
     reads = set(_Watched.reads)

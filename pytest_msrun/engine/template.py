@@ -337,13 +337,15 @@ def _load_frameworks(hello: dict) -> None:
     """Import the hello's ``frameworks`` (but those refused before) under the preload rule; one
     refused: start over without it, its reason in ``hello["refused"]``."""
     refused = hello.setdefault("refused", {})
+    modules = hello.get("modules", [])
     for name in hello.get("frameworks", []):
-        if name in refused or name in _frameworks:
+        if name in refused:
             continue
-        why, reads = preloadrule.load(name)
+        why, reads = preloadrule.load(name, [m for m in modules if m.partition(".")[0] == name])
         if why:
             _start_over({**hello, "refused": {**refused, name: why}})
-        _frameworks.append(name)
+        if name not in _frameworks:
+            _frameworks.append(name)
         _framework_reads.update(reads)
 
 
@@ -441,6 +443,7 @@ def serve(sock: object, parent: int) -> int:
                 request = json.loads(data)
                 if isinstance(request.get("frameworks"), list) and not fds:  # (replied as ready)
                     hello.update(frameworks=[str(n) for n in request["frameworks"]], n=request.get("n", 0))
+                    hello["modules"] = [str(n) for n in request.get("modules", [])]
                     os.environ[FD_ENV] = str(sock.fileno())  # (a start over reads it)
                     _load_frameworks(hello)
                     del os.environ[FD_ENV]

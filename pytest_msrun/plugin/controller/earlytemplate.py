@@ -31,7 +31,6 @@ from pytest_msrun.plugin.controller.forkserver import (
     session_fork_server,
     template_env,
 )
-from pytest_msrun.plugin.controller.frameworks import chosen
 
 EARLY = pytest.StashKey[ForkServer]()  # the session's fork server, its template forked from this process
 _sessions_seen = 0  # sessions of this process that reached their initial conftests
@@ -71,21 +70,20 @@ def unforkable_session(config: pytest.Config) -> str:
     return ""
 
 
-def _marked_before(config: pytest.Config) -> tuple[bool | None, list[str]]:
+def _marked_before(config: pytest.Config) -> tuple[bool | None, list[str], list[str]]:
     """What pytest's cache says of the project's last session: it had marked tests (None: no
-    cache to ask), and the frameworks to preload (theirs, as ``--msrun-preload`` changes them)."""
+    cache to ask), and the frameworks to preload with their modules (:func:`last_session`)."""
     if not config.pluginmanager.has_plugin("cacheprovider"):
-        return None, []
+        return None, [], []
     try:
         from _pytest.cacheprovider import resolve_from_str
 
         root = resolve_from_str(config.getini("cache_dir"), config.rootpath)
-        with open(root / "v" / MARKED_BEFORE, encoding="utf-8") as fh:
-            marked, frameworks = last_session(json.load(fh))
         spec = getattr(config.known_args_namespace, "msrun_preload", None) or config.getini("msrun_preload")
-        return marked, chosen(frameworks, spec or "auto")
+        with open(root / "v" / MARKED_BEFORE, encoding="utf-8") as fh:
+            return last_session(json.load(fh), spec or "auto")
     except (OSError, ValueError, AttributeError, ImportError):
-        return False, []
+        return False, [], []
 
 
 def project_modules(rootdir: str) -> list[str]:
@@ -129,9 +127,9 @@ def fork_session(config: pytest.Config) -> None:
         return
     skip = options.unused_rank_plugins(config)
     preload, plugins = preload_for(config, skip)
-    marked, frameworks = _marked_before(config)
+    marked, frameworks, modules = _marked_before(config)
     hello: dict[str, Any] = {"preload": preload, "plugins": plugins, "early": "lazy" if marked is False else "eager"}
-    hello.update(frameworks=frameworks, n=0)
+    hello.update(frameworks=frameworks, modules=modules, n=0)
     # the modules of plugins the ranks do not load, and the project's own: gone from the template,
     # as from a started one (a rank imports them under its own environment)
     forget = project_modules(str(config.rootpath)) + [
@@ -169,6 +167,6 @@ def fork_session(config: pytest.Config) -> None:
     forks = session_fork_server(config)
     argv = [sys.executable, "-m", template.__name__]
     forks.adopt(ForkedProcess(tag=None, pid=pid, started=time.time(), args=argv), ours, origin)
-    forks.frameworks = frameworks
+    forks.frameworks, forks.modules = frameworks, modules
     config.stash[EARLY] = forks
     config.add_cleanup(forks.close)  # (where the session ended first, or had no controller)

@@ -88,6 +88,7 @@ class ForkServer:
         self._broken = ""  # why it forks nothing more
         self.origin: dict[str, str] = {}  # the template's environment
         self.frameworks: list[str] = []  # asked to preload (the marked tests' imports)
+        self.modules: list[str] = []  # their modules, in the order of their imports here
         self.held: list[str] = []  # what the template said it preloaded
         self._asked = 0  # frameworks requests sent; a reply to an older one is passed over
 
@@ -112,7 +113,15 @@ class ForkServer:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.origin = template_env()
         preload, plugins = self.preload()
-        hello = json.dumps({"preload": preload, "plugins": plugins, "frameworks": self.frameworks, "n": self._asked})
+        hello = json.dumps(
+            {
+                "preload": preload,
+                "plugins": plugins,
+                "frameworks": self.frameworks,
+                "modules": self.modules,
+                "n": self._asked,
+            }
+        )
         env = {**self.origin, template.FD_ENV: str(theirs.fileno()), template.HELLO_ENV: hello}
         argv = [sys.executable, "-m", template.__name__]
         try:
@@ -132,20 +141,23 @@ class ForkServer:
             except OSError as exc:
                 self._fail(f"the fork server did not start ({exc})")
 
-    def preload_frameworks(self, names: list[str]) -> None:
-        """Have the template import ``names`` too (each if the preload rule lets it: why not is
-        said in the summary); its next fork waits for them."""
+    def preload_frameworks(self, names: list[str], modules: list[str]) -> None:
+        """Have the template import the packages ``names`` too, and their ``modules`` (each package
+        if the preload rule lets it: why not is said in the summary); its next fork waits for them."""
         new = [n for n in names if n not in self.frameworks]
-        if not new:
+        more = [m for m in modules if m not in set(self.modules)]
+        if not new and not more:
             return
         self.frameworks += new
+        self.modules += more
         started = self._proc is not None
         self.begin()
         if not started or self._broken or self._sock is None:
             return  # (a template started now was told them in its hello)
         self._asked += 1
         try:
-            self._sock.send(json.dumps({"frameworks": self.frameworks, "n": self._asked}).encode())
+            request = {"frameworks": self.frameworks, "modules": self.modules, "n": self._asked}
+            self._sock.send(json.dumps(request).encode())
         except OSError as exc:
             self._fail(f"the fork server could not be reached ({exc})")
         self._ready = False
@@ -269,11 +281,18 @@ def rewriting_hook() -> Callable[[], None] | None:
 MARKED_BEFORE = "msrun/marked-tests"  # pytest's cache: the last session collected marked tests
 
 
-def last_session(value: object) -> tuple[bool, list[str]]:
-    """What the cache's :data:`MARKED_BEFORE` says: the last session had marked tests, and the
-    frameworks they imported (false, or ``{"frameworks": [...]}``; true from older versions)."""
-    frameworks = value.get("frameworks") if isinstance(value, dict) else None
-    return bool(value), [str(n) for n in frameworks] if isinstance(frameworks, list) else []
+def last_session(value: object, spec: str) -> tuple[bool, list[str], list[str]]:
+    """What the cache's :data:`MARKED_BEFORE` says: the last session had marked tests, the
+    frameworks they imported and their modules, as ``spec`` (``--msrun-preload``) changes them
+    (false, or ``{"frameworks": [...], "modules": [...]}``; true from older versions)."""
+    from pytest_msrun.plugin.controller.frameworks import chosen
+
+    def names(key: str) -> list[str]:
+        got = value.get(key) if isinstance(value, dict) else None
+        return [str(n) for n in got] if isinstance(got, list) else []
+
+    tops = chosen(names("frameworks"), spec)
+    return bool(value), tops, [m for m in names("modules") if m.partition(".")[0] in tops]
 
 
 class ForkServerHooks:
@@ -296,7 +315,10 @@ class ForkServerHooks:
         return self._frameworks
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        self.forks.preload_frameworks(self._found(session.items, session.config))
+        from pytest_msrun.plugin.controller.frameworks import module_names
+
+        tops = self._found(session.items, session.config)
+        self.forks.preload_frameworks(tops, module_names(tops))
 
     def pytest_report_collectionfinish(self, config: pytest.Config, items: list[pytest.Item]) -> str | None:
         names = self._found(items, config)
@@ -307,11 +329,12 @@ class ForkServerHooks:
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         cache = getattr(session.config, "cache", None)
-        marked, frameworks = last_session(cache.get(MARKED_BEFORE, False) if cache is not None else False)
+        marked, tops, modules = last_session(
+            cache.get(MARKED_BEFORE, False) if cache is not None else False, self.preload
+        )
         if marked:  # its imports overlap the collection (the frameworks it had, too)
-            from pytest_msrun.plugin.controller.frameworks import chosen
-
-            self.forks.frameworks = self.forks.frameworks or chosen(frameworks, self.preload)
+            if not self.forks.frameworks:
+                self.forks.frameworks, self.forks.modules = tops, modules
             self.forks.begin()
 
     def pytest_itemcollected(self, item: pytest.Item) -> None:
@@ -319,13 +342,17 @@ class ForkServerHooks:
             self.marked_collected = True
             self.forks.begin()
             # what its module imports: the template imports them while the collection goes on
-            from pytest_msrun.plugin.controller.frameworks import frameworks
+            from pytest_msrun.plugin.controller.frameworks import frameworks, module_names
 
-            self.forks.preload_frameworks(frameworks([item], item.config, self.preload))
+            tops = frameworks([item], item.config, self.preload)
+            self.forks.preload_frameworks(tops, module_names(tops))
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         cache = getattr(session.config, "cache", None)
-        now = {"frameworks": self._frameworks or []} if self.marked_collected else False
+        from pytest_msrun.plugin.controller.frameworks import module_names
+
+        tops = self._frameworks or []
+        now = {"frameworks": tops, "modules": module_names(tops)} if self.marked_collected else False
         if cache is not None and cache.get(MARKED_BEFORE, False) != now:
             cache.set(MARKED_BEFORE, now)
 

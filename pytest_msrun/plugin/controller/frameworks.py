@@ -1,10 +1,12 @@
 """The frameworks a session's fork server preloads: what its marked tests' modules import.
 
 Read from what collection imported: the top-level packages of the modules (and of the classes and
-functions) a marked test's module and its conftests hold in their globals - ``import torch``,
-``from numpy import ndarray``, ``import torch.distributed as dist`` - that are installed code: not
-the standard library, not the project's own files (which each rank imports under its own
-environment), not pytest's or this plugin's (the template holds those already). ``--msrun-preload``
+functions) a marked test's module, its conftests and the project's modules they use hold in their
+globals - ``import torch``, ``from numpy import ndarray``, ``import torch.distributed as dist`` -
+that are installed code: not the standard library, not the project's own files (which each rank
+imports under its own environment), not pytest's or this plugin's (the template holds those
+already). The template imports each package's modules that collection imported, in their order
+(:func:`module_names`: ``torch.distributed.fsdp`` too, which ``import torch`` does not import). ``--msrun-preload``
 changes the list: ``auto`` (default: those), ``none``, ``NAME`` adds one, ``-NAME`` takes one out.
 Whether each may stay in a template is the template's decision (:mod:`pytest_msrun.engine.preloadrule`).
 """
@@ -77,14 +79,25 @@ def is_framework(top: str, rootdir: str) -> bool:
     return not path.startswith((*_stdlib_roots(), os.path.join(os.path.realpath(rootdir), "")))
 
 
-def referenced_tops(module: types.ModuleType) -> set[str]:
-    """The top-level packages of what ``module``'s globals hold (modules, classes, functions)."""
+def _in_project(module: types.ModuleType, rootdir: str) -> bool:
+    file = getattr(module, "__file__", None)
+    return isinstance(file, str) and os.path.realpath(file).startswith(os.path.join(os.path.realpath(rootdir), ""))
+
+
+def referenced(module: types.ModuleType) -> set[str]:
+    """The modules of what ``module``'s globals hold (modules, classes, functions)."""
     out = set()
     for value in list(vars(module).values()):
         name = value.__name__ if isinstance(value, types.ModuleType) else getattr(value, "__module__", None)
         if isinstance(name, str) and name:
-            out.add(name.partition(".")[0])
+            out.add(name)
     return out
+
+
+def module_names(tops: Iterable[str]) -> list[str]:
+    """The modules of the packages ``tops`` imported in this process, in the order of their imports."""
+    wanted = set(tops)
+    return [name for name in list(sys.modules) if name.partition(".")[0] in wanted]
 
 
 def _modules(items: Iterable[pytest.Item]) -> list[types.ModuleType]:
@@ -106,6 +119,14 @@ def frameworks(items: Iterable[pytest.Item], config: pytest.Config, spec: str) -
         if modules:
             conftests = [p for p in config.pluginmanager.get_plugins() if isinstance(p, types.ModuleType)]
             rootdir = str(config.rootpath)
-            for module in [*modules, *(c for c in conftests if c.__name__.rpartition(".")[2] == "conftest")]:
-                found |= {top for top in referenced_tops(module) if is_framework(top, rootdir)}
+            todo = [*modules, *(c for c in conftests if c.__name__.rpartition(".")[2] == "conftest")]
+            seen = {id(m) for m in todo}
+            while todo:  # the project's own modules they use: what those import, too
+                for name in referenced(todo.pop()):
+                    top, used = name.partition(".")[0], sys.modules.get(name)
+                    if is_framework(top, rootdir):
+                        found.add(top)
+                    elif isinstance(used, types.ModuleType) and id(used) not in seen and _in_project(used, rootdir):
+                        seen.add(id(used))
+                        todo.append(used)
     return chosen(found, spec)
