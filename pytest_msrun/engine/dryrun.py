@@ -109,9 +109,12 @@ class DryRunSupervisor:
                 break
             if not agent.node.group.alive():
                 break
-            for event in agent.node.loop.poll(1.0):
+            tailing = self.tailer is not None and bool(self.tailer.files)
+            for event in agent.node.loop.poll(LogTailer.INTERVAL if tailing else 1.0):
                 if event.kind is EventKind.EXITED and event.child is not None:
                     self._reap(event.child)
+            if tailing and self.tailer is not None:
+                self.tailer.pump()  # (here, not on a thread: the next ranks are forked from this process)
         shown = holdings.table(self.held, self.plan.config.worker_num, self.plan.config.budget)
         if shown:
             console.out("\n".join(["msrun: dry run: what each simulated rank holds", *(f"  {x}" for x in shown)]))

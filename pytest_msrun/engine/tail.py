@@ -1,7 +1,9 @@
 """In-process tailing of worker logs to the console, each line prefixed ``[rank N]``.
 
-One thread polls every tailed file from offset 0, so no line is skipped at the start, and
-:meth:`LogTailer.stop` drains every file to the end, so no line is lost at the end.
+One thread polls every tailed file from offset 0 (:meth:`LogTailer.start`; or the owner's loop
+calls :meth:`LogTailer.pump` - a dry run's, which forks ranks all along and so runs no second
+thread), so no line is skipped at the start, and :meth:`LogTailer.stop` drains every file to the
+end, so no line is lost at the end.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class _Tailed:
 class LogTailer:
     """Copies new lines of several files to stdout, every 50 ms, until stopped."""
 
+    INTERVAL = 0.05  # s between two polls
+
     def __init__(self, files: list[tuple[str, str]]) -> None:
         self.files = [_Tailed(prefix, path) for prefix, path in files]
         self.out = sys.stdout.buffer
@@ -69,10 +73,13 @@ class LogTailer:
             self._emit([line for tailed in self.files for line in tailed.read_lines(final)])
 
     def add(self, prefix: str, path: str) -> None:
-        """Start tailing another file (one process of a job that starts processes over time)."""
+        """Tail another file too (one process of a job that starts processes over time)."""
         with self.lock:
             self.files.append(_Tailed(prefix, path))
-        self.start()  # (once)
+
+    def pump(self) -> None:
+        """Copy the new lines now (where no thread of :meth:`start` polls)."""
+        self._pump(final=False)
 
     def finish(self, path: str) -> None:
         """Copy the rest of ``path`` now and stop tailing it (its process exited)."""
@@ -84,7 +91,7 @@ class LogTailer:
 
     def _run(self) -> None:
         try:
-            while not self.stopping.acquire(timeout=0.05):
+            while not self.stopping.acquire(timeout=self.INTERVAL):
                 self._pump(final=False)
         finally:
             self.ended.release()

@@ -311,12 +311,14 @@ class ForkServerHooks:
         if self._frameworks is None:
             from pytest_msrun.plugin.controller.frameworks import frameworks
 
-            self._frameworks = frameworks(items, config, self.preload) if self.marked_collected else []
+            self._frameworks = frameworks(items, config, self.preload)
         return self._frameworks
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         from pytest_msrun.plugin.controller.frameworks import module_names
 
+        # (a conftest's pytest_collection_modifyitems may have marked them after they were collected)
+        self.marked_collected = self.marked_collected or any(i.get_closest_marker(MARKER) for i in session.items)
         tops = self._found(session.items, session.config)
         self.forks.preload_frameworks(tops, module_names(tops))
 
