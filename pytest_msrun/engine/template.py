@@ -255,7 +255,7 @@ def _run_rank_hook(hook: str) -> None:
     import runpy
 
     steps = runpy.run_path(os.path.join(hook, "sitecustomize.py"), run_name="msrun_rankhook")
-    for name in ("_install", "_trace_start", "_dryrun", "_leave"):
+    for name in ("_install", "_trace_start", "_torch", "_leave"):
         with suppress(Exception):
             steps[name]()
 

@@ -3,8 +3,8 @@
 msrun puts this directory first on a rank's ``PYTHONPATH``; Python's ``site`` imports this module
 at start-up. A rank msrun started before it was inside the job's cgroup first waits here until
 msrun moved it in (``$MSRUN_HOLD_FD``: see ``engine/earlystart.py``). Then it installs an
-exception hook - and in a dry run, a hook that makes torch's process group peerless once torch is
-imported - then removes every trace of itself (the directory
+exception hook - and, once torch is imported, a rendezvous that waits for rank 0's store to listen
+(and in a dry run, a peerless process group) - then removes every trace of itself (the directory
 from ``PYTHONPATH`` and ``sys.path``, so processes the rank starts run without it) and runs the
 ``sitecustomize`` the rank would have had. Any error here is swallowed: it must never break a rank.
 """
@@ -115,13 +115,21 @@ def _trace_start():
         os.close(fd)
 
 
-def _dryrun():
-    """A simulated rank (``MS_SIMULATION_LEVEL``): once torch is imported, its process group and
-    device meshes need no peers and no devices (``pytest_msrun/control/torchdry.py``)."""
-    if not os.environ.get("MS_SIMULATION_LEVEL", "").strip():
-        return
+def _torch():
+    """Once torch is imported: a client rank's rendezvous waits for rank 0's store to listen
+    (``pytest_msrun/control/torchstore.py``); a simulated rank's (``MS_SIMULATION_LEVEL``) process
+    group and device meshes need no peers and no devices (``pytest_msrun/control/torchdry.py``)."""
+    dry = bool(os.environ.get("MS_SIMULATION_LEVEL", "").strip())
 
     def install():
+        try:
+            from pytest_msrun.control import torchstore
+
+            torchstore.install()
+        except Exception:  # torch connects as it always did
+            pass
+        if not dry:
+            return
         try:
             from pytest_msrun.control.torchdry import install
 
@@ -182,7 +190,7 @@ def _chain():
 # all _leave, without which _chain would import this file again, and again. (A worker msrun forks
 # from its fork server runs the steps itself: engine/template.py.)
 if __name__ == "sitecustomize":
-    for _step in (_hold, _install, _trace_start, _dryrun, _leave):
+    for _step in (_hold, _install, _trace_start, _torch, _leave):
         try:
             _step()
         except Exception:
