@@ -26,7 +26,7 @@ BIN = Path(sysconfig.get_path("scripts"))
 TORCH_STYLE = set(TORCH_STYLE_VARS)
 OURS = {"PYTHONUNBUFFERED", "MSRUN_JOB_ID", "MSRUN_LAUNCHER_ID", "MSRUN_SCHEDULER", "MSRUN_LOG_DIR"}
 OURS |= {"MSRUN_PLUGIN_ROLE", "MSRUN_JOB_TOKEN"}
-OURS |= {"MSRUN_SIM_RECORD", "MSRUN_SIM_BUDGET"}  # a simulated rank's: where it records what it holds
+OURS |= {"MSRUN_SIM_RECORD", "MSRUN_SIM_BUDGET", "MSRUN_SIM_THREADS"}  # a simulated rank's (record, budget, threads)
 MINDSPORE_IMPORT = {
     "OMP_NUM_THREADS",
     "LD_LIBRARY_PATH",

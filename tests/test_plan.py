@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -161,6 +162,10 @@ def test_dry_run_env():
             assert gone not in env, gone
     budgeted = build_plan(cfg(sim_level=1, sim_budget="1.5KiB"), facts())
     assert {w.env["MSRUN_SIM_BUDGET"] for w in budgeted.workers} == {"1536"}
+    cpus = len(os.sched_getaffinity(0))
+    assert {w.env["MSRUN_SIM_THREADS"] for w in plan.workers} == {"1"}  # one each: ranks run on every CPU at once
+    halves = build_plan(cfg(sim_level=1, sim_concurrency=2), facts())
+    assert {w.env["MSRUN_SIM_THREADS"] for w in halves.workers} == {str(max(1, cpus // 2))}
 
 
 def test_dry_run_single_rank():

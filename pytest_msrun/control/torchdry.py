@@ -89,6 +89,9 @@ def install() -> None:
         mesh_init(self, device_type, *args, **kwargs)
 
     device_mesh.DeviceMesh.__init__ = __init__
+    threads = os.environ.get("MSRUN_SIM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # this rank's share of the CPUs (msrun runs ranks side by side)
+        torch.set_num_threads(int(threads))
 
 
 OBJECT_COLLECTIVES = (

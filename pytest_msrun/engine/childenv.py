@@ -7,6 +7,7 @@ launcher owns removed, so nothing stale leaks in (as it does under MindSpore's m
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 
 TYPE_CHECKING = False
@@ -39,6 +40,7 @@ INTERNAL_VARS = frozenset(
         "MSRUN_TRACE_SPOOL",
         "MSRUN_SIM_RECORD",  # a simulated rank's holdings (control/torchdry.py)
         "MSRUN_SIM_BUDGET",
+        "MSRUN_SIM_THREADS",  # a simulated rank's share of the CPUs (its framework's intra-op threads)
     }
 )
 # Variables msrun (ours or MindSpore's) sets; all removed from the inherited environment.
@@ -94,6 +96,10 @@ def common_vars(cfg: LaunchConfig, facts: NodeFacts, mode: SchedulerMode, rank_s
         out["RANK_TABLE_FILE"] = cfg.rank_table_file
     if cfg.sim_level >= 0:  # a dry run
         out["MS_SIMULATION_LEVEL"] = str(cfg.sim_level)
+        # ranks run side by side, --sim_concurrency of them: each computes on its share of the CPUs
+        # (torch's pool on every CPU in each rank oversubscribes them: 3-4x slower on 2 CPUs)
+        cpus = len(os.sched_getaffinity(0)) or 1
+        out["MSRUN_SIM_THREADS"] = str(max(1, cpus // (cfg.sim_concurrency or cpus)))
         if cfg.budget:
             out["MSRUN_SIM_BUDGET"] = str(cfg.budget)
     if cfg.bind_numa.kind == "unified" and cfg.bind_numa.file:
