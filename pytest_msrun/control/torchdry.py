@@ -94,6 +94,10 @@ def install() -> None:
         torch.set_num_threads(int(threads))
 
 
+# What this module imports in a simulated rank, which a session's fork server imports once for all
+# of them where its marked tests are dry runs of torch code (plugin/controller/frameworks.py)
+RANK_MODULES = ("torch.testing._internal.distributed.fake_pg", "torch.distributed.tensor.debug")
+
 OBJECT_COLLECTIVES = (
     "broadcast_object_list",
     "all_gather_object",

@@ -315,12 +315,12 @@ class ForkServerHooks:
         return self._frameworks
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
-        from pytest_msrun.plugin.controller.frameworks import module_names
+        from pytest_msrun.plugin.controller.frameworks import module_names, rank_modules
 
         # (a conftest's pytest_collection_modifyitems may have marked them after they were collected)
         self.marked_collected = self.marked_collected or any(i.get_closest_marker(MARKER) for i in session.items)
         tops = self._found(session.items, session.config)
-        self.forks.preload_frameworks(tops, module_names(tops))
+        self.forks.preload_frameworks(tops, module_names(tops) + rank_modules(session.items, tops))
 
     def pytest_report_collectionfinish(self, config: pytest.Config, items: list[pytest.Item]) -> str | None:
         names = self._found(items, config)
@@ -351,10 +351,8 @@ class ForkServerHooks:
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         cache = getattr(session.config, "cache", None)
-        from pytest_msrun.plugin.controller.frameworks import module_names
-
         tops = self._frameworks or []
-        now = {"frameworks": tops, "modules": module_names(tops)} if self.marked_collected else False
+        now = {"frameworks": tops, "modules": self.forks.modules} if self.marked_collected else False
         if cache is not None and cache.get(MARKED_BEFORE, False) != now:
             cache.set(MARKED_BEFORE, now)
 

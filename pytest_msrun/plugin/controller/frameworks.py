@@ -100,6 +100,21 @@ def module_names(tops: Iterable[str]) -> list[str]:
     return [name for name in list(sys.modules) if name.partition(".")[0] in wanted]
 
 
+def rank_modules(items: Iterable[pytest.Item], tops: Iterable[str]) -> list[str]:
+    """The modules msrun's own rank-side code imports for ``items``, of the frameworks ``tops``: a
+    dry run of torch code makes its process group with torch's fake one and counts collectives
+    with its ``CommDebugMode`` (:data:`pytest_msrun.control.torchdry.RANK_MODULES`)."""
+    if "torch" not in tops:
+        return []
+    for item in items:
+        mark = item.get_closest_marker(MARKER)
+        if mark is not None and mark.kwargs.get("sim_level") is not None:
+            from pytest_msrun.control.torchdry import RANK_MODULES
+
+            return list(RANK_MODULES)
+    return []
+
+
 def _modules(items: Iterable[pytest.Item]) -> list[types.ModuleType]:
     seen: dict[int, types.ModuleType] = {}
     for item in items:
