@@ -233,3 +233,37 @@ def test_other_strategies_pass_or_fail_as_on_a_cluster(msrun, strategy):
     else:
         assert job.returncode == 0, job.stdout[-3000:]
         assert all(f"done {r}" in job.stdout for r in (0, 5, 1023))
+
+
+PROBE = """
+import json, os, sys
+
+before = "torch" in sys.modules  # what the rank started with
+import torch
+
+with open(os.path.join(os.environ["OUT"], f"rank{os.environ['RANK']}.json"), "w") as fh:
+    json.dump({"before": before, "threads": torch.get_num_threads(), "argv": sys.argv, "path0": sys.path[0]}, fh)
+"""
+
+
+def test_pmsrun_forks_the_simulated_ranks_of_a_torch_task_once_it_imported_torch(msrun):
+    """More ranks than run at once: msrun imports the task's torch modules once (the fork server's
+    rule) and forks each rank, which starts with torch imported; ranks that all run at once start
+    as new processes. Both see what a fresh ``python SCRIPT`` sees."""
+    script = msrun.script("probe.py", PROBE)
+    seen = {}
+    for concurrency, out in ((1, "forked"), (3, "spawned")):
+        (msrun.cwd / out).mkdir()
+        args = ["--worker_num=64", "--local_worker_num=64", "--sim_level=1", "--sim_select=0,1,63"]
+        args += [f"--sim_concurrency={concurrency}", "--join=True", f"--log_dir={out}-logs", str(script), "x"]
+        job = msrun.run(args, env={"OUT": str(msrun.cwd / out)}, timeout=300)
+        assert job.returncode == 0, job.stdout[-3000:] + job.stderr[-3000:]
+        assert "new processes" not in job.stdout + job.stderr
+        seen[out] = {r: json.loads((msrun.cwd / out / f"rank{r}.json").read_text()) for r in (0, 1, 63)}
+    cpus = len(os.sched_getaffinity(0))
+    for rank in (0, 1, 63):
+        forked, spawned = seen["forked"][rank], seen["spawned"][rank]
+        assert forked.pop("before") and not spawned.pop("before"), (forked, spawned)
+        # each rank's share of the CPUs: all of them, one rank at a time; else CPUs / 3 (at least one)
+        assert (forked.pop("threads"), spawned.pop("threads")) == (cpus, max(1, cpus // 3))
+        assert forked == spawned, rank  # sys.argv, sys.path[0]

@@ -7,6 +7,7 @@ in memory, plus one compact record per failure. Uses the agent's public API only
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from array import array
@@ -83,11 +84,45 @@ class DryRunSupervisor:
             self.next_progress = now + self.PROGRESS_SECONDS
             console.out(f"msrun: {text}")
 
+    def _fork_from_here(self, argv: list[str]) -> None:
+        """A torch task whose ranks run in more than one round: import, once, the installed modules
+        its script imports (torch, the plan's torch modules: :func:`preloadrule.script_imports`),
+        under the fork server's rule, and fork each simulated rank from this process (each would
+        otherwise import them again, ~1 s of CPU). A task whose imports the rule refuses, or a
+        command that is not ``python SCRIPT`` / ``python -m MODULE`` run by this interpreter,
+        starts its ranks as new processes, as before."""
+        import sys
+
+        from pytest_msrun.engine import preloadrule, template
+
+        if self.total <= self.limit or template.is_template() or len(argv) < 2:
+            return
+        if os.path.realpath(argv[0]) != os.path.realpath(sys.executable):
+            return
+        script = argv[1]
+        if script == "-m" and len(argv) > 2:
+            import importlib.util
+
+            try:
+                spec = importlib.util.find_spec(argv[2])
+            except (ImportError, ValueError):
+                return
+            script = getattr(spec, "origin", None) or ""
+        if not os.path.isfile(script):
+            return
+        modules = preloadrule.script_imports(script)
+        if "torch" in modules:  # (the framework whose dry run msrun's rank hook knows)
+            template.hold(modules, dict(os.environ))
+
     def run(self) -> JobResult:
         agent = self.agent
         agent.node.tailer = self.tailer
         agent.ending.console_done(0)
         specs = self.plan.dry_run_workers()
+        first = next(specs, None)
+        if first is not None:
+            self._fork_from_here(list(first.argv))
+            specs = itertools.chain([first], specs)
         exhausted, announced = False, False
         signalled: int | None = None
         while True:

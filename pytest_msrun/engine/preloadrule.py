@@ -131,3 +131,78 @@ def load(name: str, modules: Iterable[str] = ()) -> tuple[str, set[str]]:
 def native_vars(env: Iterable[str]) -> list[str]:
     """The names in ``env`` that native libraries read as they load (:data:`NATIVE_PREFIXES`)."""
     return [n for n in env if n.startswith(NATIVE_PREFIXES)]
+
+
+def _roots(paths: Iterable[str]) -> tuple[str, ...]:
+    return tuple(os.path.join(os.path.realpath(p), "") for p in paths if p)
+
+
+def installed_file(file: str, project: str) -> bool:
+    """Whether the module file ``file`` is installed code: in site-packages, or elsewhere on the
+    path but the standard library and the project's directory ``project``."""
+    import site
+    import sysconfig
+
+    path = os.path.realpath(file)
+    if path.startswith(_roots([*site.getsitepackages(), site.getusersitepackages()])):
+        return True
+    stdlib = [sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib")]
+    return not path.startswith(_roots([*stdlib, project]))
+
+
+def script_imports(script: str, depth: int = 3) -> list[str]:
+    """The installed modules ``script`` imports where it runs (its module level, not inside its
+    functions), and those that the project's modules it imports from its directory import, in
+    order (``import torch.distributed as dist``: ``torch``, ``torch.distributed``). Found by
+    reading the files, importing nothing."""
+    import ast
+    import importlib.util
+
+    project = os.path.dirname(os.path.realpath(script))
+    out: list[str] = []
+    seen: set[str] = set()
+
+    def scan(path: str, level: int) -> None:
+        try:
+            with open(path, encoding="utf-8") as fh:
+                tree = ast.parse(fh.read(), path)
+        except (OSError, SyntaxError, ValueError):
+            return
+        todo: list[ast.AST] = list(tree.body)
+        names: list[str] = []
+        while todo:
+            node = todo.pop(0)
+            if isinstance(node, ast.Import):
+                names += [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.append(node.module)
+            elif isinstance(node, (ast.If, ast.Try)) or type(node).__name__ == "TryStar":
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    todo += [*getattr(node, field, [])]
+            elif isinstance(node, ast.ExceptHandler):
+                todo += node.body
+        for name in names:
+            if name in seen:
+                continue
+            seen.add(name)
+            top = name.partition(".")[0]
+            local = os.path.join(project, f"{top}.py")
+            if os.path.isfile(local) or os.path.isdir(os.path.join(project, top)):
+                if level < depth and os.path.isfile(local):
+                    scan(local, level + 1)  # the project's own module: what it imports
+                continue
+            try:
+                spec = importlib.util.find_spec(top)
+            except (ImportError, ValueError):
+                continue
+            origin = getattr(spec, "origin", None)  # ("frozen", "built-in": the interpreter's own)
+            if (
+                top != "pytest_msrun"
+                and isinstance(origin, str)
+                and os.path.isabs(origin)
+                and installed_file(origin, project)
+            ):
+                out.extend(n for n in (top, name) if n not in out)
+
+    scan(script, 0)
+    return out

@@ -85,6 +85,29 @@ def differences(env: Mapping[str, str], origin: Mapping[str, str], hook_dir: str
     return sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
 
 
+def hold(modules: list[str], env: Mapping[str, str]) -> str:
+    """Make this process - an msrun not forked from a fork server - the template of its own Python
+    workers: import ``modules`` (installed packages and their modules, in order) under the preload
+    rule, then fork workers as a fork server's msrun does. Why not ("" when it holds them: a module
+    refused leaves this process as it was, spawning its workers)."""
+    global _origin, _stamp
+    flags = sys.flags
+    if _origin is not None or flags.isolated or flags.no_site or flags.ignore_environment or flags.dev_mode:
+        return "this interpreter's options or state differ from a worker's"
+    tops = list(dict.fromkeys(name.partition(".")[0] for name in modules))
+    reads: set[str] = set()
+    for top in tops:
+        why, read = preloadrule.load(top, [m for m in modules if m.partition(".")[0] == top])
+        if why:
+            return f"{top}: {why}"
+        reads |= read
+    _frameworks[:] = tops
+    _framework_reads.update(reads)
+    _stamp = _take_stamp()
+    _origin = dict(env)
+    return ""
+
+
 def frameworks() -> list[str]:
     """The frameworks this template (or the template this process was forked from) imported."""
     return list(_frameworks)
@@ -92,12 +115,14 @@ def frameworks() -> list[str]:
 
 def why_not_python(argv: list[str], env: Mapping[str, str], hook_dir: str = "") -> str:
     """Why ``argv`` with ``env`` cannot run in a fork of this template ("" when it can): the fork
-    must stand for ``python -m MODULE ...`` started by this interpreter, with start-up reading the
-    same variables, from unchanged installed code."""
+    must stand for ``python -m MODULE ...`` (or ``python SCRIPT ...``) started by this
+    interpreter, with start-up reading the same variables, from unchanged installed code."""
     if _origin is None:
         return "msrun was not forked from a fork server"
-    if len(argv) < 3 or argv[1] != "-m" or not argv[2] or argv[2].startswith("-"):
-        return "the command is not `python -m MODULE`"
+    module = len(argv) >= 3 and argv[1] == "-m" and bool(argv[2]) and not argv[2].startswith("-")
+    script = len(argv) >= 2 and not argv[1].startswith("-") and os.path.isfile(argv[1])
+    if not (module or script):
+        return "the command is not `python -m MODULE` or `python SCRIPT`"
     from pytest_msrun.pathsearch import which
 
     path = which(argv[0], path=env.get("PATH", os.defpath))
@@ -221,16 +246,17 @@ def shows_itself() -> bool:
 
 
 def run_module(env: dict[str, str], argv: list[str]) -> int:
-    """In a fork of the template (``fork_call``): run ``python -m MODULE ARGS`` as a fresh
-    interpreter would - ``sys.argv``, ``sys.path[0]``, ``__main__``, msrun's rank hook, an uncaught
-    exception through ``sys.excepthook``, non-daemon threads joined and ``atexit`` handlers run at
-    the end. Returns the exit status."""
+    """In a fork of the template (``fork_call``): run ``python -m MODULE ARGS`` (or ``python
+    SCRIPT ARGS``) as a fresh interpreter would - ``sys.argv``, ``sys.path[0]``, ``__main__``,
+    msrun's rank hook, an uncaught exception through ``sys.excepthook``, non-daemon threads joined
+    and ``atexit`` handlers run at the end. Returns the exit status."""
     show_as(argv, env)
     hook = rank_hook_dir()
     if hook in env.get("PYTHONPATH", "").split(os.pathsep):
         _run_rank_hook(hook)
-    sys.path[0] = os.getcwd()  # what -m puts first
-    sys.argv = ["-m", *argv[3:]]  # runpy puts the module's file first, as -m does
+    module = argv[1] == "-m"
+    sys.path[0] = os.getcwd() if module else os.path.dirname(os.path.realpath(argv[1]))  # what python puts first
+    sys.argv = ["-m", *argv[3:]] if module else argv[1:]  # (runpy puts the module's file first, as -m does)
     sys.orig_argv = list(argv)
     from pytest_msrun.engine.processes import exit_code_of, run_exit_steps
 
@@ -238,7 +264,10 @@ def run_module(env: dict[str, str], argv: list[str]) -> int:
     try:
         import runpy
 
-        runpy._run_module_as_main(argv[2])  # type: ignore[attr-defined]
+        if module:
+            runpy._run_module_as_main(argv[2])  # type: ignore[attr-defined]
+        else:
+            runpy.run_path(argv[1], run_name="__main__")
     except SystemExit as exc:
         code = exit_code_of(exc)
     except BaseException:

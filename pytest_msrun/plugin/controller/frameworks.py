@@ -14,14 +14,13 @@ Whether each may stay in a template is the template's decision (:mod:`pytest_msr
 from __future__ import annotations
 
 import os
-import site
 import sys
-import sysconfig
 import types
 from collections.abc import Iterable
 
 import pytest
 
+from pytest_msrun.engine import preloadrule
 from pytest_msrun.plugin.marker import MARKER
 
 OWN = frozenset({"pytest", "_pytest", "pluggy", "py", "pytest_msrun", "__main__", "builtins"})
@@ -55,28 +54,13 @@ def chosen(found: Iterable[str], spec: str) -> list[str]:
     return sorted(((set(found) if auto else set()) | added) - removed)
 
 
-def _installed_roots() -> tuple[str, ...]:
-    paths = [*site.getsitepackages(), site.getusersitepackages()]
-    return tuple(os.path.join(os.path.realpath(p), "") for p in paths if p)
-
-
-def _stdlib_roots() -> tuple[str, ...]:
-    paths = {sysconfig.get_path("stdlib"), sysconfig.get_path("platstdlib")}
-    return tuple(os.path.join(os.path.realpath(p), "") for p in paths if p)
-
-
 def is_framework(top: str, rootdir: str) -> bool:
     """Whether the imported top-level module ``top`` is installed code a template may preload."""
     module = sys.modules.get(top)
     file = getattr(module, "__file__", None)
     if top in OWN or top.startswith("_") or not isinstance(file, str):
         return False  # a builtin or a namespace package, or pytest's and ours
-    path = os.path.realpath(file)
-    if path.startswith(_installed_roots()):
-        return True
-    # elsewhere on sys.path (PYTHONPATH, a vendored directory) but the standard library and the
-    # project's own files: installed code too
-    return not path.startswith((*_stdlib_roots(), os.path.join(os.path.realpath(rootdir), "")))
+    return preloadrule.installed_file(file, rootdir)
 
 
 def _in_project(module: types.ModuleType, rootdir: str) -> bool:
