@@ -95,6 +95,15 @@ class Launched:
     def ended(self) -> bool:
         return all(p.poll() is not None for p in self.procs)
 
+    def wait_ended(self, seconds: float) -> bool:
+        """Wait up to ``seconds`` for every process to end (woken by their ends, not by a poll
+        interval); whether they all did."""
+        deadline = time.monotonic() + seconds
+        for proc in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        return self.ended()
+
 
 def has_control_plane(spec: MsrunSpec) -> bool:
     """Whether ``spec``'s job has msrun's control plane - and so may run in a world, warm or forking

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
 import selectors
 import socket
@@ -470,7 +469,8 @@ class World:
         self._tell({"t": "quit"})
         clock = paused_clock(self.job.debug)  # a fixture's breakpoint() at the world's end
         deadline = clock() + exit_timeout
-        wait_until(lambda: self.launched.ended() or clock() >= deadline, math.inf, 0.05)
+        while not self.launched.wait_ended(0.05) and clock() < deadline:
+            pass  # (the clock pauses while a debugger holds a rank)
         ended = self.launched.ended()
         hung = [] if ended else self.job.running_ranks()
         stacks = {} if ended else self.job.collect_stacks()
@@ -482,7 +482,7 @@ class World:
         """End the world now: ``quit``, then msrun's own teardown (SIGTERM, its grace, SIGKILL)."""
         self._tell({"t": "quit"})
         if not self.dead:  # a world that does not end cleanly within 10 s is stopped below
-            wait_until(self.launched.ended, 10, 0.05)
+            self.launched.wait_ended(10)
         self.dead = self.dead or "stopped"
         self._close()
 
