@@ -21,7 +21,6 @@ Figures are medians over rounds with the 25th-75th percentile in brackets; ratio
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import subprocess
 import sys
@@ -103,23 +102,38 @@ def test_group(rank, world_size, i):
 def _project(root: Path, name: str, files: dict[str, str]) -> Path:
     path = root / name
     path.mkdir()
-    for file, text in files.items():
+    for file, text in {"conftest.py": PHASES, **files}.items():
         (path / file).write_text(text)
     return path
 
 
+# in each project: every report's phase and duration, written where the bench reads them
+PHASES = """
+import os
+
+
+def pytest_runtest_logreport(report):
+    if "RANK_ID" not in os.environ:
+        with open("phases.txt", "a") as fh:
+            fh.write(f"{report.when} {report.duration}\\n")
+"""
+
+
 def _session(project: Path, env: dict[str, str], *args: str) -> tuple[float, str]:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", "--durations=0", "-vv", *args]
+    """One session's wall time, and its reports' phases and durations (``PHASES``)."""
+    (project / "phases.txt").unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:randomly", *args]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=project, env=env, capture_output=True, text=True)
     took = time.perf_counter() - t0
     if proc.returncode:
         raise SystemExit(f"{project.name}: pytest exited {proc.returncode}\n{proc.stdout[-3000:]}{proc.stderr[-2000:]}")
-    return took, proc.stdout
+    phases = project / "phases.txt"
+    return took, phases.read_text() if phases.exists() else ""
 
 
 def _phase(out: str, phase: str) -> list[float]:
-    return [float(s) for s in re.findall(rf"([\d.]+)s {phase}\s", out)]
+    return [float(line.split()[1]) for line in out.splitlines() if line.split()[:1] == [phase]]
 
 
 def _q(values: list[float], unit: str = "s") -> str:
@@ -136,16 +150,16 @@ def main() -> int:
     except ImportError:
         raise SystemExit("torch is not installed: pip install torch==2.13.0 numpy") from None
     print(machine())
-    print(f"torch {torch.__version__}; {args.runs} rounds, interleaved; sessions with --durations=0")
+    print(f"torch {torch.__version__}; {args.runs} rounds, interleaved")
     with tempfile.TemporaryDirectory(prefix="bench-preload-") as tmp:
         root = Path(tmp)
         env = bench_env(root)
         marked = ONE.replace("MARK", "@pytest.mark.msrun(worker_num=2)")
         one = _project(root, "one", {"test_one.py": marked, "test_plain.py": PLAIN})
         sizes = _project(root, "sizes", {"test_sizes.py": SIZES})
-        (sizes / "conftest.py").write_text(SIZES_HOOK.replace("WORKERS", "2"))
+        (sizes / "conftest.py").write_text(PHASES + SIZES_HOOK.replace("WORKERS", "2"))
         mixed = _project(root, "mixed", {"test_sizes.py": SIZES})
-        (mixed / "conftest.py").write_text(SIZES_HOOK.replace("WORKERS", "(1, 2, 4)[i // 4]"))
+        (mixed / "conftest.py").write_text(PHASES + SIZES_HOOK.replace("WORKERS", "(1, 2, 4)[i // 4]"))
         isolated = _project(root, "isolated", {"test_isolated.py": ISOLATED})
         setups: dict[str, list[float]] = {"preload": [], "none": []}
         calls: list[float] = []
