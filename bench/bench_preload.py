@@ -153,7 +153,8 @@ def main() -> int:
     print(f"torch {torch.__version__}; {args.runs} rounds, interleaved")
     with tempfile.TemporaryDirectory(prefix="bench-preload-") as tmp:
         root = Path(tmp)
-        env = bench_env(root)
+        (root / "tmp").mkdir()
+        env = bench_env(root, TMPDIR=str(root / "tmp"))  # (torchrun's and torch's own files: here, not in /tmp)
         marked = ONE.replace("MARK", "@pytest.mark.msrun(worker_num=2)")
         one = _project(root, "one", {"test_one.py": marked, "test_plain.py": PLAIN})
         sizes = _project(root, "sizes", {"test_sizes.py": SIZES})

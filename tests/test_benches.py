@@ -90,8 +90,16 @@ BENCHES = {
         ["bench_torch_dryrun.py", "--rounds", "1"],
         ["floor: 8 ranks, one process", "pmsrun, 65536 ranks", "target: 8 sampled ranks"],
     ),
+    "preload": (
+        ["bench_preload.py", "--runs", "1"],
+        ["first marked test / unmarked, preload:", "a world's start", "sizes 1, 2, 4", "an isolated test"],
+    ),
+    "torch harnesses": (
+        ["bench_torch_harnesses.py", "--runs", "1", "--tests", "2"],
+        ["pytest (msrun marker)", "torchrun -m pytest", "torchrun per test"],
+    ),
 }
-NEEDS = {"torch dry run": pytest.mark.torch}
+NEEDS = {"torch dry run": pytest.mark.torch, "preload": pytest.mark.torch, "torch harnesses": pytest.mark.torch}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=NEEDS.get(n, ())) for n in BENCHES])
