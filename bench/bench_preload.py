@@ -29,20 +29,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_env, interleaved, machine, quartiles  # noqa: E402
+from common import GLOO_GROUP, bench_env, interleaved, machine, quartiles  # noqa: E402
 
-GROUP = """
-import pytest
-import torch
-import torch.distributed as dist
-
-
-@pytest.fixture(scope="module")
-def group():
-    dist.init_process_group("gloo")
-    yield
-    dist.destroy_process_group()
-"""
+GROUP = GLOO_GROUP
 ONE = (
     GROUP
     + """

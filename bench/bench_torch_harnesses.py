@@ -28,19 +28,11 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_env, interleaved, machine, quartiles, run_timed  # noqa: E402
+from common import GLOO_GROUP, bench_env, interleaved, machine, quartiles, run_timed  # noqa: E402
 
-BODY = """
-import pytest
-import torch
-import torch.distributed as dist
-
-
-@pytest.fixture(scope="module")
-def group():
-    dist.init_process_group("gloo")
-    yield
-    dist.destroy_process_group()
+BODY = (
+    GLOO_GROUP
+    + """
 
 
 MARK
@@ -50,6 +42,7 @@ def test_all_reduce(group, i):
     dist.all_reduce(t)
     assert t.item() == 3 + 2 * i
 """
+)
 MPTC = """
 import torch
 import torch.distributed as dist

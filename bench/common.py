@@ -20,6 +20,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# a test module's head for torch benches: a gloo process group per module (env:// from the job)
+GLOO_GROUP = """
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.fixture(scope="module")
+def group():
+    dist.init_process_group("gloo")
+    yield
+    dist.destroy_process_group()
+"""
 
 
 def bench_env(scratch: Path, checkout: bool = True, **extra: str) -> dict[str, str]:
