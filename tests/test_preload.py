@@ -94,6 +94,30 @@ def test_the_frameworks_marked_tests_import_are_imported_once_before_the_ranks_f
     assert len(_importers(libs, "fwplain")) == 1  # the session's only: no marked test imports it
 
 
+def test_a_pytest_plugin_s_distribution_is_each_rank_s_own_import(pytester, libs, tracked):
+    """hypothesis is a pytest plugin's distribution: pytest rewrites its asserts as each rank imports
+    it, which a module the template imported before cannot have (-W error: no "cannot be rewritten")."""
+    pytest.importorskip("hypothesis")
+    libs("fwone")
+    pytester.makepyfile(
+        test_both="""
+        import pytest
+        import fwone
+        from hypothesis import given, settings, strategies as st
+
+        @pytest.mark.msrun(worker_num=2)
+        @settings(max_examples=3, deadline=None)
+        @given(st.integers())
+        def test_marked(x):
+            pass
+        """
+    )
+    result, log = _run(pytester, "-W", "error")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["msrun: ranks start with fwone imported (the marked tests import it; *"])
+    assert log.splitlines()[-1].endswith("frameworks: fwone"), log
+
+
 def test_a_module_a_template_may_not_keep_is_each_rank_s_own_import(pytester, libs, tracked):
     """Each kind of refusal, said in the summary; the others are preloaded, and the ranks fork."""
     libs("fwgood")

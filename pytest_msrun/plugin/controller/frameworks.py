@@ -5,7 +5,8 @@ functions) a marked test's module, its conftests and the project's modules they 
 globals - ``import torch``, ``from numpy import ndarray``, ``import torch.distributed as dist`` -
 that are installed code: not the standard library, not the project's own files (which each rank
 imports under its own environment), not pytest's or this plugin's (the template holds those
-already). The template imports each package's modules that collection imported, in their order
+already), not a pytest plugin's distribution (hypothesis: pytest rewrites its asserts as each rank
+imports it). The template imports each package's modules that collection imported, in their order
 (:func:`module_names`: ``torch.distributed.fsdp`` too, which ``import torch`` does not import). ``--msrun-preload``
 changes the list: ``auto`` (default: those), ``none``, ``NAME`` adds one, ``-NAME`` takes one out.
 Whether each may stay in a template is the template's decision (:mod:`pytest_msrun.engine.preloadrule`).
@@ -54,12 +55,30 @@ def chosen(found: Iterable[str], spec: str) -> list[str]:
     return sorted(((set(found) if auto else set()) | added) - removed)
 
 
-def is_framework(top: str, rootdir: str) -> bool:
-    """Whether the imported top-level module ``top`` is installed code a template may preload."""
+def plugin_distributions_modules() -> frozenset[str]:
+    """The top-level modules of the installed distributions that are pytest plugins (a ``pytest11``
+    entry point): pytest imports them in each rank through its assertion rewriting (hypothesis's
+    package, not only its plugin module), which a module imported before cannot have."""
+    import importlib.metadata
+
+    out = set()
+    for dist in importlib.metadata.distributions():
+        if any(ep.group == "pytest11" for ep in dist.entry_points):
+            for file in dist.files or []:
+                parts = str(file).split("/")
+                if parts[0].endswith((".dist-info", ".data")) or ".." in parts:
+                    continue
+                out.add(parts[0][:-3] if len(parts) == 1 and parts[0].endswith(".py") else parts[0])
+    return frozenset(out)
+
+
+def is_framework(top: str, rootdir: str, plugins: frozenset[str] = frozenset()) -> bool:
+    """Whether the imported top-level module ``top`` is installed code a template may preload (not
+    a module of a pytest plugin's distribution, ``plugins``)."""
     module = sys.modules.get(top)
     file = getattr(module, "__file__", None)
-    if top in OWN or top.startswith("_") or not isinstance(file, str):
-        return False  # a builtin or a namespace package, or pytest's and ours
+    if top in OWN or top in plugins or top.startswith("_") or not isinstance(file, str):
+        return False  # a builtin or a namespace package, pytest's and ours, a plugin distribution's
     return preloadrule.installed_file(file, rootdir)
 
 
@@ -120,10 +139,11 @@ def frameworks(items: Iterable[pytest.Item], config: pytest.Config, spec: str) -
             rootdir = str(config.rootpath)
             todo = [*modules, *(c for c in conftests if c.__name__.rpartition(".")[2] == "conftest")]
             seen = {id(m) for m in todo}
+            plugins = plugin_distributions_modules()
             while todo:  # the project's own modules they use: what those import, too
                 for name in referenced(todo.pop()):
                     top, used = name.partition(".")[0], sys.modules.get(name)
-                    if is_framework(top, rootdir):
+                    if is_framework(top, rootdir, plugins):
                         found.add(top)
                     elif isinstance(used, types.ModuleType) and id(used) not in seen and _in_project(used, rootdir):
                         seen.add(id(used))
