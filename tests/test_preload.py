@@ -94,6 +94,38 @@ def test_the_frameworks_marked_tests_import_are_imported_once_before_the_ranks_f
     assert len(_importers(libs, "fwplain")) == 1  # the session's only: no marked test imports it
 
 
+def test_a_test_file_s_frameworks_are_imported_by_the_template_while_the_session_imports_the_file(
+    pytester, libs, tracked
+):
+    """No cache to say what the last session had: the file's text says it uses the marker, so the
+    template imports what it imports (``fwone``) as the session collects it - the session's own
+    import of the file waits here until the template has imported ``fwone``."""
+    libs("fwone")
+    pytester.makepyfile(
+        test_early="""
+        import os, time
+        import pytest
+
+        if "RANK_ID" not in os.environ:  # the session: the template imports fwone meanwhile
+            record = os.path.join(os.environ["IMPORTS_DIR"], "fwone")
+            deadline = time.monotonic() + 60
+            while not (os.path.exists(record) and open(record).read().strip()):
+                assert time.monotonic() < deadline, "the template did not import fwone while the file was collected"
+                time.sleep(0.01)
+
+        import fwone
+
+        @pytest.mark.msrun(worker_num=1)
+        def test_rank(rank):
+            pass
+        """
+    )
+    result, log = _run(pytester)
+    result.assert_outcomes(passed=1)
+    assert log.splitlines()[-1].endswith("frameworks: fwone"), log
+    assert len(set(_importers(libs, "fwone"))) == 2  # the template's first, then the session's
+
+
 def test_a_pytest_plugin_s_distribution_is_each_rank_s_own_import(pytester, libs, tracked):
     """hypothesis is a pytest plugin's distribution: pytest rewrites its asserts as each rank imports
     it, which a module the template imported before cannot have (-W error: no "cannot be rewritten")."""

@@ -339,6 +339,19 @@ class ForkServerHooks:
                 self.forks.frameworks, self.forks.modules = tops, modules
             self.forks.begin()
 
+    def pytest_collect_file(self, file_path: Any, parent: pytest.Collector) -> None:
+        """A test file that uses the marker: the template imports the frameworks it imports (read
+        from its text) while the session imports the file - in parallel, not after it."""
+        import fnmatch
+
+        patterns = parent.config.getini("python_files") or ["test_*.py"]
+        if file_path.suffix == ".py" and any(fnmatch.fnmatch(file_path.name, pat) for pat in patterns):
+            from pytest_msrun.plugin.controller.frameworks import file_frameworks
+
+            tops, modules = file_frameworks(str(file_path), self.preload)
+            if tops:
+                self.forks.preload_frameworks(tops, modules)
+
     def pytest_itemcollected(self, item: pytest.Item) -> None:
         if not self.marked_collected and item.get_closest_marker(MARKER) is not None:
             self.marked_collected = True

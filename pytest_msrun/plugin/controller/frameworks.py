@@ -103,6 +103,24 @@ def module_names(tops: Iterable[str]) -> list[str]:
     return [name for name in list(sys.modules) if name.partition(".")[0] in wanted]
 
 
+def file_frameworks(path: str, spec: str) -> tuple[list[str], list[str]]:
+    """The frameworks a test file that uses the msrun marker imports, read from its text before the
+    session imports it (:func:`preloadrule.script_imports`), as ``spec`` changes them: the
+    packages and their modules. ([], []) for a file that does not mention the marker."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            if f"mark.{MARKER}" not in fh.read():
+                return [], []
+    except (OSError, UnicodeDecodeError):
+        return [], []
+    if not parse_spec(spec)[0]:
+        return [], []
+    plugins = plugin_distributions_modules()
+    modules = [m for m in preloadrule.script_imports(path) if m.partition(".")[0] not in OWN | plugins]
+    tops = chosen({m.partition(".")[0] for m in modules}, spec)
+    return tops, [m for m in modules if m.partition(".")[0] in tops]
+
+
 def rank_modules(items: Iterable[pytest.Item], tops: Iterable[str]) -> list[str]:
     """The modules msrun's own rank-side code imports for ``items``, of the frameworks ``tops``: a
     dry run of torch code makes its process group with torch's fake one and counts collectives
