@@ -90,8 +90,8 @@ def single_threaded() -> bool:
 
 
 def load(name: str, modules: Iterable[str] = ()) -> tuple[str, set[str]]:
-    """Import the package ``name``, then its ``modules`` (``name.sub``, ...: those a session's
-    collection imported, in that order), under watch: why it may not stay in a template ("" when
+    """Import the package ``name``, then those of ``modules`` that are its own (``name.sub``, ...:
+    what a session's collection imported, in that order), under watch: why it may not stay in a template ("" when
     it may) and the variables the imports read. A module of it that does not import is the ranks'
     own import (``ImportError``); any other failure refuses the package."""
     import importlib
@@ -102,7 +102,7 @@ def load(name: str, modules: Iterable[str] = ()) -> tuple[str, set[str]]:
     _Watched.reads = set()
     environ.__class__ = _Watched
     try:
-        for module in [name, *(m for m in modules if m != name)]:
+        for module in [name, *(m for m in modules if m != name and m.partition(".")[0] == name)]:
             try:
                 importlib.import_module(module)
             except ImportError:

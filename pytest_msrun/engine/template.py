@@ -97,7 +97,7 @@ def hold(modules: list[str], env: Mapping[str, str]) -> str:
     tops = list(dict.fromkeys(name.partition(".")[0] for name in modules))
     reads: set[str] = set()
     for top in tops:
-        why, read = preloadrule.load(top, [m for m in modules if m.partition(".")[0] == top])
+        why, read = preloadrule.load(top, modules)
         if why:
             return f"{top}: {why}"
         reads |= read
@@ -370,7 +370,7 @@ def _load_frameworks(hello: dict) -> None:
     for name in hello.get("frameworks", []):
         if name in refused:
             continue
-        why, reads = preloadrule.load(name, [m for m in modules if m.partition(".")[0] == name])
+        why, reads = preloadrule.load(name, modules)
         if why:
             _start_over({**hello, "refused": {**refused, name: why}})
         if name not in _frameworks:

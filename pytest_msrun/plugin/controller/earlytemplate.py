@@ -31,6 +31,7 @@ from pytest_msrun.plugin.controller.forkserver import (
     session_fork_server,
     template_env,
 )
+from pytest_msrun.plugin.controller.frameworks import distribution_tops, module_names
 
 EARLY = pytest.StashKey[ForkServer]()  # the session's fork server, its template forked from this process
 _sessions_seen = 0  # sessions of this process that reached their initial conftests
@@ -109,12 +110,7 @@ def distribution_modules(dist: Any) -> list[str]:
     """The modules of the installed distribution ``dist`` that this process imported: a plugin's
     import may change its distribution's other modules (hypothesis's plugin counts its start in
     ``_hypothesis_globals``), which a template that forgot only the plugin would keep."""
-    tops = set()
-    for file in getattr(dist, "files", None) or []:
-        parts = str(file).split("/")
-        if parts[-1].endswith(".py") and ".." not in parts and not parts[0].endswith((".dist-info", ".data")):
-            tops.add(parts[0][:-3] if len(parts) == 1 else parts[0])
-    return [name for name in list(sys.modules) if name.partition(".")[0] in tops]
+    return module_names(distribution_tops(dist))
 
 
 def fork_session(config: pytest.Config) -> None:

@@ -89,7 +89,6 @@ class ForkServer:
         self.origin: dict[str, str] = {}  # the template's environment
         self.frameworks: list[str] = []  # asked to preload (the marked tests' imports)
         self.modules: list[str] = []  # their modules, in the order of their imports here
-        self.held: list[str] = []  # what the template said it preloaded
         self._asked = 0  # frameworks requests sent; a reply to an older one is passed over
 
     def refuse(self, why: str) -> None:
@@ -145,7 +144,8 @@ class ForkServer:
         """Have the template import the packages ``names`` too, and their ``modules`` (each package
         if the preload rule lets it: why not is said in the summary); its next fork waits for them."""
         new = [n for n in names if n not in self.frameworks]
-        more = [m for m in modules if m not in set(self.modules)]
+        asked = set(self.modules)
+        more = [m for m in modules if m not in asked]
         if not new and not more:
             return
         self.frameworks += new
@@ -186,7 +186,6 @@ class ForkServer:
                 return False
             if reply.get("n", 0) != self._asked:
                 continue  # ready before the session's last request
-            self.held = [str(n) for n in reply.get("frameworks", [])]
             for name, why in dict(reply.get("refused", {})).items():
                 self.refuse(f"ranks import {name} themselves (not preloaded: {why})")
             self._ready = True

@@ -14,10 +14,12 @@ Whether each may stay in a template is the template's decision (:mod:`pytest_msr
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import types
 from collections.abc import Iterable
+from typing import Any
 
 import pytest
 
@@ -55,21 +57,31 @@ def chosen(found: Iterable[str], spec: str) -> list[str]:
     return sorted(((set(found) if auto else set()) | added) - removed)
 
 
+def distribution_tops(dist: Any) -> set[str]:
+    """The top-level modules of the installed distribution ``dist``: its Python files' (as pytest
+    marks a plugin distribution's for rewriting)."""
+    tops = set()
+    for file in getattr(dist, "files", None) or []:
+        parts = str(file).split("/")
+        if parts[-1].endswith(".py") and ".." not in parts and not parts[0].endswith((".dist-info", ".data")):
+            tops.add(parts[0][:-3] if len(parts) == 1 else parts[0])
+    return tops
+
+
+@functools.lru_cache(maxsize=1)
 def plugin_distributions_modules() -> frozenset[str]:
     """The top-level modules of the installed distributions that are pytest plugins (a ``pytest11``
     entry point): pytest imports them in each rank through its assertion rewriting (hypothesis's
     package, not only its plugin module), which a module imported before cannot have."""
     import importlib.metadata
 
-    out = set()
-    for dist in importlib.metadata.distributions():
-        if any(ep.group == "pytest11" for ep in dist.entry_points):
-            for file in dist.files or []:
-                parts = str(file).split("/")
-                if parts[0].endswith((".dist-info", ".data")) or ".." in parts:
-                    continue
-                out.add(parts[0][:-3] if len(parts) == 1 and parts[0].endswith(".py") else parts[0])
-    return frozenset(out)
+    dists = importlib.metadata.distributions()
+    return frozenset(
+        top
+        for dist in dists
+        if any(ep.group == "pytest11" for ep in dist.entry_points)
+        for top in distribution_tops(dist)
+    )
 
 
 def is_framework(top: str, rootdir: str, plugins: frozenset[str] = frozenset()) -> bool:
